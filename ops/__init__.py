@@ -1,0 +1,39 @@
+"""The normgrad operators: the one registration point.
+
+Importing this package registers every operator's schema with ``onnx.defs`` so that
+``onnx.checker`` and ``onnx.shape_inference`` know them.
+"""
+
+from __future__ import annotations
+
+import onnx.defs
+
+from normgrad.ops import batch_norm_elemt_backward, batch_norm_reduce_backward, group_normalization_grad
+from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
+
+__all__ = ["DOMAIN", "OPSET_VERSION", "IR_VERSION", "ONNX_OPSET", "OPERATORS", "NormgradInputError", "operator"]
+
+OPERATORS = {module.OP_TYPE: module for module in (batch_norm_reduce_backward, batch_norm_elemt_backward, group_normalization_grad)}
+"""Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
+``validate``, ``reference``, ``schema`` and ``function_body``."""
+
+
+def operator(op_type: str):
+    """The module of a normgrad operator.
+
+    Raises:
+        KeyError: ``op_type`` is not a normgrad operator.
+    """
+    try:
+        return OPERATORS[op_type]
+    except KeyError:
+        raise KeyError(f"{op_type!r} is not a normgrad operator; known: {sorted(OPERATORS)}") from None
+
+
+def _register_schemas() -> None:
+    for module in OPERATORS.values():
+        if not onnx.defs.has(module.OP_TYPE, DOMAIN):
+            onnx.defs.register_schema(module.schema())
+
+
+_register_schemas()

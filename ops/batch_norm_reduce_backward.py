@@ -1,0 +1,218 @@
+"""BatchNormReduceBackward: the per-channel reductions of BatchNorm's backward pass.
+
+CANN ``aclnnBatchNormReduceBackward``; torch ``batch_norm_backward_reduce``.
+
+Inputs:
+    grad_out (T): dy, the gradient of the BatchNorm output; shape of ``input``.
+    input (T): x, the BatchNorm input; rank 2..8, channel axis 1, C >= 1.
+    mean (U): [C], the mean BatchNorm normalised with.
+    invstd (U): [C], 1 / sqrt(var + eps).
+    weight (U, optional): [C]. Only its length is checked: like CANN and torch, the
+        reductions never read it.
+
+Attributes (int, 0 or 1, default 1):
+    input_g: compute ``sum_dy`` and ``sum_dy_xmu``.
+    weight_g: compute ``grad_weight``.
+    bias_g: compute ``grad_bias``.
+
+Outputs (U, [C], each optional; naming one whose flag is 0 is an error):
+    sum_dy = sum(dy); sum_dy_xmu = sum(dy * (x - mean));
+    grad_weight = sum_dy_xmu * invstd; grad_bias = sum(dy).
+    The sums run over every axis but 1. ``sum_dy_xmu`` is computed as written, never as
+    sum(dy * x) - mean * sum(dy), which cancels catastrophically when |mean| >> std.
+
+T and U are each float, float16 or bfloat16; sums accumulate in float64 here and in at
+least float32 in every other implementation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import onnx
+import onnx.parser
+from onnx.defs import OpSchema
+
+from normgrad.ops import _common
+from normgrad.ops._common import NormgradInputError
+
+__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
+
+OP_TYPE = "BatchNormReduceBackward"
+INPUTS = ("grad_out", "input", "mean", "invstd", "weight")
+OUTPUTS = ("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias")
+ATTRIBUTES = {"input_g": 1, "weight_g": 1, "bias_g": 1}
+# Which flag enables each output.
+_OUTPUT_FLAG = {"sum_dy": "input_g", "sum_dy_xmu": "input_g", "grad_weight": "weight_g", "grad_bias": "bias_g"}
+_MIN_RANK, _MAX_RANK = 2, 8
+OUTPUT_SHAPE_FROM = {name: ("input", 1) for name in OUTPUTS}
+"""Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
+
+
+class Result(NamedTuple):
+    """The outputs; an output whose flag is 0 is None."""
+
+    sum_dy: Optional[np.ndarray]
+    sum_dy_xmu: Optional[np.ndarray]
+    grad_weight: Optional[np.ndarray]
+    grad_bias: Optional[np.ndarray]
+
+
+def validate(grad_out, input, mean, invstd, weight=None, *, input_g=1, weight_g=1, bias_g=1):
+    """Checks the inputs against the contract.
+
+    Returns:
+        The inputs as arrays and the flags as a dict, in the order given.
+
+    Raises:
+        NormgradInputError: naming the offending input and the rule it broke.
+    """
+    x = _common.as_float_array(OP_TYPE, "input", input)
+    dy = _common.as_float_array(OP_TYPE, "grad_out", grad_out)
+    _common.check_rank(OP_TYPE, "input", x, _MIN_RANK, _MAX_RANK)
+    _common.check_same_shape(OP_TYPE, "grad_out", dy, "input", x)
+    channels = x.shape[1]
+    if channels == 0:
+        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have C = shape[1] >= 1; got shape {list(x.shape)}")
+    vectors = {"mean": mean, "invstd": invstd}
+    if weight is not None:
+        vectors["weight"] = weight
+    arrays = {}
+    for name, value in vectors.items():
+        arrays[name] = _common.as_float_array(OP_TYPE, name, value)
+        _common.check_vector(OP_TYPE, name, arrays[name], [channels], "C = input.shape[1]")
+        if arrays[name].dtype != arrays["mean"].dtype:
+            raise NormgradInputError(
+                f"{OP_TYPE}: input '{name}' must have the dtype of 'mean' ({arrays['mean'].dtype}); "
+                f"got {arrays[name].dtype}"
+            )
+    flags = {
+        name: _common.check_attribute_flag(OP_TYPE, name, value)
+        for name, value in (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))
+    }
+    return dy, x, arrays["mean"], arrays["invstd"], arrays.get("weight"), flags
+
+
+def reference(grad_out, input, mean, invstd, weight=None, *, input_g=1, weight_g=1, bias_g=1) -> Result:
+    """The operator in float64 NumPy: the truth every other implementation is tested against.
+
+    Returns:
+        A :class:`Result` in U (``mean``'s dtype); outputs whose flag is 0 are None.
+    """
+    dy, x, mean, invstd, _, flags = validate(
+        grad_out, input, mean, invstd, weight, input_g=input_g, weight_g=weight_g, bias_g=bias_g
+    )
+    out_dtype = mean.dtype
+    axes = (0,) + tuple(range(2, x.ndim))
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    dy64 = dy.astype(np.float64)
+    sum_dy = dy64.sum(axis=axes)
+    xmu = x.astype(np.float64) - mean.astype(np.float64).reshape(per_channel)
+    sum_dy_xmu = (dy64 * xmu).sum(axis=axes)
+    grad_weight = sum_dy_xmu * invstd.astype(np.float64)
+
+    def out(value, flag):
+        return value.astype(out_dtype) if flags[flag] else None
+
+    return Result(
+        out(sum_dy, "input_g"), out(sum_dy_xmu, "input_g"), out(grad_weight, "weight_g"), out(sum_dy, "bias_g")
+    )
+
+
+def _infer(ctx) -> None:
+    x_type = _common.input_tensor_type(ctx, 1)
+    mean_type = _common.input_tensor_type(ctx, 2)
+    flags = {name: _common.attribute_int(ctx, name, default) for name, default in ATTRIBUTES.items()}
+    for name, value in flags.items():
+        _common.check_attribute_flag(OP_TYPE, name, value)
+    x_dims = _common.known_dims(x_type)
+    if x_dims is not None and not _MIN_RANK <= len(x_dims) <= _MAX_RANK:
+        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have rank 2..8; got rank {len(x_dims)}")
+    dy_dims = _common.known_dims(_common.input_tensor_type(ctx, 0))
+    if x_dims is not None and dy_dims is not None and not _common.dims_compatible(x_dims, dy_dims):
+        raise NormgradInputError(f"{OP_TYPE}: input 'grad_out' must have the shape of 'input' {x_dims}; got {dy_dims}")
+    channels = x_dims[1] if x_dims is not None else None
+    for index in (2, 3, 4):
+        dims = _common.known_dims(_common.input_tensor_type(ctx, index))
+        if dims is not None and (len(dims) != 1 or not _common.dims_compatible(dims, [channels])):
+            raise NormgradInputError(
+                f"{OP_TYPE}: input '{INPUTS[index]}' must have shape [C] (C = input.shape[1] = {channels}); got {dims}"
+            )
+    for index, name in enumerate(OUTPUTS):
+        if not ctx.has_output(index):
+            continue
+        flag = _OUTPUT_FLAG[name]
+        if not flags[flag]:
+            raise NormgradInputError(f"{OP_TYPE}: output '{name}' is named but attribute '{flag}' is 0")
+        if mean_type is not None:
+            ctx.set_output_type(index, _common.make_output_type(mean_type.elem_type, [channels]))
+
+
+def schema() -> OpSchema:
+    """The ONNX schema, with type and shape inference."""
+    param = OpSchema.FormalParameter
+    optional = OpSchema.FormalParameterOption.Optional
+    op_schema = OpSchema(
+        OP_TYPE,
+        _common.DOMAIN,
+        _common.OPSET_VERSION,
+        __doc__,
+        inputs=[
+            param("grad_out", "T", "Gradient of the BatchNorm output."),
+            param("input", "T", "BatchNorm input, rank 2..8, channel axis 1."),
+            param("mean", "U", "Per-channel mean, [C]."),
+            param("invstd", "U", "Per-channel 1/sqrt(var + eps), [C]."),
+            param("weight", "U", "Per-channel scale, [C]; only its length is checked.", param_option=optional),
+        ],
+        outputs=[param(name, "U", f"[C]; needs {_OUTPUT_FLAG[name]} = 1.", param_option=optional) for name in OUTPUTS],
+        type_constraints=[
+            ("T", list(_common.FLOAT_TYPES), "Element type of grad_out and input."),
+            ("U", list(_common.FLOAT_TYPES), "Element type of the per-channel tensors."),
+        ],
+        attributes=[
+            OpSchema.Attribute(name, onnx.helper.make_attribute(name, default), f"0 or 1; see outputs.")
+            for name, default in ATTRIBUTES.items()
+        ],
+        node_determinism=OpSchema.NodeDeterminism.Deterministic,
+    )
+    op_schema.set_type_and_shape_inference_function(_infer)
+    return op_schema
+
+
+def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
+    """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
+
+    ``weight`` is never read. Outputs a node does not name are pruned by the runtime.
+    """
+    return onnx.parser.parse_function(
+        f"""
+        <domain: "{_common.DOMAIN}", opset_import: ["" : {opset}]>
+        {OP_TYPE} <input_g: int = 1, weight_g: int = 1, bias_g: int = 1>
+            (grad_out, input, mean, invstd, weight) => (sum_dy, sum_dy_xmu, grad_weight, grad_bias)
+        {{
+            dy = Cast <to = 1> (grad_out)
+            x = Cast <to = 1> (input)
+            mu = Cast <to = 1> (mean)
+            rstd = Cast <to = 1> (invstd)
+            n_c = Shape <end = 2> (x)
+            spatial_dims = Shape <start = 2> (x)
+            spatial = ReduceProd <keepdims = 1> (spatial_dims)
+            ncm = Concat <axis = 0> (n_c, spatial)
+            dy3 = Reshape <allowzero = 1> (dy, ncm)
+            x3 = Reshape <allowzero = 1> (x, ncm)
+            per_channel = Constant <value_ints = [1, -1, 1]> ()
+            mu3 = Reshape (mu, per_channel)
+            xmu = Sub (x3, mu3)
+            dy_xmu = Mul (dy3, xmu)
+            axes = Constant <value_ints = [0, 2]> ()
+            sdy = ReduceSum <keepdims = 0> (dy3, axes)
+            sdy_xmu = ReduceSum <keepdims = 0> (dy_xmu, axes)
+            gw = Mul (sdy_xmu, rstd)
+            sum_dy = CastLike (sdy, mean)
+            sum_dy_xmu = CastLike (sdy_xmu, mean)
+            grad_weight = CastLike (gw, mean)
+            grad_bias = CastLike (sdy, mean)
+        }}
+        """
+    )

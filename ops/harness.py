@@ -1,0 +1,153 @@
+"""Single-node models of the normgrad operators and one way to run them on every backend.
+
+Used by the tests, ``normgrad demo`` and ``normgrad bench``; handy for users writing
+their own interoperability checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Mapping, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper
+
+from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPERATORS, OPSET_VERSION, operator
+from normgrad.ops._common import tensor_type
+
+__all__ = ["BACKENDS", "node_model", "make_session", "run_session", "run"]
+
+BACKENDS = ("reference", "cpp", "python", "function", "evaluator")
+"""``reference``: the NumPy float64 truth; ``cpp``/``python``: onnxruntime with normgrad's
+kernels; ``function``: plain onnxruntime running the function bodies;
+``evaluator``: ``onnx.reference.ReferenceEvaluator`` running the function bodies."""
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def node_model(
+    op_type: str,
+    inputs: Mapping[str, Optional[np.ndarray]],
+    outputs: Optional[Sequence[str]] = None,
+    attributes: Optional[Mapping[str, int]] = None,
+    static_shapes: bool = True,
+) -> onnx.ModelProto:
+    """A model holding one normgrad node, its graph inputs shaped like ``inputs``.
+
+    Args:
+        op_type: a normgrad operator.
+        inputs: every input by name; None (or absent) omits an optional input.
+        outputs: the outputs the node names; the others are omitted ("" when not trailing).
+            All outputs when None.
+        attributes: the node's attributes; unset ones are written with their defaults,
+            since ``ReferenceEvaluator`` requires them.
+        static_shapes: declare the input shapes (so onnx shape inference checks them);
+            with False the inputs have unknown shapes and only the kernels check them.
+    """
+    module = operator(op_type)
+    wanted = list(module.OUTPUTS) if outputs is None else list(outputs)
+    node_inputs = [name if inputs.get(name) is not None else "" for name in module.INPUTS]
+    node_outputs = [name if name in wanted else "" for name in module.OUTPUTS]
+    while node_inputs and not node_inputs[-1]:
+        node_inputs.pop()
+    while node_outputs and not node_outputs[-1]:
+        node_outputs.pop()
+    attrs = dict(module.ATTRIBUTES)
+    attrs.update(attributes or {})
+    node = helper.make_node(op_type, node_inputs, node_outputs, domain=DOMAIN, **attrs)
+    graph_inputs = [
+        helper.make_tensor_value_info(name, tensor_type(value.dtype), list(value.shape) if static_shapes else None)
+        for name, value in inputs.items()
+        if value is not None
+    ]
+    graph = helper.make_graph(
+        [node], op_type, graph_inputs, [onnx.ValueInfoProto(name=name) for name in node_outputs if name]
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)],
+        ir_version=IR_VERSION,
+    )
+    # Our schemas' inference fills in the output types.
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+
+
+def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = None):
+    """An onnxruntime session for ``backend`` in {"cpp", "python", "function"}."""
+    import onnxruntime
+
+    import normgrad
+
+    options = onnxruntime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    if backend == "function":
+        model = normgrad.add_functions(model)
+    else:
+        normgrad.session_options(backend, options)
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _to_ort(value: np.ndarray):
+    import onnxruntime
+
+    if value.dtype == _BFLOAT16:
+        return onnxruntime.OrtValue.ortvalue_from_numpy_with_onnx_type(value.view(np.uint16), onnx.TensorProto.BFLOAT16)
+    return onnxruntime.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+
+
+def _from_ort(value) -> np.ndarray:
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    shape = value.shape()
+    count = int(np.prod(shape))
+    if count == 0:
+        return np.zeros(shape, _BFLOAT16)
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.array(raw, dtype=np.uint16).view(_BFLOAT16).reshape(shape)
+
+
+def run_session(session, inputs: Mapping[str, Optional[np.ndarray]]) -> dict:
+    """Runs ``session`` (bfloat16 included, which onnxruntime's NumPy bridge lacks)."""
+    binding = session.io_binding()
+    for name, value in inputs.items():
+        if value is not None:
+            binding.bind_ortvalue_input(name, _to_ort(value))
+    names = [o.name for o in session.get_outputs()]
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    return {name: _from_ort(value) for name, value in zip(names, binding.get_outputs())}
+
+
+def run(
+    backend: str,
+    op_type: str,
+    inputs: Mapping[str, Optional[np.ndarray]],
+    outputs: Optional[Sequence[str]] = None,
+    attributes: Optional[Mapping[str, int]] = None,
+    threads: Optional[int] = None,
+    static_shapes: bool = True,
+) -> dict:
+    """Runs one normgrad node on ``backend``; returns the named outputs by name."""
+    module = operator(op_type)
+    if backend == "reference":
+        args = {name: inputs.get(name) for name in module.INPUTS}
+        result = module.reference(**args, **dict(attributes or {}))
+        wanted = module.OUTPUTS if outputs is None else outputs
+        return {name: value for name, value in zip(module.OUTPUTS, result) if name in wanted}
+    model = node_model(op_type, inputs, outputs, attributes, static_shapes)
+    if backend == "evaluator":
+        from onnx.reference import ReferenceEvaluator
+
+        import normgrad
+
+        evaluator = ReferenceEvaluator(normgrad.add_functions(model))
+        feeds = {name: value for name, value in inputs.items() if value is not None}
+        names = [o.name for o in model.graph.output]
+        return dict(zip(names, evaluator.run(None, feeds)))
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    return run_session(make_session(model, backend, threads), inputs)

@@ -1,0 +1,103 @@
+"""float32 Python kernels for onnxruntime, through onnxruntime-extensions (``onnx_op``).
+
+For reference and debugging; the C++ library is what users run. Importing this module
+defines the kernels; :func:`library_path` is what ``register_custom_ops_library`` takes.
+
+Two traps of the onnxruntime-extensions bridge are handled here:
+
+* Any exception raised inside a kernel calls ``std::terminate``. Our kernels therefore
+  never raise: input that breaks an operator's contract is reported on the ``normgrad``
+  logger at ERROR level (message naming the input and the rule, also kept in
+  :func:`errors`) and the kernel returns outputs filled with NaN, so the process survives
+  and no plausible-looking number comes out. ``session.run`` itself cannot be made to raise.
+* Outputs are marshalled by default through ``flatten().tolist()`` (~150 ms per million
+  elements). :func:`_invoke` replaces that invocation hook and hands contiguous arrays
+  straight to the bridge's ``memcpy``.
+
+What still cannot work through this bridge: float16/bfloat16 (the kernels declare float
+only, so onnxruntime rejects such a model when the session is created) and omitted
+optional inputs or outputs (the bridge declares every input and output required, so
+onnxruntime rejects such a node when the session is created). Both fail at session
+creation with onnxruntime's own error, never mid-run.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable
+
+import numpy as np
+from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+from onnxruntime_extensions import _ocos
+
+from normgrad.ops import DOMAIN, OPERATORS, NormgradInputError
+
+__all__ = ["library_path", "errors"]
+
+_LOGGER = logging.getLogger("normgrad")
+_ERRORS: collections.deque = collections.deque(maxlen=100)
+_FLOAT = PyCustomOpDef.dt_float
+
+
+def library_path() -> str:
+    """The onnxruntime-extensions library that serves the kernels defined here."""
+    return get_library_path()
+
+
+def errors() -> list:
+    """The messages of the most recent rejected kernel calls (at most 100), oldest first."""
+    return list(_ERRORS)
+
+
+def _failure_shapes(module, inputs) -> list:
+    """Best-effort output shapes for a rejected call; () where nothing sensible exists."""
+    shapes = []
+    for name in module.OUTPUTS:
+        source, axis = module.OUTPUT_SHAPE_FROM[name]
+        shape = tuple(inputs[module.INPUTS.index(source)].shape)
+        shapes.append(shape if axis is None else (shape[axis : axis + 1] or (0,)))
+    return shapes
+
+
+def _make_kernel(module) -> Callable:
+    def kernel(*inputs, **attributes):
+        try:
+            outputs = module.reference(*inputs, **attributes)
+            unset = [name for name, out in zip(module.OUTPUTS, outputs) if out is None]
+            if unset:
+                raise NormgradInputError(
+                    f"{module.OP_TYPE}: outputs {unset} are named but their flag attributes are 0"
+                )
+            return tuple(np.asarray(out, dtype=np.float32) for out in outputs)
+        except Exception as error:  # any exception here would abort the process
+            message = f"{error} (float32 Python kernel; outputs set to NaN)"
+            _ERRORS.append(message)
+            _LOGGER.error(message)
+            return tuple(np.full(shape, np.nan, np.float32) for shape in _failure_shapes(module, inputs))
+
+    kernel.__name__ = module.OP_TYPE
+    return kernel
+
+
+def _invoke(kernel_id, feed, attributes):
+    """Replacement for onnxruntime-extensions' hook: returns arrays, not Python lists."""
+    opdef = _ocos.Opdef._odlist[kernel_id]
+    result = opdef.body(*feed, **opdef.cast_attributes(attributes))
+    outputs = result if isinstance(result, tuple) else (result,)
+    flat = [kernel_id]
+    for output in outputs:
+        array = np.ascontiguousarray(output)
+        flat += [array.shape, array]
+    return tuple(flat)
+
+
+for _module in OPERATORS.values():
+    onnx_op(
+        op_type=f"{DOMAIN}::{_module.OP_TYPE}",
+        inputs=[_FLOAT] * len(_module.INPUTS),
+        outputs=[_FLOAT] * len(_module.OUTPUTS),
+        attrs={name: PyCustomOpDef.dt_int64 for name in _module.ATTRIBUTES},
+    )(_make_kernel(_module))
+
+PyCustomOpDef.install_hooker(_invoke)
