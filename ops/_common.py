@@ -38,7 +38,8 @@ ONNX_OPSET = 18
 FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
 """Element types both operators accept, as ONNX type strings."""
 
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+# float64 is not an operator type; the NumPy references accept it for float64 checks.
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
 
 
 class NormgradInputError(ValueError):
@@ -49,7 +50,7 @@ class NormgradInputError(ValueError):
 
 
 def is_float_dtype(dtype: np.dtype) -> bool:
-    """Whether ``dtype`` is one of the element types the operators accept."""
+    """Whether ``dtype`` is an element type the operators (or, for float64, the references) accept."""
     return np.dtype(dtype) in _FLOAT_DTYPES
 
 

@@ -23,7 +23,7 @@ With x_hat = (x - mean) * rstd, g = dy * gamma and mean_M the mean over a group:
 That is the gradient of y = gamma * x_hat + beta. **CANN's formula is not**: its page and
 kernel compute dx = rstd / M * gamma * (M * dy - s1 - x_hat * s2), with
 s1 = sum(dy * gamma), s2 = sum(dy * gamma * x_hat), which agrees with the gradient only
-where gamma is constant within a group. :func:`cann_formula` keeps it for comparison.
+where gamma is 1 everywhere. :func:`cann_formula` keeps it for comparison.
 
 T is float, float16 or bfloat16; U is T or float.
 """
@@ -248,7 +248,9 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             g_x_hat = Mul (g, x_hat)
             sum_g = ReduceSum <keepdims = 1> (g, last)
             sum_g_x_hat = ReduceSum <keepdims = 1> (g_x_hat, last)
-            m_float = Cast <to = 1> (m)
+            m_cast = Cast <to = 1> (m)
+            one_float = Constant <value_float = 1.0> ()
+            m_float = Max (m_cast, one_float)
             mean_g = Div (sum_g, m_float)
             mean_g_x_hat = Div (sum_g_x_hat, m_float)
             x_hat_term = Mul (x_hat, mean_g_x_hat)
@@ -258,13 +260,10 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             dx_full = Reshape <allowzero = 1> (dx3, x_shape)
             dx = CastLike (dx_full, x)
             gamma_shape = Shape (gamma)
-            rank = Size (x_shape)
-            gamma_rank = Size (gamma_shape)
-            pad_count = Sub (rank, gamma_rank)
-            zero = Constant <value_ints = [0]> ()
-            pad_len = Unsqueeze (pad_count, zero)
-            pad = ConstantOfShape <value = int64[1] {{1}}> (pad_len)
-            padded = Concat <axis = 0> (pad, gamma_shape)
+            rank = Shape (x_shape)
+            ones = ConstantOfShape <value = int64[1] {{1}}> (rank)
+            gamma_padded = Expand (gammaf, ones)
+            padded = Shape (gamma_padded)
             one = Constant <value_int = 1> ()
             is_broadcast = Equal (padded, one)
             axes_2d = NonZero (is_broadcast)

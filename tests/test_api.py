@@ -1,0 +1,92 @@
+"""The public API: DOMAIN, session_options, add_functions, library_path, the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import helper
+
+import normgrad
+from normgrad.ops import group_normalization_grad as gng
+from normgrad.ops import harness
+from normgrad.tools import cli
+
+
+def _gn_model():
+    rng = np.random.default_rng(0)
+    inputs = {
+        "x": rng.normal(size=(2, 3, 4)).astype(np.float32),
+        "dy": rng.normal(size=(2, 3, 4)).astype(np.float32),
+        "gamma": np.ones((1, 3, 1), np.float32),
+        "mean": np.zeros((2, 3), np.float32),
+        "rstd": np.ones((2, 3), np.float32),
+    }
+    return harness.node_model(gng.OP_TYPE, inputs), inputs
+
+
+def test_domain_is_dedicated():
+    assert normgrad.DOMAIN == "normgrad" and normgrad.OPSET_VERSION == 1
+
+
+def test_add_functions_is_idempotent_and_keeps_other_functions():
+    model, _ = _gn_model()
+    other = onnx.parser.parse_function(
+        '<domain: "mine", opset_import: ["" : 18]> Twice (x) => (y) { y = Add (x, x) }'
+    )
+    model.functions.append(other)
+    once = normgrad.add_functions(model)
+    twice = normgrad.add_functions(once)
+    assert [(f.domain, f.name) for f in once.functions] == [("mine", "Twice"), (normgrad.DOMAIN, gng.OP_TYPE)]
+    assert once.SerializeToString() == twice.SerializeToString()
+    assert len(model.functions) == 1, "the caller's model is not modified"
+
+
+def test_model_without_kernels_or_functions_fails_at_session_creation():
+    model, _ = _gn_model()
+    with pytest.raises(Exception, match=gng.OP_TYPE):
+        onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_function_bodies_need_opset_15():
+    model, _ = _gn_model()
+    model.opset_import[0].version = 14
+    with pytest.raises(ValueError, match="opset >= 15"):
+        normgrad.add_functions(model)
+
+
+def test_session_options_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="backend"):
+        normgrad.session_options("cuda")
+
+
+def test_session_options_registers_into_given_options():
+    options = onnxruntime.SessionOptions()
+    assert normgrad.session_options("python", options) is options
+    model, inputs = _gn_model()
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    dx = session.run(["dx"], inputs)[0]
+    np.testing.assert_allclose(dx, gng.reference(**inputs).dx, rtol=1e-5, atol=1e-6)
+
+
+def test_python_kernels_reject_omitted_outputs_at_session_creation():
+    model, _ = _gn_model()
+    del model.graph.node[0].output[1:]
+    del model.graph.output[1:]
+    with pytest.raises(Exception, match="output"):
+        onnxruntime.InferenceSession(
+            model.SerializeToString(), normgrad.session_options("python"), providers=["CPUExecutionProvider"]
+        )
+
+
+def test_cli_lists_commands(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
+    assert cli.main(["nonsense"]) == 2
+
+
+def test_demo_runs_and_agrees(capsys):
+    assert cli.main(["demo", "--shape", "2", "8", "4", "4", "--groups", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "all backends agree" in out and "NO" not in out.split()

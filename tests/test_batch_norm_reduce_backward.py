@@ -1,0 +1,121 @@
+"""BatchNormReduceBackward on every backend against the float64 reference and finite differences."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+from normgrad.ops import batch_norm_reduce_backward as bnr
+from normgrad.ops import harness
+
+OP = bnr.OP_TYPE
+SHAPES = [(4, 3), (2, 1, 7), (1, 5, 3, 2, 3), (3, 2, 5, 5), (1, 1, 1)]
+
+
+def make_inputs(shape, seed=0, offset=0.0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(offset, 1.0, size=shape)
+    axes = (0,) + tuple(range(2, len(shape)))
+    mean = x.mean(axis=axes) if x.size else np.zeros(shape[1])
+    var = x.var(axis=axes) if x.size else np.ones(shape[1])
+    return {
+        "grad_out": rng.normal(size=shape).astype(dtype),
+        "input": x.astype(dtype),
+        "mean": mean.astype(dtype),
+        "invstd": (1.0 / np.sqrt(var + 1e-5)).astype(dtype),
+        "weight": rng.normal(size=shape[1]).astype(dtype),
+    }
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference(backend, shape):
+    inputs = make_inputs(shape, seed=len(shape))
+    expected = bnr.reference(**inputs)
+    actual = harness.run(backend, OP, inputs)
+    for name, value in zip(bnr.OUTPUTS, expected):
+        assert_close(actual[name], value, what=name)
+
+
+def test_gradients_match_finite_differences():
+    """grad_weight and grad_bias are the derivatives of sum(dy * BatchNorm(x)) in weight and bias."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 4, 5))
+    dy = rng.normal(size=x.shape)
+    weight, bias = rng.normal(size=4), rng.normal(size=4)
+    mean, var = x.mean(axis=(0, 2)), x.var(axis=(0, 2))
+    invstd = 1 / np.sqrt(var + 1e-5)
+
+    def loss(w, b):
+        y = (x - mean[None, :, None]) * invstd[None, :, None] * w[None, :, None] + b[None, :, None]
+        return float((dy * y).sum())
+
+    def central(f, v, i, h=1e-6):
+        up, down = v.copy(), v.copy()
+        up[i] += h
+        down[i] -= h
+        return (f(up) - f(down)) / (2 * h)
+
+    result = bnr.reference(dy, x, mean, invstd, weight)
+    fd_weight = [central(lambda w: loss(w, bias), weight, c) for c in range(4)]
+    fd_bias = [central(lambda b: loss(weight, b), bias, c) for c in range(4)]
+    np.testing.assert_allclose(result.grad_weight, fd_weight, rtol=1e-7, atol=1e-7)
+    np.testing.assert_allclose(result.grad_bias, fd_bias, rtol=1e-7, atol=1e-7)
+    np.testing.assert_allclose(result.sum_dy_xmu, result.grad_weight / invstd, rtol=1e-12)
+
+
+def test_large_mean_does_not_cancel(backend):
+    """|mean| >> std: sum(dy*x) - mean*sum(dy) would lose every digit in float32."""
+    inputs = make_inputs((8, 3, 64), seed=2, offset=1e4)
+    expected = bnr.reference(**inputs).sum_dy_xmu
+    actual = harness.run(backend, OP, inputs)["sum_dy_xmu"]
+    assert_close(actual, expected, what="sum_dy_xmu")
+    x64, dy64 = inputs["input"].astype(np.float64), inputs["grad_out"].astype(np.float64)
+    cancelling = (dy64 * x64).sum(axis=(0, 2)).astype(np.float32) - inputs["mean"] * dy64.sum(axis=(0, 2)).astype(
+        np.float32
+    )
+    assert np.abs(cancelling - expected).max() > 100 * np.abs(actual - expected).max()
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 4), (2, 3, 0), (0, 2)], ids=str)
+def test_empty_input_gives_zero_sums(backend, shape):
+    inputs = make_inputs(shape)
+    actual = harness.run(backend, OP, inputs)
+    for name in bnr.OUTPUTS:
+        np.testing.assert_array_equal(actual[name], np.zeros(shape[1], np.float32), err_msg=name)
+
+
+FLAG_SETS = [dict(zip(bnr.ATTRIBUTES, bits)) for bits in itertools.product((0, 1), repeat=3)]
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: "".join(str(v) for v in f.values()))
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_flags_and_optional_io(backend, flags, with_weight):
+    if backend == "python" and (not with_weight or not all(flags.values())):
+        pytest.skip("the Python bridge needs every input and output named")
+    inputs = make_inputs((2, 3, 4), seed=3)
+    if not with_weight:
+        inputs["weight"] = None
+    wanted = [name for name in bnr.OUTPUTS if flags[bnr._OUTPUT_FLAG[name]]]
+    if not wanted:
+        pytest.skip("a node needs at least one output")
+    expected = dict(zip(bnr.OUTPUTS, bnr.reference(**inputs, **flags)))
+    actual = harness.run(backend, OP, inputs, outputs=wanted, attributes=flags)
+    assert sorted(actual) == sorted(wanted)
+    for name in wanted:
+        assert_close(actual[name], expected[name], what=name)
+
+
+def test_reference_leaves_flagged_off_outputs_unset():
+    result = bnr.reference(**make_inputs((2, 3)), input_g=0, weight_g=1, bias_g=0)
+    assert result.sum_dy is None and result.sum_dy_xmu is None and result.grad_bias is None
+    assert result.grad_weight is not None
+
+
+def test_deterministic(backend):
+    inputs = make_inputs((4, 3, 17, 9), seed=4)
+    first, second = harness.run(backend, OP, inputs), harness.run(backend, OP, inputs)
+    for name in bnr.OUTPUTS:
+        np.testing.assert_array_equal(first[name], second[name])
