@@ -1,0 +1,193 @@
+"""BatchNormElemtBackward: the elementwise half of BatchNorm's backward pass.
+
+CANN ``aclnnBatchNormElemtBackward``; torch ``batch_norm_backward_elemt``. It consumes the
+per-channel sums that :mod:`normgrad.ops.batch_norm_reduce_backward` produces (after an
+all-reduce, in synchronized BatchNorm) and gives the gradient of the BatchNorm input.
+
+Inputs (all required):
+    grad_out (T): dy, the gradient of the BatchNorm output; shape and dtype of ``input``.
+    input (T): x, the BatchNorm input; rank 2..8, channel axis 1, C >= 1.
+    mean (U): [C], the mean BatchNorm normalised with.
+    invstd (U): [C], 1 / sqrt(var + eps).
+    weight (U): [C], the BatchNorm scale.
+    sum_dy (U): [C], sum(dy) over every axis but 1.
+    sum_dy_xmu (U): [C], sum(dy * (x - mean)) over every axis but 1.
+
+Attributes: none.
+
+Output:
+    grad_input (T): shape of ``input``. With M = N * prod(shape[2:]),
+
+        dx = (dy - sum_dy / M - (x - mean) * invstd^2 * sum_dy_xmu / M) * invstd * weight
+
+    An empty ``input`` gives an empty ``grad_input``.
+
+T and U are each float, float16 or bfloat16; arithmetic runs in float64 here and in at
+least float32 in every other implementation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.parser
+from onnx.defs import OpSchema
+
+from normgrad.ops import _common
+from normgrad.ops._common import NormgradInputError
+
+__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "validate", "reference", "schema", "function_body"]
+
+OP_TYPE = "BatchNormElemtBackward"
+INPUTS = ("grad_out", "input", "mean", "invstd", "weight", "sum_dy", "sum_dy_xmu")
+OUTPUTS = ("grad_input",)
+ATTRIBUTES: dict = {}
+OUTPUT_SHAPE_FROM = {"grad_input": ("input", None)}
+"""Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
+_VECTORS = INPUTS[2:]
+_MIN_RANK, _MAX_RANK = 2, 8
+
+
+def validate(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu):
+    """Checks the inputs against the contract.
+
+    Returns:
+        The inputs as arrays, in the order given.
+
+    Raises:
+        NormgradInputError: naming the offending input and the rule it broke.
+    """
+    x = _common.as_float_array(OP_TYPE, "input", input)
+    dy = _common.as_float_array(OP_TYPE, "grad_out", grad_out)
+    _common.check_rank(OP_TYPE, "input", x, _MIN_RANK, _MAX_RANK)
+    _common.check_same_shape(OP_TYPE, "grad_out", dy, "input", x)
+    channels = x.shape[1]
+    if channels == 0:
+        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have C = shape[1] >= 1; got shape {list(x.shape)}")
+    vectors = []
+    for name, value in zip(_VECTORS, (mean, invstd, weight, sum_dy, sum_dy_xmu)):
+        if value is None:
+            raise NormgradInputError(f"{OP_TYPE}: input '{name}' is required")
+        array = _common.as_float_array(OP_TYPE, name, value)
+        _common.check_vector(OP_TYPE, name, array, [channels], "C = input.shape[1]")
+        if vectors and array.dtype != vectors[0].dtype:
+            raise NormgradInputError(
+                f"{OP_TYPE}: input '{name}' must have the dtype of 'mean' ({vectors[0].dtype}); got {array.dtype}"
+            )
+        vectors.append(array)
+    return (dy, x, *vectors)
+
+
+def reference(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu) -> np.ndarray:
+    """The operator in float64 NumPy: the truth every other implementation is tested against.
+
+    Returns:
+        ``grad_input`` in T (``input``'s dtype).
+    """
+    dy, x, *vectors = validate(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu)
+    if x.size == 0:
+        return np.zeros(x.shape, x.dtype)
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    mean, invstd, weight, sum_dy, sum_dy_xmu = (v.astype(np.float64).reshape(per_channel) for v in vectors)
+    count = x.size // x.shape[1]
+    xmu = x.astype(np.float64) - mean
+    dx = (dy.astype(np.float64) - sum_dy / count - xmu * invstd**2 * sum_dy_xmu / count) * invstd * weight
+    return dx.astype(x.dtype)
+
+
+def _infer(ctx) -> None:
+    x_type = _common.input_tensor_type(ctx, 1)
+    x_dims = _common.known_dims(x_type)
+    if x_dims is not None and not _MIN_RANK <= len(x_dims) <= _MAX_RANK:
+        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have rank 2..8; got rank {len(x_dims)}")
+    dy_type = _common.input_tensor_type(ctx, 0)
+    dy_dims = _common.known_dims(dy_type)
+    if x_dims is not None and dy_dims is not None and not _common.dims_compatible(x_dims, dy_dims):
+        raise NormgradInputError(f"{OP_TYPE}: input 'grad_out' must have the shape of 'input' {x_dims}; got {dy_dims}")
+    channels = x_dims[1] if x_dims is not None else None
+    for index, name in enumerate(_VECTORS, start=2):
+        dims = _common.known_dims(_common.input_tensor_type(ctx, index))
+        if dims is not None and (len(dims) != 1 or not _common.dims_compatible(dims, [channels])):
+            raise NormgradInputError(
+                f"{OP_TYPE}: input '{name}' must have shape [C] (C = input.shape[1] = {channels}); got {dims}"
+            )
+    out_type = x_type if x_type is not None else dy_type
+    if out_type is not None:
+        ctx.set_output_type(0, _common.make_output_type(out_type.elem_type, x_dims if x_dims is not None else dy_dims))
+
+
+def schema() -> OpSchema:
+    """The ONNX schema, with type and shape inference."""
+    param = OpSchema.FormalParameter
+    per_channel = {
+        "mean": "Per-channel mean, [C].",
+        "invstd": "Per-channel 1/sqrt(var + eps), [C].",
+        "weight": "Per-channel scale, [C].",
+        "sum_dy": "Per-channel sum of grad_out, [C].",
+        "sum_dy_xmu": "Per-channel sum of grad_out * (input - mean), [C].",
+    }
+    op_schema = OpSchema(
+        OP_TYPE,
+        _common.DOMAIN,
+        _common.OPSET_VERSION,
+        __doc__,
+        inputs=[
+            param("grad_out", "T", "Gradient of the BatchNorm output."),
+            param("input", "T", "BatchNorm input, rank 2..8, channel axis 1."),
+            *(param(name, "U", text) for name, text in per_channel.items()),
+        ],
+        outputs=[param("grad_input", "T", "Gradient of the BatchNorm input; shape of input.")],
+        type_constraints=[
+            ("T", list(_common.FLOAT_TYPES), "Element type of grad_out, input and grad_input."),
+            ("U", list(_common.FLOAT_TYPES), "Element type of the per-channel tensors."),
+        ],
+        node_determinism=OpSchema.NodeDeterminism.Deterministic,
+    )
+    op_schema.set_type_and_shape_inference_function(_infer)
+    return op_schema
+
+
+def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
+    """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel."""
+    return onnx.parser.parse_function(
+        f"""
+        <domain: "{_common.DOMAIN}", opset_import: ["" : {opset}]>
+        {OP_TYPE} (grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu) => (grad_input)
+        {{
+            dy = Cast <to = 1> (grad_out)
+            x = Cast <to = 1> (input)
+            mu = Cast <to = 1> (mean)
+            rstd = Cast <to = 1> (invstd)
+            w = Cast <to = 1> (weight)
+            sdy = Cast <to = 1> (sum_dy)
+            sdy_xmu = Cast <to = 1> (sum_dy_xmu)
+            x_shape = Shape (input)
+            n = Shape <end = 1> (x)
+            n_c = Shape <end = 2> (x)
+            spatial_dims = Shape <start = 2> (x)
+            spatial = ReduceProd <keepdims = 1> (spatial_dims)
+            ncm = Concat <axis = 0> (n_c, spatial)
+            count_int = Mul (n, spatial)
+            count = Cast <to = 1> (count_int)
+            dy3 = Reshape <allowzero = 1> (dy, ncm)
+            x3 = Reshape <allowzero = 1> (x, ncm)
+            per_channel = Constant <value_ints = [1, -1, 1]> ()
+            mean_dy = Div (sdy, count)
+            rstd_sq = Mul (rstd, rstd)
+            proj_num = Mul (rstd_sq, sdy_xmu)
+            proj = Div (proj_num, count)
+            scale = Mul (rstd, w)
+            mu3 = Reshape (mu, per_channel)
+            mean_dy3 = Reshape (mean_dy, per_channel)
+            proj3 = Reshape (proj, per_channel)
+            scale3 = Reshape (scale, per_channel)
+            xmu = Sub (x3, mu3)
+            xmu_proj = Mul (xmu, proj3)
+            dy_centred = Sub (dy3, mean_dy3)
+            inner = Sub (dy_centred, xmu_proj)
+            dx3 = Mul (inner, scale3)
+            dx = Reshape <allowzero = 1> (dx3, x_shape)
+            grad_input = CastLike (dx, grad_out)
+        }}
+        """
+    )

@@ -1,0 +1,138 @@
+"""BatchNormElemtBackward: reference, validation, schema inference and function body."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+
+import normgrad
+from normgrad.ops import NormgradInputError, batch_norm_elemt_backward as elemt, batch_norm_reduce_backward as reduce_op
+
+_TYPES = {np.float32: onnx.TensorProto.FLOAT, np.float16: onnx.TensorProto.FLOAT16}
+
+
+def _bn_inputs(shape, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    axes = (0,) + tuple(range(2, len(shape)))
+    mean = x.astype(np.float64).mean(axis=axes)
+    invstd = 1 / np.sqrt(x.astype(np.float64).var(axis=axes) + 1e-5)
+    weight = rng.uniform(0.5, 1.5, shape[1])
+    sums = reduce_op.reference(dy, x, mean.astype(np.float32), invstd.astype(np.float32))
+    return dy, x, mean.astype(np.float32), invstd.astype(np.float32), weight.astype(np.float32), sums.sum_dy, sums.sum_dy_xmu
+
+
+def _batch_norm(x, weight, eps=1e-5):
+    axes = (0,) + tuple(range(2, x.ndim))
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    mean = x.mean(axis=axes, keepdims=True)
+    var = x.var(axis=axes, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight.reshape(per_channel)
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (2, 3, 5), (2, 3, 4, 5), (2, 2, 3, 2, 2)])
+def test_reference_is_batch_norm_gradient(shape):
+    dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu = _bn_inputs(shape)
+    x64, w64, dy64 = x.astype(np.float64), weight.astype(np.float64), dy.astype(np.float64)
+    grad = elemt.reference(dy64.astype(np.float32), x, mean, invstd, weight, sum_dy, sum_dy_xmu)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        direction = rng.standard_normal(shape)
+        h = 1e-5
+        numeric = ((_batch_norm(x64 + h * direction, w64) - _batch_norm(x64 - h * direction, w64)) * dy64).sum() / (2 * h)
+        np.testing.assert_allclose((grad * direction).sum(), numeric, rtol=2e-4, atol=1e-4)
+
+
+def test_reference_matches_torch_autograd():
+    torch = pytest.importorskip("torch")
+    dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu = _bn_inputs((3, 4, 5, 6))
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    out = torch.nn.functional.batch_norm(
+        xt, None, None, torch.tensor(weight, dtype=torch.float64), None, training=True, eps=1e-5
+    )
+    out.backward(torch.tensor(dy, dtype=torch.float64))
+    grad = elemt.reference(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu)
+    np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_empty_input_gives_empty_output():
+    x = np.zeros((0, 3, 4), np.float32)
+    vec = np.ones(3, np.float32)
+    assert elemt.reference(x, x, vec, vec, vec, vec, vec).shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "grad_out": a["grad_out"][:1]}, "grad_out"),
+        (lambda a: {**a, "input": a["input"].reshape(-1)}, "rank"),
+        (lambda a: {**a, "sum_dy": a["sum_dy"][:2]}, "sum_dy"),
+        (lambda a: {**a, "weight": a["weight"].astype(np.float16)}, "weight"),
+        (lambda a: {**a, "mean": None}, "mean"),
+        (lambda a: {**a, "input": a["input"].astype(np.int32)}, "float32"),
+    ],
+)
+def test_validate_rejects(change, message):
+    args = dict(zip(elemt.INPUTS, _bn_inputs((2, 3, 4))))
+    with pytest.raises(NormgradInputError, match=message):
+        elemt.reference(**change(args))
+
+
+def _model(rank, dtype=np.float32, channels=3):
+    t = _TYPES[dtype]
+    dims = ["N", channels] + [f"d{i}" for i in range(rank - 2)]
+    node = oh.make_node(elemt.OP_TYPE, list(elemt.INPUTS), ["grad_input"], domain=normgrad.DOMAIN)
+    inputs = [oh.make_tensor_value_info(name, t, dims) for name in elemt.INPUTS[:2]]
+    inputs += [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [channels]) for name in elemt.INPUTS[2:]]
+    graph = oh.make_graph([node], "elemt", inputs, [oh.make_tensor_value_info("grad_input", t, dims)])
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(normgrad.DOMAIN, 1)], ir_version=10
+    )
+    return model
+
+
+def test_schema_inference():
+    model = onnx.shape_inference.infer_shapes(_model(4), strict_mode=True)
+    out = model.graph.output[0].type.tensor_type
+    assert out.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_param or d.dim_value for d in out.shape.dim] == ["N", 3, "d0", "d1"]
+    bad = _model(4)
+    bad.graph.input[5].type.tensor_type.shape.dim[0].dim_value = 4
+    with pytest.raises((onnx.shape_inference.InferenceError, NormgradInputError), match="sum_dy"):
+        onnx.shape_inference.infer_shapes(bad, strict_mode=True)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 3, 7), (2, 3, 4, 5), (1, 3, 2, 3, 2), (0, 3, 4)])
+def test_function_body_matches_reference(shape):
+    model = normgrad.add_functions(_model(len(shape)))
+    onnx.checker.check_model(model, full_check=True)
+    args = _bn_inputs(shape)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, dict(zip(elemt.INPUTS, args)))
+    np.testing.assert_allclose(got, elemt.reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_function_body_float16():
+    model = normgrad.add_functions(_model(4, np.float16))
+    args = list(_bn_inputs((2, 3, 4, 5)))
+    args[0], args[1] = args[0].astype(np.float16), args[1].astype(np.float16)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, dict(zip(elemt.INPUTS, args)))
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got, elemt.reference(*args), rtol=1e-2, atol=1e-2)
+
+
+def test_cpp_kernel_matches_reference():
+    try:
+        options = normgrad.session_options("cpp")
+    except FileNotFoundError:
+        pytest.skip("normgrad C++ library not built")
+    model = _model(4)
+    args = _bn_inputs((2, 3, 4, 5))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, dict(zip(elemt.INPUTS, args)))
+    np.testing.assert_allclose(got, elemt.reference(*args), rtol=1e-5, atol=1e-5)
