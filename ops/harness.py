@@ -6,7 +6,7 @@ their own interoperability checks.
 
 from __future__ import annotations
 
-import ctypes
+import copy
 from typing import Mapping, Optional, Sequence
 
 import ml_dtypes
@@ -90,36 +90,48 @@ def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = 
     return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _to_ort(value: np.ndarray):
-    import onnxruntime
+def _bfloat16_via_float(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with bfloat16 graph inputs and outputs carried as float32 and cast inside.
 
-    if value.dtype == _BFLOAT16:
-        return onnxruntime.OrtValue.ortvalue_from_numpy_with_onnx_type(value.view(np.uint16), onnx.TensorProto.BFLOAT16)
-    return onnxruntime.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+    onnxruntime's Python API takes and returns no bfloat16 arrays before 1.20; the casts
+    are exact both ways for values that are bfloat16 already.
+    """
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    model = copy.deepcopy(model)
+    graph = model.graph
+    casts_in, casts_out = [], []
+    for value in graph.input:
+        if value.type.tensor_type.elem_type == bf16:
+            inner = f"{value.name}__bfloat16"
+            for node in graph.node:
+                node.input[:] = [inner if name == value.name else name for name in node.input]
+            casts_in.append(helper.make_node("Cast", [value.name], [inner], to=bf16))
+            value.type.tensor_type.elem_type = f32
+    for value in graph.output:
+        if value.type.tensor_type.elem_type == bf16:
+            inner = f"{value.name}__bfloat16"
+            for node in graph.node:
+                node.output[:] = [inner if name == value.name else name for name in node.output]
+            casts_out.append(helper.make_node("Cast", [inner], [value.name], to=f32))
+            value.type.tensor_type.elem_type = f32
+    nodes = casts_in + list(graph.node) + casts_out
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
 
 
-def _from_ort(value) -> np.ndarray:
-    if value.data_type() != "tensor(bfloat16)":
-        return value.numpy()
-    shape = value.shape()
-    count = int(np.prod(shape))
-    if count == 0:
-        return np.zeros(shape, _BFLOAT16)
-    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
-    return np.array(raw, dtype=np.uint16).view(_BFLOAT16).reshape(shape)
-
-
-def run_session(session, inputs: Mapping[str, Optional[np.ndarray]]) -> dict:
-    """Runs ``session`` (bfloat16 included, which onnxruntime's NumPy bridge lacks)."""
-    binding = session.io_binding()
-    for name, value in inputs.items():
-        if value is not None:
-            binding.bind_ortvalue_input(name, _to_ort(value))
+def run_session(session, inputs: Mapping[str, Optional[np.ndarray]], bfloat16_outputs=()) -> dict:
+    """Runs ``session`` on ``inputs``, bfloat16 arrays going in and out as float32."""
+    feeds = {
+        name: value.astype(np.float32) if value.dtype == _BFLOAT16 else value
+        for name, value in inputs.items()
+        if value is not None
+    }
     names = [o.name for o in session.get_outputs()]
-    for name in names:
-        binding.bind_output(name, "cpu")
-    session.run_with_iobinding(binding)
-    return {name: _from_ort(value) for name, value in zip(names, binding.get_outputs())}
+    results = dict(zip(names, session.run(names, feeds)))
+    for name in bfloat16_outputs:
+        results[name] = results[name].astype(_BFLOAT16)
+    return results
 
 
 def run(
@@ -150,4 +162,9 @@ def run(
         return dict(zip(names, evaluator.run(None, feeds)))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    return run_session(make_session(model, backend, threads), inputs)
+    bfloat16_outputs = [
+        o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    ]
+    if any(value is not None and value.dtype == _BFLOAT16 for value in inputs.values()) or bfloat16_outputs:
+        model = _bfloat16_via_float(model)
+    return run_session(make_session(model, backend, threads), inputs, bfloat16_outputs)
