@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Callable
 
 import numpy as np
@@ -33,11 +34,12 @@ from onnxruntime_extensions import _ocos
 
 from normgrad.ops import DOMAIN, OPERATORS, NormgradInputError
 
-__all__ = ["library_path", "errors"]
+__all__ = ["library_path", "errors", "last_kernel_seconds"]
 
 _LOGGER = logging.getLogger("normgrad")
 _ERRORS: collections.deque = collections.deque(maxlen=100)
 _FLOAT = PyCustomOpDef.dt_float
+_last_kernel_seconds = [0.0]
 
 
 def library_path() -> str:
@@ -48,6 +50,12 @@ def library_path() -> str:
 def errors() -> list:
     """The messages of the most recent rejected kernel calls (at most 100), oldest first."""
     return list(_ERRORS)
+
+
+def last_kernel_seconds() -> float:
+    """Seconds the most recent kernel call spent in Python (arithmetic and handing over
+    the outputs); the rest of a ``session.run`` is onnxruntime and the bridge's copies."""
+    return _last_kernel_seconds[0]
 
 
 def _failure_shapes(module, inputs) -> list:
@@ -82,6 +90,7 @@ def _make_kernel(module) -> Callable:
 
 def _invoke(kernel_id, feed, attributes):
     """Replacement for onnxruntime-extensions' hook: returns arrays, not Python lists."""
+    start = time.perf_counter()
     opdef = _ocos.Opdef._odlist[kernel_id]
     result = opdef.body(*feed, **opdef.cast_attributes(attributes))
     outputs = result if isinstance(result, tuple) else (result,)
@@ -89,6 +98,7 @@ def _invoke(kernel_id, feed, attributes):
     for output in outputs:
         array = np.ascontiguousarray(output)
         flat += [array.shape, array]
+    _last_kernel_seconds[0] = time.perf_counter() - start
     return tuple(flat)
 
 
