@@ -1,0 +1,15 @@
+"""Training graphs: reverse-mode gradients of ONNX models, with normgrad operators for the
+normalization layers.
+
+* :func:`build_training_graph`: forward model -> forward + backward model.
+* :func:`supported_op_types`: the op types the exporter can differentiate (or knows carry
+  no gradient).
+* :class:`UnsupportedOperatorError`: a gradient would flow through an op without a rule.
+"""
+
+from __future__ import annotations
+
+from normgrad.graphs.builder import build_training_graph
+from normgrad.graphs.rules import UnsupportedOperatorError, supported_op_types
+
+__all__ = ["build_training_graph", "supported_op_types", "UnsupportedOperatorError"]

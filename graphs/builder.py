@@ -1,0 +1,280 @@
+"""build_training_graph: a forward ONNX model -> forward + backward (reverse-mode) model."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Dict, List, Optional, Set, Tuple
+
+import onnx
+import onnx.helper as oh
+import onnx.inliner
+import onnx.shape_inference
+
+import normgrad
+from normgrad.graphs import losses, rewrites
+from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
+from normgrad.graphs.rules import UnsupportedOperatorError, lookup
+from normgrad.ops import DOMAIN, IR_VERSION
+
+__all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS"]
+
+MIN_OPSET = 15
+"""The lowest default-domain opset of a training graph (normgrad function bodies need it)."""
+GRAD_SUFFIX = "_grad"
+METADATA_SEEDS = "normgrad.seeds"
+"""Model metadata key: JSON {forward output: its seed-gradient input}."""
+METADATA_GRADIENTS = "normgrad.gradients"
+"""Model metadata key: JSON {gradient output: the input or initializer it is the gradient of}."""
+METADATA_LOSS = "normgrad.loss"
+"""Model metadata key: JSON {"kind": loss name, "output": the output it applies to}, or null."""
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            return opset.version
+    raise ValueError("the model imports no default-domain opset")
+
+
+def _is_float(info_type: Optional[onnx.TypeProto]) -> bool:
+    return (
+        info_type is not None
+        and info_type.HasField("tensor_type")
+        and info_type.tensor_type.elem_type in FLOAT_ELEM_TYPES
+    )
+
+
+def _maybe_float(info_type: Optional[onnx.TypeProto]) -> bool:
+    """Float, or of a type shape inference could not find."""
+    return info_type is None or not info_type.tensor_type.elem_type or _is_float(info_type)
+
+
+def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
+    """Inlines local functions, raises the opset where needed, infers shapes."""
+    model = copy.deepcopy(model)
+    if model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+    opset = _default_opset(model)
+    needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
+    model = rewrites.convert_opset(model, opset, needed)
+    opset = _default_opset(model)
+    return _infer_shapes(model), opset
+
+
+def _has_shape(type_proto: Optional[onnx.TypeProto]) -> bool:
+    return type_proto is not None and type_proto.tensor_type.HasField("shape")
+
+
+_SHAPE_PRESERVING = ("BatchNormalization", "GroupNormalization", "InstanceNormalization")
+
+
+def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx shape inference, plus the output shape of the normalization ops that onnx leaves
+    unknown in some versions (BatchNormalization in training mode, GroupNormalization):
+    the shape of their input."""
+    patched: Set[str] = set()
+    while True:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        types: Dict[str, onnx.TypeProto] = {}
+        for info in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+            if info.name not in types or _has_shape(info.type):
+                types[info.name] = info.type
+        added = False
+        for node in inferred.graph.node:
+            output = node.output[0]
+            if (
+                node.op_type in _SHAPE_PRESERVING
+                and output not in patched
+                and not _has_shape(types.get(output))
+                and _has_shape(types.get(node.input[0]))
+            ):
+                model.graph.value_info.append(_value_info(output, types[node.input[0]]))
+                patched.add(output)
+                added = True
+        if not added:
+            return inferred
+
+
+def _active(graph: onnx.GraphProto, types: GradientContext) -> Tuple[Set[str], List[onnx.NodeProto]]:
+    """Values reachable from a float input or initializer through differentiable edges, and
+    the nodes without a rule that such a value enters."""
+    active = {i.name for i in graph.input if _is_float(i.type)}
+    active |= {t.name for t in graph.initializer if t.data_type in FLOAT_ELEM_TYPES}
+    unsupported: List[onnx.NodeProto] = []
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is None:
+            if any(name in active for name in node.input):
+                unsupported.append(node)
+                active.update(name for name in node.output if _maybe_float(types.type_of(name)))
+            continue
+        if any(node.input[i] in active for i in rule.differentiable_inputs(types, node)):
+            outputs = (node.output[i] for i in rule.differentiable_outputs(node))
+            active.update(name for name in outputs if _maybe_float(types.type_of(name)))
+    return active, unsupported
+
+
+def _needing_grad(
+    graph: onnx.GraphProto, types: GradientContext, active: Set[str], unsupported: List[onnx.NodeProto], seeds: List[str]
+) -> Set[str]:
+    """The active values from which a seeded output is reachable through differentiable edges.
+
+    Raises:
+        UnsupportedOperatorError: a gradient would have to flow through a node without a rule.
+    """
+    useful = set(seeds)
+    for node in reversed(graph.node):
+        rule = lookup(node)
+        if rule is None:
+            if any(name in useful for name in node.output):
+                useful.update(node.input)
+            continue
+        if any(node.output[i] in useful for i in rule.differentiable_outputs(node)):
+            useful.update(node.input[i] for i in rule.differentiable_inputs(types, node))
+    needs = active & useful
+    for node in unsupported:
+        if any(name in needs for name in node.output):
+            domain = f" of domain '{node.domain}'" if node.domain else ""
+            raise UnsupportedOperatorError(
+                f"no gradient rule for operator {node.op_type}{domain} ({describe(node)}); a gradient must flow "
+                f"through it. Supported: see normgrad.graphs.supported_op_types()"
+            )
+    return needs
+
+
+def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str]) -> Dict[str, List[str]]:
+    """Emits the backward nodes; returns every value's gradient contributions."""
+    grads: Dict[str, List[str]] = {name: [grad] for name, grad in seeds.items()}
+    for node in reversed(list(graph.node)):
+        rule = lookup(node)
+        if rule is None or rule.gradient is None:
+            continue
+        inputs = rule.differentiable_inputs(ctx, node)
+        if not any(ctx.needs_grad(node.input[i]) for i in inputs):
+            continue
+        out_grads: List[Optional[str]] = [None] * len(node.output)
+        for i in rule.differentiable_outputs(node):
+            if grads.get(node.output[i]):
+                ctx.scope(node)
+                out_grads[i] = ctx.sum_all(grads[node.output[i]])
+        if not any(out_grads):
+            continue
+        ctx.scope(node)
+        in_grads = rule.gradient(ctx, node, out_grads)
+        for i, grad in enumerate(in_grads):
+            if grad and i in inputs and ctx.needs_grad(node.input[i]):
+                grads.setdefault(node.input[i], []).append(grad)
+    return grads
+
+
+def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
+    info = onnx.ValueInfoProto(name=name)
+    info.type.CopyFrom(type_proto)
+    return info
+
+
+def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False) -> onnx.ModelProto:
+    """Appends the reverse-mode gradient of ``model`` to it.
+
+    The training graph's inputs are the forward inputs, every trainable initializer (it
+    stays an initializer too, as the default) and, per float forward output ``y``, a seed
+    gradient ``y_grad`` of y's type (with ``loss``: one ``labels`` input instead). Its
+    outputs are the forward outputs (plus the scalar ``loss``) and ``NAME_grad`` for every
+    float graph input and every trainable initializer (a float initializer on a
+    differentiable path to the outputs; BatchNormalization running statistics are not).
+
+    Args:
+        model: the forward model (default-domain ops; local functions are inlined).
+        loss: None, ``"mse"`` or ``"cross_entropy"``: a loss of the first output.
+        inline: write standard ops only (the normgrad function bodies inlined) instead of
+            normgrad nodes plus their function bodies.
+
+    Returns:
+        A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
+        16 with MaxPool), checked with ``onnx.checker.check_model(full_check=True)``.
+
+    Raises:
+        UnsupportedOperatorError: a gradient must flow through an operator without a rule.
+        ValueError: unknown loss, or an opset the version converter cannot raise.
+    """
+    original_value_info = list(model.graph.value_info)
+    model, opset = _prepare(model)
+    graph = model.graph
+    types = GradientContext(graph, opset, set())
+    active, unsupported = _active(graph, types)
+    for output in graph.output:  # the graph outputs with the best type known
+        if not _has_shape(output.type) and _has_shape(types.type_of(output.name)):
+            output.type.CopyFrom(types.type_of(output.name))
+    float_outputs = [o for o in graph.output if _is_float(o.type) and o.name in active]
+    if loss is not None and not float_outputs:
+        raise ValueError("a loss needs a float model output that depends on a float input or initializer")
+    seeded = [float_outputs[0].name] if loss is not None else [o.name for o in float_outputs]
+    needs = _needing_grad(graph, types, active, unsupported, seeded)
+    ctx = GradientContext(graph, opset, needs)
+
+    extra_inputs: List[onnx.ValueInfoProto] = []  # seeds or labels
+    trainable_inputs: List[onnx.ValueInfoProto] = []
+    extra_outputs: List[onnx.ValueInfoProto] = []
+    if loss is not None:
+        ctx.scope("loss")
+        appended = losses.append_loss(ctx, loss, float_outputs[0])
+        if ctx.reserve(appended.labels.name) != appended.labels.name:
+            raise ValueError("the model already has a value named 'labels'")
+        extra_inputs.append(appended.labels)
+        loss_name = ctx.reserve("loss")
+        ctx.op("Identity", appended.loss, outputs=[loss_name])
+        extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
+        seeds = {float_outputs[0].name: appended.grad}
+    else:
+        seeds = {}
+        for output in float_outputs:
+            seed = ctx.reserve(output.name + GRAD_SUFFIX)
+            extra_inputs.append(_value_info(seed, output.type))
+            seeds[output.name] = seed
+    grads = _backward(graph, ctx, seeds)
+
+    input_names = {i.name for i in graph.input}
+    wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]
+    for init in graph.initializer:
+        if init.name in needs and init.name not in input_names:
+            info = oh.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+            trainable_inputs.append(info)
+            wanted.append((init.name, info.type))
+    ctx.scope("grad/outputs")
+    gradients: Dict[str, str] = {}
+    for name, type_proto in wanted:
+        grad_name = ctx.reserve(name + GRAD_SUFFIX)
+        value = ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name)
+        ctx.op("Identity", value, outputs=[grad_name])
+        gradients[grad_name] = name
+        extra_outputs.append(_value_info(grad_name, type_proto))
+
+    new_graph = oh.make_graph(
+        list(graph.node) + ctx.nodes,
+        f"{graph.name or 'model'}_training",
+        list(graph.input) + trainable_inputs + extra_inputs,
+        list(graph.output) + extra_outputs,
+        initializer=list(graph.initializer),
+        value_info=original_value_info,
+        doc_string="Training graph written by normgrad.graphs.build_training_graph",
+    )
+    new_graph.sparse_initializer.extend(graph.sparse_initializer)
+    result = oh.make_model(new_graph, opset_imports=list(model.opset_import), producer_name="normgrad")
+    metadata = {
+        METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
+        METADATA_GRADIENTS: json.dumps(gradients),
+        METADATA_LOSS: json.dumps({"kind": loss, "output": float_outputs[0].name} if loss else None),
+    }
+    oh.set_model_props(result, metadata)
+    result.ir_version = IR_VERSION
+    result = normgrad.add_functions(result)
+    if inline:
+        result = onnx.inliner.inline_local_functions(result)
+        del result.functions[:]
+        kept = [o for o in result.opset_import if o.domain != DOMAIN]
+        del result.opset_import[:]
+        result.opset_import.extend(kept)
+    result.ir_version = IR_VERSION
+    onnx.checker.check_model(result, full_check=True)
+    return result

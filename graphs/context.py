@@ -1,0 +1,276 @@
+"""GradientContext: what a gradient rule sees of the graph and how it emits backward nodes."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Union
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+
+__all__ = ["GradientContext", "FLOAT_ELEM_TYPES"]
+
+FLOAT_ELEM_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+)
+"""Element types a gradient can flow through."""
+
+Dim = Union[int, str, None]
+
+
+class GradientContext:
+    """Type information about the forward graph plus a writer for backward nodes.
+
+    Args:
+        graph: the forward graph (after shape inference).
+        opset: the default-domain opset of the training graph.
+        needs_grad: names of the values whose gradient is wanted.
+    """
+
+    def __init__(self, graph: onnx.GraphProto, opset: int, needs_grad: Set[str]):
+        self.opset = opset
+        self.nodes: List[onnx.NodeProto] = []
+        self._needs_grad = needs_grad
+        self._types: Dict[str, onnx.TypeProto] = {}
+        self._constants: Dict[str, np.ndarray] = {}
+        for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+            if info.name not in self._types or info.type.tensor_type.HasField("shape"):
+                self._types[info.name] = info.type
+        for init in graph.initializer:
+            self._types.setdefault(init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)))
+            self._constants[init.name] = onh.to_array(init)
+        for node in graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
+                value = _constant_value(node)
+                if value is not None:
+                    self._constants[node.output[0]] = value
+        self._used: Set[str] = set(self._types)
+        for node in graph.node:
+            self._used.update(node.input)
+            self._used.update(node.output)
+            self._used.add(node.name)
+        self._scope = "grad"
+        self._counter = 0
+
+    # ----------------------------------------------------------------- forward graph facts
+    def needs_grad(self, name: str) -> bool:
+        """Whether a gradient of forward value ``name`` is wanted."""
+        return bool(name) and name in self._needs_grad
+
+    def elem_type(self, name: str) -> Optional[int]:
+        """The element type of forward value ``name``, or None if unknown."""
+        type_proto = self._types.get(name)
+        if type_proto is None or not type_proto.HasField("tensor_type"):
+            return None
+        return type_proto.tensor_type.elem_type or None
+
+    def shape(self, name: str) -> Optional[List[Dim]]:
+        """The static shape of ``name``: ints, symbolic strings or None per dim; None if unknown rank."""
+        type_proto = self._types.get(name)
+        if type_proto is None or not type_proto.HasField("tensor_type"):
+            return None
+        tensor = type_proto.tensor_type
+        if not tensor.HasField("shape"):
+            return None
+        return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+
+    def rank(self, name: str, node: Optional[onnx.NodeProto] = None) -> int:
+        """The rank of ``name``.
+
+        Raises:
+            UnsupportedOperatorError: the rank is unknown (the rule cannot be applied).
+        """
+        shape = self.shape(name)
+        if shape is None:
+            from normgrad.graphs.rules import UnsupportedOperatorError
+
+            where = f" (input of {_describe(node)})" if node is not None else ""
+            raise UnsupportedOperatorError(f"the rank of '{name}'{where} is unknown; shape inference could not find it")
+        return len(shape)
+
+    def static_shape(self, name: str) -> Optional[List[int]]:
+        """The shape of ``name`` if every dim is a known int, else None."""
+        shape = self.shape(name)
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        return shape
+
+    def constant(self, name: str) -> Optional[np.ndarray]:
+        """The value of ``name`` if it is an initializer or a Constant node's output."""
+        return self._constants.get(name)
+
+    def type_of(self, name: str) -> Optional[onnx.TypeProto]:
+        """The TypeProto of forward value ``name``."""
+        return self._types.get(name)
+
+    # ------------------------------------------------------------------- node emission
+    def scope(self, node: Union[onnx.NodeProto, str]) -> None:
+        """Sets the name prefix of the values emitted next: ``node``'s gradient, or a given prefix."""
+        self._scope = node if isinstance(node, str) else f"grad/{node.name or node.op_type}"
+        self._counter = 0
+
+    def fresh(self, hint: str = "t") -> str:
+        """A value name unused in the graph."""
+        while True:
+            self._counter += 1
+            name = f"{self._scope}/{hint}_{self._counter}"
+            if name not in self._used:
+                self._used.add(name)
+                return name
+
+    def reserve(self, name: str) -> str:
+        """Reserves ``name`` (or ``name`` with a numeric suffix, if taken) and returns it."""
+        candidate, k = name, 0
+        while candidate in self._used:
+            k += 1
+            candidate = f"{name}_{k}"
+        self._used.add(candidate)
+        return candidate
+
+    def op(self, op_type: str, *inputs: Optional[str], outputs: int = 1, domain: str = "", **attrs):
+        """Emits one node and returns its output name (or the list of them if ``outputs > 1``).
+
+        ``outputs`` may also be a list of names (empty string for an omitted output).
+        """
+        if isinstance(outputs, int):
+            names = [self.fresh(op_type.lower()) for _ in range(outputs)]
+        else:
+            names = list(outputs)
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = oh.make_node(
+            op_type,
+            [i or "" for i in inputs],
+            names,
+            name=self.fresh(f"{op_type}_node"),
+            domain=domain,
+            **attrs,
+        )
+        self.nodes.append(node)
+        return names[0] if len(names) == 1 else names
+
+    def ints(self, values: Iterable[int]) -> str:
+        """An int64 1-D Constant."""
+        return self.op("Constant", value=onh.from_array(np.asarray(list(values), np.int64)))
+
+    def scalar(self, value: float, like: str) -> str:
+        """A scalar Constant with the element type of forward value ``like``."""
+        elem_type = self.elem_type(like)
+        if elem_type is None:
+            return self.op("CastLike", self.scalar(value, ""), like) if like else self._float_const(value, 1)
+        return self._float_const(value, elem_type)
+
+    def _float_const(self, value: float, elem_type: int) -> str:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        return self.op("Constant", value=onh.from_array(np.asarray(value, dtype=dtype)))
+
+    def shape_of(self, name: str, start: Optional[int] = None, end: Optional[int] = None) -> str:
+        """The runtime shape of ``name`` (``Shape`` with start/end)."""
+        return self.op("Shape", name, start=start, end=end)
+
+    def reshape_like(self, value: str, like: str) -> str:
+        """``value`` reshaped to the runtime shape of ``like``."""
+        return self.op("Reshape", value, self.shape_of(like))
+
+    def sum_all(self, values: Sequence[str]) -> str:
+        """The sum of ``values`` (itself if there is one)."""
+        return values[0] if len(values) == 1 else self.op("Sum", *values)
+
+    def reduce(self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool) -> str:
+        """A Reduce* node over ``axes`` (None: all axes), written for the context's opset."""
+        if axes is None:
+            return self.op(op_type, value, keepdims=int(keepdims))
+        axes_as_input = op_type == "ReduceSum" or self.opset >= 18
+        if axes_as_input:
+            return self.op(op_type, value, self.ints(axes), keepdims=int(keepdims))
+        return self.op(op_type, value, keepdims=int(keepdims), axes=list(axes))
+
+    def unsqueeze(self, value: str, axes: Sequence[int]) -> str:
+        """``Unsqueeze`` with constant axes."""
+        return self.op("Unsqueeze", value, self.ints(axes))
+
+    def transpose_last_two(self, value: str, rank: int) -> str:
+        """``value`` with its last two axes swapped."""
+        perm = list(range(rank))
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+        return self.op("Transpose", value, perm=perm)
+
+    def sum_to(self, grad: str, grad_like: str, target: str) -> str:
+        """Sums ``grad`` (shaped like ``grad_like``) over the axes along which ``target`` was broadcast.
+
+        Uses static shapes when they decide the axes and a runtime computation otherwise.
+        """
+        out_shape, in_shape = self.shape(grad_like), self.shape(target)
+        if out_shape is not None and in_shape is not None and len(in_shape) <= len(out_shape):
+            lead = len(out_shape) - len(in_shape)
+            axes, decided = [], True
+            for i, dim in enumerate(in_shape):
+                out_dim = out_shape[lead + i]
+                if dim == 1:
+                    if out_dim != 1:
+                        axes.append(lead + i)  # summing a size-1 axis is harmless
+                elif not isinstance(dim, int) and (dim is None or dim != out_dim):
+                    decided = False  # could be 1 at run time
+            if decided:
+                if axes:
+                    grad = self.reduce("ReduceSum", grad, axes, keepdims=True)
+                if lead:
+                    grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=False)
+                return grad
+        return self.sum_to_runtime(grad, target)
+
+    def sum_to_runtime(self, grad: str, target: str) -> str:
+        """``grad`` summed to the runtime shape of ``target`` (broadcast axes found at run time)."""
+        grad_shape = self.shape_of(grad)
+        target_shape = self.shape_of(target)
+        pad_len = self.op("Sub", self.op("Size", grad_shape), self.op("Size", target_shape))
+        pad = self.op(
+            "ConstantOfShape",
+            self.unsqueeze(pad_len, [0]),
+            value=onh.from_array(np.ones(1, np.int64)),
+        )
+        padded = self.op("Concat", pad, target_shape, axis=0)
+        one = self.op("Constant", value=onh.from_array(np.asarray(1, np.int64)))
+        broadcast = self.op("And", self.op("Equal", padded, one), self.op("Not", self.op("Equal", grad_shape, one)))
+        axes = self.op("Reshape", self.op("NonZero", broadcast), self.ints([-1]))
+        summed = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", summed, target_shape)
+
+    def zeros_like(self, name: str) -> str:
+        """A tensor of zeros with the runtime shape and dtype of forward value ``name``."""
+        zero = self.scalar(0.0, name)
+        return self.op("Expand", zero, self.shape_of(name))
+
+    def ensure_output(self, node: onnx.NodeProto, index: int, hint: str) -> str:
+        """The name of forward ``node``'s output ``index``, adding the output if it is omitted."""
+        while len(node.output) <= index:
+            node.output.append("")
+        if not node.output[index]:
+            node.output[index] = self.reserve(f"{node.name or node.op_type}/{hint}")
+        return node.output[index]
+
+
+def _constant_value(node: onnx.NodeProto) -> Optional[np.ndarray]:
+    attr = node.attribute[0]
+    if attr.name == "value":
+        return onh.to_array(attr.t)
+    if attr.name == "value_ints":
+        return np.asarray(list(attr.ints), np.int64)
+    if attr.name == "value_int":
+        return np.asarray(attr.i, np.int64)
+    if attr.name == "value_floats":
+        return np.asarray(list(attr.floats), np.float32)
+    if attr.name == "value_float":
+        return np.asarray(attr.f, np.float32)
+    return None
+
+
+def _describe(node: Optional[onnx.NodeProto]) -> str:
+    if node is None:
+        return "?"
+    return f"{node.op_type} node '{node.name}'" if node.name else f"{node.op_type} node producing '{node.output[0]}'"
+
+
+def describe(node: onnx.NodeProto) -> str:
+    """A human-readable reference to ``node`` for error messages."""
+    return _describe(node)

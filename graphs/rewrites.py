@@ -1,0 +1,112 @@
+"""Forward-graph rewrites applied before differentiation, where the version converter alone
+would produce a wrong or rejected model.
+
+* BatchNormalization before opset 14 chose training mode by its number of outputs; the
+  converter neither accepts the saved mean/var outputs nor sets ``training_mode``.
+* GroupNormalization-18 (scale and bias per group) is deprecated, so ``onnx.checker``
+  rejects it, and the converter turns it into GroupNormalization-21 (per channel) without
+  expanding scale and bias. We expand them in the graph (Reshape/Expand, which the
+  gradient flows back through) and convert to opset 21.
+"""
+
+from __future__ import annotations
+
+from typing import Set
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import onnx.version_converter
+
+from normgrad.graphs.context import describe
+
+__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset"]
+
+GROUP_NORM_PER_CHANNEL_OPSET = 21
+
+
+def _unique(graph: onnx.GraphProto, hint: str) -> str:
+    names = {n for node in graph.node for n in list(node.input) + list(node.output)}
+    names |= {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    k = 0
+    while f"{hint}_{k}" in names:
+        k += 1
+    return f"{hint}_{k}"
+
+
+def _batch_norm_training_outputs(graph: onnx.GraphProto) -> Set[str]:
+    """Y of every pre-14 BatchNormalization in training mode; drops unread saved mean/var."""
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    training = set()
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or len([o for o in node.output if o]) <= 1:
+            continue
+        if len(node.output) > 3:
+            if any(name in used for name in node.output[3:]):
+                raise ValueError(f"{describe(node)}: its saved mean/variance outputs are used; opset 14+ has no equivalent")
+            del node.output[3:]
+        training.add(node.output[0])
+    return training
+
+
+def _per_channel(graph: onnx.GraphProto, nodes: list, node: onnx.NodeProto, index: int, groups: int) -> str:
+    """Emits nodes expanding GroupNormalization-18 input ``index`` ([G]) to [C]."""
+    tag = _unique(graph, f"{node.name or 'GroupNormalization'}/per_channel_{index}")
+
+    def const(values) -> str:
+        name = f"{tag}/c{len(nodes)}"
+        nodes.append(oh.make_node("Constant", [], [name], value=onh.from_array(np.asarray(values, np.int64))))
+        return name
+
+    def emit(op_type: str, *inputs: str, **attrs) -> str:
+        name = f"{tag}/{op_type.lower()}{len(nodes)}"
+        nodes.append(oh.make_node(op_type, list(inputs), [name], **attrs))
+        return name
+
+    channels = emit("Shape", node.input[0], start=1, end=2)
+    per_group = emit("Div", channels, const([groups]))
+    column = emit("Reshape", node.input[index], const([groups, 1]))
+    expanded = emit("Expand", column, emit("Concat", const([groups]), per_group, axis=0))
+    return emit("Reshape", expanded, const([-1]))
+
+
+def _expand_group_norm_18(graph: onnx.GraphProto) -> None:
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "GroupNormalization":
+            groups = next(oh.get_attribute_value(a) for a in node.attribute if a.name == "num_groups")
+            scale = _per_channel(graph, nodes, node, 1, groups)
+            bias = _per_channel(graph, nodes, node, 2, groups)
+            node.input[1], node.input[2] = scale, bias
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.ModelProto:
+    """``model`` (default-domain ``opset``) converted to at least opset ``needed``.
+
+    Returns ``model`` itself when nothing needs converting.
+
+    Raises:
+        ValueError: the version converter fails.
+    """
+    graph = model.graph
+    if 18 <= opset < GROUP_NORM_PER_CHANNEL_OPSET and any(n.op_type == "GroupNormalization" for n in graph.node):
+        _expand_group_norm_18(graph)
+        needed = max(needed, GROUP_NORM_PER_CHANNEL_OPSET)
+    if opset >= needed:
+        return model
+    training = _batch_norm_training_outputs(graph) if opset < 14 else set()
+    try:
+        converted = onnx.version_converter.convert_version(model, needed)
+    except Exception as error:  # the converter raises bare RuntimeErrors
+        raise ValueError(f"cannot convert the model from opset {opset} to {needed}: {error}") from error
+    for node in converted.graph.node:
+        if node.op_type == "BatchNormalization" and node.output[0] in training:
+            for attr in list(node.attribute):
+                if attr.name == "training_mode":
+                    node.attribute.remove(attr)
+            node.attribute.append(oh.make_attribute("training_mode", 1))
+    return converted

@@ -1,0 +1,119 @@
+"""The gradient rules: one module per forward op (or small family), and their registry.
+
+A rule module calls :func:`register` for each op type it handles. A rule's ``gradient``
+function receives the :class:`~normgrad.graphs.context.GradientContext`, the forward node
+and the gradient of each of the node's outputs (a value name, or None where no gradient
+flows), emits backward nodes through the context and returns the gradient of each input
+(None where none is computed). Only inputs listed as differentiable ever receive one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import onnx
+
+__all__ = ["Rule", "register", "lookup", "supported_op_types", "UnsupportedOperatorError"]
+
+GradientFn = Callable[..., Sequence[Optional[str]]]
+IndexSpec = Union[Tuple[int, ...], Callable[..., Tuple[int, ...]], None]
+
+
+class UnsupportedOperatorError(NotImplementedError):
+    """A gradient must flow through an operator (or a variant of one) that no rule handles."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How to differentiate one op type.
+
+    Attributes:
+        op_type: the forward op type (default domain).
+        gradient: ``gradient(ctx, node, output_grads) -> input_grads``.
+        inputs: indices of the differentiable inputs; None for all of them, or a callable
+            ``(ctx, node) -> tuple`` when it depends on the node.
+        outputs: indices of the outputs whose gradient the rule reads; None for all.
+        min_opset: the lowest default-domain opset the emitted backward nodes need.
+    """
+
+    op_type: str
+    gradient: Optional[GradientFn]
+    inputs: IndexSpec = (0,)
+    outputs: Optional[Tuple[int, ...]] = None
+    min_opset: int = 15
+
+    def differentiable_inputs(self, ctx, node: onnx.NodeProto) -> Tuple[int, ...]:
+        """The indices of ``node``'s inputs a gradient can flow to."""
+        if self.gradient is None:
+            return ()
+        if self.inputs is None:
+            indices = tuple(range(len(node.input)))
+        elif callable(self.inputs):
+            indices = tuple(self.inputs(ctx, node))
+        else:
+            indices = self.inputs
+        return tuple(i for i in indices if i < len(node.input) and node.input[i])
+
+    def differentiable_outputs(self, node: onnx.NodeProto) -> Tuple[int, ...]:
+        """The indices of ``node``'s outputs whose gradient the rule uses."""
+        indices = range(len(node.output)) if self.outputs is None else self.outputs
+        return tuple(i for i in indices if i < len(node.output) and node.output[i])
+
+
+_RULES: Dict[str, Rule] = {}
+
+
+def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: int = 15):
+    """Decorator registering ``gradient`` as the rule of each of ``op_types``.
+
+    Args:
+        op_types: default-domain op types.
+        inputs: differentiable inputs (see :class:`Rule`).
+        outputs: outputs whose gradient the rule reads (see :class:`Rule`).
+        min_opset: lowest opset the backward nodes need.
+    """
+
+    def decorate(gradient: GradientFn) -> GradientFn:
+        for op_type in op_types:
+            if op_type in _RULES:
+                raise ValueError(f"two gradient rules for {op_type}")
+            _RULES[op_type] = Rule(op_type, gradient, inputs, outputs, min_opset)
+        return gradient
+
+    return decorate
+
+
+def register_non_differentiable(*op_types: str) -> None:
+    """Declares ``op_types`` as having no gradient to any input (shape queries, comparisons)."""
+    for op_type in op_types:
+        _RULES[op_type] = Rule(op_type, None, ())
+
+
+def lookup(node: onnx.NodeProto) -> Optional[Rule]:
+    """The rule of ``node``, or None if its op type has none."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    return _RULES.get(node.op_type)
+
+
+def supported_op_types() -> Dict[str, bool]:
+    """Every op type with a rule, mapped to whether it is differentiable."""
+    return {op_type: rule.gradient is not None for op_type, rule in sorted(_RULES.items())}
+
+
+# Importing the rule modules registers their rules.
+from normgrad.graphs.rules import (  # noqa: E402,F401
+    activations,
+    batch_norm,
+    concat,
+    conv,
+    elementwise,
+    gemm,
+    group_norm,
+    matmul,
+    non_differentiable,
+    pool,
+    reduce,
+    shape,
+)

@@ -1,0 +1,107 @@
+"""Elementwise activations and unary math: dx as a function of x, y and dy.
+
+Relu, LeakyRelu, Elu, Sigmoid, HardSigmoid, HardSwish, Softplus, Tanh, Exp, Log, Sqrt,
+Reciprocal, Neg, Abs, Erf, Clip (gradient to the data only), Softmax and LogSoftmax.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import onnx
+import onnx.helper as oh
+
+from normgrad.graphs.context import GradientContext
+from normgrad.graphs.rules import register
+
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient"]
+
+UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    for attr in node.attribute:
+        if attr.name == name:
+            return oh.get_attribute_value(attr)
+    return default
+
+
+def _where_positive(ctx: GradientContext, x: str, then: str, otherwise: str) -> str:
+    return ctx.op("Where", ctx.op("Greater", x, ctx.scalar(0.0, x)), then, otherwise)
+
+
+def _hard_sigmoid_slope(ctx: GradientContext, x: str, alpha: float, beta: float) -> str:
+    """alpha where 0 < alpha * x + beta < 1, else 0 (the derivative of HardSigmoid)."""
+    z = ctx.op("Add", ctx.op("Mul", x, ctx.scalar(alpha, x)), ctx.scalar(beta, x))
+    inside = ctx.op("And", ctx.op("Greater", z, ctx.scalar(0.0, x)), ctx.op("Less", z, ctx.scalar(1.0, x)))
+    return ctx.op("Where", inside, ctx.scalar(alpha, x), ctx.scalar(0.0, x))
+
+
+def _clip(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -> str:
+    inside = None
+    for index, compare in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
+        if len(node.input) > index and node.input[index]:
+            test = ctx.op(compare, x, node.input[index])
+            inside = test if inside is None else ctx.op("And", inside, test)
+    return dy if inside is None else ctx.op("Where", inside, dy, ctx.scalar(0.0, x))
+
+
+def _one_minus(ctx: GradientContext, value: str, like: str) -> str:
+    return ctx.op("Sub", ctx.scalar(1.0, like), value)
+
+
+UNARY_GRADIENTS: Dict[str, UnaryFn] = {
+    "Relu": lambda ctx, node, x, y, dy: _where_positive(ctx, x, dy, ctx.scalar(0.0, x)),
+    "LeakyRelu": lambda ctx, node, x, y, dy: _where_positive(
+        ctx, x, dy, ctx.op("Mul", dy, ctx.scalar(_attr(node, "alpha", 0.01), x))
+    ),
+    "Elu": lambda ctx, node, x, y, dy: _where_positive(
+        ctx, x, dy, ctx.op("Mul", dy, ctx.op("Add", y, ctx.scalar(_attr(node, "alpha", 1.0), x)))
+    ),
+    "Sigmoid": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Mul", y, _one_minus(ctx, y, x))),
+    "HardSigmoid": lambda ctx, node, x, y, dy: ctx.op(
+        "Mul", dy, _hard_sigmoid_slope(ctx, x, _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5))
+    ),
+    "HardSwish": lambda ctx, node, x, y, dy: ctx.op(
+        "Mul",
+        dy,
+        ctx.op(
+            "Add",
+            ctx.op("HardSigmoid", x, alpha=1 / 6, beta=0.5),
+            ctx.op("Mul", x, _hard_sigmoid_slope(ctx, x, 1 / 6, 0.5)),
+        ),
+    ),
+    "Softplus": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Sigmoid", x)),
+    "Tanh": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, _one_minus(ctx, ctx.op("Mul", y, y), x)),
+    "Exp": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, y),
+    "Log": lambda ctx, node, x, y, dy: ctx.op("Div", dy, x),
+    "Sqrt": lambda ctx, node, x, y, dy: ctx.op("Div", dy, ctx.op("Add", y, y)),
+    "Reciprocal": lambda ctx, node, x, y, dy: ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Mul", y, y))),
+    "Neg": lambda ctx, node, x, y, dy: ctx.op("Neg", dy),
+    "Abs": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Sign", x)),
+    "Erf": lambda ctx, node, x, y, dy: ctx.op(
+        "Mul",
+        dy,
+        ctx.op("Mul", ctx.scalar(2 / math.sqrt(math.pi), x), ctx.op("Exp", ctx.op("Neg", ctx.op("Mul", x, x)))),
+    ),
+    "Clip": _clip,
+}
+
+
+@register(*UNARY_GRADIENTS)
+def unary_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """dx of an elementwise activation from the table :data:`UNARY_GRADIENTS`."""
+    return [UNARY_GRADIENTS[node.op_type](ctx, node, node.input[0], node.output[0], grads[0])]
+
+
+@register("Softmax", "LogSoftmax")
+def softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """Softmax: y * (dy - sum(dy * y)); LogSoftmax: dy - exp(y) * sum(dy), sums along ``axis``."""
+    y, dy = node.output[0], grads[0]
+    axis = _attr(node, "axis", -1)
+    if node.op_type == "Softmax":
+        total = ctx.reduce("ReduceSum", ctx.op("Mul", dy, y), [axis], keepdims=True)
+        return [ctx.op("Mul", y, ctx.op("Sub", dy, total))]
+    total = ctx.reduce("ReduceSum", dy, [axis], keepdims=True)
+    return [ctx.op("Sub", dy, ctx.op("Mul", ctx.op("Exp", y), total))]

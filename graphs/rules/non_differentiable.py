@@ -1,0 +1,38 @@
+"""Ops no gradient flows through (shape queries, comparisons, integer outputs) and Cast.
+
+A float value feeding one of these ops contributes nothing to the gradient along that
+path; the step functions (Sign, Floor, Ceil, Round) have derivative zero almost everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import onnx
+import onnx.helper as oh
+
+from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext
+from normgrad.graphs.rules import register, register_non_differentiable
+
+__all__ = ["NON_DIFFERENTIABLE", "cast_gradient"]
+
+NON_DIFFERENTIABLE = (
+    "Shape", "Size", "Constant", "ConstantOfShape", "EyeLike", "Range", "Equal", "Greater", "GreaterOrEqual",
+    "Less", "LessOrEqual", "Not", "And", "Or", "Xor", "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf",
+    "Sign", "Floor", "Ceil", "Round", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+    "Bernoulli", "Multinomial", "OneHot",
+)
+
+register_non_differentiable(*NON_DIFFERENTIABLE)
+
+
+def _float_to_float(ctx: GradientContext, node: onnx.NodeProto) -> Tuple[int, ...]:
+    source = ctx.elem_type(node.input[0])
+    target = next(oh.get_attribute_value(a) for a in node.attribute if a.name == "to")
+    return (0,) if source in FLOAT_ELEM_TYPES and target in FLOAT_ELEM_TYPES else ()
+
+
+@register("Cast", inputs=_float_to_float)
+def cast_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """A float-to-float Cast passes dy back cast to the input's type; other Casts stop it."""
+    return [ctx.op("CastLike", grads[0], node.input[0])]

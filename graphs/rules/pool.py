@@ -1,0 +1,72 @@
+"""AveragePool and MaxPool.
+
+AveragePool: each channel is a one-channel ConvTranspose of dy (divided by the window
+counts) with a kernel of ones. MaxPool: dy scattered (summed) to the positions the
+forward node's Indices output names.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+
+from normgrad.graphs.context import GradientContext, describe
+from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules._window import window_of
+
+__all__ = ["average_pool_gradient", "max_pool_gradient"]
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    return next((oh.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+@register("AveragePool")
+def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """dx = ConvTranspose(dy / count, ones) per channel."""
+    x, dy = node.input[0], grads[0]
+    window = window_of(ctx, node)
+    geometry = dict(strides=window.strides, dilations=window.dilations, pads=window.pads)
+    ones = ctx.op(
+        "CastLike",
+        ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, np.float32))),
+        x,
+    )
+    if _attr(node, "count_include_pad", 0) or not any(window.pads):
+        dy = ctx.op("Div", dy, ctx.scalar(float(np.prod(window.kernel)), x))
+    else:
+        plane = ctx.op(
+            "ConstantOfShape",
+            ctx.ints([1, 1] + window.in_sizes),
+            value=onh.from_array(np.ones(1, np.float32)),
+        )
+        counts = ctx.op("Conv", ctx.op("CastLike", plane, x), ones, **geometry)
+        dy = ctx.op("Div", dy, counts)
+    channels = ctx.op("Concat", ctx.ints([-1, 1]), ctx.shape_of(dy, start=2), axis=0)
+    planes = ctx.op("Reshape", dy, channels)
+    dx = ctx.op("ConvTranspose", planes, ones, output_padding=window.output_padding, kernel_shape=window.kernel, **geometry)
+    return [ctx.reshape_like(dx, x)]
+
+
+@register("MaxPool", outputs=(0,), min_opset=16)
+def max_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """ScatterElements(zeros, Indices, dy, reduction='add'), Indices from the forward node."""
+    if _attr(node, "storage_order", 0):
+        raise UnsupportedOperatorError(f"{describe(node)}: MaxPool with storage_order=1 is not supported")
+    x = node.input[0]
+    indices = ctx.ensure_output(node, 1, "indices")
+    flat = ctx.ints([-1])
+    zeros = ctx.op("Reshape", ctx.zeros_like(x), flat)
+    scattered = ctx.op(
+        "ScatterElements",
+        zeros,
+        ctx.op("Reshape", indices, flat),
+        ctx.op("Reshape", grads[0], flat),
+        axis=0,
+        reduction="add",
+    )
+    return [ctx.reshape_like(scattered, x)]

@@ -1,0 +1,262 @@
+"""Each gradient rule alone against float64 central finite differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+
+from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+from normgrad.tools.check import check_gradients
+
+from _graph_models import model, weights
+
+TOLERANCE = 1e-4
+
+
+def _check(forward: onnx.ModelProto, tolerance: float = TOLERANCE, **kwargs) -> None:
+    training = build_training_graph(forward, **kwargs)
+    checks = check_gradients(training, directions=2)
+    assert checks, "no gradient outputs"
+    worst = max(checks, key=lambda c: c.error)
+    assert worst.error < tolerance, worst
+
+
+def _node(op_type, inputs, **attrs):
+    return oh.make_node(op_type, list(inputs), ["y"], **attrs)
+
+
+UNARY = ["Relu", "Sigmoid", "Tanh", "Exp", "Neg", "Abs", "Softplus", "Identity"]
+
+
+@pytest.mark.parametrize("op_type", UNARY)
+def test_unary(op_type):
+    _check(model([_node(op_type, ["x"])], {"x": (3, 4)}, ["y"]))
+
+
+def test_erf():
+    """Against the closed form: onnx's reference Erf is an approximation without scipy."""
+    import math
+
+    import onnxruntime as ort
+
+    training = build_training_graph(model([_node("Erf", ["x"])], {"x": (3, 4)}, ["y"]))
+    x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
+    dy = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    session = ort.InferenceSession(training.SerializeToString())
+    _, grad = session.run(None, {"x": x, "y_grad": dy})
+    np.testing.assert_allclose(grad, dy * 2 / math.sqrt(math.pi) * np.exp(-x.astype(np.float64) ** 2), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "op_type, attrs",
+    [("LeakyRelu", {"alpha": 0.2}), ("Elu", {"alpha": 0.7}), ("HardSigmoid", {}), ("HardSwish", {}),
+     ("Softmax", {"axis": 1}), ("LogSoftmax", {"axis": -1}), ("Softmax", {"axis": 0})],
+)
+def test_activation_with_attributes(op_type, attrs):
+    _check(model([_node(op_type, ["x"], **attrs)], {"x": (3, 4, 2)}, ["y"]))
+
+
+@pytest.mark.parametrize("op_type", ["Log", "Sqrt", "Reciprocal"])
+def test_unary_positive_domain(op_type):
+    nodes = [oh.make_node("Exp", ["x"], ["e"]), oh.make_node(op_type, ["e"], ["y"])]
+    _check(model(nodes, {"x": (3, 4)}, ["y"]))
+
+
+def test_clip():
+    params = {"lo": np.array(-0.5, np.float32), "hi": np.array(0.7, np.float32)}
+    forward = model([_node("Clip", ["x", "lo", "hi"])], {"x": (4, 5)}, ["y"], params)
+    training = build_training_graph(forward)
+    assert [o.name for o in training.graph.output] == ["y", "x_grad"]
+    _check(forward)
+
+
+@pytest.mark.parametrize("op_type", ["Add", "Sub", "Mul", "Div", "Pow"])
+@pytest.mark.parametrize("shape_a, shape_b", [((2, 3, 4), (2, 3, 4)), ((2, 3, 4), (4,)), ((3, 1), (2, 1, 4)), ((1, 3, 1), ())])
+def test_broadcasting_binary(op_type, shape_a, shape_b):
+    nodes = [_node(op_type, ["a", "b"])]
+    if op_type in ("Div", "Pow"):  # keep the divisor / base away from zero
+        nodes = [oh.make_node("Exp", ["a"], ["ea"]), oh.make_node("Exp", ["b"], ["eb"]), _node(op_type, ["ea", "eb"])]
+    _check(model(nodes, {"a": shape_a, "b": shape_b}, ["y"]))
+
+
+def test_value_used_twice_sums_gradients():
+    nodes = [oh.make_node("Mul", ["x", "x"], ["sq"]), oh.make_node("Add", ["sq", "x"], ["y"])]
+    _check(model(nodes, {"x": (3, 4)}, ["y"]))
+
+
+@pytest.mark.parametrize("trans_a, trans_b, alpha, beta, c_shape", [
+    (0, 0, 1.0, 1.0, (5,)), (1, 0, 0.5, 2.0, (3, 5)), (0, 1, 1.5, 0.5, (1, 5)), (1, 1, 1.0, 1.0, (3, 1)),
+])
+def test_gemm(trans_a, trans_b, alpha, beta, c_shape):
+    a_shape = (4, 3) if trans_a else (3, 4)
+    b_shape = (5, 4) if trans_b else (4, 5)
+    params = weights(0, b=b_shape, c=c_shape)
+    node = _node("Gemm", ["a", "b", "c"], transA=trans_a, transB=trans_b, alpha=alpha, beta=beta)
+    _check(model([node], {"a": a_shape}, ["y"], params))
+
+
+@pytest.mark.parametrize("shape_a, shape_b", [
+    ((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (3, 4, 2)), ((4,), (2, 4, 3)), ((2, 3, 4), (4,)), ((4,), (4,)),
+])
+def test_matmul(shape_a, shape_b):
+    _check(model([_node("MatMul", ["a", "b"])], {"a": shape_a, "b": shape_b}, ["y"]))
+
+
+@pytest.mark.parametrize("attrs, w_shape, x_shape", [
+    ({}, (4, 3, 3, 3), (2, 3, 6, 6)),
+    ({"pads": [1, 1, 1, 1], "strides": [2, 2]}, (4, 3, 3, 3), (2, 3, 7, 6)),
+    ({"dilations": [2, 1], "pads": [2, 0, 1, 1]}, (2, 3, 3, 2), (1, 3, 7, 5)),
+    ({"group": 2, "strides": [2, 1]}, (4, 2, 3, 3), (2, 4, 6, 5)),
+    ({"group": 3, "pads": [1, 1, 1, 1]}, (3, 1, 3, 3), (2, 3, 5, 5)),  # depthwise
+    ({"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (2, 3, 3, 3), (1, 3, 6, 7)),
+    ({"auto_pad": "SAME_LOWER"}, (2, 3, 2, 2), (1, 3, 5, 5)),
+    ({"auto_pad": "VALID", "strides": [3, 3]}, (2, 3, 2, 2), (1, 3, 8, 7)),
+    ({"strides": [2]}, (2, 3, 3), (2, 3, 9)),  # 1-D
+    ({"pads": [1, 0, 1, 1, 0, 1]}, (2, 1, 2, 2, 2), (1, 1, 3, 4, 3)),  # 3-D
+])
+def test_conv(attrs, w_shape, x_shape):
+    params = weights(1, w=w_shape, b=(w_shape[0],))
+    _check(model([_node("Conv", ["x", "w", "b"], **attrs)], {"x": x_shape}, ["y"], params))
+
+
+@pytest.mark.parametrize("op_type, attrs", [
+    ("AveragePool", {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    ("AveragePool", {"kernel_shape": [3, 2], "pads": [1, 0, 1, 1], "strides": [2, 1]}),
+    ("MaxPool", {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+    ("GlobalAveragePool", {}),
+])
+def test_pool(op_type, attrs):
+    _check(model([_node(op_type, ["x"], **attrs)], {"x": (2, 3, 6, 5)}, ["y"]))
+
+
+@pytest.mark.parametrize("op_type, axes, keepdims", [
+    ("ReduceSum", [1], 1), ("ReduceSum", [0, 2], 0), ("ReduceSum", None, 0),
+    ("ReduceMean", [-1], 0), ("ReduceMean", [1, 2], 1), ("ReduceMean", None, 1),
+])
+@pytest.mark.parametrize("opset", [17, 18])
+def test_reduce(op_type, axes, keepdims, opset):
+    inputs, params, attrs = ["x"], {}, {"keepdims": keepdims}
+    if axes is not None and (op_type == "ReduceSum" or opset >= 18):
+        inputs.append("axes")
+        params["axes"] = np.array(axes, np.int64)
+    elif axes is not None:
+        attrs["axes"] = axes
+    _check(model([_node(op_type, inputs, **attrs)], {"x": (2, 3, 4)}, ["y"], params, opset=opset))
+
+
+def test_shape_ops():
+    params = {"shape": np.array([4, -1], np.int64), "axes": np.array([0], np.int64)}
+    nodes = [
+        oh.make_node("Reshape", ["x", "shape"], ["r"]),
+        oh.make_node("Transpose", ["r"], ["t"], perm=[1, 0]),
+        oh.make_node("Unsqueeze", ["t", "axes"], ["u"]),
+        oh.make_node("Flatten", ["u"], ["f"], axis=1),
+        oh.make_node("Squeeze", ["f", "axes"], ["s"]),
+        oh.make_node("Transpose", ["s"], ["y"]),
+    ]
+    _check(model(nodes, {"x": (2, 3, 4)}, ["y"], params))
+
+
+def test_concat_and_expand():
+    params = {"shape": np.array([2, 3, 4], np.int64)}
+    nodes = [
+        oh.make_node("Expand", ["b", "shape"], ["e"]),
+        oh.make_node("Concat", ["a", "e", "a"], ["y"], axis=-1),
+    ]
+    _check(model(nodes, {"a": (2, 3, 2), "b": (3, 1)}, ["y"], params))
+
+
+def test_non_differentiable_shape_path():
+    """Reshape's shape computed from Shape/Gather/Concat carries no gradient."""
+    params = {"idx": np.array([0], np.int64), "minus_one": np.array([-1], np.int64)}
+    nodes = [
+        oh.make_node("Shape", ["x"], ["shp"]),
+        oh.make_node("Gather", ["shp", "idx"], ["n"]),
+        oh.make_node("Concat", ["n", "minus_one"], ["target"], axis=0),
+        oh.make_node("Reshape", ["x", "target"], ["r"]),
+        oh.make_node("Cast", ["r"], ["y"], to=onnx.TensorProto.FLOAT),
+    ]
+    _check(model(nodes, {"x": (2, 3, 4)}, ["y"], params))
+
+
+def test_unused_float_input_gets_zero_gradient():
+    forward = model([_node("Relu", ["x"])], {"x": (2, 3), "unused": (4,)}, ["y"])
+    training = build_training_graph(forward)
+    assert "unused_grad" in [o.name for o in training.graph.output]
+    _check(forward)
+
+
+@pytest.mark.parametrize("training_mode", [0, 1])
+@pytest.mark.parametrize("shape", [(4, 3), (2, 3, 5), (2, 3, 4, 4)])
+def test_batch_norm(training_mode, shape):
+    channels = shape[1]
+    rng = np.random.default_rng(0)
+    params = {
+        "s": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        "t": rng.standard_normal(channels).astype(np.float32),
+        "m": rng.standard_normal(channels).astype(np.float32),
+        "v": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+    }
+    outputs = ["y", "running_mean", "running_var"] if training_mode else ["y"]
+    nodes = [oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], outputs, training_mode=training_mode, epsilon=1e-3)]
+    forward = model(nodes, {"x": shape}, ["y"], params, opset=15)
+    training = build_training_graph(forward)
+    names = {o.name for o in training.graph.output}
+    assert {"x_grad", "s_grad", "t_grad"} <= names and not {"m_grad", "v_grad"} & names
+    _check(forward)
+
+
+@pytest.mark.parametrize("opset", [9, 14])
+def test_batch_norm_older_opsets(opset):
+    rng = np.random.default_rng(0)
+    params = {"s": rng.uniform(0.5, 1.5, 3).astype(np.float32), "t": np.zeros(3, np.float32),
+              "m": np.zeros(3, np.float32), "v": np.ones(3, np.float32)}
+    attrs = {"training_mode": 1} if opset >= 14 else {}
+    outputs = ["y", "running_mean", "running_var"] + ([] if opset >= 14 else ["saved_mean", "saved_var"])
+    nodes = [oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], outputs, **attrs)]
+    forward = model(nodes, {"x": (4, 3, 2)}, ["y"], params, opset=opset)
+    training = build_training_graph(forward)
+    assert training.opset_import[0].version >= 15
+    _check(forward)
+
+
+@pytest.mark.parametrize("opset, groups", [(18, 2), (21, 2), (21, 4), (21, 1)])
+def test_group_norm(opset, groups):
+    channels = 4
+    scale_len = channels if opset >= 21 else groups
+    rng = np.random.default_rng(1)
+    params = {"g": rng.uniform(0.5, 1.5, scale_len).astype(np.float32), "b": rng.standard_normal(scale_len).astype(np.float32)}
+    node = _node("GroupNormalization", ["x", "g", "b"], num_groups=groups, epsilon=1e-4)
+    _check(model([node], {"x": (2, channels, 3, 3)}, ["y"], params, opset=opset))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (2, 3, 4, 4), (1, 2, 2, 3, 2)])
+def test_instance_norm(shape):
+    rng = np.random.default_rng(2)
+    params = {"g": rng.uniform(0.5, 1.5, shape[1]).astype(np.float32), "b": rng.standard_normal(shape[1]).astype(np.float32)}
+    _check(model([_node("InstanceNormalization", ["x", "g", "b"])], {"x": shape}, ["y"], params))
+
+
+def test_unsupported_operator_is_named():
+    params = {"idx": np.array([0, 2], np.int64)}
+    forward = model([oh.make_node("Gather", ["x", "idx"], ["g"], name="pick"), _node("Relu", ["g"])], {"x": (3, 4)}, ["y"], params)
+    with pytest.raises(UnsupportedOperatorError, match="Gather.*pick"):
+        build_training_graph(forward)
+
+
+def test_unsupported_operator_off_the_gradient_path_is_fine():
+    params = {"idx": np.array([0, 2], np.int64)}
+    nodes = [oh.make_node("Gather", ["x", "idx"], ["g"]), oh.make_node("Relu", ["x"], ["y"])]
+    forward = model(nodes, {"x": (3, 4)}, ["y", "g"], params)
+    forward.graph.output.pop()  # g is not an output: dead end
+    _check(forward)
+
+
+def test_broadcasting_with_symbolic_dims():
+    """Broadcast axes that only the run time decides."""
+    _check(model([_node("Mul", ["a", "b"])], {"a": ("N", "C", 4), "b": ("P", 1)}, ["y"]))

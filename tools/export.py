@@ -1,0 +1,38 @@
+"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline]``: write the
+training graph (forward + gradients) of a forward model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import onnx
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``normgrad export``; returns the process exit code."""
+    from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+    from normgrad.graphs.losses import LOSSES
+
+    parser = argparse.ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="forward ONNX model")
+    parser.add_argument("-o", "--output", required=True, help="where to write the training graph")
+    parser.add_argument("--loss", choices=sorted(LOSSES), help="append a loss of the first output (adds a 'labels' input)")
+    parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
+    args = parser.parse_args(argv)
+    try:
+        training = build_training_graph(onnx.load(args.model), loss=args.loss, inline=args.inline)
+    except (UnsupportedOperatorError, ValueError) as error:
+        print(f"normgrad export: {error}", file=sys.stderr)
+        return 1
+    onnx.save(training, args.output)
+    grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
+    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
