@@ -1,0 +1,74 @@
+// Inner loops of the normgrad kernels, one set per instruction set.
+//
+// kernels_avx2.cc (compiled with -mavx2 -mfma -mf16c) and kernels_generic.cc (baseline
+// x86-64 / any CPU) each fill a KernelTable; kernels() (in kernels_generic.cc) picks one
+// at load time with __builtin_cpu_supports; NORMGRAD_KERNELS=generic forces the portable
+// one. Every function works on one contiguous run of n elements and sums in float32 lanes
+// combined in a fixed order, so results do not depend on threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace normgrad {
+
+// Element types, indexed like the tables below.
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNumDTypes = 3 };
+
+struct KernelTable {
+  const char* name;
+  // out[0] += Σ dy, out[1] += Σ dy·(x − mean)            (x, dy of type t)
+  void (*sum_dy_dyxmu[kNumDTypes])(const void* dy, const void* x, size_t n, float mean, double* out);
+  // out[0] += Σ g·dy, out[1] += Σ g·dy·(x − mean)        (x, dy, g of type t)
+  void (*sum_gdy_gdyxmu[kNumDTypes])(const void* dy, const void* x, const void* g, size_t n, float mean,
+                                     double* out);
+  // out = a·dy + b·(x − mean) + d
+  void (*affine[kNumDTypes])(const void* dy, const void* x, void* out, size_t n, float mean, float a, float b,
+                             float d);
+  // out = a·g·dy + b·(x − mean) + d
+  void (*affine_g[kNumDTypes])(const void* dy, const void* x, const void* g, void* out, size_t n, float mean,
+                               float a, float b, float d);
+};
+
+extern const KernelTable kGenericKernels;
+#if defined(__x86_64__) || defined(__i386__)
+extern const KernelTable kAvx2Kernels;
+#endif
+
+// The table for this CPU (AVX2+FMA+F16C when available).
+const KernelTable& kernels();
+
+// Scalar conversions (portable, round-to-nearest-even, NaN-preserving).
+float f16_to_float(uint16_t h);
+uint16_t float_to_f16(float f);
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load_float(DType t, const void* p, size_t i) {
+  switch (t) {
+    case kF32: return static_cast<const float*>(p)[i];
+    case kF16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+inline void store_float(DType t, void* p, size_t i, float v) {
+  switch (t) {
+    case kF32: static_cast<float*>(p)[i] = v; break;
+    case kF16: static_cast<uint16_t*>(p)[i] = float_to_f16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+  }
+}
+inline size_t dtype_size(DType t) { return t == kF32 ? 4 : 2; }
+
+}  // namespace normgrad

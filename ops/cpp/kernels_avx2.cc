@@ -1,0 +1,209 @@
+// AVX2 + FMA + F16C inner loops. This file alone is compiled with -mavx2 -mfma -mf16c;
+// nothing here runs unless __builtin_cpu_supports reported all three (kernels_generic.cc).
+// Everything lives in an anonymous namespace so that no inline function compiled with
+// AVX2 can be picked by the linker for the baseline code.
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace normgrad {
+namespace {
+
+template <int T>
+struct Io;
+
+template <>
+struct Io<kF32> {
+  using S = float;
+  static __m256 load(const S* p) { return _mm256_loadu_ps(p); }
+  static void store(S* p, __m256 v) { _mm256_storeu_ps(p, v); }
+};
+
+template <>
+struct Io<kF16> {
+  using S = uint16_t;
+  static __m256 load(const S* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(S* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+template <>
+struct Io<kBF16> {
+  using S = uint16_t;
+  static __m256 load(const S* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static void store(S* p, __m256 v) {
+    // Round to nearest even; NaNs stay (quiet) NaNs. Both candidates are < 0x10000, so
+    // packus does not saturate.
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7fff)), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i r = _mm256_blendv_epi8(rounded, nan, is_nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+};
+
+// Copies n < 8 elements into a zero-padded block of 8.
+template <int T>
+inline void pad8(const typename Io<T>::S* p, size_t n, typename Io<T>::S* block) {
+  std::memset(block, 0, 8 * sizeof(typename Io<T>::S));
+  std::memcpy(block, p, n * sizeof(typename Io<T>::S));
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);                // 4 lanes
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));       // 2 lanes
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));        // 1 lane
+  return _mm_cvtss_f32(s);
+}
+
+template <int T>
+void sum_dy_dyxmu(const void* dy_, const void* x_, size_t n, float mean, double* out) {
+  using S = typename Io<T>::S;
+  const S* dy = static_cast<const S*>(dy_);
+  const S* x = static_cast<const S*>(x_);
+  const __m256 m = _mm256_set1_ps(mean);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 d0 = Io<T>::load(dy + i), d1 = Io<T>::load(dy + i + 8);
+    __m256 d2 = Io<T>::load(dy + i + 16), d3 = Io<T>::load(dy + i + 24);
+    __m256 x0 = _mm256_sub_ps(Io<T>::load(x + i), m), x1 = _mm256_sub_ps(Io<T>::load(x + i + 8), m);
+    __m256 x2 = _mm256_sub_ps(Io<T>::load(x + i + 16), m), x3 = _mm256_sub_ps(Io<T>::load(x + i + 24), m);
+    a0 = _mm256_add_ps(a0, d0);
+    a1 = _mm256_add_ps(a1, d1);
+    a2 = _mm256_add_ps(a2, d2);
+    a3 = _mm256_add_ps(a3, d3);
+    b0 = _mm256_fmadd_ps(d0, x0, b0);
+    b1 = _mm256_fmadd_ps(d1, x1, b1);
+    b2 = _mm256_fmadd_ps(d2, x2, b2);
+    b3 = _mm256_fmadd_ps(d3, x3, b3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 d = Io<T>::load(dy + i);
+    a0 = _mm256_add_ps(a0, d);
+    b0 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(x + i), m), b0);
+  }
+  if (i < n) {
+    S bd[8], bx[8];
+    pad8<T>(dy + i, n - i, bd);
+    pad8<T>(x + i, n - i, bx);
+    __m256 d = Io<T>::load(bd);  // padding is dy = 0: adds nothing to either sum
+    a1 = _mm256_add_ps(a1, d);
+    b1 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(bx), m), b1);
+  }
+  out[0] += hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  out[1] += hsum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+}
+
+template <int T>
+void sum_gdy_gdyxmu(const void* dy_, const void* x_, const void* g_, size_t n, float mean, double* out) {
+  using S = typename Io<T>::S;
+  const S* dy = static_cast<const S*>(dy_);
+  const S* x = static_cast<const S*>(x_);
+  const S* g = static_cast<const S*>(g_);
+  const __m256 m = _mm256_set1_ps(mean);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 d0 = _mm256_mul_ps(Io<T>::load(dy + i), Io<T>::load(g + i));
+    __m256 d1 = _mm256_mul_ps(Io<T>::load(dy + i + 8), Io<T>::load(g + i + 8));
+    a0 = _mm256_add_ps(a0, d0);
+    a1 = _mm256_add_ps(a1, d1);
+    b0 = _mm256_fmadd_ps(d0, _mm256_sub_ps(Io<T>::load(x + i), m), b0);
+    b1 = _mm256_fmadd_ps(d1, _mm256_sub_ps(Io<T>::load(x + i + 8), m), b1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 d = _mm256_mul_ps(Io<T>::load(dy + i), Io<T>::load(g + i));
+    a0 = _mm256_add_ps(a0, d);
+    b0 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(x + i), m), b0);
+  }
+  if (i < n) {
+    S bd[8], bx[8], bg[8];
+    pad8<T>(dy + i, n - i, bd);
+    pad8<T>(x + i, n - i, bx);
+    pad8<T>(g + i, n - i, bg);
+    __m256 d = _mm256_mul_ps(Io<T>::load(bd), Io<T>::load(bg));
+    a1 = _mm256_add_ps(a1, d);
+    b1 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(bx), m), b1);
+  }
+  out[0] += hsum(_mm256_add_ps(a0, a1));
+  out[1] += hsum(_mm256_add_ps(b0, b1));
+}
+
+template <int T>
+void affine(const void* dy_, const void* x_, void* out_, size_t n, float mean, float a, float b, float d) {
+  using S = typename Io<T>::S;
+  const S* dy = static_cast<const S*>(dy_);
+  const S* x = static_cast<const S*>(x_);
+  S* out = static_cast<S*>(out_);
+  const __m256 m = _mm256_set1_ps(mean), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vd = _mm256_set1_ps(d);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 r0 = _mm256_fmadd_ps(va, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd));
+    __m256 r1 = _mm256_fmadd_ps(va, Io<T>::load(dy + i + 8),
+                                _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i + 8), m), vd));
+    Io<T>::store(out + i, r0);
+    Io<T>::store(out + i + 8, r1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    Io<T>::store(out + i, _mm256_fmadd_ps(va, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd)));
+  }
+  if (i < n) {
+    S bd[8], bx[8], bo[8];
+    pad8<T>(dy + i, n - i, bd);
+    pad8<T>(x + i, n - i, bx);
+    Io<T>::store(bo, _mm256_fmadd_ps(va, Io<T>::load(bd), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(bx), m), vd)));
+    std::memcpy(out + i, bo, (n - i) * sizeof(S));
+  }
+}
+
+template <int T>
+void affine_g(const void* dy_, const void* x_, const void* g_, void* out_, size_t n, float mean, float a, float b,
+              float d) {
+  using S = typename Io<T>::S;
+  const S* dy = static_cast<const S*>(dy_);
+  const S* x = static_cast<const S*>(x_);
+  const S* g = static_cast<const S*>(g_);
+  S* out = static_cast<S*>(out_);
+  const __m256 m = _mm256_set1_ps(mean), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vd = _mm256_set1_ps(d);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 ag = _mm256_mul_ps(va, Io<T>::load(g + i));
+    Io<T>::store(out + i, _mm256_fmadd_ps(ag, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd)));
+  }
+  if (i < n) {
+    S bd[8], bx[8], bg[8], bo[8];
+    pad8<T>(dy + i, n - i, bd);
+    pad8<T>(x + i, n - i, bx);
+    pad8<T>(g + i, n - i, bg);
+    __m256 ag = _mm256_mul_ps(va, Io<T>::load(bg));
+    Io<T>::store(bo, _mm256_fmadd_ps(ag, Io<T>::load(bd), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(bx), m), vd)));
+    std::memcpy(out + i, bo, (n - i) * sizeof(S));
+  }
+}
+
+}  // namespace
+
+extern const KernelTable kAvx2Kernels = {
+    "avx2",
+    {sum_dy_dyxmu<kF32>, sum_dy_dyxmu<kF16>, sum_dy_dyxmu<kBF16>},
+    {sum_gdy_gdyxmu<kF32>, sum_gdy_gdyxmu<kF16>, sum_gdy_gdyxmu<kBF16>},
+    {affine<kF32>, affine<kF16>, affine<kBF16>},
+    {affine_g<kF32>, affine_g<kF16>, affine_g<kBF16>},
+};
+
+}  // namespace normgrad
+#endif

@@ -1,0 +1,52 @@
+// The operator descriptors that register.cc turns into OrtCustomOp variants.
+#pragma once
+
+#include "ort_glue.h"
+
+namespace normgrad {
+
+// Where an input or output takes its element type from.
+enum TypeClass : char { kClassT = 'T', kClassU = 'U' };
+
+struct OpDescriptor {
+  const char* name;
+  int num_inputs;
+  int num_outputs;
+  const char* input_classes;    // one 'T' or 'U' per input
+  const char* input_optional;   // one '0' or '1' per input
+  const char* output_classes;   // one 'T' or 'U' per output
+  const char* output_optional;  // one '0' or '1' per output
+  // Which (T, U) pairs get a typed kernel: 'a' = all nine, 'f' = U in {T, float}.
+  char type_pairs;
+  // The input whose element type the outputs have (for the catch-all variants).
+  int anchor;
+  struct KernelBase* (*create)(const OrtKernelInfo* info);  // may throw Failure
+};
+
+// Every kernel: compute() may throw Failure; register.cc turns it into an OrtStatus.
+struct KernelBase {
+  virtual ~KernelBase() = default;
+  virtual void compute(OrtKernelContext* ctx) = 0;
+  virtual const char* name() const = 0;
+};
+
+extern const OpDescriptor kBatchNormReduceBackward;
+extern const OpDescriptor kBatchNormElemtBackward;
+extern const OpDescriptor kGroupNormalizationGrad;
+
+// Reads which inputs/outputs the node names ("" and trailing omissions are absent).
+struct NodeArgs {
+  bool input[8] = {};
+  bool output[8] = {};
+  NodeArgs(const OrtKernelInfo* info, int num_inputs, int num_outputs);
+};
+
+template <class Kernel>
+KernelBase* create_kernel(const OrtKernelInfo* info) {
+  return new Kernel(info);
+}
+
+// Float view of a per-channel / per-group vector input.
+inline float vec_at(const Input& in, size_t i) { return load_float(in.dtype, in.data, i); }
+
+}  // namespace normgrad

@@ -1,0 +1,284 @@
+// RegisterCustomOps: the library's entry point, and the OrtCustomOp plumbing.
+//
+// Each operator is registered once per supported (T, U) element-type pair with concrete
+// input and output types, so that onnxruntime's type inference knows every output type.
+// Catch-all variants after the typed ones let the kernel itself report wrong element types.
+// The library asks for API version 17 (KernelContext_ParallelFor, onnxruntime 1.17) and
+// declares its ops with that version, so the same binary loads on every onnxruntime from
+// 1.17 on, whatever header version it was compiled against.
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+namespace normgrad {
+
+const OrtApi* g_api = nullptr;
+
+const char* dtype_name(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return "uint16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return "int16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING: return "string";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return "bool";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32: return "uint32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64: return "uint64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    default: return "an unsupported element type";
+  }
+}
+
+Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char* name) {
+  Input in;
+  size_t count = 0;
+  check(g_api->KernelContext_GetInputCount(ctx, &count));
+  if (index >= count) return in;
+  const OrtValue* value = nullptr;
+  check(g_api->KernelContext_GetInput(ctx, index, &value));
+  if (value == nullptr) return in;
+  int is_tensor = 0;
+  check(g_api->IsTensor(value, &is_tensor));
+  if (!is_tensor) fail(std::string(op) + ": input '" + name + "' must be a tensor");
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(g_api->GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus* st = g_api->GetTensorElementType(info, &in.onnx_type);
+  if (st == nullptr) st = g_api->GetDimensionsCount(info, &rank);
+  if (st == nullptr) {
+    in.shape.resize(rank);
+    if (rank > 0) st = g_api->GetDimensions(info, in.shape.data(), rank);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  check(st);
+  if (!to_dtype(in.onnx_type, &in.dtype)) {
+    fail(std::string(op) + ": input '" + name + "' must be float32, float16 or bfloat16; got " +
+         dtype_name(in.onnx_type));
+  }
+  size_t size = 1;
+  for (int64_t d : in.shape) {
+    if (d < 0) fail(std::string(op) + ": input '" + name + "' has a negative dimension " + shape_str(in.shape));
+    size = checked_mul(size, static_cast<size_t>(d), op, name);
+  }
+  checked_mul(size, 4, op, name);
+  in.size = size;
+  void* data = nullptr;
+  check(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+  if (data == nullptr && size != 0) fail(std::string(op) + ": input '" + name + "' has no data");
+  in.data = data;
+  in.present = true;
+  return in;
+}
+
+void* get_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
+  OrtValue* value = nullptr;
+  check(g_api->KernelContext_GetOutput(ctx, index, shape.data(), shape.size(), &value));
+  if (value == nullptr) fail("cannot allocate an output", ORT_FAIL);
+  void* data = nullptr;
+  check(g_api->GetTensorMutableData(value, &data));
+  return data;
+}
+
+int64_t attribute_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = 0;
+  OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, &value);
+  if (st != nullptr) {
+    g_api->ReleaseStatus(st);
+    return fallback;
+  }
+  return value;
+}
+
+NodeArgs::NodeArgs(const OrtKernelInfo* info, int num_inputs, int num_outputs) {
+  size_t count = 0;
+  check(g_api->KernelInfo_GetInputCount(info, &count));
+  for (size_t i = 0; i < count && i < static_cast<size_t>(num_inputs) && i < 8; ++i) {
+    size_t len = 0;
+    check(g_api->KernelInfo_GetInputName(info, i, nullptr, &len));
+    input[i] = len > 1;  // len counts the terminating zero
+  }
+  check(g_api->KernelInfo_GetOutputCount(info, &count));
+  for (size_t i = 0; i < count && i < static_cast<size_t>(num_outputs) && i < 8; ++i) {
+    size_t len = 0;
+    check(g_api->KernelInfo_GetOutputName(info, i, nullptr, &len));
+    output[i] = len > 1;
+  }
+}
+
+namespace {
+
+const ONNXTensorElementDataType kOnnxTypes[kNumDTypes] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                          ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                                                          ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
+
+// One typed registration of an operator.
+struct OpVariant : OrtCustomOp {
+  const OpDescriptor* desc;
+  ONNXTensorElementDataType t, u;
+  // Set for the catch-all variants: each input's declared type (UNDEFINED = any), and
+  // every output UNDEFINED.
+  bool any = false;
+  ONNXTensorElementDataType input_types[8] = {};
+
+  static const OpVariant& self(const OrtCustomOp* op) { return *static_cast<const OpVariant*>(op); }
+
+  OpVariant(const OpDescriptor* d, ONNXTensorElementDataType t_, ONNXTensorElementDataType u_)
+      : OrtCustomOp(), desc(d), t(t_), u(u_) {
+    std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
+    version = kApiVersion;
+    CreateKernel = nullptr;
+    GetName = [](const OrtCustomOp* op) { return self(op).desc->name; };
+    GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+    GetInputType = [](const OrtCustomOp* op, size_t i) {
+      const OpVariant& v = self(op);
+      if (v.any) return v.input_types[i];
+      return v.desc->input_classes[i] == kClassT ? v.t : v.u;
+    };
+    GetInputTypeCount = [](const OrtCustomOp* op) { return static_cast<size_t>(self(op).desc->num_inputs); };
+    GetOutputType = [](const OrtCustomOp* op, size_t i) {
+      const OpVariant& v = self(op);
+      if (v.any) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      return v.desc->output_classes[i] == kClassT ? v.t : v.u;
+    };
+    GetOutputTypeCount = [](const OrtCustomOp* op) { return static_cast<size_t>(self(op).desc->num_outputs); };
+    KernelCompute = [](void*, OrtKernelContext*) {};  // unused: KernelComputeV2 is set
+    KernelDestroy = [](void* kernel) { delete static_cast<KernelBase*>(kernel); };
+    GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+      return self(op).desc->input_optional[i] == '1' ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    };
+    GetOutputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+      return self(op).desc->output_optional[i] == '1' ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info,
+                        void** kernel) noexcept -> OrtStatusPtr {
+      *kernel = nullptr;
+      try {
+        *kernel = static_cast<void*>(self(op).desc->create(info));
+        return nullptr;
+      } catch (const Failure& f) {
+        return g_api->CreateStatus(f.code, f.message.c_str());
+      } catch (const std::bad_alloc&) {
+        return g_api->CreateStatus(ORT_FAIL, "normgrad: out of memory");
+      } catch (...) {
+        return g_api->CreateStatus(ORT_FAIL, "normgrad: kernel creation failed");
+      }
+    };
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) noexcept -> OrtStatusPtr {
+      KernelBase* k = static_cast<KernelBase*>(kernel);
+      try {
+        k->compute(ctx);
+        return nullptr;
+      } catch (const Failure& f) {
+        return g_api->CreateStatus(f.code, f.message.c_str());
+      } catch (const std::bad_alloc&) {
+        return g_api->CreateStatus(ORT_FAIL, (std::string(k->name()) + ": out of memory").c_str());
+      } catch (const std::exception& e) {
+        return g_api->CreateStatus(ORT_FAIL, (std::string(k->name()) + ": " + e.what()).c_str());
+      } catch (...) {
+        return g_api->CreateStatus(ORT_FAIL, (std::string(k->name()) + ": unknown error").c_str());
+      }
+    };
+    // version 17 fields: no shape inference callback (onnxruntime's wrapper of it cannot
+    // handle omitted optional inputs); opset range 1.. by default.
+    InferOutputShapeFn = nullptr;
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
+  }
+};
+
+std::vector<OpVariant*>* build_ops() {
+  auto* ops = new std::vector<OpVariant*>();
+  for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad}) {
+    for (int t = 0; t < kNumDTypes; ++t) {
+      for (int u = 0; u < kNumDTypes; ++u) {
+        if (d->type_pairs == 'f' && u != t && u != kF32) continue;
+        ops->push_back(new OpVariant(d, kOnnxTypes[t], kOnnxTypes[u]));
+      }
+    }
+    // Then catch-all variants, for type combinations no typed variant serves, so that the
+    // kernel (not onnxruntime's generic "no kernel def matches") names the input with the
+    // wrong element type. onnxruntime infers an untyped output's type from the LAST input
+    // that accepts any type, so the input the outputs follow (d->anchor) is the last
+    // untyped one: the inputs after it get concrete float types, all combinations when
+    // there are at most four of them, else one shared type; a fully untyped variant comes
+    // last. (Catch-alls must not come first: onnxruntime builds the schema from the first
+    // variant.)
+    const int after = d->num_inputs - d->anchor - 1;
+    std::vector<std::vector<int>> combos;
+    if (after <= 4) {
+      int total = 1;
+      for (int i = 0; i < after; ++i) total *= kNumDTypes;
+      for (int c = 0; c < total; ++c) {
+        std::vector<int> combo;
+        for (int i = 0, rest = c; i < after; ++i, rest /= kNumDTypes) combo.push_back(rest % kNumDTypes);
+        combos.push_back(combo);
+      }
+    } else {
+      for (int t = 0; t < kNumDTypes; ++t) combos.push_back(std::vector<int>(after, t));
+    }
+    combos.push_back(std::vector<int>(after, -1));
+    for (const auto& combo : combos) {
+      auto* v = new OpVariant(d, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
+      v->any = true;
+      for (int i = 0; i < d->num_inputs; ++i) {
+        const int c = i > d->anchor ? combo[i - d->anchor - 1] : -1;
+        v->input_types[i] = c < 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : kOnnxTypes[c];
+      }
+      ops->push_back(v);
+    }
+  }
+  return ops;
+}
+
+}  // namespace
+}  // namespace normgrad
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  using namespace normgrad;
+  if (api_base == nullptr) return nullptr;
+  const OrtApi* api = api_base->GetApi(kApiVersion);
+  if (api == nullptr) {
+    // Any onnxruntime serves API version 1, and CreateStatus is part of it.
+    const OrtApi* old = api_base->GetApi(1);
+    std::string msg = std::string("normgrad_ops needs onnxruntime C API version ") + std::to_string(kApiVersion) +
+                      " (onnxruntime >= 1.17); this process runs onnxruntime " +
+                      (api_base->GetVersionString ? api_base->GetVersionString() : "(unknown version)") +
+                      ". Upgrade onnxruntime, or use normgrad's Python kernels or function bodies.";
+    return old != nullptr ? old->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
+  }
+  g_api = api;
+  try {
+    static std::vector<OpVariant*>* ops = build_ops();
+    kernels();  // choose the CPU kernels once, before any session runs
+    OrtCustomOpDomain* domain = nullptr;
+    if (OrtStatus* st = api->CreateCustomOpDomain("normgrad", &domain)) return st;
+    for (OpVariant* op : *ops) {
+      if (OrtStatus* st = api->CustomOpDomain_Add(domain, op)) {
+        api->ReleaseCustomOpDomain(domain);
+        return st;
+      }
+    }
+    // The domain must outlive every session made from these options; onnxruntime does not
+    // take ownership, so it is deliberately never released (a few bytes per registration).
+    return api->AddCustomOpDomain(options, domain);
+  } catch (const std::bad_alloc&) {
+    return api->CreateStatus(ORT_FAIL, "normgrad_ops: out of memory while registering operators");
+  } catch (...) {
+    return api->CreateStatus(ORT_FAIL, "normgrad_ops: registration failed");
+  }
+}

@@ -1,0 +1,575 @@
+"""The compiled kernels (``session_options("cpp")``) against the float64 NumPy references.
+
+Covers every (T, U) dtype pair, odd and empty shapes, omitted optional inputs and outputs in
+every combination (trailing and ""), bitwise determinism across intra-op thread counts, the
+portable (non-AVX2) kernels, and a battery of bad inputs, each in its own subprocess so that
+a crash fails the test instead of killing the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import normgrad
+from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION
+from normgrad.ops import batch_norm_elemt_backward as bne
+from normgrad.ops import batch_norm_reduce_backward as bnr
+from normgrad.ops import group_normalization_grad as gng
+from normgrad.ops._common import tensor_type
+
+try:
+    normgrad.library_path()
+except FileNotFoundError:  # pragma: no cover - depends on the install
+    if os.environ.get("NORMGRAD_REQUIRE_CPP") == "1":
+        raise
+    pytest.skip("C++ library not built", allow_module_level=True)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
+DTYPE_IDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
+# Relative error allowed per output dtype (on top of the inputs being rounded to T first).
+RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3, BF16: 1.6e-2}
+HERE = pathlib.Path(__file__).parent
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _model(op_type, inputs, outputs, attributes=None):
+    """One node; ``inputs``/``outputs`` are (name or "", array or None) lists, kept as given."""
+    node = helper.make_node(op_type, [n for n, _ in inputs], list(outputs), domain=DOMAIN, **(attributes or {}))
+    graph_inputs = [helper.make_tensor_value_info(n, tensor_type(v.dtype), list(v.shape)) for n, v in inputs if n]
+    graph_outputs = [onnx.ValueInfoProto(name=n) for n in outputs if n]
+    graph = helper.make_graph([node], op_type, graph_inputs, graph_outputs)
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)],
+        ir_version=IR_VERSION,
+    )
+
+
+def _to_ort(value):
+    import onnxruntime
+
+    value = np.ascontiguousarray(value)
+    if value.dtype == BF16:
+        return onnxruntime.OrtValue.ortvalue_from_numpy_with_onnx_type(value.view(np.uint16), onnx.TensorProto.BFLOAT16)
+    return onnxruntime.OrtValue.ortvalue_from_numpy(value)
+
+
+def _from_ort(value):
+    shape = tuple(value.shape())
+    if value.data_type() != "tensor(bfloat16)":
+        return np.asarray(value.numpy()).reshape(shape)
+    count = int(np.prod(shape))
+    if count == 0:
+        return np.zeros(shape, BF16)
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.array(raw, dtype=np.uint16).view(BF16).reshape(shape)
+
+
+def run_cpp(op_type, inputs, outputs, attributes=None, threads=None):
+    """Runs one node on the C++ kernels (bfloat16 through OrtValues); returns {output name: array}."""
+    import onnxruntime
+
+    model = _model(op_type, inputs, outputs, attributes)
+    options = onnxruntime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    normgrad.session_options("cpp", options)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    for name, value in inputs:
+        if name:
+            binding.bind_ortvalue_input(name, _to_ort(value))
+    names = [o.name for o in session.get_outputs()]
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    return {name: _from_ort(value) for name, value in zip(names, binding.get_outputs())}
+
+
+def _cast(value, dtype):
+    return np.asarray(value, dtype=np.float64).astype(dtype)
+
+
+def assert_close(actual, expected, dtype, scale, what):
+    """|actual - expected| <= RTOL[dtype] * scale, with ``scale`` the magnitude of the terms."""
+    assert actual.dtype == np.dtype(dtype), f"{what}: dtype {actual.dtype} != {dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if expected.size == 0:
+        return
+    error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    bound = RTOL[np.dtype(dtype)] * np.maximum(scale, np.abs(expected.astype(np.float64)))
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert (error <= bound).all(), f"{what}: error {error[worst]:.3g} > {bound[worst]:.3g} at {worst}"
+
+
+def bn_inputs(shape, t, u, seed=0, offset=0.0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(offset, 1.0, size=shape)
+    axes = (0,) + tuple(range(2, len(shape)))
+    mean = x.mean(axis=axes) if x.size else np.zeros(shape[1])
+    var = x.var(axis=axes) if x.size else np.ones(shape[1])
+    return {
+        "grad_out": _cast(rng.normal(size=shape), t),
+        "input": _cast(x, t),
+        "mean": _cast(mean, u),
+        "invstd": _cast(1.0 / np.sqrt(var + 1e-5), u),
+        "weight": _cast(rng.normal(size=shape[1]), u),
+    }
+
+
+def bn_scale(inputs):
+    """Per-channel magnitude of the sums' terms: the float32 accumulation error scales with it."""
+    x = inputs["input"].astype(np.float64)
+    dy = np.abs(inputs["grad_out"].astype(np.float64))
+    axes = (0,) + tuple(range(2, x.ndim))
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    xmu = np.abs(x - inputs["mean"].astype(np.float64).reshape(per_channel))
+    sdy = dy.sum(axis=axes) if x.size else np.zeros(x.shape[1])
+    sdyxmu = (dy * xmu).sum(axis=axes) if x.size else np.zeros(x.shape[1])
+    return {"sum_dy": sdy, "grad_bias": sdy, "sum_dy_xmu": sdyxmu,
+            "grad_weight": sdyxmu * np.abs(inputs["invstd"].astype(np.float64))}
+
+
+def check_bn_reduce(inputs, outputs=bnr.OUTPUTS, attributes=None, threads=None, scale_factor=1.0):
+    names = [n if n in outputs else "" for n in bnr.OUTPUTS]
+    while names and not names[-1]:
+        names.pop()
+    actual = run_cpp(bnr.OP_TYPE, [(n, inputs[n]) for n in bnr.INPUTS if inputs.get(n) is not None], names,
+                     attributes, threads)
+    expected = bnr.reference(**inputs, **(attributes or {}))._asdict()
+    scale = bn_scale(inputs)
+    u = inputs["mean"].dtype
+    assert sorted(actual) == sorted(n for n in names if n)
+    for name, value in actual.items():
+        # float32 accumulation of K terms: error ~ K * eps32 * |terms| at worst; observed much less.
+        assert_close(value, expected[name], u, scale[name] * scale_factor, name)
+    return actual
+
+
+# --------------------------------------------------------------------------- BatchNormReduceBackward
+
+BN_SHAPES = [(4, 3), (2, 1, 7), (1, 5, 3, 2, 3), (3, 2, 5, 5), (1, 1, 1), (5, 3, 37), (3, 4, 100), (2, 2, 70001)]
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("u", DTYPES, ids=DTYPE_IDS.get)
+def test_bn_reduce_all_dtypes(t, u):
+    for i, shape in enumerate(BN_SHAPES):
+        check_bn_reduce(bn_inputs(shape, t, u, seed=i))
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (0, 2, 5), (3, 2, 0), (2, 3, 4, 0, 5)], ids=str)
+def test_bn_reduce_empty_gives_zeros(shape):
+    actual = check_bn_reduce(bn_inputs(shape, np.float32, np.float32))
+    for value in actual.values():
+        assert value.shape == (shape[1],) and not value.any()
+
+
+def test_bn_reduce_large_mean_does_not_cancel():
+    # |mean| / std = 1e4: Σdy·x − mean·Σdy would lose every digit in float32.
+    inputs = bn_inputs((8, 3, 300), np.float32, np.float32, seed=3, offset=1e4)
+    inputs["mean"] = inputs["input"].astype(np.float64).mean(axis=(0, 2)).astype(np.float32)
+    check_bn_reduce(inputs)
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([0, 1], repeat=3)), ids=str)
+def test_bn_reduce_flags(flags):
+    attributes = dict(zip(("input_g", "weight_g", "bias_g"), flags))
+    allowed = [n for n, f in zip(bnr.OUTPUTS, (flags[0], flags[0], flags[1], flags[2])) if f]
+    inputs = bn_inputs((3, 4, 5), np.float32, np.float32)
+    if allowed:
+        check_bn_reduce(inputs, allowed, attributes)
+    for name, flag in zip(bnr.OUTPUTS, ("input_g", "input_g", "weight_g", "bias_g")):
+        if not attributes[flag]:
+            with pytest.raises(Exception, match=f"output '{name}' is named but attribute '{flag}' is 0"):
+                check_bn_reduce(inputs, [name], attributes)
+
+
+@pytest.mark.parametrize("weight", ["present", "trailing-omitted", "empty-name"])
+def test_bn_reduce_optional_io_every_combination(weight):
+    inputs = bn_inputs((2, 3, 4), np.float16, np.float32, seed=5)
+    expected = bnr.reference(**inputs)._asdict()
+    node_inputs = [(n, inputs[n]) for n in bnr.INPUTS[:4]]
+    if weight == "present":
+        node_inputs.append(("weight", inputs["weight"]))
+    elif weight == "empty-name":
+        node_inputs.append(("", None))
+    for mask in itertools.product([0, 1], repeat=4):
+        if not any(mask):
+            continue
+        for trailing_empty in (False, True):
+            names = [n if m else "" for n, m in zip(bnr.OUTPUTS, mask)]
+            if not trailing_empty:
+                while not names[-1]:
+                    names.pop()
+            actual = run_cpp(bnr.OP_TYPE, node_inputs, names)
+            assert sorted(actual) == sorted(n for n in names if n)
+            for name, value in actual.items():
+                np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def _bitwise_same_for_threads(run):
+    results = [run(threads) for threads in (1, 2, 3, 4, 1, 3)]
+    for other in results[1:]:
+        for name in results[0]:
+            assert results[0][name].tobytes() == other[name].tobytes(), name
+
+
+@pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 2, 3)], ids=str)
+def test_bn_reduce_bitwise_deterministic_across_threads(shape):
+    inputs = bn_inputs(shape, np.float32, np.float32, seed=7)
+    feeds = [(n, inputs[n]) for n in bnr.INPUTS]
+    _bitwise_same_for_threads(lambda threads: run_cpp(bnr.OP_TYPE, feeds, list(bnr.OUTPUTS), threads=threads))
+
+
+# --------------------------------------------------------------------------- BatchNormElemtBackward
+
+
+ELEMT_INPUTS = ("grad_out", "input", "mean", "invstd", "weight", "sum_dy", "sum_dy_xmu")
+
+
+def elemt_inputs(shape, t, u, seed=0, offset=0.0):
+    inputs = bn_inputs(shape, t, u, seed, offset)
+    sums = bnr.reference(**{k: inputs[k] for k in ("grad_out", "input", "mean", "invstd")})
+    inputs["sum_dy"] = sums.sum_dy
+    inputs["sum_dy_xmu"] = sums.sum_dy_xmu
+    return inputs
+
+
+def check_elemt(inputs, threads=None):
+    actual = run_cpp("BatchNormElemtBackward", [(n, inputs[n]) for n in ELEMT_INPUTS], ["grad_input"],
+                     threads=threads)["grad_input"]
+    expected = bne.reference(*(inputs[n] for n in ELEMT_INPUTS)).grad_input
+    # The magnitude of the terms, which float32 arithmetic errs relative to.
+    dy, x, mean, invstd, weight, sdy, sdyxmu = (np.abs(inputs[n].astype(np.float64)) for n in ELEMT_INPUTS)
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    mean, invstd, weight, sdy, sdyxmu = (v.reshape(per_channel) for v in (mean, invstd, weight, sdy, sdyxmu))
+    count = max(1, x.size // x.shape[1])
+    xmu = np.abs(inputs["input"].astype(np.float64) - inputs["mean"].astype(np.float64).reshape(per_channel))
+    scale = (dy + sdy / count + xmu * invstd**2 * sdyxmu / count) * invstd * weight
+    assert_close(actual, expected, inputs["input"].dtype, scale, "grad_input")
+    return actual
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("u", DTYPES, ids=DTYPE_IDS.get)
+def test_elemt_all_dtypes(t, u):
+    for i, shape in enumerate(BN_SHAPES[:-1] + [(2, 2, 3, 0), (0, 3, 2)]):
+        check_elemt(elemt_inputs(shape, t, u, seed=i))
+
+
+def test_elemt_large_mean_and_determinism():
+    inputs = elemt_inputs((8, 3, 301), np.float32, np.float32, seed=2, offset=1e3)
+    check_elemt(inputs)
+    _bitwise_same_for_threads(lambda threads: {"dx": check_elemt(inputs, threads)})
+
+
+# --------------------------------------------------------------------------- GroupNormalizationGrad
+
+GN_CASES = [  # (x shape, gamma shape)
+    ((2, 4, 3, 10), (1, 4, 3, 1)),
+    ((2, 4, 3, 10), (2, 4, 3, 10)),
+    ((2, 4, 3, 10), (4, 3, 1)),
+    ((2, 4, 3, 10), (1, 4, 3, 10)),
+    ((2, 4, 3, 10), (10,)),
+    ((2, 4, 3, 10), (3, 1)),
+    ((2, 4, 3, 10), (1, 1, 1, 1)),
+    ((2, 4, 3, 10), ()),
+    ((3, 2, 5), (1, 2, 5)),
+    ((1, 3, 2, 2, 7), (3, 2, 1, 1)),
+    ((1, 3, 2, 2, 7), (1, 3, 2, 2, 1)),
+    ((2, 1, 1), (1, 1, 1)),
+    ((5, 2, 33), (1, 2, 1)),
+    ((2, 2, 4, 9, 9), (1, 2, 4, 1, 9)),
+    ((2, 3, 1, 17, 1), (3, 1, 17, 1)),
+]
+
+
+def gn_inputs(x_shape, gamma_shape, t, u, seed=0, offset=0.0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(offset, 1.0, size=x_shape)
+    n, g = x_shape[:2]
+    grouped = x.reshape(n, g, -1) if x.size else np.zeros((n, g, 1))
+    return {
+        "x": _cast(x, t),
+        "dy": _cast(rng.normal(size=x_shape), t),
+        "gamma": _cast(rng.normal(size=gamma_shape), t),
+        "mean": _cast(grouped.mean(-1), u),
+        "rstd": _cast(1.0 / np.sqrt(grouped.var(-1) + 1e-5), u),
+    }
+
+
+def check_gn(inputs, outputs=gng.OUTPUTS, threads=None, trailing_empty=False):
+    names = [n if n in outputs else "" for n in gng.OUTPUTS]
+    if not trailing_empty:
+        while names and not names[-1]:
+            names.pop()
+    actual = run_cpp(gng.OP_TYPE, [(n, inputs[n]) for n in gng.INPUTS], names, threads=threads)
+    assert sorted(actual) == sorted(n for n in names if n)
+    expected = gng.reference(**inputs)._asdict()
+    # Scales: dx's terms are O(rstd·|γ·dy|); dgamma/dbeta sum |dy·x̂| / |dy| terms.
+    x = inputs["x"]
+    t = x.dtype
+    x64 = x.astype(np.float64)
+    dy64 = np.abs(inputs["dy"].astype(np.float64))
+    n, g = x.shape[:2]
+    x_hat = (x64.reshape(n, g, -1) - inputs["mean"].astype(np.float64)[..., None]) if x.size else x64
+    x_hat = (x_hat * inputs["rstd"].astype(np.float64)[..., None]).reshape(x.shape) if x.size else x64
+    for name, value in actual.items():
+        if name == "dx":
+            scale = 1.0
+            if x.size:
+                xh, gdy, rstd64 = gng._normalised(*(inputs[k] for k in gng.INPUTS))
+                xh, gdy = np.abs(xh), np.abs(gdy)
+                terms = rstd64 * (gdy + gdy.mean(-1, keepdims=True) + xh * (gdy * xh).mean(-1, keepdims=True))
+                scale = terms.reshape(x.shape)
+        else:
+            terms = dy64 * np.abs(x_hat) if name == "dgamma" else dy64
+            scale = gng._sum_to_shape(terms, inputs["gamma"].shape) if x.size else 1.0
+        truth = _truth(inputs, name)
+        if truth.ndim == 0 and value.shape == (1,):  # onnxruntime's Python OrtValue reports 0-d as [1]
+            value = value.reshape(())
+        assert_close(value, truth, t, scale, name)
+    return actual
+
+
+def _truth(inputs, name):
+    """The float64 reference before its cast to T (so T rounding is counted once)."""
+    x, dy, gamma, mean, rstd = (inputs[n] for n in gng.INPUTS)
+    x_hat, g, rstd64 = gng._normalised(x, dy, gamma, mean, rstd)
+    if name == "dx":
+        if not x_hat.shape[-1]:
+            return g.reshape(x.shape)
+        dx = rstd64 * (g - g.mean(-1, keepdims=True) - x_hat * (g * x_hat).mean(-1, keepdims=True))
+        return dx.reshape(x.shape)
+    dy64 = dy.astype(np.float64)
+    value = dy64 * x_hat.reshape(x.shape) if name == "dgamma" else dy64
+    return gng._sum_to_shape(value, gamma.shape)
+
+
+@pytest.mark.parametrize("t,u", [(t, u) for t in DTYPES for u in DTYPES if u in (t, np.dtype(np.float32))],
+                         ids=lambda d: DTYPE_IDS[np.dtype(d)])
+def test_gn_all_dtypes_and_broadcasts(t, u):
+    for i, (x_shape, gamma_shape) in enumerate(GN_CASES):
+        check_gn(gn_inputs(x_shape, gamma_shape, t, u, seed=i))
+
+
+@pytest.mark.parametrize("x_shape,gamma_shape", [((0, 2, 3), (1, 2, 3)), ((2, 3, 0), (1, 3, 1)),
+                                                 ((2, 3, 4, 0), (3, 1, 1))], ids=str)
+def test_gn_empty(x_shape, gamma_shape):
+    actual = check_gn(gn_inputs(x_shape, gamma_shape, np.float32, np.float32))
+    assert actual["dx"].shape == x_shape
+    assert actual["dgamma"].shape == gamma_shape and not actual["dgamma"].any()
+    assert actual["dbeta"].shape == gamma_shape and not actual["dbeta"].any()
+
+
+def test_gn_optional_outputs_every_combination():
+    inputs = gn_inputs((2, 4, 3, 10), (1, 4, 3, 1), np.float32, np.float32, seed=4)
+    for dgamma, dbeta in itertools.product([0, 1], repeat=2):
+        wanted = ["dx"] + (["dgamma"] if dgamma else []) + (["dbeta"] if dbeta else [])
+        for trailing_empty in (False, True):
+            check_gn(inputs, wanted, trailing_empty=trailing_empty)
+
+
+def test_gn_large_mean():
+    check_gn(gn_inputs((2, 4, 3, 50), (1, 4, 3, 1), np.float32, np.float32, seed=8, offset=1e3))
+
+
+@pytest.mark.parametrize("gamma_shape", [(1, 8, 4, 1), (1, 8, 4, 300), (300,)], ids=str)
+def test_gn_bitwise_deterministic_across_threads(gamma_shape):
+    inputs = gn_inputs((6, 8, 4, 300), gamma_shape, np.float32, np.float32, seed=9)
+    _bitwise_same_for_threads(lambda threads: check_gn(inputs, threads=threads))
+
+
+# --------------------------------------------------------------------------- portable kernels
+
+_GENERIC_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import test_cpp_kernels as t
+for i, shape in enumerate(t.BN_SHAPES[:-1]):
+    for dt in t.DTYPES:
+        t.check_bn_reduce(t.bn_inputs(shape, dt, np.float32, seed=i))
+        t.check_elemt(t.elemt_inputs(shape, dt, dt, seed=i))
+for i, (xs, gs) in enumerate(t.GN_CASES):
+    for dt in t.DTYPES:
+        t.check_gn(t.gn_inputs(xs, gs, dt, dt, seed=i))
+print("ok")
+"""
+
+
+def test_portable_kernels_without_avx2():
+    env = dict(os.environ, NORMGRAD_KERNELS="generic")
+    process = subprocess.run([sys.executable, "-c", _GENERIC_SCRIPT, str(HERE)], capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert process.returncode == 0 and process.stdout.strip() == "ok", process.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _f(*shape, dtype=np.float32):
+    return np.ones(shape, dtype)
+
+
+def _bn_case(**changes):
+    base = {"grad_out": _f(2, 3, 4), "input": _f(2, 3, 4), "mean": _f(3), "invstd": _f(3), "weight": _f(3)}
+    base.update(changes)
+    return ("BatchNormReduceBackward", [(n, base[n]) for n in bnr.INPUTS if base.get(n) is not None], None)
+
+
+def _elemt_case(**changes):
+    base = {"grad_out": _f(2, 3, 4), "input": _f(2, 3, 4), **{n: _f(3) for n in ELEMT_INPUTS[2:]}}
+    base.update(changes)
+    return ("BatchNormElemtBackward", [(n, base[n]) for n in ELEMT_INPUTS], None)
+
+
+def _gn_case(**changes):
+    base = {"x": _f(2, 3, 4), "dy": _f(2, 3, 4), "gamma": _f(1, 3, 4), "mean": _f(2, 3), "rstd": _f(2, 3)}
+    base.update(changes)
+    return ("GroupNormalizationGrad", [(n, base[n]) for n in gng.INPUTS], None)
+
+
+F16, F64, I32 = np.float16, np.float64, np.int32
+# (case id, (op, inputs, attributes), text the error must contain)
+BAD_CASES = [
+    ("bn-grad_out-shape", _bn_case(grad_out=_f(2, 3, 5)), "'grad_out'"),
+    ("bn-grad_out-rank", _bn_case(grad_out=_f(2, 3)), "'grad_out'"),
+    ("bn-input-rank-1", _bn_case(grad_out=_f(3), input=_f(3)), "'input'"),
+    ("bn-input-rank-9", _bn_case(grad_out=_f(*[1] * 9), input=_f(*[1] * 9)), "'input'"),
+    ("bn-input-C-0", _bn_case(grad_out=_f(2, 0, 3), input=_f(2, 0, 3)), "'input'"),
+    ("bn-mean-length", _bn_case(mean=_f(4)), "'mean' must have shape [3]"),
+    ("bn-mean-short", _bn_case(mean=_f(1)), "'mean'"),
+    ("bn-mean-rank", _bn_case(mean=_f(1, 3)), "'mean'"),
+    ("bn-mean-scalar", _bn_case(mean=np.float32(1.0).reshape(())), "'mean'"),
+    ("bn-invstd-length", _bn_case(invstd=_f(2)), "'invstd'"),
+    ("bn-weight-length", _bn_case(weight=_f(5)), "'weight'"),
+    ("bn-grad_out-dtype", _bn_case(grad_out=_f(2, 3, 4, dtype=F16)), "'grad_out'"),
+    ("bn-input-float64", _bn_case(grad_out=_f(2, 3, 4, dtype=F64), input=_f(2, 3, 4, dtype=F64)), "'grad_out'"),
+    ("bn-invstd-dtype", _bn_case(invstd=_f(3, dtype=F16)), "'invstd'"),
+    ("bn-weight-dtype", _bn_case(weight=_f(3, dtype=F16)), "'weight'"),
+    ("bn-mean-int", _bn_case(mean=_f(3, dtype=I32)), "'mean'"),
+    ("bn-flag-2", ("BatchNormReduceBackward", _bn_case()[1], {"input_g": 2}), "'input_g'"),
+    ("bn-flag-off-output", ("BatchNormReduceBackward", _bn_case()[1], {"bias_g": 0}), "'grad_bias'"),
+    ("elemt-sum_dy-length", _elemt_case(sum_dy=_f(2)), "'sum_dy'"),
+    ("elemt-weight-length", _elemt_case(weight=_f(30)), "'weight'"),
+    ("elemt-sum_dy_xmu-dtype", _elemt_case(sum_dy_xmu=_f(3, dtype=F16)), "'sum_dy_xmu'"),
+    ("elemt-grad_out-shape", _elemt_case(grad_out=_f(2, 3, 5)), "'grad_out'"),
+    ("elemt-input-rank-1", _elemt_case(grad_out=_f(3), input=_f(3)), "'input'"),
+    ("gn-dy-shape", _gn_case(dy=_f(2, 3, 5)), "'dy'"),
+    ("gn-x-rank-2", _gn_case(x=_f(2, 3), dy=_f(2, 3), gamma=_f(1, 3)), "'x'"),
+    ("gn-x-rank-9", _gn_case(x=_f(*[1] * 9), dy=_f(*[1] * 9), gamma=_f(1)), "'x'"),
+    ("gn-gamma-not-broadcastable", _gn_case(gamma=_f(1, 3, 5)), "'gamma'"),
+    ("gn-gamma-too-big", _gn_case(gamma=_f(2, 3, 4, 4)), "'gamma'"),
+    ("gn-gamma-rank", _gn_case(gamma=_f(1, 2, 3, 4)), "'gamma'"),
+    ("gn-mean-shape", _gn_case(mean=_f(2, 4)), "'mean'"),
+    ("gn-mean-transposed", _gn_case(mean=_f(3, 2)), "'mean'"),
+    ("gn-rstd-shape", _gn_case(rstd=_f(2)), "'rstd'"),
+    ("gn-gamma-dtype", _gn_case(gamma=_f(1, 3, 4, dtype=F16)), "'gamma'"),
+    ("gn-dy-dtype", _gn_case(dy=_f(2, 3, 4, dtype=F16)), "'dy'"),
+    ("gn-rstd-dtype", _gn_case(rstd=_f(2, 3, dtype=F16)), "'rstd'"),
+    ("gn-mean-bf16-with-f16", _gn_case(**{n: _f(*s, dtype=F16) for n, s in
+                                          (("x", (2, 3, 4)), ("dy", (2, 3, 4)), ("gamma", (1, 3, 4)), ("rstd", (2, 3)))},
+                                       mean=_f(2, 3, dtype=ml_dtypes.bfloat16)), "'mean'"),
+]
+
+_BAD_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_cpp_kernels as t
+case_id = sys.argv[2]
+op, inputs, attributes = dict((c[0], c[1]) for c in t.BAD_CASES)[case_id]
+try:
+    t.run_cpp(op, inputs, [n for n in t.OUTPUT_NAMES[op]], attributes)
+    print(json.dumps({"outcome": "returned"}))
+except Exception as error:
+    print(json.dumps({"outcome": "raised", "message": str(error)}))
+"""
+
+OUTPUT_NAMES = {"BatchNormReduceBackward": bnr.OUTPUTS, "BatchNormElemtBackward": ("grad_input",),
+                "GroupNormalizationGrad": gng.OUTPUTS}
+
+
+def test_bad_inputs_are_rejected_without_crashing():
+    """Each case in its own process (a crash is a failure, not the end of the run)."""
+    processes = {
+        case_id: subprocess.Popen([sys.executable, "-c", _BAD_SCRIPT, str(HERE), case_id], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        for case_id, _, _ in BAD_CASES
+    }
+    failures = []
+    for case_id, _, expected in BAD_CASES:
+        out, err = processes[case_id].communicate(timeout=300)
+        if processes[case_id].returncode != 0:
+            failures.append(f"{case_id}: process died ({processes[case_id].returncode}): {err[-500:]}")
+            continue
+        result = json.loads(out.strip().splitlines()[-1])
+        if result["outcome"] != "raised" or expected not in result["message"]:
+            failures.append(f"{case_id}: {result}")
+    assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_library_exports_only_the_entry_point():
+    import ctypes
+
+    library = ctypes.CDLL(normgrad.library_path())
+    assert hasattr(library, "RegisterCustomOps")
+    assert not hasattr(library, "_ZN8normgrad5g_apiE")  # internals stay hidden
+
+
+_OLD_RUNTIME_SCRIPT = r"""
+import ctypes, glob, os, sys
+import onnxruntime
+ort = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), "capi", "libonnxruntime.so*"))[0])
+ort.OrtGetApiBase.restype = ctypes.c_void_p
+real = ctypes.cast(ort.OrtGetApiBase(), ctypes.POINTER(ctypes.c_void_p * 2)).contents
+GET_API = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+VERSION = ctypes.CFUNCTYPE(ctypes.c_char_p)
+real_get_api = GET_API(real[0])
+
+@GET_API
+def get_api(version):  # an onnxruntime 1.16: API versions 1..16
+    return real_get_api(version) if version <= 16 else None
+
+@VERSION
+def version_string():
+    return b"1.16.3"
+
+base = (ctypes.c_void_p * 2)(ctypes.cast(get_api, ctypes.c_void_p), ctypes.cast(version_string, ctypes.c_void_p))
+library = ctypes.CDLL(sys.argv[1])
+library.RegisterCustomOps.restype = ctypes.c_void_p
+library.RegisterCustomOps.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+status = library.RegisterCustomOps(None, ctypes.addressof(base))
+assert status, "expected an error status"
+api = ctypes.cast(real_get_api(1), ctypes.POINTER(ctypes.c_void_p * 8)).contents
+# OrtApi: CreateStatus, GetErrorCode, GetErrorMessage, ...
+get_message = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(api[2])
+print(get_message(status).decode())
+"""
+
+
+def test_old_onnxruntime_gets_a_clear_error():
+    """A runtime without API version 17 gets an error status naming both versions, not a crash."""
+    process = subprocess.run([sys.executable, "-c", _OLD_RUNTIME_SCRIPT, normgrad.library_path()],
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert "API version 17" in process.stdout and "1.16.3" in process.stdout, process.stdout
