@@ -28,6 +28,8 @@ least float32 in every other implementation.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx
 import onnx.parser
@@ -36,7 +38,7 @@ from onnx.defs import OpSchema
 from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
-__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "validate", "reference", "schema", "function_body"]
+__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
 
 OP_TYPE = "BatchNormElemtBackward"
 INPUTS = ("grad_out", "input", "mean", "invstd", "weight", "sum_dy", "sum_dy_xmu")
@@ -78,21 +80,27 @@ def validate(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu):
     return (dy, x, *vectors)
 
 
-def reference(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu) -> np.ndarray:
+class Result(NamedTuple):
+    """The one output."""
+
+    grad_input: np.ndarray
+
+
+def reference(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu) -> Result:
     """The operator in float64 NumPy: the truth every other implementation is tested against.
 
     Returns:
-        ``grad_input`` in T (``input``'s dtype).
+        A :class:`Result` holding ``grad_input`` in T (``input``'s dtype).
     """
     dy, x, *vectors = validate(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu)
     if x.size == 0:
-        return np.zeros(x.shape, x.dtype)
+        return Result(np.zeros(x.shape, x.dtype))
     per_channel = (1, -1) + (1,) * (x.ndim - 2)
     mean, invstd, weight, sum_dy, sum_dy_xmu = (v.astype(np.float64).reshape(per_channel) for v in vectors)
     count = x.size // x.shape[1]
     xmu = x.astype(np.float64) - mean
     dx = (dy.astype(np.float64) - sum_dy / count - xmu * invstd**2 * sum_dy_xmu / count) * invstd * weight
-    return dx.astype(x.dtype)
+    return Result(dx.astype(x.dtype))
 
 
 def _infer(ctx) -> None:
