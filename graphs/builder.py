@@ -12,7 +12,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
-from normgrad.graphs import losses, rewrites
+from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, lookup
 from normgrad.ops import DOMAIN, IR_VERSION
@@ -144,9 +144,22 @@ def _needing_grad(
 
 
 def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str]) -> Dict[str, List[str]]:
-    """Emits the backward nodes; returns every value's gradient contributions."""
+    """Emits the backward nodes; returns every value's gradient contributions.
+
+    Chains a pattern (:mod:`normgrad.graphs.patterns`) matches are differentiated as a
+    whole at their last node; their other nodes are skipped.
+    """
     grads: Dict[str, List[str]] = {name: [grad] for name, grad in seeds.items()}
+    matches = patterns.find_matches(graph, ctx)
     for node in reversed(list(graph.node)):
+        match = matches.get(node)
+        if match is not None:
+            if matches.is_anchor(node) and grads.get(node.output[0]):
+                ctx.scope(node)
+                out_grad = ctx.sum_all(grads[node.output[0]])
+                for name, grad in match.gradient(ctx, out_grad):
+                    grads.setdefault(name, []).append(grad)
+            continue
         rule = lookup(node)
         if rule is None or rule.gradient is None:
             continue
