@@ -17,7 +17,7 @@ from onnx import helper
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPERATORS, OPSET_VERSION, operator
 from normgrad.ops._common import tensor_type
 
-__all__ = ["BACKENDS", "node_model", "make_session", "run_session", "run"]
+__all__ = ["BACKENDS", "node_model", "make_session", "run_session", "run_model", "run"]
 
 BACKENDS = ("reference", "cpp", "python", "function", "evaluator")
 """``reference``: the NumPy float64 truth; ``cpp``/``python``: onnxruntime with normgrad's
@@ -123,7 +123,7 @@ def _bfloat16_via_float(model: onnx.ModelProto) -> onnx.ModelProto:
 def run_session(session, inputs: Mapping[str, Optional[np.ndarray]], bfloat16_outputs=()) -> dict:
     """Runs ``session`` on ``inputs``, bfloat16 arrays going in and out as float32."""
     feeds = {
-        name: value.astype(np.float32) if value.dtype == _BFLOAT16 else value
+        name: np.asarray(value, np.float32 if value.dtype == _BFLOAT16 else value.dtype)
         for name, value in inputs.items()
         if value is not None
     }
@@ -132,6 +132,26 @@ def run_session(session, inputs: Mapping[str, Optional[np.ndarray]], bfloat16_ou
     for name in bfloat16_outputs:
         results[name] = results[name].astype(_BFLOAT16)
     return results
+
+
+def run_model(model: onnx.ModelProto, inputs: Mapping[str, Optional[np.ndarray]], backend: str, threads=None) -> dict:
+    """Runs ``model`` on the onnxruntime ``backend`` ("cpp", "python" or "function").
+
+    bfloat16 inputs and outputs work on every supported onnxruntime (see
+    :func:`_bfloat16_via_float`); with bfloat16 inputs, output types the model leaves
+    open are inferred first.
+    """
+    bfloat16_inputs = any(value is not None and value.dtype == _BFLOAT16 for value in inputs.values())
+    if bfloat16_inputs and any(not o.type.tensor_type.elem_type for o in model.graph.output):
+        inferred = {o.name: o.type for o in onnx.shape_inference.infer_shapes(model).graph.output}
+        model = copy.deepcopy(model)
+        for output in model.graph.output:
+            if not output.type.tensor_type.elem_type and output.name in inferred:
+                output.type.CopyFrom(inferred[output.name])
+    bfloat16_outputs = [o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
+    if bfloat16_inputs or bfloat16_outputs:
+        model = _bfloat16_via_float(model)
+    return run_session(make_session(model, backend, threads), inputs, bfloat16_outputs)
 
 
 def run(
@@ -162,9 +182,4 @@ def run(
         return dict(zip(names, evaluator.run(None, feeds)))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    bfloat16_outputs = [
-        o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
-    ]
-    if any(value is not None and value.dtype == _BFLOAT16 for value in inputs.values()) or bfloat16_outputs:
-        model = _bfloat16_via_float(model)
-    return run_session(make_session(model, backend, threads), inputs, bfloat16_outputs)
+    return run_model(model, inputs, backend, threads)

@@ -8,7 +8,6 @@ a crash fails the test instead of killing the run.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import os
@@ -25,6 +24,7 @@ from onnx import helper
 import normgrad
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION
 from normgrad.ops import batch_norm_elemt_backward as bne
+from normgrad.ops import harness
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
 from normgrad.ops._common import tensor_type
@@ -60,45 +60,10 @@ def _model(op_type, inputs, outputs, attributes=None):
     )
 
 
-def _to_ort(value):
-    import onnxruntime
-
-    value = np.ascontiguousarray(value)
-    if value.dtype == BF16:
-        return onnxruntime.OrtValue.ortvalue_from_numpy_with_onnx_type(value.view(np.uint16), onnx.TensorProto.BFLOAT16)
-    return onnxruntime.OrtValue.ortvalue_from_numpy(value)
-
-
-def _from_ort(value):
-    shape = tuple(value.shape())
-    if value.data_type() != "tensor(bfloat16)":
-        return np.asarray(value.numpy()).reshape(shape)
-    count = int(np.prod(shape))
-    if count == 0:
-        return np.zeros(shape, BF16)
-    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
-    return np.array(raw, dtype=np.uint16).view(BF16).reshape(shape)
-
-
 def run_cpp(op_type, inputs, outputs, attributes=None, threads=None):
-    """Runs one node on the C++ kernels (bfloat16 through OrtValues); returns {output name: array}."""
-    import onnxruntime
-
-    model = _model(op_type, inputs, outputs, attributes)
-    options = onnxruntime.SessionOptions()
-    if threads is not None:
-        options.intra_op_num_threads = threads
-    normgrad.session_options("cpp", options)
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
-    for name, value in inputs:
-        if name:
-            binding.bind_ortvalue_input(name, _to_ort(value))
-    names = [o.name for o in session.get_outputs()]
-    for name in names:
-        binding.bind_output(name, "cpu")
-    session.run_with_iobinding(binding)
-    return {name: _from_ort(value) for name, value in zip(names, binding.get_outputs())}
+    """Runs one node on the C++ kernels; returns {output name: array}."""
+    feeds = {name: value for name, value in inputs if name}
+    return harness.run_model(_model(op_type, inputs, outputs, attributes), feeds, "cpp", threads)
 
 
 def _cast(value, dtype):
@@ -342,8 +307,6 @@ def check_gn(inputs, outputs=gng.OUTPUTS, threads=None, trailing_empty=False):
             terms = dy64 * np.abs(x_hat) if name == "dgamma" else dy64
             scale = gng._sum_to_shape(terms, inputs["gamma"].shape) if x.size else 1.0
         truth = _truth(inputs, name)
-        if truth.ndim == 0 and value.shape == (1,):  # onnxruntime's Python OrtValue reports 0-d as [1]
-            value = value.reshape(())
         assert_close(value, truth, t, scale, name)
     return actual
 
