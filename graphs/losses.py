@@ -48,7 +48,9 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str) -> tuple:
     picked = ctx.op("GatherElements", log_probs, ctx.unsqueeze(labels, [1]), axis=1)
     loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
     values = ctx.op("CastLike", ctx.op("Constant", value=onh.from_array(np.array([0.0, 1.0], np.float32))), output)
-    onehot = ctx.op("OneHot", labels, ctx.shape_of(output, start=1, end=2), values, axis=1)
+    # depth as a scalar: onnx's ReferenceEvaluator rejects the [1]-shaped form the spec allows.
+    depth = ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0]))
+    onehot = ctx.op("OneHot", labels, depth, values, axis=1)
     count = ctx.op("CastLike", ctx.op("Size", labels), output)
     return loss, ctx.op("Div", ctx.op("Sub", ctx.op("Softmax", output, axis=1), onehot), count)
 
