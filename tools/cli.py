@@ -1,4 +1,4 @@
-"""The ``normgrad`` command: ``normgrad {demo,bench,export,check} ...``."""
+"""The ``normgrad`` command: ``normgrad {demo,bench,export,check,corpus} ...``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": ("normgrad.tools.bench", "time the kernels against each other and a memory-streaming floor"),
     "export": ("normgrad.tools.export", "turn a forward ONNX model into a training graph"),
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
+    "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
 }
 
 

@@ -5,13 +5,25 @@ The public API:
 * :data:`DOMAIN`: the operators' ONNX domain.
 * :func:`session_options`: onnxruntime ``SessionOptions`` with normgrad kernels registered.
 * :func:`add_functions`: attach the operators' function bodies to a model.
+* :func:`inference_session`: an onnxruntime session with kernels or function bodies, and
+  an error that says what to register when a model has neither
+  (:class:`NormgradSessionError`).
 * :func:`library_path`: the compiled custom-op library.
 """
 
 from __future__ import annotations
 
 from normgrad.ops import DOMAIN, OPSET_VERSION, NormgradInputError
-from normgrad._api import add_functions, library_path, session_options
+from normgrad._api import NormgradSessionError, add_functions, inference_session, library_path, session_options
 
-__all__ = ["DOMAIN", "OPSET_VERSION", "NormgradInputError", "add_functions", "library_path", "session_options"]
+__all__ = [
+    "DOMAIN",
+    "OPSET_VERSION",
+    "NormgradInputError",
+    "NormgradSessionError",
+    "add_functions",
+    "inference_session",
+    "library_path",
+    "session_options",
+]
 __version__ = "0.1.0"

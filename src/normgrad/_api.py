@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
-from typing import Optional
+import re
+from typing import Optional, Union
 
 import onnx
 
 from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION
 
-__all__ = ["add_functions", "library_path", "session_options"]
+__all__ = ["add_functions", "inference_session", "library_path", "session_options", "NormgradSessionError"]
 
 _LIBRARY_NAMES = ("libnormgrad_ops.so", "libnormgrad_ops.dylib", "normgrad_ops.dll")
 BACKENDS = ("cpp", "python")
@@ -124,3 +126,92 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     if used and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
     return model
+
+
+class NormgradSessionError(RuntimeError):
+    """onnxruntime could not build a session for a model using normgrad operators; the
+    message says what to register. The original onnxruntime error is ``__cause__``."""
+
+
+SESSION_BACKENDS = ("cpp", "python", "functions", None)
+_NOT_REGISTERED = re.compile(r"([\w.]*):(\w+)\(-?\d+\) is not a registered function/op")
+_BAD_TYPE = re.compile(r"Type 'tensor\(\w+\)' of input parameter \(\w*\) of operator \((?P<op>\w+)\)")
+_BAD_NODE = re.compile(r'In Node, \("[^"]*", (?P<op>\w+), "%s"' % re.escape(DOMAIN))
+
+
+def _explain(error: Exception, backend: Optional[str]) -> Optional[str]:
+    """A normgrad-specific explanation of onnxruntime's session-creation error, or None."""
+    text = str(error)
+    match = _NOT_REGISTERED.search(text)
+    if match and match.group(1) == DOMAIN:
+        op_type = match.group(2)
+        if op_type not in OPERATORS:
+            return (
+                f"the model uses {DOMAIN}:{op_type}, which is not a normgrad operator (known: {sorted(OPERATORS)})"
+            )
+        how = "nothing was registered" if backend is None else f"backend {backend!r} was used"
+        return (
+            f"onnxruntime has neither a kernel nor a function body for the normgrad operator {op_type} "
+            f"({how}). Register normgrad's kernels with `normgrad.session_options(\"cpp\")` (or \"python\", "
+            f"float32 only) as the session's options, or attach the function bodies with "
+            f"`model = normgrad.add_functions(model)`; normgrad.inference_session(model, backend=\"cpp\" | "
+            f"\"python\" | \"functions\") does either"
+        )
+    match = _BAD_TYPE.search(text) or _BAD_NODE.search(text)
+    if backend == "python" and match and match.group("op") in OPERATORS:
+        return (
+            f"normgrad's Python kernels take float32 only and every input and output present (the "
+            f"onnxruntime-extensions bridge declares them all required); a {match.group('op')} node breaks "
+            f"that. Use backend=\"cpp\" or backend=\"functions\""
+        )
+    return None
+
+
+def inference_session(
+    model_or_path: Union[onnx.ModelProto, bytes, str, "os.PathLike[str]"],
+    backend: Optional[str] = "cpp",
+    options=None,
+    providers=None,
+):
+    """An ``onnxruntime.InferenceSession`` for a model using normgrad operators.
+
+    Args:
+        model_or_path: a ``ModelProto``, its serialized bytes, or a path.
+        backend: ``"cpp"`` (the compiled kernels), ``"python"`` (float32 Python kernels),
+            ``"functions"`` (attach the function bodies with :func:`add_functions`; no
+            kernel registered, so any execution provider can take the inlined standard
+            ops), or None (register nothing: the model must carry what it needs).
+        options: ``onnxruntime.SessionOptions`` to register into (a new one when None).
+        providers: passed to ``InferenceSession`` (onnxruntime's default when None).
+
+    Raises:
+        NormgradSessionError: onnxruntime found a normgrad node it has no kernel and no
+            function body for (the message says what to call), or, with
+            ``backend="python"``, a node the float32 Python kernels cannot take.
+            onnxruntime's own error is the ``__cause__``; other errors pass unchanged.
+        ValueError: unknown backend.
+    """
+    import onnxruntime
+
+    if backend not in SESSION_BACKENDS:
+        raise ValueError(f"backend must be one of {SESSION_BACKENDS}; got {backend!r}")
+    if options is None:
+        options = onnxruntime.SessionOptions()
+    if isinstance(model_or_path, onnx.ModelProto):
+        source: Union[bytes, str] = model_or_path.SerializeToString()
+    elif isinstance(model_or_path, (bytes, bytearray)):
+        source = bytes(model_or_path)
+    else:
+        source = os.fspath(model_or_path)
+    if backend == "functions":
+        model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source)
+        source = add_functions(model).SerializeToString()
+    elif backend is not None:
+        session_options(backend, options)
+    try:
+        return onnxruntime.InferenceSession(source, options, providers=providers)
+    except Exception as error:
+        explanation = _explain(error, backend)
+        if explanation is None:
+            raise
+        raise NormgradSessionError(f"{explanation}. onnxruntime said: {error}") from error

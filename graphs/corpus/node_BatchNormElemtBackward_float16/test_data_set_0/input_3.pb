@@ -1,0 +1,1 @@
+BinvstdJm?XÁ>?lY ?

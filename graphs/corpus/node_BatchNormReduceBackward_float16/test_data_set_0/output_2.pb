@@ -1,0 +1,1 @@
+Bgrad_weightJq#CÁt2)AMA

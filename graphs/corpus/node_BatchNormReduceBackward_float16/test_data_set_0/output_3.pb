@@ -1,0 +1,1 @@
+B	grad_biasJÑ]ä¡`GAH£Î¿

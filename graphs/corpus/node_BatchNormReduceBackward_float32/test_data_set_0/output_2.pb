@@ -1,0 +1,1 @@
+Bgrad_weightJ#(@dE0Ax-@

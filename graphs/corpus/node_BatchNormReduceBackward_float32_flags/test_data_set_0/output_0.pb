@@ -1,0 +1,1 @@
+Bgrad_weightJ×ı‘ÀıKÀ—¶*¾òGÁp8WÀ

@@ -1,0 +1,1 @@
+Bin2_scale_gradJ}/¿∆oe¡\¿ãﬂA

@@ -1,0 +1,1 @@
+Bgn_weight_gradJ /ŸŽA9–@¹ÿ]ÀUÄAæ>ÚAk8•AÕŸ<B {@

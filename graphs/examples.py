@@ -1,0 +1,193 @@
+"""Small forward models built in code: the blocks the training-graph tests and the
+interoperability corpus (``normgrad corpus``) export.
+
+Every builder is deterministic (fixed seeds) and returns a float32 forward model with IR
+version 10 whose output shapes are inferred.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+
+from normgrad.ops import IR_VERSION
+
+__all__ = [
+    "model",
+    "weights",
+    "resnet_block",
+    "group_norm_block",
+    "instance_norm_block",
+    "mlp",
+    "unet_block",
+    "unet_block_torchscript",
+    "style_transfer_block",
+]
+
+FLOAT = onnx.TensorProto.FLOAT
+
+
+def model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Dict[str, Sequence],
+    outputs: Sequence[str],
+    initializers: Optional[Dict[str, np.ndarray]] = None,
+    opset: int = 18,
+    elem_type: int = FLOAT,
+    name: str = "test",
+) -> onnx.ModelProto:
+    """A model of ``nodes``; ``inputs`` maps names to shapes; output shapes are inferred."""
+    graph = oh.make_graph(
+        list(nodes),
+        name,
+        [oh.make_tensor_value_info(name, elem_type, list(shape)) for name, shape in inputs.items()],
+        [oh.make_tensor_value_info(name, elem_type, None) for name in outputs],
+        initializer=[onh.from_array(value, name) for name, value in (initializers or {}).items()],
+    )
+    result = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+    result.ir_version = IR_VERSION
+    inferred = onnx.shape_inference.infer_shapes(result)
+    del result.graph.output[:]
+    result.graph.output.extend(inferred.graph.output)
+    return result
+
+
+def weights(seed: int, **shapes: Sequence[int]) -> Dict[str, np.ndarray]:
+    """Random float32 arrays by name."""
+    rng = np.random.default_rng(seed)
+    return {name: (rng.standard_normal(shape) * 0.5).astype(np.float32) for name, shape in shapes.items()}
+
+
+def resnet_block(channels: int = 4, training: int = 1, opset: int = 15) -> onnx.ModelProto:
+    """ResNet basic block: Conv-BN-ReLU-Conv-BN + skip, ReLU."""
+    params = weights(1, w1=(channels, channels, 3, 3), w2=(channels, channels, 3, 3), b1=(channels,))
+    for i in (1, 2):
+        rng = np.random.default_rng(10 + i)
+        params[f"s{i}"] = rng.uniform(0.5, 1.5, channels).astype(np.float32)
+        params[f"t{i}"] = rng.standard_normal(channels).astype(np.float32)
+        params[f"m{i}"] = rng.standard_normal(channels).astype(np.float32) * 0.1
+        params[f"v{i}"] = rng.uniform(0.5, 1.5, channels).astype(np.float32)
+    bn = dict(training_mode=training) if opset >= 14 else {}
+    stats = lambda i: [f"n{i}", f"rm{i}", f"rv{i}"] if training else [f"n{i}"]  # noqa: E731
+    nodes = [
+        oh.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        oh.make_node("BatchNormalization", ["c1", "s1", "t1", "m1", "v1"], stats(1), **bn),
+        oh.make_node("Relu", ["n1"], ["r1"]),
+        oh.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        oh.make_node("BatchNormalization", ["c2", "s2", "t2", "m2", "v2"], stats(2), **bn),
+        oh.make_node("Add", ["n2", "x"], ["sum"]),
+        oh.make_node("Relu", ["sum"], ["y"]),
+    ]
+    return model(nodes, {"x": (2, channels, 5, 5)}, ["y"], params, opset=opset)
+
+
+def group_norm_block(channels: int = 4, groups: int = 2, opset: int = 21) -> onnx.ModelProto:
+    """Conv-GroupNormalization-SiLU (Sigmoid * x)."""
+    scale_len = channels if opset >= 21 else groups
+    params = weights(2, w=(channels, 3, 3, 3), b=(channels,))
+    params["gamma"] = np.random.default_rng(3).uniform(0.5, 1.5, scale_len).astype(np.float32)
+    params["beta"] = np.random.default_rng(4).standard_normal(scale_len).astype(np.float32)
+    nodes = [
+        oh.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("GroupNormalization", ["c", "gamma", "beta"], ["n"], num_groups=groups, epsilon=1e-5),
+        oh.make_node("Sigmoid", ["n"], ["s"]),
+        oh.make_node("Mul", ["n", "s"], ["y"]),
+    ]
+    return model(nodes, {"x": (2, 3, 4, 4)}, ["y"], params, opset=opset)
+
+
+def instance_norm_block(channels: int = 3) -> onnx.ModelProto:
+    """Conv-InstanceNormalization-LeakyRelu."""
+    params = weights(5, w=(channels, 2, 3, 3))
+    params["gamma"] = np.random.default_rng(6).uniform(0.5, 1.5, channels).astype(np.float32)
+    params["beta"] = np.random.default_rng(7).standard_normal(channels).astype(np.float32)
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]),
+        oh.make_node("InstanceNormalization", ["c", "gamma", "beta"], ["n"], epsilon=1e-5),
+        oh.make_node("LeakyRelu", ["n"], ["y"], alpha=0.1),
+    ]
+    return model(nodes, {"x": (2, 2, 7, 7)}, ["y"], params, opset=17)
+
+
+def mlp(classes: int = 3) -> onnx.ModelProto:
+    """Gemm-Tanh-MatMul-Add; the batch dimension is symbolic ("N")."""
+    params = weights(8, w1=(5, 6), b1=(6,), w2=(6, classes), b2=(classes,))
+    nodes = [
+        oh.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+        oh.make_node("Tanh", ["h"], ["a"]),
+        oh.make_node("MatMul", ["a", "w2"], ["z"]),
+        oh.make_node("Add", ["z", "b2"], ["y"]),
+    ]
+    return model(nodes, {"x": ("N", 5)}, ["y"], params)
+
+
+def _affine(seed: int, channels: int, name: str) -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        f"{name}_scale": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        f"{name}_bias": (rng.standard_normal(channels) * 0.5).astype(np.float32),
+    }
+
+
+def unet_block(channels: int = 4, hidden: int = 8, groups: int = 4) -> onnx.ModelProto:
+    """Diffusion-UNet residual block: Conv -> GroupNormalization-21 -> SiLU (x * Sigmoid(x))
+    -> Conv, plus the skip connection."""
+    params = weights(21, w1=(hidden, channels, 3, 3), b1=(hidden,), w2=(channels, hidden, 3, 3), b2=(channels,))
+    params.update(_affine(22, hidden, "gn"))
+    nodes = [
+        oh.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        oh.make_node("GroupNormalization", ["c1", "gn_scale", "gn_bias"], ["n"], num_groups=groups, epsilon=1e-5),
+        oh.make_node("Sigmoid", ["n"], ["sig"]),
+        oh.make_node("Mul", ["n", "sig"], ["silu"]),
+        oh.make_node("Conv", ["silu", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        oh.make_node("Add", ["c2", "x"], ["y"]),
+    ]
+    return model(nodes, {"x": (2, channels, 6, 6)}, ["y"], params, opset=21, name="unet_block")
+
+
+def unet_block_torchscript(channels: int = 4, hidden: int = 8, groups: int = 4) -> onnx.ModelProto:
+    """:func:`unet_block` with GroupNorm as torch's TorchScript exporter writes it: Reshape to
+    [N, G, -1] -> InstanceNormalization (ones/zeros of length G as Constant nodes) ->
+    Reshape back -> Mul(weight[C, 1, 1]) -> Add(bias[C, 1, 1])."""
+    params = weights(21, w1=(hidden, channels, 3, 3), b1=(hidden,), w2=(channels, hidden, 3, 3), b2=(channels,))
+    affine = _affine(22, hidden, "gn")
+    params["gn_weight"] = affine["gn_scale"].reshape(hidden, 1, 1)
+    params["gn_bias"] = affine["gn_bias"].reshape(hidden, 1, 1)
+    nodes = [
+        oh.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        oh.make_node("Constant", [], ["grouped_shape"], value=onh.from_array(np.array([0, groups, -1], np.int64))),
+        oh.make_node("Reshape", ["c1", "grouped_shape"], ["grouped"]),
+        oh.make_node("Constant", [], ["in_scale"], value=onh.from_array(np.ones(groups, np.float32))),
+        oh.make_node("Constant", [], ["in_bias"], value=onh.from_array(np.zeros(groups, np.float32))),
+        oh.make_node("InstanceNormalization", ["grouped", "in_scale", "in_bias"], ["normed"], epsilon=1e-5),
+        oh.make_node("Shape", ["c1"], ["c1_shape"]),
+        oh.make_node("Reshape", ["normed", "c1_shape"], ["n0"]),
+        oh.make_node("Mul", ["n0", "gn_weight"], ["n1"]),
+        oh.make_node("Add", ["n1", "gn_bias"], ["n"]),
+        oh.make_node("Sigmoid", ["n"], ["sig"]),
+        oh.make_node("Mul", ["n", "sig"], ["silu"]),
+        oh.make_node("Conv", ["silu", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        oh.make_node("Add", ["c2", "x"], ["y"]),
+    ]
+    return model(nodes, {"x": (2, channels, 6, 6)}, ["y"], params, opset=17, name="unet_block_torchscript")
+
+
+def style_transfer_block(channels: int = 4) -> onnx.ModelProto:
+    """Style-transfer residual block: Conv -> InstanceNormalization -> Relu -> Conv ->
+    InstanceNormalization, plus the skip connection."""
+    params = weights(31, w1=(channels, channels, 3, 3), b1=(channels,), w2=(channels, channels, 3, 3), b2=(channels,))
+    params.update(_affine(32, channels, "in1"))
+    params.update(_affine(33, channels, "in2"))
+    nodes = [
+        oh.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        oh.make_node("InstanceNormalization", ["c1", "in1_scale", "in1_bias"], ["n1"], epsilon=1e-5),
+        oh.make_node("Relu", ["n1"], ["r1"]),
+        oh.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        oh.make_node("InstanceNormalization", ["c2", "in2_scale", "in2_bias"], ["n2"], epsilon=1e-5),
+        oh.make_node("Add", ["n2", "x"], ["y"]),
+    ]
+    return model(nodes, {"x": (2, channels, 6, 6)}, ["y"], params, opset=17, name="style_transfer_block")

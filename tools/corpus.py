@@ -1,0 +1,478 @@
+"""``normgrad corpus``: the interoperability corpus, in the ONNX backend-test layout.
+
+Writes one folder per case::
+
+    CASE/model.onnx
+    CASE/test_data_set_0/input_0.pb ...    one per graph input, in graph-input order
+    CASE/test_data_set_0/output_0.pb ...   one per graph output, in graph-output order
+
+plus ``manifest.json`` (every case: kind, dtype, op types, description) and ``README.md``.
+Every ``.pb`` is an ``onnx.TensorProto`` carrying the input's or output's name.
+
+Cases:
+
+* ``node_*``: one normgrad node per operator and dtype (float32, float16, bfloat16), with
+  broadcast gamma, optional inputs/outputs omitted and flag variety. Each model carries
+  the operator's function body (so it runs without kernels; a registered kernel wins).
+  Expected outputs: the operator's float64 NumPy reference (``normgrad.ops.*.reference``),
+  rounded to the output dtype.
+* ``train_*``: training graphs (``normgrad.graphs.build_training_graph``) of small blocks
+  built in code (:mod:`normgrad.graphs.examples`): a ResNet block with BatchNorm, a
+  diffusion-UNet block with GroupNormalization-21 and the same block as torch's
+  TorchScript exporter writes GroupNorm, a style-transfer block with InstanceNorm, an MLP
+  with a cross-entropy loss; each (but the MLP, which has no normalization) also as the
+  ``_inline`` variant (standard ops only). Expected outputs: a float64 copy of the
+  training graph (every float tensor, constant and Cast target turned into float64) run by
+  ``onnx.reference.ReferenceEvaluator`` with the normgrad nodes evaluated by the float64
+  NumPy references (not by the function bodies, which compute in float32). An ``_inline``
+  case stores the same expected outputs as its non-inline twin.
+
+Deterministic: fixed seeds, every model's producer fields set explicitly, deterministic
+protobuf serialization; regenerating gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import pathlib
+import shutil
+import sys
+import zlib
+from typing import Callable, Dict, List, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx.numpy_helper as onh
+
+__all__ = ["Case", "cases", "generate", "write", "compare", "default_out", "float64_outputs", "main"]
+
+PRODUCER_NAME = "normgrad.tools.corpus"
+DATA_SET = "test_data_set_0"
+MANIFEST = "manifest.json"
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclasses.dataclass
+class Case:
+    """One corpus case.
+
+    Attributes:
+        name: the folder name.
+        kind: ``"node"`` (single normgrad node) or ``"training"``.
+        dtype: the element type of the graph's float inputs (``"float32"``, ...).
+        description: one line.
+        model: the model written to ``model.onnx``.
+        inputs: every graph input by name, in graph-input order.
+        outputs: every graph output's expected value by name, in graph-output order.
+        inline: a training graph with the normgrad function bodies inlined.
+        omits_optional: some normgrad node leaves an optional input or output out (the
+            Python-kernel bridge rejects such nodes).
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    description: str
+    model: onnx.ModelProto
+    inputs: Dict[str, np.ndarray]
+    outputs: Dict[str, np.ndarray]
+    inline: bool = False
+    omits_optional: bool = False
+
+    def manifest(self) -> dict:
+        from normgrad.ops import DOMAIN
+
+        op_types = sorted({n.op_type for n in self.model.graph.node if n.domain == DOMAIN})
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "inline": self.inline,
+            "omits_optional": self.omits_optional,
+            "normgrad_ops": op_types,
+            "ir_version": self.model.ir_version,
+            "opset_import": {o.domain or "ai.onnx": o.version for o in self.model.opset_import},
+            "description": self.description,
+        }
+
+
+def _rng(name: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def _finish(model: onnx.ModelProto, description: str) -> onnx.ModelProto:
+    import normgrad
+    from normgrad.ops import IR_VERSION
+
+    model = copy.deepcopy(model)
+    model.ir_version = IR_VERSION
+    model.producer_name = PRODUCER_NAME
+    model.producer_version = normgrad.__version__
+    model.domain = ""
+    model.model_version = 1
+    model.doc_string = description
+    return model
+
+
+def _omits_optional(model: onnx.ModelProto) -> bool:
+    from normgrad.ops import DOMAIN, OPERATORS
+
+    for node in model.graph.node:
+        if node.domain == DOMAIN:
+            module = OPERATORS[node.op_type]
+            names = list(node.input) + list(node.output)
+            if len(node.input) < len(module.INPUTS) or len(node.output) < len(module.OUTPUTS) or "" in names:
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------- single nodes
+
+
+def _node_case(
+    name: str,
+    op_type: str,
+    inputs: Dict[str, Optional[np.ndarray]],
+    description: str,
+    outputs: Optional[Sequence[str]] = None,
+    attributes: Optional[Dict[str, int]] = None,
+) -> Case:
+    import normgrad
+    from normgrad.ops import harness, operator
+
+    module = operator(op_type)
+    model = harness.node_model(op_type, inputs, outputs, attributes)
+    omits = _omits_optional(model)
+    model = _finish(normgrad.add_functions(model), description)
+    args = {key: inputs.get(key) for key in module.INPUTS}
+    result = module.reference(**args, **dict(attributes or {}))
+    by_name = dict(zip(module.OUTPUTS, result))
+    expected = {o.name: np.asarray(by_name[o.name]) for o in model.graph.output}
+    feeds = {key: value for key, value in inputs.items() if value is not None}
+    return Case(name, "node", _dtype_name(next(iter(feeds.values())).dtype), description, model, feeds, expected,
+                omits_optional=omits)
+
+
+def _dtype_name(dtype) -> str:
+    return "bfloat16" if np.dtype(dtype) == _BF16 else np.dtype(dtype).name
+
+
+def _bn_inputs(rng, shape, t, u, weight=True, elemt=False) -> Dict[str, Optional[np.ndarray]]:
+    channels = shape[1]
+    x = rng.standard_normal(shape) * 1.5 + 0.7
+    axes = (0,) + tuple(range(2, len(shape)))
+    mean = x.mean(axis=axes)
+    invstd = 1.0 / np.sqrt(x.var(axis=axes) + 1e-5)
+    values = {
+        "grad_out": rng.standard_normal(shape).astype(t),
+        "input": x.astype(t),
+        "mean": mean.astype(u),
+        "invstd": invstd.astype(u),
+        "weight": rng.uniform(0.5, 1.5, channels).astype(u) if weight else None,
+    }
+    if elemt:
+        from normgrad.ops import batch_norm_reduce_backward
+
+        sums = batch_norm_reduce_backward.reference(values["grad_out"], values["input"], values["mean"], values["invstd"])
+        values["sum_dy"] = np.asarray(sums.sum_dy).astype(u)
+        values["sum_dy_xmu"] = np.asarray(sums.sum_dy_xmu).astype(u)
+    return values
+
+
+def _gn_inputs(rng, shape, gamma_shape, t, u) -> Dict[str, np.ndarray]:
+    x = rng.standard_normal(shape) * 2.0 - 0.5
+    grouped = x.reshape(shape[0], shape[1], -1)
+    return {
+        "x": x.astype(t),
+        "dy": rng.standard_normal(shape).astype(t),
+        "gamma": rng.uniform(0.5, 1.5, gamma_shape).astype(t),
+        "mean": grouped.mean(-1).astype(u),
+        "rstd": (1.0 / np.sqrt(grouped.var(-1) + 1e-5)).astype(u),
+    }
+
+
+F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), _BF16
+
+
+def _node_cases() -> List[Callable[[], Case]]:
+    reduce_, elemt, gn = "BatchNormReduceBackward", "BatchNormElemtBackward", "GroupNormalizationGrad"
+
+    def make(name, op_type, make_inputs, description, **kwargs):
+        return lambda: _node_case(name, op_type, make_inputs(_rng(name)), description, **kwargs)
+
+    return [
+        make("node_BatchNormReduceBackward_float32", reduce_, lambda r: _bn_inputs(r, (4, 3, 5, 6), F32, F32),
+             "BatchNormReduceBackward, float32, rank 4, weight given, every output"),
+        make("node_BatchNormReduceBackward_float32_flags", reduce_,
+             lambda r: _bn_inputs(r, (6, 5, 7), F32, F32, weight=False),
+             "BatchNormReduceBackward, float32, rank 3, weight omitted, input_g=0: only grad_weight and grad_bias",
+             outputs=["grad_weight", "grad_bias"], attributes={"input_g": 0}),
+        make("node_BatchNormReduceBackward_float16", reduce_, lambda r: _bn_inputs(r, (4, 3, 5, 6), F16, F32),
+             "BatchNormReduceBackward, float16 data with float32 statistics (T != U), every output"),
+        make("node_BatchNormReduceBackward_bfloat16", reduce_,
+             lambda r: _bn_inputs(r, (3, 4, 2, 3, 4), BF16, BF16, weight=False),
+             "BatchNormReduceBackward, bfloat16, rank 5, weight omitted, weight_g=0: sum_dy, sum_dy_xmu, grad_bias",
+             outputs=["sum_dy", "sum_dy_xmu", "grad_bias"], attributes={"weight_g": 0}),
+        make("node_BatchNormElemtBackward_float32", elemt, lambda r: _bn_inputs(r, (4, 3, 5, 6), F32, F32, elemt=True),
+             "BatchNormElemtBackward, float32, rank 4"),
+        make("node_BatchNormElemtBackward_float16", elemt, lambda r: _bn_inputs(r, (4, 3, 7), F16, F32, elemt=True),
+             "BatchNormElemtBackward, float16 data with float32 statistics, rank 3"),
+        make("node_BatchNormElemtBackward_bfloat16", elemt,
+             lambda r: _bn_inputs(r, (2, 4, 3, 5), BF16, BF16, elemt=True),
+             "BatchNormElemtBackward, bfloat16, rank 4"),
+        make("node_GroupNormalizationGrad_float32", gn, lambda r: _gn_inputs(r, (2, 4, 3, 10), (1, 4, 3, 1), F32, F32),
+             "GroupNormalizationGrad, float32, x [N, G, C/G, HW] with per-channel gamma [1, G, C/G, 1] "
+             "broadcast; dx, dgamma, dbeta"),
+        make("node_GroupNormalizationGrad_float32_full_gamma_dx_only", gn,
+             lambda r: _gn_inputs(r, (2, 3, 4, 5), (2, 3, 4, 5), F32, F32),
+             "GroupNormalizationGrad, float32, gamma of x's full shape (CANN's layout), dx only",
+             outputs=["dx"]),
+        make("node_GroupNormalizationGrad_float16", gn, lambda r: _gn_inputs(r, (2, 4, 2, 12), (1, 4, 2, 1), F16, F32),
+             "GroupNormalizationGrad, float16 with float32 mean/rstd, broadcast gamma; dx and dgamma",
+             outputs=["dx", "dgamma"]),
+        make("node_GroupNormalizationGrad_bfloat16", gn,
+             lambda r: _gn_inputs(r, (2, 2, 3, 4, 4), (1, 2, 3, 1, 1), BF16, BF16),
+             "GroupNormalizationGrad, bfloat16, rank 5, broadcast gamma; dx, dgamma, dbeta"),
+    ]
+
+
+# ----------------------------------------------------------------------------- training graphs
+
+
+def _op_class(module):
+    """An ``OpRun`` evaluating ``module``'s operator with its float64 NumPy reference."""
+    from onnx.reference.op_run import OpRun
+
+    def _run(self, *args, **_):
+        values = dict(zip(module.INPUTS, args))
+        kwargs = {k: values.get(k) for k in module.INPUTS}
+        attributes = {name: int(getattr(self, name, default)) for name, default in module.ATTRIBUTES.items()}
+        result = module.reference(**kwargs, **attributes)
+        return tuple(result)[: len(self.onnx_node.output)]
+
+    from normgrad.ops import DOMAIN
+
+    return type(module.OP_TYPE, (OpRun,), {"op_domain": DOMAIN, "_run": _run})
+
+
+def float64_outputs(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Every output of ``model`` evaluated in float64: a float64 copy of the graph run by
+    ``onnx.reference.ReferenceEvaluator``, normgrad nodes by the NumPy references."""
+    from onnx.reference import ReferenceEvaluator
+
+    from normgrad.ops import OPERATORS
+    from normgrad.tools.check import _to_double
+
+    double = copy.deepcopy(model)
+    del double.functions[:]
+    _to_double(double.graph)
+    evaluator = ReferenceEvaluator(
+        double, new_ops=[_op_class(module) for module in OPERATORS.values()]
+    )
+    names = [o.name for o in model.graph.output]
+    doubles = {k: v.astype(np.float64) if v.dtype.kind == "f" or v.dtype == _BF16 else v for k, v in feeds.items()}
+    return dict(zip(names, evaluator.run(names, doubles)))
+
+
+def _training_feeds(model: onnx.ModelProto, name: str, batch: int = 4) -> Dict[str, np.ndarray]:
+    rng = _rng(name)
+    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
+    feeds = {}
+    for info in model.graph.input:
+        if info.name in initializers:
+            feeds[info.name] = initializers[info.name]
+            continue
+        tensor_type = info.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else batch for d in tensor_type.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        if info.name == "labels" and dtype == np.int64:
+            feeds[info.name] = rng.integers(0, 3, dims).astype(np.int64)
+        else:
+            feeds[info.name] = rng.standard_normal(dims).astype(dtype)
+    return feeds
+
+
+def _training_cases() -> List[Callable[[], List[Case]]]:
+    from normgrad.graphs import examples
+
+    blocks = [
+        ("resnet_block", examples.resnet_block, None, True,
+         "ResNet basic block: Conv-BatchNormalization(training_mode=1)-Relu-Conv-BatchNormalization + skip, Relu"),
+        ("unet_block", examples.unet_block, None, True,
+         "diffusion-UNet block: Conv-GroupNormalization-21-SiLU(x*Sigmoid(x))-Conv + skip"),
+        ("unet_block_torchscript", examples.unet_block_torchscript, None, True,
+         "UNet block with GroupNorm as torch's TorchScript exporter writes it "
+         "(Reshape-InstanceNormalization-Reshape-Mul-Add)"),
+        ("style_transfer_block", examples.style_transfer_block, None, True,
+         "style-transfer residual block: Conv-InstanceNormalization-Relu-Conv-InstanceNormalization + skip"),
+        ("mlp_cross_entropy", examples.mlp, "cross_entropy", False,
+         "MLP Gemm-Tanh-MatMul-Add with a cross-entropy loss (no normalization: no inline variant)"),
+    ]
+
+    def make(block, builder, loss, with_inline, description):
+        def build() -> List[Case]:
+            from normgrad.graphs import build_training_graph
+
+            forward = builder()
+            name = f"train_{block}"
+            text = f"training graph of the {description}" + (f", loss {loss}" if loss else ", seeded output gradients")
+            model = _finish(build_training_graph(forward, loss=loss), text)
+            feeds = _training_feeds(model, name)
+            expected64 = float64_outputs(model, feeds)
+            expected = {
+                o.name: np.asarray(expected64[o.name]).astype(
+                    onnx.helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
+                for o in model.graph.output
+            }
+            result = [Case(name, "training", "float32", text, model, feeds, expected,
+                           omits_optional=_omits_optional(model))]
+            if with_inline:
+                inline_text = text + "; normgrad function bodies inlined (standard ops only)"
+                inline = _finish(build_training_graph(forward, loss=loss, inline=True), inline_text)
+                assert [i.name for i in inline.graph.input] == list(feeds)
+                assert [o.name for o in inline.graph.output] == list(expected)
+                result.append(Case(name + "_inline", "training", "float32", inline_text, inline, feeds, expected,
+                                   inline=True))
+            return result
+
+        return build
+
+    return [make(*block) for block in blocks]
+
+
+def cases() -> List[Case]:
+    """Every corpus case, freshly generated (a few seconds)."""
+    import normgrad  # noqa: F401  (registers the schemas)
+
+    result = [make() for make in _node_cases()]
+    for make in _training_cases():
+        result.extend(make())
+    return result
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _tensor_bytes(name: str, value: np.ndarray) -> bytes:
+    return onh.from_array(np.asarray(value), name).SerializeToString(deterministic=True)
+
+
+def _readme(all_cases: Sequence[Case]) -> str:
+    lines = [
+        "# normgrad interoperability corpus",
+        "",
+        "Generated by `normgrad corpus` (`python -m normgrad.tools.corpus --out graphs/corpus`); do not edit.",
+        "ONNX backend-test layout: `CASE/model.onnx`, `CASE/test_data_set_0/input_*.pb` (graph-input order),",
+        "`output_*.pb` (graph-output order), each an `onnx.TensorProto` with the value's name.",
+        "Expected outputs are float64 references rounded to the output dtype: the operators' NumPy references",
+        "for `node_*` cases; for `train_*` cases a float64 copy of the graph run by",
+        "`onnx.reference.ReferenceEvaluator` with the normgrad nodes evaluated by the NumPy references.",
+        "`manifest.json` describes every case. `tests/test_corpus.py` runs the corpus on every runtime path.",
+        "",
+        "| case | dtype | normgrad ops | description |",
+        "|---|---|---|---|",
+    ]
+    for case in all_cases:
+        info = case.manifest()
+        ops = "none (inlined)" if case.inline else ", ".join(info["normgrad_ops"]) or "none"
+        lines.append(f"| `{case.name}` | {case.dtype} | {ops} | {case.description} |")
+    return "\n".join(lines) + "\n"
+
+
+def files(all_cases: Sequence[Case]) -> Dict[str, bytes]:
+    """The corpus as {relative path: bytes}."""
+    out: Dict[str, bytes] = {}
+    for case in all_cases:
+        out[f"{case.name}/model.onnx"] = case.model.SerializeToString(deterministic=True)
+        for i, (name, value) in enumerate(case.inputs.items()):
+            out[f"{case.name}/{DATA_SET}/input_{i}.pb"] = _tensor_bytes(name, value)
+        for i, (name, value) in enumerate(case.outputs.items()):
+            out[f"{case.name}/{DATA_SET}/output_{i}.pb"] = _tensor_bytes(name, value)
+    manifest = {case.name: case.manifest() for case in all_cases}
+    out[MANIFEST] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    out["README.md"] = _readme(all_cases).encode()
+    return out
+
+
+def generate() -> Dict[str, bytes]:
+    """The corpus as {relative path: bytes}, freshly generated."""
+    return files(cases())
+
+
+def _existing(out: pathlib.Path) -> Dict[str, pathlib.Path]:
+    if not out.is_dir():
+        return {}
+    return {p.relative_to(out).as_posix(): p for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def write(out, corpus: Optional[Dict[str, bytes]] = None) -> List[str]:
+    """Writes the corpus into folder ``out``; removes case folders no longer generated.
+
+    Returns:
+        The relative paths written.
+    """
+    out = pathlib.Path(out)
+    corpus = generate() if corpus is None else corpus
+    cases_now = {path.split("/")[0] for path in corpus if "/" in path}
+    if out.is_dir():
+        for child in sorted(out.iterdir()):
+            if child.is_dir() and child.name not in cases_now and (child / "model.onnx").is_file():
+                shutil.rmtree(child)
+            elif child.is_dir() and child.name in cases_now:
+                data = child / DATA_SET
+                for stale in sorted(data.glob("*.pb")) if data.is_dir() else []:
+                    if f"{child.name}/{DATA_SET}/{stale.name}" not in corpus:
+                        stale.unlink()
+    for relative, data in corpus.items():
+        path = out / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return list(corpus)
+
+
+def compare(out, corpus: Optional[Dict[str, bytes]] = None) -> List[str]:
+    """The differences between folder ``out`` and a fresh corpus: missing, extra and
+    differing files (empty when the folder is current)."""
+    out = pathlib.Path(out)
+    corpus = generate() if corpus is None else corpus
+    existing = _existing(out)
+    problems = [f"missing: {p}" for p in corpus if p not in existing]
+    problems += [f"not generated: {p}" for p in existing if p not in corpus]
+    problems += [f"differs: {p}" for p in corpus if p in existing and existing[p].read_bytes() != corpus[p]]
+    return problems
+
+
+def default_out() -> pathlib.Path:
+    """``graphs/corpus`` next to the ``normgrad.graphs`` sources."""
+    import normgrad.graphs
+
+    return pathlib.Path(list(normgrad.graphs.__path__)[0]) / "corpus"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``normgrad corpus``; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="normgrad corpus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help=f"output folder (default: {default_out()})")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if the folder differs from a fresh corpus")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out) if args.out else default_out()
+    corpus = generate()
+    if args.check:
+        problems = compare(out, corpus)
+        for problem in problems:
+            print(problem)
+        print(f"{out}: {'up to date' if not problems else f'{len(problems)} differences'}")
+        return 1 if problems else 0
+    write(out, corpus)
+    cases_count = len({p.split('/')[0] for p in corpus if '/' in p})
+    size = sum(len(b) for b in corpus.values())
+    print(f"wrote {cases_count} cases ({size / 1024:.0f} KiB) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
