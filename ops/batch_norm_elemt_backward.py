@@ -35,7 +35,7 @@ import onnx
 import onnx.parser
 from onnx.defs import OpSchema
 
-from normgrad.ops import _common
+from normgrad.ops import _batch_norm, _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
@@ -47,7 +47,6 @@ ATTRIBUTES: dict = {}
 OUTPUT_SHAPE_FROM = {"grad_input": ("input", None)}
 """Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
 _VECTORS = INPUTS[2:]
-_MIN_RANK, _MAX_RANK = 2, 8
 
 
 def validate(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu):
@@ -59,24 +58,12 @@ def validate(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu):
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
-    x = _common.as_float_array(OP_TYPE, "input", input)
-    dy = _common.as_float_array(OP_TYPE, "grad_out", grad_out)
-    _common.check_rank(OP_TYPE, "input", x, _MIN_RANK, _MAX_RANK)
-    _common.check_same_shape(OP_TYPE, "grad_out", dy, "input", x)
-    channels = x.shape[1]
-    if channels == 0:
-        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have C = shape[1] >= 1; got shape {list(x.shape)}")
-    vectors = []
-    for name, value in zip(_VECTORS, (mean, invstd, weight, sum_dy, sum_dy_xmu)):
-        if value is None:
-            raise NormgradInputError(f"{OP_TYPE}: input '{name}' is required")
-        array = _common.as_float_array(OP_TYPE, name, value)
-        _common.check_vector(OP_TYPE, name, array, [channels], "C = input.shape[1]")
-        if vectors and array.dtype != vectors[0].dtype:
-            raise NormgradInputError(
-                f"{OP_TYPE}: input '{name}' must have the dtype of 'mean' ({vectors[0].dtype}); got {array.dtype}"
-            )
-        vectors.append(array)
+    values = dict(zip(_VECTORS, (mean, invstd, weight, sum_dy, sum_dy_xmu)))
+    missing = [name for name, value in values.items() if value is None]
+    if missing:
+        raise NormgradInputError(f"{OP_TYPE}: input '{missing[0]}' is required")
+    dy, x, arrays = _batch_norm.validate(OP_TYPE, grad_out, input, values)
+    vectors = list(arrays.values())
     return (dy, x, *vectors)
 
 
@@ -104,21 +91,9 @@ def reference(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu) -> Resu
 
 
 def _infer(ctx) -> None:
-    x_type = _common.input_tensor_type(ctx, 1)
-    x_dims = _common.known_dims(x_type)
-    if x_dims is not None and not _MIN_RANK <= len(x_dims) <= _MAX_RANK:
-        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have rank 2..8; got rank {len(x_dims)}")
+    x_type, x_dims, _ = _batch_norm.infer(ctx, OP_TYPE, dict(enumerate(_VECTORS, start=2)))
     dy_type = _common.input_tensor_type(ctx, 0)
     dy_dims = _common.known_dims(dy_type)
-    if x_dims is not None and dy_dims is not None and not _common.dims_compatible(x_dims, dy_dims):
-        raise NormgradInputError(f"{OP_TYPE}: input 'grad_out' must have the shape of 'input' {x_dims}; got {dy_dims}")
-    channels = x_dims[1] if x_dims is not None else None
-    for index, name in enumerate(_VECTORS, start=2):
-        dims = _common.known_dims(_common.input_tensor_type(ctx, index))
-        if dims is not None and (len(dims) != 1 or not _common.dims_compatible(dims, [channels])):
-            raise NormgradInputError(
-                f"{OP_TYPE}: input '{name}' must have shape [C] (C = input.shape[1] = {channels}); got {dims}"
-            )
     out_type = x_type if x_type is not None else dy_type
     if out_type is not None:
         ctx.set_output_type(0, _common.make_output_type(out_type.elem_type, x_dims if x_dims is not None else dy_dims))

@@ -34,7 +34,7 @@ import onnx
 import onnx.parser
 from onnx.defs import OpSchema
 
-from normgrad.ops import _common
+from normgrad.ops import _batch_norm, _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
@@ -45,7 +45,6 @@ OUTPUTS = ("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias")
 ATTRIBUTES = {"input_g": 1, "weight_g": 1, "bias_g": 1}
 # Which flag enables each output.
 _OUTPUT_FLAG = {"sum_dy": "input_g", "sum_dy_xmu": "input_g", "grad_weight": "weight_g", "grad_bias": "bias_g"}
-_MIN_RANK, _MAX_RANK = 2, 8
 OUTPUT_SHAPE_FROM = {name: ("input", 1) for name in OUTPUTS}
 """Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
 
@@ -68,25 +67,7 @@ def validate(grad_out, input, mean, invstd, weight=None, *, input_g=1, weight_g=
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
-    x = _common.as_float_array(OP_TYPE, "input", input)
-    dy = _common.as_float_array(OP_TYPE, "grad_out", grad_out)
-    _common.check_rank(OP_TYPE, "input", x, _MIN_RANK, _MAX_RANK)
-    _common.check_same_shape(OP_TYPE, "grad_out", dy, "input", x)
-    channels = x.shape[1]
-    if channels == 0:
-        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have C = shape[1] >= 1; got shape {list(x.shape)}")
-    vectors = {"mean": mean, "invstd": invstd}
-    if weight is not None:
-        vectors["weight"] = weight
-    arrays = {}
-    for name, value in vectors.items():
-        arrays[name] = _common.as_float_array(OP_TYPE, name, value)
-        _common.check_vector(OP_TYPE, name, arrays[name], [channels], "C = input.shape[1]")
-        if arrays[name].dtype != arrays["mean"].dtype:
-            raise NormgradInputError(
-                f"{OP_TYPE}: input '{name}' must have the dtype of 'mean' ({arrays['mean'].dtype}); "
-                f"got {arrays[name].dtype}"
-            )
+    dy, x, arrays = _batch_norm.validate(OP_TYPE, grad_out, input, {"mean": mean, "invstd": invstd, "weight": weight})
     flags = {
         name: _common.check_attribute_flag(OP_TYPE, name, value)
         for name, value in (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))
@@ -121,24 +102,11 @@ def reference(grad_out, input, mean, invstd, weight=None, *, input_g=1, weight_g
 
 
 def _infer(ctx) -> None:
-    x_type = _common.input_tensor_type(ctx, 1)
     mean_type = _common.input_tensor_type(ctx, 2)
     flags = {name: _common.attribute_int(ctx, name, default) for name, default in ATTRIBUTES.items()}
     for name, value in flags.items():
         _common.check_attribute_flag(OP_TYPE, name, value)
-    x_dims = _common.known_dims(x_type)
-    if x_dims is not None and not _MIN_RANK <= len(x_dims) <= _MAX_RANK:
-        raise NormgradInputError(f"{OP_TYPE}: input 'input' must have rank 2..8; got rank {len(x_dims)}")
-    dy_dims = _common.known_dims(_common.input_tensor_type(ctx, 0))
-    if x_dims is not None and dy_dims is not None and not _common.dims_compatible(x_dims, dy_dims):
-        raise NormgradInputError(f"{OP_TYPE}: input 'grad_out' must have the shape of 'input' {x_dims}; got {dy_dims}")
-    channels = x_dims[1] if x_dims is not None else None
-    for index in (2, 3, 4):
-        dims = _common.known_dims(_common.input_tensor_type(ctx, index))
-        if dims is not None and (len(dims) != 1 or not _common.dims_compatible(dims, [channels])):
-            raise NormgradInputError(
-                f"{OP_TYPE}: input '{INPUTS[index]}' must have shape [C] (C = input.shape[1] = {channels}); got {dims}"
-            )
+    _, _, channels = _batch_norm.infer(ctx, OP_TYPE, {2: "mean", 3: "invstd", 4: "weight"})
     for index, name in enumerate(OUTPUTS):
         if not ctx.has_output(index):
             continue
