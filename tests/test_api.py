@@ -90,3 +90,10 @@ def test_demo_runs_and_agrees(capsys):
     assert cli.main(["demo", "--shape", "2", "8", "4", "4", "--groups", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "all backends agree" in out and "NO" not in out.split()
+
+
+def test_bench_quick_runs(capsys):
+    assert cli.main(["bench", "--quick"]) == 0
+    out = capsys.readouterr().out
+    for row in ("BatchNormReduceBackward", "GroupNormalizationGrad", "BatchNormElemtBackward", "ResNet", "floor"):
+        assert row in out

@@ -24,6 +24,26 @@ implementation timed next), and torch ``set_num_threads(--threads)``.
 ``mem`` is the growth of the process's peak RSS (``ru_maxrss``) during the implementation's
 first call, with the inputs already allocated: a rough view of its temporaries (0 when it
 stayed below an earlier peak). Ratios are to the ``cpp`` row and to the ``floor`` row.
+
+The last row group times one training step of a ResNet basic block (Conv3x3-BN-ReLU-Conv3x3-BN
++ identity skip, ReLU; convolutions without bias, BatchNormalization with ``training_mode=1``,
+as torch's TorchScript exporter writes it in ``TrainingMode.TRAINING``), ``--resnet-shape``
+[N, C, H, W] (default 16 64 56 56; ``--quick`` 2 8 8 8): the forward model is built in code and
+turned into a training graph by ``build_training_graph`` (seed gradient ``y_grad``), which runs
+
+* ``cpp``: with normgrad's kernels (``session_options("cpp")``);
+* ``function``: in plain onnxruntime, on the function bodies the training graph carries;
+* ``torch``: eager forward + ``backward(y_grad)`` of the same block (same weights, copied from
+  the ONNX initializers, same ``x`` and ``y_grad``), ``train()`` mode; the gradients of ``x``
+  and of the parameters are reset to ``None`` inside the timed call (no memset; backward
+  allocates them afresh, as onnxruntime allocates its outputs on every run).
+
+Every implementation computes ``y`` and the gradients of ``x`` and of every parameter. The
+onnxruntime rows bind ``x``, ``y_grad`` and the weights once (as a training loop feeds its
+weights). Before timing, one call of each is checked against ``cpp``: the largest
+``|a - b| / max|b|`` over ``y`` and every gradient must be at most 1e-3 (the exit status is 1
+otherwise); that first call is the one ``mem`` measures. With ``cpp`` a profiled extra session
+(``enable_profiling``) reports the share of the node time spent in normgrad's nodes.
 """
 
 from __future__ import annotations
@@ -97,6 +117,7 @@ def _ort_runner(session, inputs) -> Callable[[], object]:
     def run():
         session.run_with_iobinding(binding)
 
+    run.binding = binding
     return run
 
 
@@ -204,7 +225,7 @@ def _print_table(title: str, results: Dict[str, dict], out) -> None:
         median = result["median"]
         ratio_cpp = f"{median / cpp:8.2f}x" if cpp else "       -"
         ratio_floor = f"{median / floor:8.2f}x" if floor else "       -"
-        mem = "" if name == "floor" else f"{result['mem']:9.0f}"
+        mem = "" if name == "floor" or result.get("mem") is None else f"{result['mem']:9.0f}"
         print(f"  {name:<16}{median * 1e3:10.3f}ms {ratio_cpp}{ratio_floor}{mem}", file=out)
 
 
@@ -261,6 +282,274 @@ def _runners(op_type, inputs, outputs, threads, *, full: bool, torch_runner=None
     return runners
 
 
+# ---- ResNet basic block: one training step (forward + backward)
+
+RESNET_OPS = ("BatchNormReduceBackward", "BatchNormElemtBackward", "GroupNormalizationGrad")
+
+
+def _resnet_forward(n: int, c: int, h: int, w: int):
+    """The forward ONNX model of a ResNet basic block on x [n, c, h, w] (opset 17)."""
+    import onnx.helper as oh
+
+    from normgrad.graphs import examples
+
+    rng = np.random.default_rng(42)
+    std = np.sqrt(2.0 / (9 * c))  # He initialisation keeps the activations O(1)
+    params = {
+        "w1": (rng.standard_normal((c, c, 3, 3)) * std).astype(np.float32),
+        "w2": (rng.standard_normal((c, c, 3, 3)) * std).astype(np.float32),
+    }
+    for i in (1, 2):
+        params[f"s{i}"] = rng.uniform(0.5, 1.5, c).astype(np.float32)
+        params[f"t{i}"] = (0.1 * rng.standard_normal(c)).astype(np.float32)
+        params[f"m{i}"] = (0.1 * rng.standard_normal(c)).astype(np.float32)
+        params[f"v{i}"] = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        oh.make_node("BatchNormalization", ["c1", "s1", "t1", "m1", "v1"], ["n1", "rm1", "rv1"], training_mode=1),
+        oh.make_node("Relu", ["n1"], ["r1"]),
+        oh.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        oh.make_node("BatchNormalization", ["c2", "s2", "t2", "m2", "v2"], ["n2", "rm2", "rv2"], training_mode=1),
+        oh.make_node("Add", ["n2", "x"], ["sum"]),
+        oh.make_node("Relu", ["sum"], ["y"]),
+    ]
+    return examples.model(nodes, {"x": (n, c, h, w)}, ["y"], params, opset=17, name="resnet_basic_block")
+
+
+def _torch_resnet(params, inputs, threads):
+    """Torch eager forward + backward of the block with ``params``; run() returns y, and the
+    gradients are read from ``run.grads()`` afterwards (names as in the training graph)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    c = params["w1"].shape[0]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn1 = torch.nn.BatchNorm2d(c, eps=1e-5, momentum=0.1)  # ONNX momentum 0.9
+            self.conv2 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn2 = torch.nn.BatchNorm2d(c, eps=1e-5, momentum=0.1)
+
+        masks = None  # (ReLU 1, ReLU 2) 0/1 masks to use instead of torch's own: the check only
+
+        def forward(self, x):
+            if self.masks is None:
+                r1 = torch.relu(self.bn1(self.conv1(x)))
+                return torch.relu(self.bn2(self.conv2(r1)) + x)
+            r1 = self.bn1(self.conv1(x)) * self.masks[0]
+            return (self.bn2(self.conv2(r1)) + x) * self.masks[1]
+
+    block = Block().train()
+    with torch.no_grad():
+        for i in (1, 2):
+            getattr(block, f"conv{i}").weight.copy_(torch.from_numpy(params[f"w{i}"]))
+            bn = getattr(block, f"bn{i}")
+            bn.weight.copy_(torch.from_numpy(params[f"s{i}"]))
+            bn.bias.copy_(torch.from_numpy(params[f"t{i}"]))
+            bn.running_mean.copy_(torch.from_numpy(params[f"m{i}"]))
+            bn.running_var.copy_(torch.from_numpy(params[f"v{i}"]))
+    x = torch.from_numpy(inputs["x"]).clone().requires_grad_(True)
+    y_grad = torch.from_numpy(inputs["y_grad"])
+    named = {"x": x}
+    for i in (1, 2):
+        named[f"w{i}"] = getattr(block, f"conv{i}").weight
+        named[f"s{i}"] = getattr(block, f"bn{i}").weight
+        named[f"t{i}"] = getattr(block, f"bn{i}").bias
+
+    def run():
+        for tensor in named.values():
+            tensor.grad = None
+        y = block(x)
+        y.backward(y_grad)
+        return y
+
+    run.grads = lambda: {f"{name}_grad": tensor.grad.numpy() for name, tensor in named.items()}
+
+    def with_masks(r1, y):
+        """y and the gradients with the ReLU masks of another implementation's r1 and y."""
+        with torch.no_grad():  # torch's own ReLU inputs, without touching the running statistics
+            n1 = torch.nn.functional.batch_norm(block.conv1(x), None, None, block.bn1.weight, block.bn1.bias,
+                                                training=True, eps=1e-5)
+            own_r1 = torch.relu(n1).numpy()
+        own_y = run().detach().numpy()
+        flips = int(np.count_nonzero((own_r1 > 0) != (r1 > 0)) + np.count_nonzero((own_y > 0) != (y > 0)))
+        block.masks = (torch.from_numpy((r1 > 0).astype(np.float32)), torch.from_numpy((y > 0).astype(np.float32)))
+        try:
+            result = run().detach().numpy().copy()
+            return {"y": result, **{k: v.copy() for k, v in run.grads().items()}}, flips
+        finally:
+            block.masks = None
+
+    run.with_masks = with_masks
+    return run
+
+
+def _ort_outputs(run, session) -> Dict[str, np.ndarray]:
+    return dict(zip([o.name for o in session.get_outputs()], run.binding.copy_outputs_to_cpu()))
+
+
+def _ort_r1(train, inputs, threads) -> np.ndarray:
+    """The first ReLU's output r1 in the cpp session of the training graph ``train``."""
+    import copy
+
+    import onnx
+    import onnx.helper as oh
+    import onnxruntime
+
+    import normgrad
+
+    model = copy.deepcopy(train)
+    model.graph.output.append(oh.make_tensor_value_info("r1", onnx.TensorProto.FLOAT, None))
+    options = normgrad.session_options("cpp", _session_options(threads))
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(["r1"], inputs)[0]
+
+
+def _profile_breakdown(train_bytes, inputs, threads, runs: int = 3) -> str:
+    """The share of the cpp session's node time in normgrad's nodes, from onnxruntime's profiler."""
+    import json
+    import tempfile
+
+    import onnxruntime
+
+    import normgrad
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = normgrad.session_options("cpp", _session_options(threads))
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tmp, "resnet")
+        session = onnxruntime.InferenceSession(train_bytes, options, providers=["CPUExecutionProvider"])
+        run = _ort_runner(session, inputs)
+        for _ in range(runs + 1):
+            run()
+        with open(session.end_profiling()) as f:
+            events = json.load(f)
+    # Drop the first run (warm-up): node events carry the run they belong to only through
+    # their time stamps, so keep the events after the first model_run event ends.
+    runs_ = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                   key=lambda e: e["ts"])
+    start = runs_[0]["ts"] + runs_[0]["dur"] if len(runs_) > 1 else 0
+    by_op: Dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op = e.get("args", {}).get("op_name", "?")
+            by_op[op] = by_op.get(op, 0.0) + e["dur"]
+    total = sum(by_op.values())
+    run_total = sum(e["dur"] for e in runs_[1:]) if len(runs_) > 1 else 0
+    if not total:
+        return "profile: no node events"
+    ours = {op: t for op, t in by_op.items() if op in RESNET_OPS}
+    top = sorted(((t, op) for op, t in by_op.items() if op not in RESNET_OPS), reverse=True)[:3]
+    parts = ", ".join(f"{op} {t / total:.1%}" for op, t in sorted(ours.items()))
+    others = ", ".join(f"{op} {t / total:.1%}" for t, op in top)
+    runs_done = max(1, len(runs_) - 1)
+    return (f"cpp profile ({runs_done} runs): normgrad nodes {sum(ours.values()) / total:.1%} of node time "
+            f"({parts}; {sum(ours.values()) / runs_done / 1e3:.2f}ms/run); {others}; "
+            f"node time {total / runs_done / 1e3:.1f}ms/run of model_run {run_total / runs_done / 1e3:.1f}ms/run")
+
+
+def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
+    """Times one training step of the ResNet block; False when the agreement check failed."""
+    import onnx.numpy_helper as onh
+    import onnxruntime
+
+    import normgrad
+    from normgrad.graphs import build_training_graph
+
+    n, c, h, w = shape
+    forward = _resnet_forward(n, c, h, w)
+    train = build_training_graph(forward)
+    train_bytes = train.SerializeToString()
+    params = {t.name: np.array(onh.to_array(t)) for t in train.graph.initializer}  # writable, for torch
+    trainable = [i.name for i in train.graph.input if i.name in params]
+    rng = np.random.default_rng(7)
+    inputs = {"x": rng.standard_normal(shape, dtype=np.float32),
+              "y_grad": rng.standard_normal(shape, dtype=np.float32),
+              **{name: params[name] for name in trainable}}
+
+    sessions, runners = {}, {}
+    for backend in ("cpp",) + (("function",) if full else ()):
+        options = _session_options(threads)
+        options.log_severity_level = 3  # not the warning per trainable initializer that is also an input
+        if backend == "cpp":
+            normgrad.session_options("cpp", options)
+        try:
+            sessions[backend] = onnxruntime.InferenceSession(train_bytes, options, providers=["CPUExecutionProvider"])
+        except Exception as error:
+            message = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            runners[backend] = (lambda m: (lambda: (_ for _ in ()).throw(RuntimeError(m))))(message)
+            continue
+        runners[backend] = _ort_runner(sessions[backend], inputs)
+    if full and _have_torch():
+        runners["torch"] = _torch_resnet(params, inputs, threads)
+
+    # One call of each (the call `mem` measures), checked against cpp.
+    got: Dict[str, Dict[str, np.ndarray]] = {}
+    mem: Dict[str, float] = {}
+    for name, run in runners.items():
+        before = _maxrss_mb()
+        try:
+            y = run()
+        except Exception:
+            continue  # _time reports the error
+        mem[name] = max(0.0, _maxrss_mb() - before)
+        if name in sessions:
+            got[name] = _ort_outputs(run, sessions[name])
+        else:
+            got[name] = {"y": y.detach().numpy().copy(), **{k: v.copy() for k, v in run.grads().items()}}
+    keys = ["y"] + [f"{name}_grad" for name in ["x"] + trainable]
+
+    def worst(result, reference):
+        errors = {}
+        for key in keys:
+            a, b = np.asarray(result[key], np.float64), np.asarray(reference[key], np.float64)
+            errors[key] = float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+        key = max(errors, key=errors.get)
+        return errors[key], key
+
+    ok = True
+    if "cpp" in got and len(got) > 1:
+        reference = got["cpp"]
+        for name, result in got.items():
+            if name == "cpp":
+                continue
+            error, key = worst(result, reference)
+            line = f"  check {name} vs cpp: max |a-b|/max|b| over y and {len(keys) - 1} gradients {error:.2e} ({key})"
+            if name == "torch" and error > 1e-3:
+                # A ReLU input that rounds to the other side of 0 in one implementation flips
+                # that element's gradient (an O(1) change that convolutions spread to their
+                # neighbours and into the weight gradients); compare again with cpp's masks.
+                forced, flips = runners["torch"].with_masks(_ort_r1(train, inputs, threads), reference["y"])
+                error, key = worst(forced, reference)
+                line += (f"; {flips} ReLU input(s) round to the other side of 0 than in cpp; with cpp's ReLU "
+                         f"masks: {error:.2e} ({key})")
+            good = error <= 1e-3
+            ok &= good
+            print(line + (": ok" if good else ": MISMATCH (> 1e-3)"), file=out)
+    else:
+        print("  check: skipped (" + ("cpp failed" if "cpp" not in got else "--no-slow: cpp only") + ")", file=out)
+
+    results = _time(runners, repeat)
+    for name, result in results.items():
+        if "times" in result:
+            result["mem"] = mem.get(name)
+    flops = 2 * n * c * c * 9 * h * w * 2 * 3  # two 3x3 convs; forward, grad input, grad weight each
+    _print_table(f"ResNet basic block training step (forward + backward) float32 x {list(shape)}, "
+                 f"BN training_mode=1, {flops / 1e9:.3g} GFLOP of convolution", results, out)
+    cpp = results.get("cpp", {}).get("median")
+    if cpp:
+        print(f"  cpp: {flops / cpp / 1e9:.1f} GFLOP/s of convolution", file=out)
+        try:
+            print("  " + _profile_breakdown(train_bytes, inputs, threads), file=out)
+        except Exception as error:  # profiling is a convenience
+            print(f"  cpp profile: failed ({type(error).__name__}: {str(error).splitlines()[0][:80]})", file=out)
+    return ok
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="normgrad bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
@@ -270,6 +559,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="[N, C, H, W...] of the input (default 32 256 56 56; --quick 4 64 14 14)")
     parser.add_argument("--groups", type=int, default=32, help="GroupNorm groups (default 32)")
     parser.add_argument("--no-slow", action="store_true", help="skip python/function/numpy/torch rows")
+    parser.add_argument("--resnet-shape", type=int, nargs=4, default=None, metavar=("N", "C", "H", "W"),
+                        help="ResNet basic block input (default 16 64 56 56; --quick 2 8 8 8)")
     args = parser.parse_args(argv)
     # torch's OpenMP workers spin after each call by default and would steal the cores
     # from whatever runs next in the interleaved rounds; let them sleep instead.
@@ -336,6 +627,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_table(f"GroupNormalizationGrad {t.name} (U float32), dx only", _time(runners, repeat), out)
         del runners, gn
 
+    # ---- ResNet basic block: forward + backward, cpp / function / torch
+    resnet_shape = tuple(args.resnet_shape or ((2, 8, 8, 8) if args.quick else (16, 64, 56, 56)))
+    print(f"\nResNet basic block x {list(resnet_shape)}: agreement check (one call each)", file=out)
+    status = 0 if _resnet_group(resnet_shape, threads, repeat, full, out) else 1
+
     # ---- tiny tensors: per-call latency against an Identity node
     import onnx
     from onnx import helper
@@ -359,7 +655,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  {name:<16}{result['median'] * 1e6:10.1f}us", file=out)
     cpp, ident = results["cpp"]["median"], results["Identity node"]["median"]
     print(f"  overhead over Identity: {(cpp - ident) * 1e6:.1f}us", file=out)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
