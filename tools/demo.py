@@ -1,4 +1,4 @@
-"""``normgrad demo``: both operators on every backend, checked against the float64 reference.
+"""``normgrad demo``: the operators on every backend, checked against the float64 reference.
 
 Prints one table of errors (small random cases in every dtype a backend takes) and one
 of timings on a large float32 tensor. For the Python kernel it also shows its NumPy
@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import normgrad
+from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
 from normgrad.ops import harness, python_kernels
@@ -40,6 +41,13 @@ def batch_norm_case(shape, dtype, seed=0) -> dict:
         "invstd": (1 / np.sqrt(x.var(axis=axes) + 1e-5)).astype(dtype),
         "weight": rng.standard_normal(shape[1], dtype=np.float32).astype(dtype),
     }
+
+
+def batch_norm_elemt_case(shape, dtype, seed=0) -> dict:
+    """Inputs of BatchNormElemtBackward: a BatchNorm case plus its reduced sums."""
+    inputs = batch_norm_case(shape, dtype, seed)
+    sums = bnr.reference(**inputs)
+    return {**inputs, "sum_dy": sums.sum_dy, "sum_dy_xmu": sums.sum_dy_xmu}
 
 
 def group_norm_case(shape, groups, dtype, seed=0) -> dict:
@@ -81,6 +89,7 @@ def accuracy_rows(backends) -> list:
     """(operator, backend, dtype, relative error, within tolerance) for small random cases."""
     cases = {
         bnr.OP_TYPE: lambda dtype: batch_norm_case((4, 8, 5, 7), dtype),
+        bne.OP_TYPE: lambda dtype: batch_norm_elemt_case((4, 8, 5, 7), dtype),
         gng.OP_TYPE: lambda dtype: group_norm_case((2, 8, 6, 5), 4, dtype),
     }
     rows = []
@@ -110,6 +119,7 @@ def timing_rows(backends, shape, groups, repeats) -> list:
     rows = []
     cases = {
         bnr.OP_TYPE: (batch_norm_case(shape, np.float32), bnr.reference),
+        bne.OP_TYPE: (batch_norm_elemt_case(shape, np.float32), bne.reference),
         gng.OP_TYPE: (group_norm_case(shape, groups, np.float32), gng.reference),
     }
     for op_type, (inputs, reference) in cases.items():
