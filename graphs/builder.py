@@ -34,7 +34,10 @@ def _default_opset(model: onnx.ModelProto) -> int:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
             return opset.version
-    raise ValueError("the model imports no default-domain opset")
+    raise ValueError(
+        "the model imports no default-domain opset (opset_import has no '' or 'ai.onnx' entry); "
+        "add the opset its nodes were written for, e.g. onnx.helper.make_opsetid('', 17)"
+    )
 
 
 def _is_float(info_type: Optional[onnx.TypeProto]) -> bool:
@@ -208,7 +211,7 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
         16 with MaxPool), checked with ``onnx.checker.check_model(full_check=True)``.
 
     Raises:
-        UnsupportedOperatorError: a gradient must flow through an operator without a rule.
+        UnsupportedOperatorError: a gradient must flow through an operator (or a variant of one) without a rule.
         ValueError: unknown loss, or an opset the version converter cannot raise.
     """
     original_value_info = list(model.graph.value_info)
@@ -226,8 +229,19 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     ctx = GradientContext(graph, opset, needs)
 
-    extra_inputs: List[onnx.ValueInfoProto] = []  # seeds or labels
+    input_names = {i.name for i in graph.input}
+    wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]
     trainable_inputs: List[onnx.ValueInfoProto] = []
+    for init in graph.initializer:
+        if init.name in needs and init.name not in input_names:
+            info = oh.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+            trainable_inputs.append(info)
+            wanted.append((init.name, info.type))
+    # NAME_grad names the gradient of NAME first; a seed of an output that is also an
+    # input or initializer gets the suffixed name
+    grad_names = [ctx.reserve(name + GRAD_SUFFIX) for name, _ in wanted]
+
+    extra_inputs: List[onnx.ValueInfoProto] = []  # seeds or labels
     extra_outputs: List[onnx.ValueInfoProto] = []
     if loss is not None:
         ctx.scope("loss")
@@ -247,17 +261,9 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
             seeds[output.name] = seed
     grads = _backward(graph, ctx, seeds)
 
-    input_names = {i.name for i in graph.input}
-    wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]
-    for init in graph.initializer:
-        if init.name in needs and init.name not in input_names:
-            info = oh.make_tensor_value_info(init.name, init.data_type, list(init.dims))
-            trainable_inputs.append(info)
-            wanted.append((init.name, info.type))
     ctx.scope("grad/outputs")
     gradients: Dict[str, str] = {}
-    for name, type_proto in wanted:
-        grad_name = ctx.reserve(name + GRAD_SUFFIX)
+    for (name, type_proto), grad_name in zip(wanted, grad_names):
         value = ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name)
         ctx.op("Identity", value, outputs=[grad_name])
         gradients[grad_name] = name

@@ -9,7 +9,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-__all__ = ["GradientContext", "FLOAT_ELEM_TYPES"]
+__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "describe"]
 
 FLOAT_ELEM_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -37,9 +37,11 @@ class GradientContext:
         for info in list(graph.input) + list(graph.value_info) + list(graph.output):
             if info.name not in self._types or info.type.tensor_type.HasField("shape"):
                 self._types[info.name] = info.type
+        fed = {i.name for i in graph.input}
         for init in graph.initializer:
             self._types.setdefault(init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)))
-            self._constants[init.name] = onh.to_array(init)
+            if init.name not in fed:  # an initializer that is also an input (IR < 4 style) is only a default
+                self._constants[init.name] = onh.to_array(init)
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
                 value = _constant_value(node)
@@ -85,7 +87,7 @@ class GradientContext:
         if shape is None:
             from normgrad.graphs.rules import UnsupportedOperatorError
 
-            where = f" (input of {_describe(node)})" if node is not None else ""
+            where = f" (input of {describe(node)})" if node is not None else ""
             raise UnsupportedOperatorError(f"the rank of '{name}'{where} is unknown; shape inference could not find it")
         return len(shape)
 
@@ -97,7 +99,8 @@ class GradientContext:
         return shape
 
     def constant(self, name: str) -> Optional[np.ndarray]:
-        """The value of ``name`` if it is an initializer or a Constant node's output."""
+        """The value of ``name`` if nothing can change it at run time: a Constant node's
+        output, or an initializer that is not also a graph input (and so cannot be fed)."""
         return self._constants.get(name)
 
     def type_of(self, name: str) -> Optional[onnx.TypeProto]:
@@ -265,12 +268,15 @@ def _constant_value(node: onnx.NodeProto) -> Optional[np.ndarray]:
     return None
 
 
-def _describe(node: Optional[onnx.NodeProto]) -> str:
-    if node is None:
-        return "?"
+def describe(node: onnx.NodeProto) -> str:
+    """A human-readable reference to ``node`` for error messages."""
     return f"{node.op_type} node '{node.name}'" if node.name else f"{node.op_type} node producing '{node.output[0]}'"
 
 
-def describe(node: onnx.NodeProto) -> str:
-    """A human-readable reference to ``node`` for error messages."""
-    return _describe(node)
+def attr(node: onnx.NodeProto, name: str, default):
+    """Attribute ``name`` of ``node`` (strings decoded), or ``default``."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            value = oh.get_attribute_value(attribute)
+            return value.decode() if isinstance(value, bytes) else value
+    return default

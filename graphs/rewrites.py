@@ -2,7 +2,9 @@
 would produce a wrong or rejected model.
 
 * BatchNormalization before opset 14 chose training mode by its number of outputs; the
-  converter neither accepts the saved mean/var outputs nor sets ``training_mode``.
+  converter neither accepts the saved mean/var outputs nor sets ``training_mode``. Its
+  per-activation form (``spatial=0``, opsets 7-8) and opset < 7's ``is_test=0`` have no
+  opset-9+ equivalent and are refused.
 * GroupNormalization-18 (scale and bias per group) is deprecated, so ``onnx.checker``
   rejects it, and the converter turns it into GroupNormalization-21 (per channel) without
   expanding scale and bias. We expand them in the graph (Reshape/Expand, which the
@@ -19,7 +21,8 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import onnx.version_converter
 
-from normgrad.graphs.context import describe
+from normgrad.graphs.context import attr, describe
+from normgrad.graphs.rules import UnsupportedOperatorError
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset"]
 
@@ -36,11 +39,23 @@ def _unique(graph: onnx.GraphProto, hint: str) -> str:
 
 
 def _batch_norm_training_outputs(graph: onnx.GraphProto) -> Set[str]:
-    """Y of every pre-14 BatchNormalization in training mode; drops unread saved mean/var."""
+    """Y of every pre-14 BatchNormalization in training mode; drops unread saved mean/var.
+
+    Raises:
+        UnsupportedOperatorError: a BatchNormalization with ``spatial=0`` or ``is_test=0``.
+    """
     used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     training = set()
     for node in graph.node:
-        if node.op_type != "BatchNormalization" or len([o for o in node.output if o]) <= 1:
+        if node.op_type != "BatchNormalization":
+            continue
+        for name, meaning in (("spatial", "per-activation statistics"), ("is_test", "training mode, opset < 7")):
+            if attr(node, name, None) == 0:
+                raise UnsupportedOperatorError(
+                    f"{describe(node)}: BatchNormalization with {name}=0 ({meaning}) is not supported; "
+                    "re-export the model with opset 9 or newer"
+                )
+        if len([o for o in node.output if o]) <= 1:
             continue
         if len(node.output) > 3:
             if any(name in used for name in node.output[3:]):
@@ -91,6 +106,7 @@ def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.Model
 
     Raises:
         ValueError: the version converter fails.
+        UnsupportedOperatorError: a BatchNormalization variant without an opset-9+ equivalent.
     """
     graph = model.graph
     if 18 <= opset < GROUP_NORM_PER_CHANNEL_OPSET and any(n.op_type == "GroupNormalization" for n in graph.node):

@@ -231,3 +231,28 @@ def test_dynamo_export_group_norm_matches_autograd(tmp_path):
     forward = program.model_proto
     assert any(n.op_type == "GroupNormalization" for n in forward.graph.node)
     _compare_with_autograd(torch, module, shape, forward)
+
+
+@pytest.mark.parametrize("command", ["export", "check"])
+@pytest.mark.parametrize("problem", ["missing", "not_onnx"])
+def test_cli_unreadable_model_is_one_line(tmp_path, capsys, command, problem):
+    path = tmp_path / "model.onnx"
+    if problem == "not_onnx":
+        path.write_text("not a model")
+    args = [str(path), "-o", str(tmp_path / "out.onnx")] if command == "export" else [str(path)]
+    tool = export_tool if command == "export" else check_tool
+    assert tool.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"normgrad {command}: ") and str(path) in err and "Traceback" not in err
+
+
+def test_cli_export_unwritable_output(tmp_path, capsys):
+    onnx.save(mlp(), tmp_path / "mlp.onnx")
+    assert export_tool.main([str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "no" / "such" / "dir.onnx")]) == 1
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_cli_check_refuses_a_forward_model(tmp_path, capsys):
+    onnx.save(mlp(), tmp_path / "mlp.onnx")
+    assert check_tool.main([str(tmp_path / "mlp.onnx")]) == 1
+    assert "not a training graph written by normgrad" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -260,3 +262,88 @@ def test_unsupported_operator_off_the_gradient_path_is_fine():
 def test_broadcasting_with_symbolic_dims():
     """Broadcast axes that only the run time decides."""
     _check(model([_node("Mul", ["a", "b"])], {"a": ("N", "C", 4), "b": ("P", 1)}, ["y"]))
+
+
+def test_initializer_shadowed_by_an_input_is_not_a_constant():
+    """IR < 4 style: an initializer also listed as a graph input is only a default; the
+    gradient must follow the axes fed at run time, not the stored ones."""
+    import onnxruntime as ort
+
+    forward = model([_node("ReduceSum", ["x", "axes"], keepdims=0)], {"x": (2, 3, 3)}, ["y"],
+                    {"axes": np.array([1], np.int64)})
+    forward.graph.input.append(oh.make_tensor_value_info("axes", onnx.TensorProto.INT64, [1]))
+    training = build_training_graph(forward)
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((2, 3, 3)).astype(np.float32)
+    dy = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (grad,) = session.run(["x_grad"], {"x": x, "axes": np.array([2], np.int64), "y_grad": dy})
+    np.testing.assert_array_equal(grad, np.broadcast_to(dy[:, :, None], (2, 3, 3)))
+
+
+def test_pow_exponent_of_another_float_type():
+    params = {"b": np.array([1.5, 2.0, 0.5], np.float64)}
+    nodes = [oh.make_node("Exp", ["a"], ["ea"]), _node("Pow", ["ea", "b"])]
+    _check(model(nodes, {"a": (2, 3)}, ["y"], params))
+
+
+def test_max_pool_same_padding_with_dilations_is_refused():
+    """onnxruntime drops the auto padding from Y once the Indices output is requested."""
+    node = oh.make_node("MaxPool", ["x"], ["y"], name="pool", kernel_shape=[2, 2], auto_pad="SAME_UPPER",
+                        strides=[2, 2], dilations=[2, 2])
+    with pytest.raises(UnsupportedOperatorError, match="MaxPool node 'pool'.*dilations"):
+        build_training_graph(model([node], {"x": (1, 1, 7, 6)}, ["y"]))
+
+
+@pytest.mark.parametrize("opset, attrs, outputs", [
+    (7, {"spatial": 0}, ["y"]),
+    (7, {"spatial": 0}, ["y", "rm", "rv", "sm", "sv"]),
+    (6, {"is_test": 0}, ["y", "rm", "rv", "sm", "sv"]),
+])
+def test_batch_norm_variants_without_opset_9_equivalent_are_refused(opset, attrs, outputs):
+    params = {name: np.ones((3, 2), np.float32) for name in "stmv"}
+    node = oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], outputs, name="bn", **attrs)
+    with pytest.raises(UnsupportedOperatorError, match=f"BatchNormalization node 'bn'.*{next(iter(attrs))}=0"):
+        build_training_graph(model([node], {"x": (4, 3, 2)}, ["y"], params, opset=opset))
+
+
+def test_output_that_is_an_input_keeps_the_gradient_name():
+    """``x_grad`` is the gradient of input x even when x is also an output (its seed is renamed)."""
+    forward = model([_node("Relu", ["x"])], {"x": (2, 3)}, ["y"])
+    forward.graph.output.append(oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]))
+    training = build_training_graph(forward)
+    gradients = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
+    assert gradients == {"x_grad": "x"}
+    assert "x_grad" not in [i.name for i in training.graph.input]
+    _check(forward)
+
+
+def test_unknown_domain_operator_on_the_gradient_path_is_named():
+    graph = oh.make_graph(
+        [oh.make_node("Warp", ["x"], ["w"], name="warp", domain="my.ops"), _node("Relu", ["w"])], "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+    )
+    forward = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("my.ops", 1)])
+    with pytest.raises(UnsupportedOperatorError, match="Warp of domain 'my.ops' \\(Warp node 'warp'\\)"):
+        build_training_graph(forward)
+
+
+def test_model_without_default_opset_is_refused():
+    forward = model([_node("Relu", ["x"])], {"x": (2, 3)}, ["y"])
+    forward.opset_import[0].domain = "com.example"
+    with pytest.raises(ValueError, match="no default-domain opset"):
+        build_training_graph(forward)
+
+
+def test_max_pool_with_dynamic_spatial_dims():
+    """The seed's shape is known only at run time; the checker feeds it that shape."""
+    node = _node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])
+    _check(model([node], {"x": ("N", 3, "H", "W")}, ["y"]))
+
+
+@pytest.mark.parametrize("op_type", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("attrs", [{}, {"axis": 0}, {"axis": 1}, {"axis": -1}])
+def test_softmax_before_opset_13_coerces_to_2d(op_type, attrs):
+    """Opset < 13 normalizes over all axes from ``axis`` on (default 1): the version
+    converter rewrites that into opset-13 semantics before differentiation."""
+    _check(model([_node(op_type, ["x"], **attrs)], {"x": (2, 3, 4)}, ["y"], opset=11))

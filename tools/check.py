@@ -22,6 +22,8 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
+from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS
+
 __all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "main"]
 
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -72,11 +74,11 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0, batch: int = 2) -> Dict[
 
     Trainable initializers get their stored values; float inputs standard normal values;
     ``labels`` of a cross-entropy loss class indices within the output's axis 1. Symbolic
-    dims become ``batch``.
+    dims become ``batch``, but a seed gradient gets the shape its output has at run time.
     """
     rng = np.random.default_rng(seed)
     initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
-    loss = _metadata(model, "normgrad.loss")
+    loss = _metadata(model, METADATA_LOSS)
     symbols: Dict[str, int] = {}
     feeds: Dict[str, np.ndarray] = {}
     for info in model.graph.input:
@@ -90,20 +92,29 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0, batch: int = 2) -> Dict[
             feeds[info.name] = rng.standard_normal(dims).astype(dtype)
         else:
             feeds[info.name] = np.zeros(dims, dtype)
+    seeds = _metadata(model, METADATA_SEEDS)
+    static = {i.name for i in model.graph.input if all(d.HasField("dim_value") for d in i.type.tensor_type.shape.dim)}
+    unknown = {output: seed for output, seed in seeds.items() if seed not in static}
+    if unknown:
+        for output, shape in _output_shapes(model, list(unknown), feeds).items():
+            feeds[unknown[output]] = rng.standard_normal(shape).astype(feeds[unknown[output]].dtype)
     if loss and loss["kind"] == "cross_entropy":
-        classes = _output_dim1(model, loss["output"], feeds)
+        classes = _output_shapes(model, [loss["output"]], feeds)[loss["output"]][1]
         feeds["labels"] = rng.integers(0, classes, feeds["labels"].shape).astype(np.int64)
     return feeds
 
 
-def _output_dim1(model: onnx.ModelProto, output: str, feeds: Dict[str, np.ndarray]) -> int:
+def _output_shapes(model: onnx.ModelProto, outputs: Sequence[str], feeds: Dict[str, np.ndarray]) -> Dict[str, tuple]:
+    """The run-time shapes of forward ``outputs``, from onnxruntime running the forward part."""
     import onnxruntime
 
+    forward = _forward_model(model, outputs, double=False)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    (value,) = session.run([output], feeds)
-    return value.shape[1]
+    session = onnxruntime.InferenceSession(forward.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = {i.name for i in forward.graph.input}
+    values = session.run(list(outputs), {k: v for k, v in feeds.items() if k in names})
+    return {name: value.shape for name, value in zip(outputs, values)}
 
 
 def _to_double(graph: onnx.GraphProto) -> None:
@@ -129,8 +140,8 @@ def _to_double(graph: onnx.GraphProto) -> None:
                 attr.CopyFrom(oh.make_attribute("value", onh.from_array(np.asarray(value, np.float64))))
 
 
-def _forward_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
-    """The nodes of ``model`` that ``outputs`` need, in float64."""
+def _forward_model(model: onnx.ModelProto, outputs: Sequence[str], double: bool = True) -> onnx.ModelProto:
+    """The nodes of ``model`` that ``outputs`` need, in float64 (``double``) or as written."""
     needed = set(outputs)
     nodes = []
     for node in reversed(model.graph.node):
@@ -147,7 +158,8 @@ def _forward_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.Model
         output_infos,
         initializer=[t for t in model.graph.initializer if t.name in needed],
     )
-    _to_double(graph)
+    if double:
+        _to_double(graph)
     forward = oh.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx")])
     forward.ir_version = model.ir_version
     return forward
@@ -159,8 +171,8 @@ def forward_function(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]]
     Returns:
         ``f(feeds) -> float``: the loss, or the sum over seeded outputs of sum(y * y_grad).
     """
-    seeds = _metadata(model, "normgrad.seeds")
-    loss = _metadata(model, "normgrad.loss")
+    seeds = _metadata(model, METADATA_SEEDS)
+    loss = _metadata(model, METADATA_LOSS)
     outputs = ["loss"] if loss else list(seeds)
     forward = _forward_model(model, outputs)
     run = _runner(forward)
@@ -225,7 +237,7 @@ def check_gradients(
         session_options = onnxruntime.SessionOptions()
     session_options.log_severity_level = 3
     session = onnxruntime.InferenceSession(model.SerializeToString(), session_options, providers=["CPUExecutionProvider"])
-    gradients = _metadata(model, "normgrad.gradients")
+    gradients = _metadata(model, METADATA_GRADIENTS)
     values = dict(zip(gradients, session.run(list(gradients), feeds)))
     f = forward_function(model)
     rng = np.random.default_rng(seed + 1)
@@ -261,12 +273,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted relative error (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    model = onnx.load(args.model)
-    options = None
-    if args.backend != "functions":
-        import normgrad
+    from normgrad.tools.cli import CommandError, load_model
 
-        options = normgrad.session_options(args.backend)
+    try:
+        model = load_model(args.model)
+        for key in (METADATA_SEEDS, METADATA_GRADIENTS, METADATA_LOSS):
+            _metadata(model, key)
+        options = None
+        if args.backend != "functions":
+            import normgrad
+
+            options = normgrad.session_options(args.backend)
+    except (CommandError, ValueError, FileNotFoundError) as error:
+        print(f"normgrad check: {error}", file=sys.stderr)
+        return 1
     checks = check_gradients(model, session_options=options, directions=args.directions, step=args.step, seed=args.seed)
     failed = 0
     for check in checks:

@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "CommandError", "load_model"]
 
 COMMANDS = {
     "demo": ("normgrad.tools.demo", "run both operators on every backend and check them against the reference"),
@@ -15,6 +15,28 @@ COMMANDS = {
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
     "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
 }
+
+
+class CommandError(Exception):
+    """A user error (unreadable file, wrong kind of model) that a command reports in one
+    line, without a traceback, and exits 1."""
+
+
+def load_model(path: str):
+    """``onnx.load(path)``.
+
+    Raises:
+        CommandError: the file cannot be read or is not an ONNX model.
+    """
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        return onnx.load(path)
+    except OSError as error:
+        raise CommandError(f"cannot read {path}: {error.strerror or error}") from error
+    except DecodeError as error:
+        raise CommandError(f"{path} is not an ONNX model: {error}") from error
 
 
 def _usage() -> str:

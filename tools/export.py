@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 
 import onnx
 
+from normgrad.tools.cli import CommandError, load_model
+
 __all__ = ["main"]
 
 
@@ -24,11 +26,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
     args = parser.parse_args(argv)
     try:
-        training = build_training_graph(onnx.load(args.model), loss=args.loss, inline=args.inline)
-    except (UnsupportedOperatorError, ValueError) as error:
+        training = build_training_graph(load_model(args.model), loss=args.loss, inline=args.inline)
+        onnx.save(training, args.output)
+    except OSError as error:
+        print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    except (CommandError, UnsupportedOperatorError, ValueError) as error:
         print(f"normgrad export: {error}", file=sys.stderr)
         return 1
-    onnx.save(training, args.output)
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs")
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -57,8 +56,6 @@ class GraphView:
             for name in _node_inputs(node):
                 self.consumers.setdefault(name, []).append(node)
         self.outputs: Set[str] = {o.name for o in graph.output}
-        self.inputs: Set[str] = {i.name for i in graph.input}
-        self._initializers = {t.name for t in graph.initializer}
 
     def only_consumer(self, name: str, node: onnx.NodeProto) -> bool:
         """Whether ``name`` is read by ``node`` alone, once, and is not a graph output."""
@@ -69,15 +66,6 @@ class GraphView:
             and _key(readers[0]) == _key(node)
             and list(node.input).count(name) == 1
         )
-
-    def fixed_value(self, ctx: GradientContext, name: str) -> Optional[np.ndarray]:
-        """The value of ``name`` if nothing can change it at run time: a Constant node's output,
-        or an initializer that is not also a graph input (and so cannot be fed)."""
-        if name in self.inputs:
-            return None
-        if name in self._initializers or (name in self.producer and self.producer[name].op_type == "Constant"):
-            return ctx.constant(name)
-        return None
 
 
 GradientFn = Callable[[GradientContext, str], Sequence[Tuple[str, str]]]

@@ -33,9 +33,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext
+from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
 from normgrad.graphs.patterns import GraphView, Match, register
-from normgrad.graphs.rules._norm import as_float32, attr, statistics
+from normgrad.graphs.rules._norm import as_float32, statistics
 from normgrad.ops import DOMAIN
 
 __all__ = ["PATTERN", "match_torch_group_norm"]
@@ -47,11 +47,11 @@ def _is(node: Optional[onnx.NodeProto], op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
-def _groups(view: GraphView, ctx: GradientContext, reshape: onnx.NodeProto, x_shape: Sequence) -> Optional[int]:
+def _groups(ctx: GradientContext, reshape: onnx.NodeProto, x_shape: Sequence) -> Optional[int]:
     """G if ``reshape`` turns x into [N, G, prod(x.shape[1:])], else None."""
     if len(reshape.input) < 2:
         return None
-    target = view.fixed_value(ctx, reshape.input[1])
+    target = ctx.constant(reshape.input[1])
     if target is not None:
         target = np.asarray(target).reshape(-1)
         if target.dtype != np.int64 or target.size != 3 or target[1] <= 0:
@@ -103,10 +103,10 @@ def _affine_kind(ctx: GradientContext, name: str, rank: int, channels: int) -> O
     return kind
 
 
-def _fixed_filled(view: GraphView, ctx: GradientContext, name: str, fill: float, groups: int) -> bool:
+def _fixed_filled(ctx: GradientContext, name: str, fill: float, groups: int) -> bool:
     if not name or ctx.needs_grad(name):
         return False
-    value = view.fixed_value(ctx, name)
+    value = ctx.constant(name)
     return value is not None and value.shape == (groups,) and bool(np.all(value == fill))
 
 
@@ -143,10 +143,10 @@ def _match_chain(
     if ctx.elem_type(x) not in FLOAT_ELEM_TYPES or x_shape is None or len(x_shape) < 2:
         return None
     channels = x_shape[1]
-    groups = _groups(view, ctx, grouped, x_shape)
+    groups = _groups(ctx, grouped, x_shape)
     if not isinstance(channels, int) or channels <= 0 or groups is None or channels % groups:
         return None
-    if not (_fixed_filled(view, ctx, norm.input[1], 1.0, groups) and _fixed_filled(view, ctx, norm.input[2], 0.0, groups)):
+    if not (_fixed_filled(ctx, norm.input[1], 1.0, groups) and _fixed_filled(ctx, norm.input[2], 0.0, groups)):
         return None
     if not _restores_shape(view, ctx, back, x):
         return None

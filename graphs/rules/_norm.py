@@ -10,17 +10,11 @@ from typing import Sequence, Tuple
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext
 
-__all__ = ["attr", "as_float32", "float32_scalar", "statistics"]
-
-
-def attr(node: onnx.NodeProto, name: str, default):
-    """Attribute ``name`` of ``node``, or ``default``."""
-    return next((oh.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+__all__ = ["as_float32", "float32_scalar", "statistics"]
 
 
 def as_float32(ctx: GradientContext, name: str, like: str) -> str:

@@ -6,9 +6,8 @@ import dataclasses
 from typing import List, Optional
 
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext, describe
+from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError
 
 __all__ = ["Window", "window_of"]
@@ -45,14 +44,6 @@ class Window:
         ]
 
 
-def _attr(node: onnx.NodeProto, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            value = oh.get_attribute_value(attr)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
-
-
 def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[int]] = None) -> Window:
     """The geometry of ``node``, whose input 0 must have static spatial dims.
 
@@ -69,12 +60,12 @@ def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[
         )
     in_sizes = list(shape[2:])
     r = len(in_sizes)
-    kernel = list(_attr(node, "kernel_shape", kernel or []))
+    kernel = list(attr(node, "kernel_shape", kernel or []))
     if len(kernel) != r:
         raise UnsupportedOperatorError(f"{describe(node)}: kernel shape unknown")
-    strides = list(_attr(node, "strides", [1] * r))
-    dilations = list(_attr(node, "dilations", [1] * r))
-    auto_pad = _attr(node, "auto_pad", "NOTSET")
+    strides = list(attr(node, "strides", [1] * r))
+    dilations = list(attr(node, "dilations", [1] * r))
+    auto_pad = attr(node, "auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         pads = [0] * (2 * r)
         for i in range(r):
@@ -85,16 +76,13 @@ def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[
     elif auto_pad == "VALID":
         pads = [0] * (2 * r)
     else:
-        pads = list(_attr(node, "pads", [0] * (2 * r)))
+        pads = list(attr(node, "pads", [0] * (2 * r)))
     out_sizes = []
     for i in range(r):
         span = in_sizes[i] + pads[i] + pads[r + i] - (kernel[i] - 1) * dilations[i] - 1
         floor_size = span // strides[i] + 1
-        if _attr(node, "ceil_mode", 0) and -(-span // strides[i]) + 1 != floor_size:
-            if node.op_type != "MaxPool":
-                raise UnsupportedOperatorError(
-                    f"{describe(node)}: ceil_mode=1 that changes the output size is not supported"
-                )
+        if attr(node, "ceil_mode", 0) and -(-span // strides[i]) + 1 != floor_size:
+            raise UnsupportedOperatorError(f"{describe(node)}: ceil_mode=1 that changes the output size is not supported")
         out_sizes.append(floor_size)
     out_shape = ctx.shape(node.output[0])
     if out_shape is not None and all(isinstance(d, int) for d in out_shape[2:]):

@@ -10,21 +10,13 @@ import math
 from typing import Callable, Dict, List, Optional
 
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext
+from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
 
 __all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return oh.get_attribute_value(attr)
-    return default
 
 
 def _where_positive(ctx: GradientContext, x: str, then: str, otherwise: str) -> str:
@@ -54,14 +46,14 @@ def _one_minus(ctx: GradientContext, value: str, like: str) -> str:
 UNARY_GRADIENTS: Dict[str, UnaryFn] = {
     "Relu": lambda ctx, node, x, y, dy: _where_positive(ctx, x, dy, ctx.scalar(0.0, x)),
     "LeakyRelu": lambda ctx, node, x, y, dy: _where_positive(
-        ctx, x, dy, ctx.op("Mul", dy, ctx.scalar(_attr(node, "alpha", 0.01), x))
+        ctx, x, dy, ctx.op("Mul", dy, ctx.scalar(attr(node, "alpha", 0.01), x))
     ),
     "Elu": lambda ctx, node, x, y, dy: _where_positive(
-        ctx, x, dy, ctx.op("Mul", dy, ctx.op("Add", y, ctx.scalar(_attr(node, "alpha", 1.0), x)))
+        ctx, x, dy, ctx.op("Mul", dy, ctx.op("Add", y, ctx.scalar(attr(node, "alpha", 1.0), x)))
     ),
     "Sigmoid": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Mul", y, _one_minus(ctx, y, x))),
     "HardSigmoid": lambda ctx, node, x, y, dy: ctx.op(
-        "Mul", dy, _hard_sigmoid_slope(ctx, x, _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5))
+        "Mul", dy, _hard_sigmoid_slope(ctx, x, attr(node, "alpha", 0.2), attr(node, "beta", 0.5))
     ),
     "HardSwish": lambda ctx, node, x, y, dy: ctx.op(
         "Mul",
@@ -99,7 +91,7 @@ def unary_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optio
 def softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """Softmax: y * (dy - sum(dy * y)); LogSoftmax: dy - exp(y) * sum(dy), sums along ``axis``."""
     y, dy = node.output[0], grads[0]
-    axis = _attr(node, "axis", -1)
+    axis = attr(node, "axis", -1)
     if node.op_type == "Softmax":
         total = ctx.reduce("ReduceSum", ctx.op("Mul", dy, y), [axis], keepdims=True)
         return [ctx.op("Mul", y, ctx.op("Sub", dy, total))]

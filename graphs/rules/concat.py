@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext
+from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
 
 __all__ = ["concat_gradient"]
@@ -16,7 +15,7 @@ __all__ = ["concat_gradient"]
 @register("Concat", inputs=None)
 def concat_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """Split(dy) with the runtime sizes of the inputs along ``axis``."""
-    axis = next(oh.get_attribute_value(a) for a in node.attribute if a.name == "axis")
+    axis = attr(node, "axis", None)
     if axis < 0:
         axis += ctx.rank(node.output[0], node)
     sizes = [ctx.shape_of(name, start=axis, end=axis + 1) for name in node.input]

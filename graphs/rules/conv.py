@@ -10,17 +10,12 @@ from __future__ import annotations
 from typing import List, Optional
 
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext
+from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
 from normgrad.graphs.rules._window import window_of
 
 __all__ = ["conv_gradient"]
-
-
-def _group(node: onnx.NodeProto) -> int:
-    return next((oh.get_attribute_value(a) for a in node.attribute if a.name == "group"), 1)
 
 
 def _weight_gradient(ctx: GradientContext, node: onnx.NodeProto, dy: str, window, groups: int) -> str:
@@ -65,7 +60,7 @@ def conv_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Option
     w_shape = ctx.shape(w)
     kernel = w_shape[2:] if w_shape is not None and all(isinstance(d, int) for d in w_shape[2:]) else None
     window = window_of(ctx, node, kernel)
-    groups = _group(node)
+    groups = attr(node, "group", 1)
     result: List[Optional[str]] = [None] * len(node.input)
     if ctx.needs_grad(x):
         result[0] = ctx.op(

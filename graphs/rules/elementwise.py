@@ -45,5 +45,6 @@ def pow_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optiona
         lowered = ctx.op("Pow", a, ctx.op("Sub", exponent, ctx.scalar(1.0, a)))
         result[0] = ctx.sum_to(ctx.op("Mul", dy, ctx.op("Mul", exponent, lowered)), y, a)
     if ctx.needs_grad(b):
-        result[1] = ctx.sum_to(ctx.op("Mul", ctx.op("Mul", dy, y), ctx.op("Log", a)), y, b)
+        grad_b = ctx.op("CastLike", ctx.op("Mul", ctx.op("Mul", dy, y), ctx.op("Log", a)), b)  # b may be of another float type
+        result[1] = ctx.sum_to(grad_b, y, b)
     return result

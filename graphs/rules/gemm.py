@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext
+from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
 
 __all__ = ["gemm_gradient"]
@@ -16,9 +15,8 @@ __all__ = ["gemm_gradient"]
 @register("Gemm", inputs=(0, 1, 2))
 def gemm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """dA, dB as Gemms with the transposition flags arranged; dC = beta * dY summed to C's shape."""
-    attrs = {a.name: oh.get_attribute_value(a) for a in node.attribute}
-    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
-    trans_a, trans_b = attrs.get("transA", 0), attrs.get("transB", 0)
+    alpha, beta = attr(node, "alpha", 1.0), attr(node, "beta", 1.0)
+    trans_a, trans_b = attr(node, "transA", 0), attr(node, "transB", 0)
     dy, a, b, y = grads[0], node.input[0], node.input[1], node.output[0]
     result: List[Optional[str]] = [None] * len(node.input)
     if ctx.needs_grad(a):

@@ -13,9 +13,9 @@ from typing import List, Optional
 
 import onnx
 
-from normgrad.graphs.context import GradientContext
+from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.graphs.rules._norm import as_float32, attr, statistics
+from normgrad.graphs.rules._norm import as_float32, statistics
 from normgrad.ops import DOMAIN
 
 __all__ = ["group_norm_gradient"]

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext
+from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
 from normgrad.graphs.rules import register, register_non_differentiable
 
 __all__ = ["NON_DIFFERENTIABLE", "cast_gradient"]
@@ -28,7 +27,7 @@ register_non_differentiable(*NON_DIFFERENTIABLE)
 
 def _float_to_float(ctx: GradientContext, node: onnx.NodeProto) -> Tuple[int, ...]:
     source = ctx.elem_type(node.input[0])
-    target = next(oh.get_attribute_value(a) for a in node.attribute if a.name == "to")
+    target = attr(node, "to", None)
     return (0,) if source in FLOAT_ELEM_TYPES and target in FLOAT_ELEM_TYPES else ()
 
 

@@ -11,18 +11,13 @@ from typing import List, Optional
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.graphs.context import GradientContext, describe
+from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
 from normgrad.graphs.rules._window import window_of
 
 __all__ = ["average_pool_gradient", "max_pool_gradient"]
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    return next((oh.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 @register("AveragePool")
@@ -36,7 +31,7 @@ def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
         ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, np.float32))),
         x,
     )
-    if _attr(node, "count_include_pad", 0) or not any(window.pads):
+    if attr(node, "count_include_pad", 0) or not any(window.pads):
         dy = ctx.op("Div", dy, ctx.scalar(float(np.prod(window.kernel)), x))
     else:
         plane = ctx.op(
@@ -55,8 +50,14 @@ def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
 @register("MaxPool", outputs=(0,), min_opset=16)
 def max_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """ScatterElements(zeros, Indices, dy, reduction='add'), Indices from the forward node."""
-    if _attr(node, "storage_order", 0):
+    if attr(node, "storage_order", 0):
         raise UnsupportedOperatorError(f"{describe(node)}: MaxPool with storage_order=1 is not supported")
+    if attr(node, "auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER") and any(d != 1 for d in attr(node, "dilations", [])):
+        # onnxruntime computes Y without the auto padding once the Indices output is requested
+        raise UnsupportedOperatorError(
+            f"{describe(node)}: MaxPool with auto_pad SAME_* and dilations is not supported (onnxruntime's "
+            "Indices output, which the gradient needs, ignores the padding there); write explicit pads"
+        )
     x = node.input[0]
     indices = ctx.ensure_output(node, 1, "indices")
     flat = ctx.ints([-1])

@@ -6,19 +6,11 @@ from typing import List, Optional
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext
+from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
 
 __all__ = ["reduce_gradient", "global_average_pool_gradient"]
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return oh.get_attribute_value(attr)
-    return default
 
 
 def _mean_scale(ctx: GradientContext, value: str, x: str, y: str) -> str:
@@ -36,9 +28,9 @@ def reduce_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
     """
     x, y, dy = node.input[0], node.output[0], grads[0]
     axes_input = node.input[1] if len(node.input) > 1 and node.input[1] else None
-    axes_attr = _attr(node, "axes", None)
-    keepdims = _attr(node, "keepdims", 1)
-    noop = _attr(node, "noop_with_empty_axes", 0)
+    axes_attr = attr(node, "axes", None)
+    keepdims = attr(node, "keepdims", 1)
+    noop = attr(node, "noop_with_empty_axes", 0)
     constant_axes = ctx.constant(axes_input) if axes_input else axes_attr
     no_axes = axes_input is None and not axes_attr or (constant_axes is not None and np.size(constant_axes) == 0)
     if no_axes and noop:

@@ -7,9 +7,8 @@ from typing import List, Optional
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 
-from normgrad.graphs.context import GradientContext, describe
+from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
 
 __all__ = ["reshape_gradient", "identity_gradient", "dropout_gradient", "expand_gradient", "transpose_gradient"]
@@ -50,10 +49,7 @@ def expand_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
 @register("Transpose")
 def transpose_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """dy transposed by the inverse permutation."""
-    perm = None
-    for attr in node.attribute:
-        if attr.name == "perm":
-            perm = list(oh.get_attribute_value(attr))
+    perm = attr(node, "perm", None)
     if perm is None:
         perm = list(reversed(range(ctx.rank(node.input[0], node))))
     return [ctx.op("Transpose", grads[0], perm=[int(i) for i in np.argsort(perm)])]
