@@ -202,6 +202,32 @@ def test_bn_reduce_bitwise_deterministic_across_threads(shape):
     _bitwise_same_for_threads(lambda threads: run_cpp(bnr.OP_TYPE, feeds, list(bnr.OUTPUTS), threads=threads))
 
 
+_SHORT_ROWS_MEMORY_SCRIPT = r"""
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import test_cpp_kernels as t
+n, c = 1 << 10, 1 << 16  # float16 [N, C] with C*S above a work unit: 128 MiB per input
+feeds = [("grad_out", np.ones((n, c), np.float16)), ("input", np.ones((n, c), np.float16)),
+         ("mean", np.zeros(c, np.float32)), ("invstd", np.ones(c, np.float32))]
+t.run_cpp(t.bnr.OP_TYPE, [(k, v[:64]) if k in ("grad_out", "input") else (k, v) for k, v in feeds], ["sum_dy"])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = t.run_cpp(t.bnr.OP_TYPE, feeds, ["sum_dy"], threads=2)["sum_dy"]
+assert (out == n).all(), out
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_bn_reduce_short_rows_need_no_input_sized_temporary():
+    """[N, C] input with C*S above a work unit: the per-(unit, channel) partials must not
+    grow to 16 bytes per input element (1 GiB here, eight times the float16 input)."""
+    process = subprocess.run([sys.executable, "-c", _SHORT_ROWS_MEMORY_SCRIPT, str(HERE)], capture_output=True,
+                             text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    growth_mib = int(process.stdout.strip().splitlines()[-1])
+    assert growth_mib < 128, f"peak RSS grew by {growth_mib} MiB"
+
+
 # --------------------------------------------------------------------------- BatchNormElemtBackward
 
 
@@ -359,6 +385,20 @@ def test_gn_bitwise_deterministic_across_threads(gamma_shape):
     _bitwise_same_for_threads(lambda threads: check_gn(inputs, threads=threads))
 
 
+def check_gn_long_group():
+    """One group of 4M elements whose dy is constant 1 + 2**-10: a float32 running sum of
+    it loses the 2**-10 once it passes 2**15, so a kernel that lets one float32 lane add
+    up more than a few thousand terms gets s1 (hence dx) and dbeta wrong by ~1e-3."""
+    inputs = gn_inputs((1, 1, 1 << 22), (1, 1, 1), np.float32, np.float32, seed=11)
+    inputs["dy"] = np.full(inputs["x"].shape, 1.0 + 2.0**-10, np.float32)
+    actual = check_gn(inputs)
+    assert actual["dbeta"][0, 0, 0] == np.float32((1 << 22) * (1.0 + 2.0**-10))
+
+
+def test_gn_long_group_sums_do_not_drift():
+    check_gn_long_group()
+
+
 # --------------------------------------------------------------------------- portable kernels
 
 _GENERIC_SCRIPT = r"""
@@ -373,6 +413,7 @@ for i, shape in enumerate(t.BN_SHAPES[:-1]):
 for i, (xs, gs) in enumerate(t.GN_CASES):
     for dt in t.DTYPES:
         t.check_gn(t.gn_inputs(xs, gs, dt, dt, seed=i))
+t.check_gn_long_group()
 print("ok")
 """
 

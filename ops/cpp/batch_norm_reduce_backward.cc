@@ -87,17 +87,24 @@ struct BatchNormReduceBackward final : KernelBase {
         }
       }
     } else if (d.n * d.s > 0) {
-      // Short rows (e.g. [N, C] inputs): units of whole samples, per-channel accumulators.
-      const size_t per_unit = std::max<size_t>(1, RowPartition::kUnit / (d.c * d.s));
-      const size_t units = (d.n + per_unit - 1) / per_unit;
+      // Short rows (e.g. [N, C] inputs): units of nb samples × cb channels, one partial per
+      // (sample block, channel). A sample block has at least kMinSamples samples, so the
+      // partials stay a small fraction of the input (16·C·⌈N/nb⌉ bytes against at least
+      // 4·N·C·S bytes read) even when C·S alone exceeds a unit.
+      constexpr size_t kMinSamples = 64;
+      const size_t nb = std::min(d.n, std::max(kMinSamples, RowPartition::kUnit / (d.c * d.s)));
+      const size_t cb = std::min(d.c, std::max<size_t>(1, RowPartition::kUnit / (nb * d.s)));
+      const size_t nblocks = (d.n + nb - 1) / nb, cblocks = (d.c + cb - 1) / cb;
       std::vector<float> means(d.c);
       for (size_t c = 0; c < d.c; ++c) means[c] = vec_at(mean, c);
-      std::vector<double> partial(units * d.c * 2, 0.0);
+      std::vector<double> partial(nblocks * d.c * 2, 0.0);
       auto unit = [&](size_t u) {
-        double* acc = &partial[u * d.c * 2];
-        const size_t n0 = u * per_unit, n1 = std::min(d.n, n0 + per_unit);
+        const size_t sb = u / cblocks, cbk = u % cblocks;
+        double* acc = &partial[sb * d.c * 2];
+        const size_t n0 = sb * nb, n1 = std::min(d.n, n0 + nb);
+        const size_t c0 = cbk * cb, c1 = std::min(d.c, c0 + cb);
         for (size_t n = n0; n < n1; ++n) {
-          for (size_t c = 0; c < d.c; ++c) {
+          for (size_t c = c0; c < c1; ++c) {
             const size_t offset = (n * d.c + c) * d.s;
             float a = 0.0f, b = 0.0f;
             for (size_t i = 0; i < d.s; ++i) {
@@ -110,9 +117,9 @@ struct BatchNormReduceBackward final : KernelBase {
           }
         }
       };
-      parallel_for(ctx, units, unit, x.size);
-      for (size_t u = 0; u < units; ++u) {
-        for (size_t i = 0; i < d.c * 2; ++i) sums[i] += partial[u * d.c * 2 + i];
+      parallel_for(ctx, nblocks * cblocks, unit, x.size);
+      for (size_t sb = 0; sb < nblocks; ++sb) {
+        for (size_t i = 0; i < d.c * 2; ++i) sums[i] += partial[sb * d.c * 2 + i];
       }
     }
     for (size_t c = 0; c < d.c; ++c) {

@@ -30,6 +30,12 @@ struct KernelTable {
                                float a, float b, float d);
 };
 
+// The sum kernels add their float32 lane partials into the double outputs every kSumBlock
+// elements (a fixed split of the run), so no float32 lane ever accumulates more than
+// kSumBlock / lanes terms: the rounding error does not grow with the run length (a group
+// of GroupNormalizationGrad can be millions of elements long).
+constexpr size_t kSumBlock = 4096;
+
 extern const KernelTable kGenericKernels;
 #if defined(__x86_64__) || defined(__i386__)
 extern const KernelTable kAvx2Kernels;

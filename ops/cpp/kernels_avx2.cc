@@ -69,7 +69,7 @@ inline float hsum(__m256 v) {
 }
 
 template <int T>
-void sum_dy_dyxmu(const void* dy_, const void* x_, size_t n, float mean, double* out) {
+void sum_dy_dyxmu_block(const void* dy_, const void* x_, size_t n, float mean, double* out) {
   using S = typename Io<T>::S;
   const S* dy = static_cast<const S*>(dy_);
   const S* x = static_cast<const S*>(x_);
@@ -109,7 +109,7 @@ void sum_dy_dyxmu(const void* dy_, const void* x_, size_t n, float mean, double*
 }
 
 template <int T>
-void sum_gdy_gdyxmu(const void* dy_, const void* x_, const void* g_, size_t n, float mean, double* out) {
+void sum_gdy_gdyxmu_block(const void* dy_, const void* x_, const void* g_, size_t n, float mean, double* out) {
   using S = typename Io<T>::S;
   const S* dy = static_cast<const S*>(dy_);
   const S* x = static_cast<const S*>(x_);
@@ -141,6 +141,31 @@ void sum_gdy_gdyxmu(const void* dy_, const void* x_, const void* g_, size_t n, f
   }
   out[0] += hsum(_mm256_add_ps(a0, a1));
   out[1] += hsum(_mm256_add_ps(b0, b1));
+}
+
+// The kernels' entry points: the run in blocks of kSumBlock elements, each block's float32
+// partials added to `out` in double, in order.
+template <int T>
+void sum_dy_dyxmu(const void* dy, const void* x, size_t n, float mean, double* out) {
+  constexpr size_t es = T == kF32 ? 4 : 2;
+  const char* d = static_cast<const char*>(dy);
+  const char* v = static_cast<const char*>(x);
+  for (size_t i = 0; i < n; i += kSumBlock) {
+    const size_t len = n - i < kSumBlock ? n - i : kSumBlock;
+    sum_dy_dyxmu_block<T>(d + i * es, v + i * es, len, mean, out);
+  }
+}
+
+template <int T>
+void sum_gdy_gdyxmu(const void* dy, const void* x, const void* g, size_t n, float mean, double* out) {
+  constexpr size_t es = T == kF32 ? 4 : 2;
+  const char* d = static_cast<const char*>(dy);
+  const char* v = static_cast<const char*>(x);
+  const char* w = static_cast<const char*>(g);
+  for (size_t i = 0; i < n; i += kSumBlock) {
+    const size_t len = n - i < kSumBlock ? n - i : kSumBlock;
+    sum_gdy_gdyxmu_block<T>(d + i * es, v + i * es, w + i * es, len, mean, out);
+  }
 }
 
 template <int T>

@@ -76,7 +76,7 @@ inline void st(void* p, size_t i, float v) {
 }
 
 template <int T>
-void sum_dy_dyxmu(const void* dy, const void* x, size_t n, float mean, double* out) {
+void sum_dy_dyxmu_block(const void* dy, const void* x, size_t n, float mean, double* out) {
   float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
@@ -96,7 +96,7 @@ void sum_dy_dyxmu(const void* dy, const void* x, size_t n, float mean, double* o
 }
 
 template <int T>
-void sum_gdy_gdyxmu(const void* dy, const void* x, const void* g, size_t n, float mean, double* out) {
+void sum_gdy_gdyxmu_block(const void* dy, const void* x, const void* g, size_t n, float mean, double* out) {
   float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
@@ -113,6 +113,31 @@ void sum_gdy_gdyxmu(const void* dy, const void* x, const void* g, size_t n, floa
   }
   out[0] += (a[0] + a[1]) + (a[2] + a[3]);
   out[1] += (b[0] + b[1]) + (b[2] + b[3]);
+}
+
+// The kernels' entry points: the run in blocks of kSumBlock elements, each block's float32
+// partials added to `out` in double, in order.
+template <int T>
+void sum_dy_dyxmu(const void* dy, const void* x, size_t n, float mean, double* out) {
+  constexpr size_t es = T == kF32 ? 4 : 2;
+  const char* d = static_cast<const char*>(dy);
+  const char* v = static_cast<const char*>(x);
+  for (size_t i = 0; i < n; i += kSumBlock) {
+    const size_t len = n - i < kSumBlock ? n - i : kSumBlock;
+    sum_dy_dyxmu_block<T>(d + i * es, v + i * es, len, mean, out);
+  }
+}
+
+template <int T>
+void sum_gdy_gdyxmu(const void* dy, const void* x, const void* g, size_t n, float mean, double* out) {
+  constexpr size_t es = T == kF32 ? 4 : 2;
+  const char* d = static_cast<const char*>(dy);
+  const char* v = static_cast<const char*>(x);
+  const char* w = static_cast<const char*>(g);
+  for (size_t i = 0; i < n; i += kSumBlock) {
+    const size_t len = n - i < kSumBlock ? n - i : kSumBlock;
+    sum_gdy_gdyxmu_block<T>(d + i * es, v + i * es, w + i * es, len, mean, out);
+  }
 }
 
 template <int T>

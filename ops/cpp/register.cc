@@ -6,6 +6,7 @@
 // The library asks for API version 17 (KernelContext_ParallelFor, onnxruntime 1.17) and
 // declares its ops with that version, so the same binary loads on every onnxruntime from
 // 1.17 on, whatever header version it was compiled against.
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -120,6 +121,14 @@ const ONNXTensorElementDataType kOnnxTypes[kNumDTypes] = {ONNX_TENSOR_ELEMENT_DA
                                                           ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                                                           ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
 
+// "<op>: <what>" as an ORT_FAIL status without allocating (no std::string: a handler of
+// std::bad_alloc that allocates could throw again, out of a noexcept callback).
+OrtStatus* error_status(const char* op, const char* what) noexcept {
+  char message[512];
+  std::snprintf(message, sizeof message, "%s: %s", op, what);
+  return g_api->CreateStatus(ORT_FAIL, message);
+}
+
 // One typed registration of an operator.
 struct OpVariant : OrtCustomOp {
   const OpDescriptor* desc;
@@ -185,11 +194,11 @@ struct OpVariant : OrtCustomOp {
       } catch (const Failure& f) {
         return g_api->CreateStatus(f.code, f.message.c_str());
       } catch (const std::bad_alloc&) {
-        return g_api->CreateStatus(ORT_FAIL, (std::string(k->name()) + ": out of memory").c_str());
+        return error_status(k->name(), "out of memory");
       } catch (const std::exception& e) {
-        return g_api->CreateStatus(ORT_FAIL, (std::string(k->name()) + ": " + e.what()).c_str());
+        return error_status(k->name(), e.what());
       } catch (...) {
-        return g_api->CreateStatus(ORT_FAIL, (std::string(k->name()) + ": unknown error").c_str());
+        return error_status(k->name(), "unknown error");
       }
     };
     // version 17 fields: no shape inference callback (onnxruntime's wrapper of it cannot
@@ -261,7 +270,11 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                       ". Upgrade onnxruntime, or use normgrad's Python kernels or function bodies.";
     return old != nullptr ? old->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
-  g_api = api;
+  // Written once (a thread-safe static initialiser), never again: a second registration,
+  // possibly concurrent with kernels of an earlier session reading g_api on other threads,
+  // must not store to it (a data race even when the value is the same).
+  static const bool api_set = (g_api = api, true);
+  (void)api_set;
   try {
     static std::vector<OpVariant*>* ops = build_ops();
     kernels();  // choose the CPU kernels once, before any session runs
@@ -275,7 +288,11 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     }
     // The domain must outlive every session made from these options; onnxruntime does not
     // take ownership, so it is deliberately never released (a few bytes per registration).
-    return api->AddCustomOpDomain(options, domain);
+    if (OrtStatus* st = api->AddCustomOpDomain(options, domain)) {
+      api->ReleaseCustomOpDomain(domain);
+      return st;
+    }
+    return nullptr;
   } catch (const std::bad_alloc&) {
     return api->CreateStatus(ORT_FAIL, "normgrad_ops: out of memory while registering operators");
   } catch (...) {
