@@ -19,9 +19,9 @@ from normgrad.ops._common import tensor_type
 
 __all__ = ["BACKENDS", "node_model", "make_session", "run_session", "run_model", "run"]
 
-BACKENDS = ("reference", "cpp", "python", "function", "evaluator")
+BACKENDS = ("reference", "cpp", "python", "functions", "evaluator")
 """``reference``: the NumPy float64 truth; ``cpp``/``python``: onnxruntime with normgrad's
-kernels; ``function``: plain onnxruntime running the function bodies;
+kernels; ``functions``: plain onnxruntime running the function bodies;
 ``evaluator``: ``onnx.reference.ReferenceEvaluator`` running the function bodies."""
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,7 +75,7 @@ def node_model(
 
 
 def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = None):
-    """An onnxruntime session for ``backend`` in {"cpp", "python", "function"}."""
+    """An onnxruntime session for ``backend`` in {"cpp", "python", "functions"}."""
     import onnxruntime
 
     import normgrad
@@ -83,7 +83,7 @@ def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = 
     options = onnxruntime.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
-    if backend == "function":
+    if backend == "functions":
         model = normgrad.add_functions(model)
     else:
         normgrad.session_options(backend, options)
@@ -135,7 +135,7 @@ def run_session(session, inputs: Mapping[str, Optional[np.ndarray]], bfloat16_ou
 
 
 def run_model(model: onnx.ModelProto, inputs: Mapping[str, Optional[np.ndarray]], backend: str, threads=None) -> dict:
-    """Runs ``model`` on the onnxruntime ``backend`` ("cpp", "python" or "function").
+    """Runs ``model`` on the onnxruntime ``backend`` ("cpp", "python" or "functions").
 
     bfloat16 inputs and outputs work on every supported onnxruntime (see
     :func:`_bfloat16_via_float`); with bfloat16 inputs, output types the model leaves

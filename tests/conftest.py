@@ -11,7 +11,6 @@ import pytest
 import normgrad
 from normgrad.ops import harness
 
-ALL_BACKENDS = ("reference", "cpp", "python", "function", "evaluator")
 FLOAT32_ONLY = {"python"}
 # Relative tolerance per dtype, scaled by the magnitude of the expected values.
 TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, np.dtype(ml_dtypes.bfloat16): 1.6e-2}
@@ -27,7 +26,7 @@ def cpp_available() -> bool:
     return True
 
 
-@pytest.fixture(params=ALL_BACKENDS)
+@pytest.fixture(params=harness.BACKENDS)
 def backend(request) -> str:
     if request.param == "cpp" and not cpp_available():
         pytest.skip("C++ library not built")

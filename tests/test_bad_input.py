@@ -63,7 +63,7 @@ def test_cpp_kernels_reject_with_the_input_name():
         assert name in results[case_id]["message"], (case_id, results[case_id])
 
 
-@pytest.mark.parametrize("backend", ["function", "evaluator"])
+@pytest.mark.parametrize("backend", ["functions", "evaluator"])
 def test_function_bodies_fail_on_inconsistent_shapes(backend):
     """Function bodies have no validation step; the shape errors they can see still raise."""
     for case_id, (op_type, inputs), _, noticed in CASES:

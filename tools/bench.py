@@ -6,7 +6,7 @@ workers are told to sleep between calls, ``OMP_WAIT_POLICY=PASSIVE``, unless set
 
 * ``cpp``: the compiled kernels (``session_options("cpp")``);
 * ``python``: the onnxruntime-extensions Python kernels (``session_options("python")``, float32);
-* ``function``: the function bodies in plain onnxruntime (``normgrad.add_functions``);
+* ``functions``: the function bodies in plain onnxruntime (``normgrad.add_functions``);
 * ``numpy``: the float64 NumPy reference;
 * ``torch``: torch's CPU kernels, when torch is importable
   (``aten::native_batch_norm_backward`` with output mask [False, True, True],
@@ -32,7 +32,7 @@ as torch's TorchScript exporter writes it in ``TrainingMode.TRAINING``), ``--res
 turned into a training graph by ``build_training_graph`` (seed gradient ``y_grad``), which runs
 
 * ``cpp``: with normgrad's kernels (``session_options("cpp")``);
-* ``function``: in plain onnxruntime, on the function bodies the training graph carries;
+* ``functions``: in plain onnxruntime, on the function bodies the training graph carries;
 * ``torch``: eager forward + ``backward(y_grad)`` of the same block (same weights, copied from
   the ONNX initializers, same ``x`` and ``y_grad``), ``train()`` mode; the gradients of ``x``
   and of the parameters are reset to ``None`` inside the timed call (no memset; backward
@@ -88,7 +88,7 @@ def _session(op_type, inputs, outputs, attributes, backend, threads):
 
     model = harness.node_model(op_type, inputs, outputs, attributes)
     options = _session_options(threads)
-    if backend == "function":
+    if backend == "functions":
         model = normgrad.add_functions(model)
     else:
         normgrad.session_options(backend, options)
@@ -266,7 +266,7 @@ def _runners(op_type, inputs, outputs, threads, *, full: bool, torch_runner=None
 
     module = operator(op_type)
     runners = {}
-    for backend in ("cpp",) + (("function", "python") if full else ()):
+    for backend in ("cpp",) + (("functions", "python") if full else ()):
         try:
             # The Python kernels cannot omit outputs: they compute them all.
             session = _session(op_type, inputs, None if backend == "python" else outputs, None, backend, threads)
@@ -472,7 +472,7 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
               **{name: params[name] for name in trainable}}
 
     sessions, runners = {}, {}
-    for backend in ("cpp",) + (("function",) if full else ()):
+    for backend in ("cpp",) + (("functions",) if full else ()):
         options = _session_options(threads)
         options.log_severity_level = 3  # not the warning per trainable initializer that is also an input
         if backend == "cpp":
@@ -558,7 +558,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shape", type=int, nargs="+", default=None,
                         help="[N, C, H, W...] of the input (default 32 256 56 56; --quick 4 64 14 14)")
     parser.add_argument("--groups", type=int, default=32, help="GroupNorm groups (default 32)")
-    parser.add_argument("--no-slow", action="store_true", help="skip python/function/numpy/torch rows")
+    parser.add_argument("--no-slow", action="store_true", help="skip python/functions/numpy/torch rows")
     parser.add_argument("--resnet-shape", type=int, nargs=4, default=None, metavar=("N", "C", "H", "W"),
                         help="ResNet basic block input (default 16 64 56 56; --quick 2 8 8 8)")
     args = parser.parse_args(argv)
@@ -599,7 +599,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"dx only (floor: read x + dy)", _time(runners, repeat), out)
     del runners
 
-    # ---- BatchNormElemtBackward (cpp, function, numpy, floor)
+    # ---- BatchNormElemtBackward (cpp, functions, numpy, floor)
     from normgrad.ops import batch_norm_reduce_backward as bnr
 
     sums = bnr.reference(**{k: bn[k] for k in ("grad_out", "input", "mean", "invstd")})
@@ -627,7 +627,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_table(f"GroupNormalizationGrad {t.name} (U float32), dx only", _time(runners, repeat), out)
         del runners, gn
 
-    # ---- ResNet basic block: forward + backward, cpp / function / torch
+    # ---- ResNet basic block: forward + backward, cpp / functions / torch
     resnet_shape = tuple(args.resnet_shape or ((2, 8, 8, 8) if args.quick else (16, 64, 56, 56)))
     print(f"\nResNet basic block x {list(resnet_shape)}: agreement check (one call each)", file=out)
     status = 0 if _resnet_group(resnet_shape, threads, repeat, full, out) else 1

@@ -67,7 +67,7 @@ def group_norm_case(shape, groups, dtype, seed=0) -> dict:
 
 
 def available_backends() -> list:
-    backends = ["cpp", "python", "function", "evaluator"]
+    backends = ["cpp", "python", "functions", "evaluator"]
     try:
         normgrad.library_path()
     except FileNotFoundError:
