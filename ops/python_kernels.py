@@ -11,8 +11,9 @@ Two traps of the onnxruntime-extensions bridge are handled here:
   :func:`errors`) and the kernel returns outputs filled with NaN, so the process survives
   and no plausible-looking number comes out. ``session.run`` itself cannot be made to raise.
 * Outputs are marshalled by default through ``flatten().tolist()`` (~150 ms per million
-  elements). :func:`_invoke` replaces that invocation hook and hands contiguous arrays
-  straight to the bridge's ``memcpy``.
+  elements). :func:`_invoke` replaces that invocation hook and, for normgrad's kernels,
+  hands contiguous float32 arrays straight to the bridge's ``memcpy`` (their shapes are
+  the shapes it allocates, so the copy stays in bounds).
 
 What still cannot work through this bridge: float16/bfloat16 (the kernels declare float
 only, so onnxruntime rejects such a model when the session is created) and omitted
@@ -89,25 +90,28 @@ def _make_kernel(module) -> Callable:
 
 
 def _invoke(kernel_id, feed, attributes):
-    """Replacement for onnxruntime-extensions' hook: returns arrays, not Python lists."""
+    """Replacement for onnxruntime-extensions' hook: normgrad's kernels hand float32 arrays
+    over instead of Python lists; other libraries' Python ops keep the original hook."""
+    if kernel_id not in _KERNEL_IDS:
+        return _ocos._on_pyop_invocation(kernel_id, feed, attributes)
     start = time.perf_counter()
     opdef = _ocos.Opdef._odlist[kernel_id]
-    result = opdef.body(*feed, **opdef.cast_attributes(attributes))
-    outputs = result if isinstance(result, tuple) else (result,)
+    outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
     flat = [kernel_id]
     for output in outputs:
-        array = np.ascontiguousarray(output)
+        array = np.ascontiguousarray(output, dtype=np.float32)
         flat += [array.shape, array]
     _last_kernel_seconds[0] = time.perf_counter() - start
     return tuple(flat)
 
 
-for _module in OPERATORS.values():
+_KERNEL_IDS = {
     onnx_op(
-        op_type=f"{DOMAIN}::{_module.OP_TYPE}",
-        inputs=[_FLOAT] * len(_module.INPUTS),
-        outputs=[_FLOAT] * len(_module.OUTPUTS),
-        attrs={name: PyCustomOpDef.dt_int64 for name in _module.ATTRIBUTES},
-    )(_make_kernel(_module))
-
+        op_type=f"{DOMAIN}::{module.OP_TYPE}",
+        inputs=[_FLOAT] * len(module.INPUTS),
+        outputs=[_FLOAT] * len(module.OUTPUTS),
+        attrs={name: PyCustomOpDef.dt_int64 for name in module.ATTRIBUTES},
+    )(_make_kernel(module))._id
+    for module in OPERATORS.values()
+}
 PyCustomOpDef.install_hooker(_invoke)

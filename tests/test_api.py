@@ -97,3 +97,27 @@ def test_bench_quick_runs(capsys):
     out = capsys.readouterr().out
     for row in ("BatchNormReduceBackward", "GroupNormalizationGrad", "BatchNormElemtBackward", "ResNet", "floor"):
         assert row in out
+
+
+def test_python_ops_of_other_domains_keep_working():
+    """normgrad's invocation hook hands other libraries' Python ops to the original one."""
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+
+    @onnx_op(op_type="normgrad.test::Twice", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float])
+    def twice(x):
+        return x * 2
+
+    node = helper.make_node("Twice", ["x"], ["y"], domain="normgrad.test")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("normgrad.test", 1)], ir_version=10
+    )
+    session = onnxruntime.InferenceSession(
+        model.SerializeToString(), normgrad.session_options("python"), providers=["CPUExecutionProvider"]
+    )
+    np.testing.assert_array_equal(session.run(None, {"x": np.arange(3, dtype=np.float32)})[0], [0, 2, 4])
