@@ -115,7 +115,8 @@ def test_reference_leaves_flagged_off_outputs_unset():
 
 
 def test_deterministic(backend):
-    inputs = make_inputs((4, 3, 17, 9), seed=4)
-    first, second = harness.run(backend, OP, inputs), harness.run(backend, OP, inputs)
+    inputs = make_inputs((8, 16, 33, 31), seed=4)
+    # Bitwise equal across runs and across intra-op thread counts (onnxruntime backends).
+    first, second = harness.run(backend, OP, inputs, threads=1), harness.run(backend, OP, inputs, threads=3)
     for name in bnr.OUTPUTS:
         np.testing.assert_array_equal(first[name], second[name])

@@ -129,7 +129,8 @@ def test_float32_statistics_with_float16_data(backend):
 
 
 def test_deterministic(backend):
-    inputs = make_inputs((3, 4, 5, 7), (1, 4, 5, 1), seed=9)
-    first, second = harness.run(backend, OP, inputs), harness.run(backend, OP, inputs)
+    inputs = make_inputs((4, 8, 16, 33 * 31), (1, 8, 16, 1), seed=9)
+    # Bitwise equal across runs and across intra-op thread counts (onnxruntime backends).
+    first, second = harness.run(backend, OP, inputs, threads=1), harness.run(backend, OP, inputs, threads=3)
     for name in gng.OUTPUTS:
         np.testing.assert_array_equal(first[name], second[name])
