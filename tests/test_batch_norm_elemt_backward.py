@@ -21,8 +21,11 @@ def _bn_inputs(shape, seed=0, dtype=np.float32):
     x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
     dy = rng.standard_normal(shape).astype(dtype)
     axes = (0,) + tuple(range(2, len(shape)))
-    mean = x.astype(np.float64).mean(axis=axes)
-    invstd = 1 / np.sqrt(x.astype(np.float64).var(axis=axes) + 1e-5)
+    if x.size:
+        mean, var = x.astype(np.float64).mean(axis=axes), x.astype(np.float64).var(axis=axes)
+    else:
+        mean, var = np.zeros(shape[1]), np.ones(shape[1])
+    invstd = 1 / np.sqrt(var + 1e-5)
     weight = rng.uniform(0.5, 1.5, shape[1])
     sums = reduce_op.reference(dy, x, mean.astype(np.float32), invstd.astype(np.float32))
     return dy, x, mean.astype(np.float32), invstd.astype(np.float32), weight.astype(np.float32), sums.sum_dy, sums.sum_dy_xmu
