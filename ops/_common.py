@@ -21,6 +21,7 @@ __all__ = [
     "check_same_shape",
     "check_vector",
     "is_float_dtype",
+    "make_schema",
 ]
 
 DOMAIN = "normgrad"
@@ -140,6 +141,27 @@ def attribute_int(ctx, name: str, default: int) -> int:
     if attr.type != onnx.AttributeProto.INT:
         raise NormgradInputError(f"attribute '{name}' must be an int")
     return attr.i
+
+
+def make_schema(op_type: str, doc: str, inputs, outputs, type_docs, infer, attributes=()):
+    """An ``OpSchema`` of the normgrad domain: deterministic, with type constraints T and U
+    over :data:`FLOAT_TYPES` (``type_docs`` says what each covers) and ``infer`` as its
+    type and shape inference."""
+    from onnx.defs import OpSchema
+
+    op_schema = OpSchema(
+        op_type,
+        DOMAIN,
+        OPSET_VERSION,
+        doc,
+        inputs=list(inputs),
+        outputs=list(outputs),
+        type_constraints=[(name, list(FLOAT_TYPES), text) for name, text in type_docs.items()],
+        attributes=list(attributes),
+        node_determinism=OpSchema.NodeDeterminism.Deterministic,
+    )
+    op_schema.set_type_and_shape_inference_function(infer)
+    return op_schema
 
 
 def dims_compatible(a, b) -> bool:

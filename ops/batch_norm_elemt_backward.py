@@ -109,10 +109,8 @@ def schema() -> OpSchema:
         "sum_dy": "Per-channel sum of grad_out, [C].",
         "sum_dy_xmu": "Per-channel sum of grad_out * (input - mean), [C].",
     }
-    op_schema = OpSchema(
+    return _common.make_schema(
         OP_TYPE,
-        _common.DOMAIN,
-        _common.OPSET_VERSION,
         __doc__,
         inputs=[
             param("grad_out", "T", "Gradient of the BatchNorm output."),
@@ -120,14 +118,9 @@ def schema() -> OpSchema:
             *(param(name, "U", text) for name, text in per_channel.items()),
         ],
         outputs=[param("grad_input", "T", "Gradient of the BatchNorm input; shape of input.")],
-        type_constraints=[
-            ("T", list(_common.FLOAT_TYPES), "Element type of grad_out, input and grad_input."),
-            ("U", list(_common.FLOAT_TYPES), "Element type of the per-channel tensors."),
-        ],
-        node_determinism=OpSchema.NodeDeterminism.Deterministic,
+        type_docs={"T": "Element type of grad_out, input and grad_input.", "U": "Element type of the per-channel tensors."},
+        infer=_infer,
     )
-    op_schema.set_type_and_shape_inference_function(_infer)
-    return op_schema
 
 
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:

@@ -121,10 +121,8 @@ def schema() -> OpSchema:
     """The ONNX schema, with type and shape inference."""
     param = OpSchema.FormalParameter
     optional = OpSchema.FormalParameterOption.Optional
-    op_schema = OpSchema(
+    return _common.make_schema(
         OP_TYPE,
-        _common.DOMAIN,
-        _common.OPSET_VERSION,
         __doc__,
         inputs=[
             param("grad_out", "T", "Gradient of the BatchNorm output."),
@@ -134,18 +132,13 @@ def schema() -> OpSchema:
             param("weight", "U", "Per-channel scale, [C]; only its length is checked.", param_option=optional),
         ],
         outputs=[param(name, "U", f"[C]; needs {_OUTPUT_FLAG[name]} = 1.", param_option=optional) for name in OUTPUTS],
-        type_constraints=[
-            ("T", list(_common.FLOAT_TYPES), "Element type of grad_out and input."),
-            ("U", list(_common.FLOAT_TYPES), "Element type of the per-channel tensors."),
-        ],
+        type_docs={"T": "Element type of grad_out and input.", "U": "Element type of the per-channel tensors."},
+        infer=_infer,
         attributes=[
-            OpSchema.Attribute(name, onnx.helper.make_attribute(name, default), f"0 or 1; see outputs.")
+            OpSchema.Attribute(name, onnx.helper.make_attribute(name, default), "0 or 1; see outputs.")
             for name, default in ATTRIBUTES.items()
         ],
-        node_determinism=OpSchema.NodeDeterminism.Deterministic,
     )
-    op_schema.set_type_and_shape_inference_function(_infer)
-    return op_schema
 
 
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:

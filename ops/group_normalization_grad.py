@@ -190,10 +190,8 @@ def schema() -> OpSchema:
     """The ONNX schema, with type and shape inference."""
     param = OpSchema.FormalParameter
     optional = OpSchema.FormalParameterOption.Optional
-    op_schema = OpSchema(
+    return _common.make_schema(
         OP_TYPE,
-        _common.DOMAIN,
-        _common.OPSET_VERSION,
         __doc__,
         inputs=[
             param("x", "T", "GroupNorm input, rank 3..8, viewed as [N, G, M]."),
@@ -207,14 +205,9 @@ def schema() -> OpSchema:
             param("dgamma", "T", "Gradient of gamma, gamma's shape.", param_option=optional),
             param("dbeta", "T", "Gradient of beta, gamma's shape.", param_option=optional),
         ],
-        type_constraints=[
-            ("T", list(_common.FLOAT_TYPES), "Element type of x, dy, gamma."),
-            ("U", list(_common.FLOAT_TYPES), "Element type of mean and rstd: T or float."),
-        ],
-        node_determinism=OpSchema.NodeDeterminism.Deterministic,
+        type_docs={"T": "Element type of x, dy, gamma.", "U": "Element type of mean and rstd: T or float."},
+        infer=_infer,
     )
-    op_schema.set_type_and_shape_inference_function(_infer)
-    return op_schema
 
 
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
