@@ -43,5 +43,23 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype=np.float32, wha
     assert error <= TOLERANCE[np.dtype(dtype)] * scale, f"{what}: max error {error:.3g} at scale {scale:.3g}"
 
 
+def batch_norm_inputs(shape, t=np.float32, u=None, seed=0, offset=0.0) -> dict:
+    """BatchNorm inputs for a random x of ``shape``: its batch statistics, a random dy and
+    weight; grad_out/input in ``t``, the per-channel tensors in ``u`` (``t`` when None)."""
+    u = t if u is None else u
+    rng = np.random.default_rng(seed)
+    x = rng.normal(offset, 1.0, size=shape)
+    axes = (0,) + tuple(range(2, len(shape)))
+    mean = x.mean(axis=axes) if x.size else np.zeros(shape[1])
+    var = x.var(axis=axes) if x.size else np.ones(shape[1])
+    return {
+        "grad_out": rng.normal(size=shape).astype(t),
+        "input": x.astype(t),
+        "mean": mean.astype(u),
+        "invstd": (1.0 / np.sqrt(var + 1e-5)).astype(u),
+        "weight": rng.normal(size=shape[1]).astype(u),
+    }
+
+
 def run_all(backend: str, op_type: str, inputs: dict, **kwargs) -> dict:
     return harness.run(backend, op_type, inputs, **kwargs)

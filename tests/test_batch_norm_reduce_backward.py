@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, batch_norm_inputs
 
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import harness
@@ -15,24 +15,9 @@ OP = bnr.OP_TYPE
 SHAPES = [(4, 3), (2, 1, 7), (1, 5, 3, 2, 3), (3, 2, 5, 5), (1, 1, 1)]
 
 
-def make_inputs(shape, seed=0, offset=0.0, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(offset, 1.0, size=shape)
-    axes = (0,) + tuple(range(2, len(shape)))
-    mean = x.mean(axis=axes) if x.size else np.zeros(shape[1])
-    var = x.var(axis=axes) if x.size else np.ones(shape[1])
-    return {
-        "grad_out": rng.normal(size=shape).astype(dtype),
-        "input": x.astype(dtype),
-        "mean": mean.astype(dtype),
-        "invstd": (1.0 / np.sqrt(var + 1e-5)).astype(dtype),
-        "weight": rng.normal(size=shape[1]).astype(dtype),
-    }
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_matches_reference(backend, shape):
-    inputs = make_inputs(shape, seed=len(shape))
+    inputs = batch_norm_inputs(shape, seed=len(shape))
     expected = bnr.reference(**inputs)
     actual = harness.run(backend, OP, inputs)
     for name, value in zip(bnr.OUTPUTS, expected):
@@ -68,7 +53,7 @@ def test_gradients_match_finite_differences():
 
 def test_large_mean_does_not_cancel(backend):
     """|mean| >> std: sum(dy*x) - mean*sum(dy) would lose every digit in float32."""
-    inputs = make_inputs((8, 3, 64), seed=2, offset=1e4)
+    inputs = batch_norm_inputs((8, 3, 64), seed=2, offset=1e4)
     expected = bnr.reference(**inputs).sum_dy_xmu
     actual = harness.run(backend, OP, inputs)["sum_dy_xmu"]
     assert_close(actual, expected, what="sum_dy_xmu")
@@ -81,7 +66,7 @@ def test_large_mean_does_not_cancel(backend):
 
 @pytest.mark.parametrize("shape", [(0, 3, 4), (2, 3, 0), (0, 2)], ids=str)
 def test_empty_input_gives_zero_sums(backend, shape):
-    inputs = make_inputs(shape)
+    inputs = batch_norm_inputs(shape)
     actual = harness.run(backend, OP, inputs)
     for name in bnr.OUTPUTS:
         np.testing.assert_array_equal(actual[name], np.zeros(shape[1], np.float32), err_msg=name)
@@ -95,7 +80,7 @@ FLAG_SETS = [dict(zip(bnr.ATTRIBUTES, bits)) for bits in itertools.product((0, 1
 def test_flags_and_optional_io(backend, flags, with_weight):
     if backend == "python" and (not with_weight or not all(flags.values())):
         pytest.skip("the Python bridge needs every input and output named")
-    inputs = make_inputs((2, 3, 4), seed=3)
+    inputs = batch_norm_inputs((2, 3, 4), seed=3)
     if not with_weight:
         inputs["weight"] = None
     wanted = [name for name in bnr.OUTPUTS if flags[bnr._OUTPUT_FLAG[name]]]
@@ -109,13 +94,13 @@ def test_flags_and_optional_io(backend, flags, with_weight):
 
 
 def test_reference_leaves_flagged_off_outputs_unset():
-    result = bnr.reference(**make_inputs((2, 3)), input_g=0, weight_g=1, bias_g=0)
+    result = bnr.reference(**batch_norm_inputs((2, 3)), input_g=0, weight_g=1, bias_g=0)
     assert result.sum_dy is None and result.sum_dy_xmu is None and result.grad_bias is None
     assert result.grad_weight is not None
 
 
 def test_deterministic(backend):
-    inputs = make_inputs((8, 16, 33, 31), seed=4)
+    inputs = batch_norm_inputs((8, 16, 33, 31), seed=4)
     # Bitwise equal across runs and across intra-op thread counts (onnxruntime backends).
     first, second = harness.run(backend, OP, inputs, threads=1), harness.run(backend, OP, inputs, threads=3)
     for name in bnr.OUTPUTS:

@@ -23,6 +23,7 @@ from onnx import helper
 
 import normgrad
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION
+from conftest import batch_norm_inputs as bn_inputs
 from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import harness
 from normgrad.ops import batch_norm_reduce_backward as bnr
@@ -80,21 +81,6 @@ def assert_close(actual, expected, dtype, scale, what):
     bound = RTOL[np.dtype(dtype)] * np.maximum(scale, np.abs(expected.astype(np.float64)))
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
     assert (error <= bound).all(), f"{what}: error {error[worst]:.3g} > {bound[worst]:.3g} at {worst}"
-
-
-def bn_inputs(shape, t, u, seed=0, offset=0.0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(offset, 1.0, size=shape)
-    axes = (0,) + tuple(range(2, len(shape)))
-    mean = x.mean(axis=axes) if x.size else np.zeros(shape[1])
-    var = x.var(axis=axes) if x.size else np.ones(shape[1])
-    return {
-        "grad_out": _cast(rng.normal(size=shape), t),
-        "input": _cast(x, t),
-        "mean": _cast(mean, u),
-        "invstd": _cast(1.0 / np.sqrt(var + 1e-5), u),
-        "weight": _cast(rng.normal(size=shape[1]), u),
-    }
 
 
 def bn_scale(inputs):
