@@ -7,8 +7,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-import onnx
-
+from normgrad._files import refuse_same_file, save_model_atomic
 from normgrad.tools.cli import CommandError, load_model
 
 __all__ = ["main"]
@@ -26,8 +25,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
     args = parser.parse_args(argv)
     try:
+        refuse_same_file(args.model, args.output)
         training = build_training_graph(load_model(args.model), loss=args.loss, inline=args.inline)
-        onnx.save(training, args.output)
+        save_model_atomic(training, args.output)
     except OSError as error:
         print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
         return 1
