@@ -15,7 +15,10 @@ __all__ = ["DOMAIN", "OPSET_VERSION", "IR_VERSION", "ONNX_OPSET", "OPERATORS", "
 
 OPERATORS = {module.OP_TYPE: module for module in (batch_norm_reduce_backward, batch_norm_elemt_backward, group_normalization_grad)}
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
-``validate``, ``reference``, ``schema`` and ``function_body``."""
+``validate``, ``reference``, ``schema`` and ``function_body``; optionally OUTPUT_FLAGS
+({output: the flag attribute enabling it}) and ONES_IF_OMITTED ({optional input: (input,
+axis) whose shape the ones it equals when omitted have}), which
+``normgrad.prepare_for_python_kernels`` reads."""
 
 
 def operator(op_type: str):

@@ -37,14 +37,16 @@ from onnx.defs import OpSchema
 from normgrad.ops import _batch_norm, _common
 from normgrad.ops._common import NormgradInputError
 
-__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
+__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_FLAGS", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
 
 OP_TYPE = "BatchNormReduceBackward"
 INPUTS = ("grad_out", "input", "mean", "invstd", "weight")
 OUTPUTS = ("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias")
 ATTRIBUTES = {"input_g": 1, "weight_g": 1, "bias_g": 1}
-# Which flag enables each output.
-_OUTPUT_FLAG = {"sum_dy": "input_g", "sum_dy_xmu": "input_g", "grad_weight": "weight_g", "grad_bias": "bias_g"}
+OUTPUT_FLAGS = {"sum_dy": "input_g", "sum_dy_xmu": "input_g", "grad_weight": "weight_g", "grad_bias": "bias_g"}
+"""The flag attribute that enables each output."""
+ONES_IF_OMITTED = {"weight": ("input", 1)}
+"""Optional inputs whose omission equals ones shaped like (input, axis), as OUTPUT_SHAPE_FROM."""
 OUTPUT_SHAPE_FROM = {name: ("input", 1) for name in OUTPUTS}
 """Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
 
@@ -110,7 +112,7 @@ def _infer(ctx) -> None:
     for index, name in enumerate(OUTPUTS):
         if not ctx.has_output(index):
             continue
-        flag = _OUTPUT_FLAG[name]
+        flag = OUTPUT_FLAGS[name]
         if not flags[flag]:
             raise NormgradInputError(f"{OP_TYPE}: output '{name}' is named but attribute '{flag}' is 0")
         if mean_type is not None:
@@ -131,7 +133,7 @@ def schema() -> OpSchema:
             param("invstd", "U", "Per-channel 1/sqrt(var + eps), [C]."),
             param("weight", "U", "Per-channel scale, [C]; only its length is checked.", param_option=optional),
         ],
-        outputs=[param(name, "U", f"[C]; needs {_OUTPUT_FLAG[name]} = 1.", param_option=optional) for name in OUTPUTS],
+        outputs=[param(name, "U", f"[C]; needs {OUTPUT_FLAGS[name]} = 1.", param_option=optional) for name in OUTPUTS],
         type_docs={"T": "Element type of grad_out and input.", "U": "Element type of the per-channel tensors."},
         infer=_infer,
         attributes=[

@@ -83,7 +83,7 @@ def test_flags_and_optional_io(backend, flags, with_weight):
     inputs = batch_norm_inputs((2, 3, 4), seed=3)
     if not with_weight:
         inputs["weight"] = None
-    wanted = [name for name in bnr.OUTPUTS if flags[bnr._OUTPUT_FLAG[name]]]
+    wanted = [name for name in bnr.OUTPUTS if flags[bnr.OUTPUT_FLAGS[name]]]
     if not wanted:
         pytest.skip("a node needs at least one output")
     expected = dict(zip(bnr.OUTPUTS, bnr.reference(**inputs, **flags)))

@@ -22,9 +22,9 @@ struct BatchNormReduceBackward final : KernelBase {
   int64_t flags[3];  // input_g, weight_g, bias_g
 
   explicit BatchNormReduceBackward(const OrtKernelInfo* info) : args(info, 5, 4) {
-    flags[0] = attribute_int(info, "input_g", 1);
-    flags[1] = attribute_int(info, "weight_g", 1);
-    flags[2] = attribute_int(info, "bias_g", 1);
+    flags[0] = attribute_int(info, kOp, "input_g", 1);
+    flags[1] = attribute_int(info, kOp, "weight_g", 1);
+    flags[2] = attribute_int(info, kOp, "bias_g", 1);
   }
   const char* name() const override { return kOp; }
 

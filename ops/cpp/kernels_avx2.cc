@@ -59,6 +59,14 @@ inline void pad8(const typename Io<T>::S* p, size_t n, typename Io<T>::S* block)
   std::memcpy(block, p, n * sizeof(typename Io<T>::S));
 }
 
+// All ones in the first n < 8 lanes: the tail's padded lanes are masked out of products
+// (a zero pad times a non-finite x - mean would be NaN, which IEEE sums of the real
+// elements never give).
+inline __m256 lanes_below(size_t n) {
+  return _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -100,9 +108,9 @@ void sum_dy_dyxmu_block(const void* dy_, const void* x_, size_t n, float mean, d
     S bd[8], bx[8];
     pad8<T>(dy + i, n - i, bd);
     pad8<T>(x + i, n - i, bx);
-    __m256 d = Io<T>::load(bd);  // padding is dy = 0: adds nothing to either sum
+    __m256 d = Io<T>::load(bd);  // padding is dy = 0 and x - mean masked to 0: adds nothing
     a1 = _mm256_add_ps(a1, d);
-    b1 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(bx), m), b1);
+    b1 = _mm256_fmadd_ps(d, _mm256_and_ps(lanes_below(n - i), _mm256_sub_ps(Io<T>::load(bx), m)), b1);
   }
   out[0] += hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   out[1] += hsum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
@@ -137,7 +145,7 @@ void sum_gdy_gdyxmu_block(const void* dy_, const void* x_, const void* g_, size_
     pad8<T>(g + i, n - i, bg);
     __m256 d = _mm256_mul_ps(Io<T>::load(bd), Io<T>::load(bg));
     a1 = _mm256_add_ps(a1, d);
-    b1 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(bx), m), b1);
+    b1 = _mm256_fmadd_ps(d, _mm256_and_ps(lanes_below(n - i), _mm256_sub_ps(Io<T>::load(bx), m)), b1);
   }
   out[0] += hsum(_mm256_add_ps(a0, a1));
   out[1] += hsum(_mm256_add_ps(b0, b1));

@@ -85,8 +85,17 @@ bool has_output(OrtKernelContext* ctx, size_t index);
 // is fine: nothing is written).
 void* get_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape);
 
-// Reads an int attribute, `fallback` when the node does not set it.
-int64_t attribute_int(const OrtKernelInfo* info, const char* name, int64_t fallback);
+// The type of attribute `name` as the C API can read it; "" when the node does not set it
+// (or sets it to a type the C API cannot read: graphs, sparse tensors, type protos).
+const char* attribute_type(const OrtKernelInfo* info, const char* name);
+
+// Reads an INT attribute, `fallback` when the node does not set it. An attribute of another
+// type (FLOAT 0.0, STRING, INTS, ...) is an error naming the operator, the attribute and the
+// type, as onnx.checker gives, never read as the default. `op` null: the node's name is used.
+int64_t attribute_int(const OrtKernelInfo* info, const char* op, const char* name, int64_t fallback);
+inline int64_t attribute_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  return attribute_int(info, nullptr, name, fallback);
+}
 
 // Runs fn(i) for i in [0, total) on the session's intra-op thread pool, or inline when
 // the whole job (`elements` elements) is too small to pay for waking threads. The caller's

@@ -89,14 +89,52 @@ void* get_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>
   return data;
 }
 
-int64_t attribute_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = 0;
-  OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, &value);
-  if (st != nullptr) {
-    g_api->ReleaseStatus(st);
-    return fallback;
+namespace {
+// Whether a C API call succeeded; its status is released either way.
+bool succeeded(OrtStatus* st) {
+  if (st == nullptr) return true;
+  g_api->ReleaseStatus(st);
+  return false;
+}
+}  // namespace
+
+const char* attribute_type(const OrtKernelInfo* info, const char* name) {
+  int64_t i = 0;
+  float f = 0.0f;
+  size_t size = 0;
+  if (succeeded(g_api->KernelInfoGetAttribute_int64(info, name, &i))) return "INT";
+  if (succeeded(g_api->KernelInfoGetAttribute_float(info, name, &f))) return "FLOAT";
+  if (succeeded(g_api->KernelInfoGetAttribute_string(info, name, nullptr, &size))) return "STRING";
+  if (succeeded(g_api->KernelInfoGetAttributeArray_int64(info, name, nullptr, &size))) return "INTS";
+  if (succeeded(g_api->KernelInfoGetAttributeArray_float(info, name, nullptr, &size))) return "FLOATS";
+  OrtAllocator* allocator = nullptr;
+  if (succeeded(g_api->GetAllocatorWithDefaultOptions(&allocator))) {
+    OrtValue* tensor = nullptr;
+    if (succeeded(g_api->KernelInfoGetAttribute_tensor(info, name, allocator, &tensor))) {
+      g_api->ReleaseValue(tensor);
+      return "TENSOR";
+    }
   }
-  return value;
+  return "";
+}
+
+int64_t attribute_int(const OrtKernelInfo* info, const char* op, const char* name, int64_t fallback) {
+  int64_t value = 0;
+  if (succeeded(g_api->KernelInfoGetAttribute_int64(info, name, &value))) return value;
+  const std::string type = attribute_type(info, name);
+  if (type.empty()) return fallback;
+  std::string where;
+  if (op != nullptr) {
+    where = op;
+  } else {
+    size_t size = 0;
+    if (succeeded(g_api->KernelInfo_GetNodeName(info, nullptr, &size)) && size > 1) {
+      std::string node(size, '\0');
+      if (succeeded(g_api->KernelInfo_GetNodeName(info, &node[0], &size))) where = "node '" + std::string(node.c_str()) + "'";
+    }
+    if (where.empty()) where = "normgrad";
+  }
+  fail(where + ": attribute '" + name + "' must be of type INT; got " + type);
 }
 
 NodeArgs::NodeArgs(const OrtKernelInfo* info, int num_inputs, int num_outputs) {

@@ -9,12 +9,22 @@ The public API:
   an error that says what to register when a model has neither
   (:class:`NormgradSessionError`).
 * :func:`library_path`: the compiled custom-op library.
+* :func:`prepare_for_python_kernels`: rewrite normgrad nodes so the Python kernels take them.
+* :func:`check_attributes`: every normgrad node's attributes against its operator.
 """
 
 from __future__ import annotations
 
 from normgrad.ops import DOMAIN, OPSET_VERSION, NormgradInputError
-from normgrad._api import NormgradSessionError, add_functions, inference_session, library_path, session_options
+from normgrad._api import (
+    NormgradSessionError,
+    add_functions,
+    check_attributes,
+    inference_session,
+    library_path,
+    prepare_for_python_kernels,
+    session_options,
+)
 
 __all__ = [
     "DOMAIN",
@@ -22,8 +32,10 @@ __all__ = [
     "NormgradInputError",
     "NormgradSessionError",
     "add_functions",
+    "check_attributes",
     "inference_session",
     "library_path",
+    "prepare_for_python_kernels",
     "session_options",
 ]
 __version__ = "0.1.0"

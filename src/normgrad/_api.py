@@ -10,9 +10,20 @@ from typing import Optional, Union
 
 import onnx
 
-from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION
+import numpy as np
+import onnx.numpy_helper
 
-__all__ = ["add_functions", "inference_session", "library_path", "session_options", "NormgradSessionError"]
+from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION, NormgradInputError
+
+__all__ = [
+    "add_functions",
+    "check_attributes",
+    "inference_session",
+    "library_path",
+    "prepare_for_python_kernels",
+    "session_options",
+    "NormgradSessionError",
+]
 
 _LIBRARY_NAMES = ("libnormgrad_ops.so", "libnormgrad_ops.dylib", "normgrad_ops.dll")
 BACKENDS = ("cpp", "python")
@@ -128,6 +139,155 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+_ATTRIBUTE_TYPES = {int: onnx.AttributeProto.INT, float: onnx.AttributeProto.FLOAT, str: onnx.AttributeProto.STRING}
+
+
+def _subgraph_node_lists(nodes):
+    """The node lists of the subgraphs of ``nodes``, recursively."""
+    for node in nodes:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield sub.node
+                yield from _subgraph_node_lists(sub.node)
+
+
+def _node_lists(model: onnx.ModelProto):
+    """Every node list of ``model``: its graph, its local functions, their subgraphs."""
+    for nodes in [model.graph.node] + [function.node for function in model.functions]:
+        yield nodes
+        yield from _subgraph_node_lists(nodes)
+
+
+def check_attributes(model: onnx.ModelProto) -> None:
+    """Checks the attributes of every normgrad node against its operator's declaration
+    (``ATTRIBUTES``: names and, by their defaults, types).
+
+    Raises:
+        NormgradInputError: a node sets an attribute its operator does not have, or one of
+            the wrong type (e.g. FLOAT ``input_g=0.0``); the message names node and attribute.
+    """
+    from normgrad.graphs.context import describe
+
+    for nodes in _node_lists(model):
+        for node in nodes:
+            module = OPERATORS.get(node.op_type) if node.domain == DOMAIN else None
+            if module is None:
+                continue
+            for attr in node.attribute:
+                if attr.name not in module.ATTRIBUTES:
+                    known = ", ".join(sorted(module.ATTRIBUTES)) or "none"
+                    raise NormgradInputError(
+                        f"{describe(node)}: unknown attribute '{attr.name}' ({node.op_type} has: {known})"
+                    )
+                expected = _ATTRIBUTE_TYPES[type(module.ATTRIBUTES[attr.name])]
+                if attr.type != expected:
+                    raise NormgradInputError(
+                        f"{describe(node)}: attribute '{attr.name}' must be of type "
+                        f"{onnx.AttributeProto.AttributeType.Name(expected)}; got "
+                        f"{onnx.AttributeProto.AttributeType.Name(attr.type)}"
+                    )
+
+
+def _value_names(model: onnx.ModelProto) -> set:
+    graph = model.graph
+    names = {i.name for i in list(graph.input) + list(graph.output) + list(graph.value_info)}
+    names |= {t.name for t in graph.initializer}
+    for nodes in _node_lists(model):
+        for node in nodes:
+            names.update(node.input)
+            names.update(node.output)
+            names.add(node.name)
+    return names
+
+
+def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose normgrad nodes the onnxruntime-extensions bridge accepts.
+
+    The bridge declares every attribute, input and output of a Python kernel required, so
+    onnxruntime rejects valid nodes that rely on defaults or omit optional ones. Each
+    normgrad node (in the graph, its subgraphs and local functions) is rewritten into an
+    equivalent one, driven by its operator module's declarations:
+
+    * every attribute it does not set is written with its default (``ATTRIBUTES``);
+    * an omitted optional input listed in ``ONES_IF_OMITTED`` (BatchNormReduceBackward's
+      ``weight``) is fed ones, made at run time (``Shape`` + ``ConstantOfShape``) in the
+      shape the declaration names;
+    * every omitted output gets a named placeholder (``NODE/unused_OUTPUT``) that nothing
+      reads; a flag attribute (``OUTPUT_FLAGS``) that is 0 while every output it enables is
+      omitted is set to 1, so the placeholders get values. The outputs the node names keep
+      their values.
+
+    ``normgrad.inference_session(..., backend="python")`` applies it; call it yourself when
+    you register ``session_options("python")`` on a session of your own.
+
+    Raises:
+        NormgradInputError: as :func:`check_attributes`.
+    """
+    check_attributes(model)
+    model = copy.deepcopy(model)
+    used = _value_names(model)
+
+    def fresh(name: str) -> str:
+        candidate, k = name, 0
+        while candidate in used:
+            k += 1
+            candidate = f"{name}_{k}"
+        used.add(candidate)
+        return candidate
+
+    def rewrite(nodes) -> None:
+        rewritten = []
+        for node in nodes:
+            for attr in node.attribute:
+                for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    rewrite(sub.node)
+            module = OPERATORS.get(node.op_type) if node.domain == DOMAIN else None
+            if module is not None:
+                rewritten += _bridge_node(node, module, fresh)
+            rewritten.append(node)
+        del nodes[:]
+        nodes.extend(rewritten)  # copies, so subgraphs are rewritten first
+
+    for nodes in [model.graph.node] + [function.node for function in model.functions]:
+        rewrite(nodes)
+    return model
+
+
+def _bridge_node(node: onnx.NodeProto, module, fresh) -> list:
+    """Rewrites ``node`` in place for the bridge (see :func:`prepare_for_python_kernels`);
+    returns the nodes that must run before it."""
+    prefix = node.name or node.op_type
+    attributes = {attr.name: attr for attr in node.attribute}
+    for name, default in module.ATTRIBUTES.items():
+        if name not in attributes:
+            node.attribute.append(onnx.helper.make_attribute(name, default))
+            attributes[name] = node.attribute[-1]
+    _pad_optional(node)
+    before = []
+    for index, name in enumerate(module.INPUTS):
+        ones_like = getattr(module, "ONES_IF_OMITTED", {}).get(name)
+        if node.input[index] or ones_like is None:
+            continue
+        source, axis = ones_like
+        bounds = {} if axis is None else {"start": axis, "end": axis + 1}
+        shape, ones = fresh(f"{prefix}/{name}_shape"), fresh(f"{prefix}/{name}_ones")
+        source_value = node.input[module.INPUTS.index(source)]
+        before.append(onnx.helper.make_node("Shape", [source_value], [shape], name=fresh(shape), **bounds))
+        before.append(onnx.helper.make_node(
+            "ConstantOfShape", [shape], [ones], name=fresh(ones), value=onnx.numpy_helper.from_array(np.ones(1, np.float32))
+        ))
+        node.input[index] = ones
+    omitted = {name for name, value in zip(module.OUTPUTS, node.output) if not value}
+    flags = getattr(module, "OUTPUT_FLAGS", {})
+    for flag in sorted(set(flags.values())):
+        if attributes[flag].i == 0 and {name for name, f in flags.items() if f == flag} <= omitted:
+            attributes[flag].i = 1
+    for index, name in enumerate(module.OUTPUTS):
+        if not node.output[index]:
+            node.output[index] = fresh(f"{prefix}/unused_{name}")
+    return before
+
+
 class NormgradSessionError(RuntimeError):
     """onnxruntime could not build a session for a model using normgrad operators; the
     message says what to register. The original onnxruntime error is ``__cause__``."""
@@ -160,9 +320,9 @@ def _explain(error: Exception, backend: Optional[str]) -> Optional[str]:
     match = _BAD_TYPE.search(text) or _BAD_NODE.search(text)
     if backend == "python" and match and match.group("op") in OPERATORS:
         return (
-            f"normgrad's Python kernels take float32 only and every input and output present (the "
-            f"onnxruntime-extensions bridge declares them all required); a {match.group('op')} node breaks "
-            f"that. Use backend=\"cpp\" or backend=\"functions\""
+            f"normgrad's Python kernels take float32 only (the onnxruntime-extensions bridge declares "
+            f"float inputs and outputs); a {match.group('op')} node breaks that. Use backend=\"cpp\" or "
+            f"backend=\"functions\""
         )
     return None
 
@@ -177,7 +337,8 @@ def inference_session(
 
     Args:
         model_or_path: a ``ModelProto``, its serialized bytes, or a path.
-        backend: ``"cpp"`` (the compiled kernels), ``"python"`` (float32 Python kernels),
+        backend: ``"cpp"`` (the compiled kernels), ``"python"`` (float32 Python kernels,
+            the model first rewritten by :func:`prepare_for_python_kernels`),
             ``"functions"`` (attach the function bodies with :func:`add_functions`; no
             kernel registered, so any execution provider can take the inlined standard
             ops), or None (register nothing: the model must carry what it needs).
@@ -189,6 +350,8 @@ def inference_session(
             function body for (the message says what to call), or, with
             ``backend="python"``, a node the float32 Python kernels cannot take.
             onnxruntime's own error is the ``__cause__``; other errors pass unchanged.
+        NormgradInputError: a normgrad node sets an unknown attribute or one of the wrong
+            type (:func:`check_attributes`).
         ValueError: unknown backend.
     """
     import onnxruntime
@@ -203,10 +366,13 @@ def inference_session(
         source = bytes(model_or_path)
     else:
         source = os.fspath(model_or_path)
+    model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source)
+    check_attributes(model)
     if backend == "functions":
-        model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source)
         source = add_functions(model).SerializeToString()
-    elif backend is not None:
+    elif backend == "python":
+        source = prepare_for_python_kernels(model).SerializeToString()
+    if backend in BACKENDS:
         session_options(backend, options)
     try:
         return onnxruntime.InferenceSession(source, options, providers=providers)
