@@ -15,6 +15,7 @@ import normgrad
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, lookup
+from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
 __all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS"]
@@ -108,7 +109,7 @@ def _active(graph: onnx.GraphProto, types: GradientContext) -> Tuple[Set[str], L
     for node in graph.node:
         rule = lookup(node)
         if rule is None:
-            if any(name in active for name in node.input):
+            if any(name in active for name in list(node.input) + subgraph_captures(node)):
                 unsupported.append(node)
                 active.update(name for name in node.output if _maybe_float(types.type_of(name)))
             continue
@@ -184,6 +185,12 @@ def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str
     return grads
 
 
+def _describe_output(info: onnx.ValueInfoProto) -> str:
+    """'name (type)' of a graph output, for error messages."""
+    elem_type = info.type.tensor_type.elem_type if info.type.HasField("tensor_type") else 0
+    return f"{info.name} ({onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else 'not a tensor'})"
+
+
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
     info = onnx.ValueInfoProto(name=name)
     info.type.CopyFrom(type_proto)
@@ -212,8 +219,11 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
 
     Raises:
         UnsupportedOperatorError: a gradient must flow through an operator (or a variant of one) without a rule.
-        ValueError: unknown loss, or an opset the version converter cannot raise.
+        ValueError: unknown loss, an opset the version converter cannot raise, no
+            differentiable output, or a malformed graph (a value produced twice, nodes out
+            of topological order, a cycle).
     """
+    check_graph_structure(model.graph)
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
@@ -223,8 +233,11 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
         if not _has_shape(output.type) and _has_shape(types.type_of(output.name)):
             output.type.CopyFrom(types.type_of(output.name))
     float_outputs = [o for o in graph.output if _is_float(o.type) and o.name in active]
-    if loss is not None and not float_outputs:
-        raise ValueError("a loss needs a float model output that depends on a float input or initializer")
+    if not float_outputs:
+        raise ValueError(
+            "no output of the model is differentiable: none is a float tensor that depends on a float input "
+            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})"
+        )
     seeded = [float_outputs[0].name] if loss is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     ctx = GradientContext(graph, opset, needs)

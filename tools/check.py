@@ -23,8 +23,9 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS
+from normgrad.graphs.structure import subgraph_captures
 
-__all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "main"]
+__all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "check_metadata", "main"]
 
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
@@ -55,8 +56,37 @@ class GradientCheck:
 def _metadata(model: onnx.ModelProto, key: str):
     for prop in model.metadata_props:
         if prop.key == key:
-            return json.loads(prop.value)
+            try:
+                return json.loads(prop.value)
+            except ValueError as error:
+                raise ValueError(f"metadata {key} is not valid JSON ({error})") from None
     raise ValueError(f"{key} missing from the model's metadata: not a training graph written by normgrad")
+
+
+def check_metadata(model: onnx.ModelProto) -> None:
+    """Checks that the training-graph metadata names values the graph has.
+
+    Raises:
+        ValueError: a key is missing, is not JSON of the right shape, or names a graph
+            input or output that does not exist (the message names key and value).
+    """
+    inputs = {i.name for i in model.graph.input}
+    outputs = {o.name for o in model.graph.output}
+    seeds, gradients, loss = (_metadata(model, key) for key in (METADATA_SEEDS, METADATA_GRADIENTS, METADATA_LOSS))
+    for key, value in ((METADATA_SEEDS, seeds), (METADATA_GRADIENTS, gradients)):
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ValueError(f"metadata {key} must be a JSON object of names; got {value!r}")
+    if loss is not None and not (isinstance(loss, dict) and isinstance(loss.get("output"), str)):
+        raise ValueError(f"metadata {METADATA_LOSS} must be null or an object with an 'output' name; got {loss!r}")
+    named = [(METADATA_GRADIENTS, g, "output", outputs) for g in gradients]
+    named += [(METADATA_GRADIENTS, w, "input", inputs) for w in gradients.values()]
+    named += [(METADATA_SEEDS, y, "output", outputs) for y in seeds]
+    named += [(METADATA_SEEDS, seed, "input", inputs) for seed in seeds.values()]
+    if loss is not None:
+        named += [(METADATA_LOSS, loss["output"], "output", outputs), (METADATA_LOSS, "loss", "output", outputs)]
+    for key, name, kind, names in named:
+        if name not in names:
+            raise ValueError(f"metadata {key} names '{name}', which is not a graph {kind} of the model")
 
 
 def _dims(info: onnx.ValueInfoProto, symbols: Dict[str, int], default: int) -> List[int]:
@@ -147,7 +177,7 @@ def _forward_model(model: onnx.ModelProto, outputs: Sequence[str], double: bool 
     for node in reversed(model.graph.node):
         if any(name in needed for name in node.output):
             nodes.append(node)
-            needed.update(node.input)
+            needed.update(list(node.input) + subgraph_captures(node))
     nodes.reverse()
     by_name = {o.name: o for o in model.graph.output}
     output_infos = [by_name.get(name) or oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in outputs]
@@ -222,18 +252,29 @@ def check_gradients(
         model: a training graph written by :func:`normgrad.graphs.build_training_graph`.
         feeds: the inputs; :func:`random_feeds` when None.
         session_options: onnxruntime ``SessionOptions`` for the training graph (e.g.
-            ``normgrad.session_options("cpp")``); plain options when None.
+            ``normgrad.session_options("cpp")``); when None, plain options and the
+            function bodies (attached with ``normgrad.add_functions`` if missing).
         directions: random directions per gradient.
         step: the central-difference step h along unit-RMS directions.
         seed: seeds the feeds and the directions.
 
     Returns:
         One :class:`GradientCheck` per gradient output, in output order.
+
+    Raises:
+        ValueError: the metadata is malformed (:func:`check_metadata`), or ``directions``
+            or ``step`` is not positive.
     """
+    if directions < 1 or not (np.isfinite(step) and step > 0):
+        raise ValueError(f"directions must be >= 1 and step a finite number > 0; got {directions}, {step}")
     import onnxruntime
 
+    import normgrad
+
+    check_metadata(model)
     feeds = random_feeds(model, seed) if feeds is None else feeds
-    if session_options is None:
+    if session_options is None:  # the function bodies, attached if the model lacks them
+        model = normgrad.add_functions(model)
         session_options = onnxruntime.SessionOptions()
     session_options.log_severity_level = 3
     session = onnxruntime.InferenceSession(model.SerializeToString(), session_options, providers=["CPUExecutionProvider"])
@@ -262,32 +303,44 @@ def check_gradients(
     return checks
 
 
+_ORT_ERRORS = ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoSuchFile", "NotImplemented",
+               "RuntimeException")
+"""onnxruntime's exception classes for a model it cannot load or run."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad check``; returns the process exit code (1 if a gradient fails)."""
-    parser = argparse.ArgumentParser(prog="normgrad check", description=__doc__.split("\n\n")[0])
+    from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line, positive_float, positive_int
+
+    parser = ArgumentParser(prog="normgrad check", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="training graph written by `normgrad export`")
     parser.add_argument("--backend", choices=("functions", "cpp", "python"), default="functions",
                         help="run normgrad ops through their function bodies (default) or a kernel library")
-    parser.add_argument("--directions", type=int, default=3, help="random directions per gradient (default 3)")
-    parser.add_argument("--step", type=float, default=1e-6, help="finite-difference step (default 1e-6)")
-    parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted relative error (default 1e-3)")
+    parser.add_argument("--directions", type=positive_int, default=3, help="random directions per gradient (default 3)")
+    parser.add_argument("--step", type=positive_float, default=1e-6, help="finite-difference step (default 1e-6)")
+    parser.add_argument("--tolerance", type=positive_float, default=1e-3,
+                        help="largest accepted relative error (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from normgrad.tools.cli import CommandError, load_model
+    import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
 
+    runtime_errors = tuple(getattr(ort_errors, name) for name in _ORT_ERRORS if hasattr(ort_errors, name))
     try:
         model = load_model(args.model)
-        for key in (METADATA_SEEDS, METADATA_GRADIENTS, METADATA_LOSS):
-            _metadata(model, key)
+        check_metadata(model)
         options = None
         if args.backend != "functions":
             import normgrad
 
             options = normgrad.session_options(args.backend)
-    except (CommandError, ValueError, FileNotFoundError) as error:
-        print(f"normgrad check: {error}", file=sys.stderr)
+        checks = check_gradients(model, session_options=options, directions=args.directions, step=args.step,
+                                 seed=args.seed)
+    except (CommandError, ValueError, KeyError, FileNotFoundError, onnx.checker.ValidationError) as error:
+        print(f"normgrad check: {one_line(error)}", file=sys.stderr)
         return 1
-    checks = check_gradients(model, session_options=options, directions=args.directions, step=args.step, seed=args.seed)
+    except runtime_errors as error:
+        print(f"normgrad check: onnxruntime cannot run {args.model}: {one_line(error)}", file=sys.stderr)
+        return 1
     failed = 0
     for check in checks:
         ok = check.error <= args.tolerance

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import math
+import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main", "CommandError", "load_model"]
+__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line"]
 
 COMMANDS = {
     "demo": ("normgrad.tools.demo", "run both operators on every backend and check them against the reference"),
@@ -22,21 +25,88 @@ class CommandError(Exception):
     line, without a traceback, and exits 1."""
 
 
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _tensors(graph):
+    """Every TensorProto of ``graph``: initializers and attribute tensors, in subgraphs too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _tensors(sub)
+
+
 def load_model(path: str):
-    """``onnx.load(path)``.
+    """``onnx.load(path)``, with its external data.
 
     Raises:
-        CommandError: the file cannot be read or is not an ONNX model.
+        CommandError: the file cannot be read, is empty or not an ONNX model, or its
+            external data is missing, unreadable or outside the model's folder.
     """
     import onnx
+    import onnx.external_data_helper
     from google.protobuf.message import DecodeError
 
     try:
-        return onnx.load(path)
+        model = onnx.load(path, load_external_data=False)
     except OSError as error:
         raise CommandError(f"cannot read {path}: {error.strerror or error}") from error
     except DecodeError as error:
-        raise CommandError(f"{path} is not an ONNX model: {error}") from error
+        raise CommandError(f"{path} is not an ONNX model: {one_line(error)}") from error
+    if not model.HasField("graph"):
+        what = "is empty" if os.path.getsize(path) == 0 else "holds no graph"
+        raise CommandError(f"{path} {what}: not an ONNX model")
+    folder = os.path.dirname(os.path.abspath(path))
+    for tensor in _tensors(model.graph):
+        if not onnx.external_data_helper.uses_external_data(tensor):
+            continue
+        location = {entry.key: entry.value for entry in tensor.external_data}.get("location", "")
+        target = os.path.realpath(os.path.join(folder, location))
+        inside = os.path.commonpath([target, os.path.realpath(folder)]) == os.path.realpath(folder)
+        if not location or os.path.isabs(location) or not inside:
+            raise CommandError(f"{path}: external data of tensor '{tensor.name}' at {location!r} is outside the model's folder")
+        if not os.path.isfile(target):
+            raise CommandError(f"{path}: external data of tensor '{tensor.name}' is missing: no file {target}")
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, folder)
+    except (OSError, ValueError, onnx.checker.ValidationError) as error:
+        raise CommandError(f"{path}: cannot read its external data: {one_line(error)}") from error
+    return model
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line (and exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number; got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
+    return value
 
 
 def _usage() -> str:
@@ -57,7 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"normgrad: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except SystemExit as exit:  # argparse: --help (0) or a usage error (2)
+        return exit.code if isinstance(exit.code, int) else 2
 
 
 if __name__ == "__main__":
