@@ -6,7 +6,9 @@ Writes one folder per case::
     CASE/test_data_set_0/input_0.pb ...    one per graph input, in graph-input order
     CASE/test_data_set_0/output_0.pb ...   one per graph output, in graph-output order
 
-plus ``manifest.json`` (every case: kind, dtype, op types, description) and ``README.md``.
+plus ``manifest.json`` (every case: kind, dtype, op types, description), ``README.md`` and
+``written-by-normgrad.json``, the list of every file written. Rewriting a folder removes
+only files listed there; a non-empty folder without that list is refused.
 Every ``.pb`` is an ``onnx.TensorProto`` carrying the input's or output's name.
 
 Cases:
@@ -33,12 +35,10 @@ protobuf serialization; regenerating gives byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
 import pathlib
-import shutil
 import sys
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence
@@ -48,11 +48,15 @@ import numpy as np
 import onnx
 import onnx.numpy_helper as onh
 
-__all__ = ["Case", "cases", "generate", "write", "compare", "default_out", "float64_outputs", "main"]
+from normgrad._files import write_bytes_atomic
+
+__all__ = ["Case", "cases", "generate", "write", "compare", "default_out", "float64_outputs", "main", "CorpusFolderError"]
 
 PRODUCER_NAME = "normgrad.tools.corpus"
 DATA_SET = "test_data_set_0"
 MANIFEST = "manifest.json"
+WRITTEN = "written-by-normgrad.json"
+"""The list of files the generator wrote into a folder: the only ones it ever removes."""
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -394,7 +398,14 @@ def files(all_cases: Sequence[Case]) -> Dict[str, bytes]:
     manifest = {case.name: case.manifest() for case in all_cases}
     out[MANIFEST] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
     out["README.md"] = _readme(all_cases).encode()
-    return out
+    return with_written_list(out)
+
+
+def with_written_list(corpus: Dict[str, bytes]) -> Dict[str, bytes]:
+    """``corpus`` plus its WRITTEN entry: the list of its other files."""
+    files = sorted(path for path in corpus if path != WRITTEN)
+    listing = (json.dumps({"producer": PRODUCER_NAME, "files": files}, indent=1) + "\n").encode()
+    return {**{path: corpus[path] for path in files}, WRITTEN: listing}
 
 
 def generate() -> Dict[str, bytes]:
@@ -408,28 +419,64 @@ def _existing(out: pathlib.Path) -> Dict[str, pathlib.Path]:
     return {p.relative_to(out).as_posix(): p for p in sorted(out.rglob("*")) if p.is_file()}
 
 
+class CorpusFolderError(ValueError):
+    """The output folder is not one the generator may write into (it holds other files)."""
+
+
+def _written_before(out: pathlib.Path) -> List[str]:
+    """The files an earlier run listed in ``out``/WRITTEN; [] for a missing or empty folder.
+
+    Raises:
+        CorpusFolderError: ``out`` is a file, or a non-empty folder without a valid list.
+    """
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise CorpusFolderError(f"{out} is not a folder")
+    if not any(out.iterdir()):
+        return []
+    refusal = (f"{out} is not empty and has no {WRITTEN} (the list of files normgrad corpus wrote there); "
+               "refusing to write into it: choose a new or empty folder")
+    try:
+        written = json.loads((out / WRITTEN).read_text())
+    except (OSError, ValueError):
+        raise CorpusFolderError(refusal) from None
+    files = written.get("files") if isinstance(written, dict) and written.get("producer") == PRODUCER_NAME else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise CorpusFolderError(refusal)
+    # only plain relative paths inside the folder
+    return [f for f in files if f and not pathlib.PurePosixPath(f).is_absolute() and ".." not in f.split("/")]
+
+
 def write(out, corpus: Optional[Dict[str, bytes]] = None) -> List[str]:
-    """Writes the corpus into folder ``out``; removes case folders no longer generated.
+    """Writes the corpus into folder ``out`` (created if needed), each file atomically, the
+    list of files (WRITTEN) last; removes the files an earlier run listed there that are no
+    longer generated, and nothing else.
 
     Returns:
         The relative paths written.
+
+    Raises:
+        CorpusFolderError: ``out`` is a file, or a non-empty folder holding no list of an
+            earlier run (nothing is written then).
+        OSError: a file could not be written (the files already there are intact).
     """
     out = pathlib.Path(out)
     corpus = generate() if corpus is None else corpus
-    cases_now = {path.split("/")[0] for path in corpus if "/" in path}
-    if out.is_dir():
-        for child in sorted(out.iterdir()):
-            if child.is_dir() and child.name not in cases_now and (child / "model.onnx").is_file():
-                shutil.rmtree(child)
-            elif child.is_dir() and child.name in cases_now:
-                data = child / DATA_SET
-                for stale in sorted(data.glob("*.pb")) if data.is_dir() else []:
-                    if f"{child.name}/{DATA_SET}/{stale.name}" not in corpus:
-                        stale.unlink()
-    for relative, data in corpus.items():
+    before = _written_before(out)
+    for relative in sorted(corpus, key=lambda path: path == WRITTEN):
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        write_bytes_atomic(path, corpus[relative])
+    for relative in before:
+        path = out / relative
+        if relative in corpus or not path.is_file():
+            continue
+        path.unlink()
+        for folder in path.parents:  # folders the removal emptied, up to out
+            if folder == out or not folder.is_relative_to(out) or any(folder.iterdir()):
+                break
+            folder.rmdir()
     return list(corpus)
 
 
@@ -446,16 +493,18 @@ def compare(out, corpus: Optional[Dict[str, bytes]] = None) -> List[str]:
 
 
 def default_out() -> pathlib.Path:
-    """``graphs/corpus`` next to the ``normgrad.graphs`` sources."""
-    import normgrad.graphs
-
-    return pathlib.Path(list(normgrad.graphs.__path__)[0]) / "corpus"
+    """``normgrad-corpus`` in the current directory (never inside the installed package)."""
+    return pathlib.Path("normgrad-corpus")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad corpus``; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="normgrad corpus", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help=f"output folder (default: {default_out()})")
+    from normgrad.tools.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="normgrad corpus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None,
+                        help=f"output folder: new, empty, or written by normgrad corpus before (default: ./{default_out()} "
+                             "in the current directory; the repository's copy is graphs/corpus)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the folder differs from a fresh corpus")
     args = parser.parse_args(argv)
@@ -467,7 +516,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(problem)
         print(f"{out}: {'up to date' if not problems else f'{len(problems)} differences'}")
         return 1 if problems else 0
-    write(out, corpus)
+    try:
+        write(out, corpus)
+    except CorpusFolderError as error:
+        print(f"normgrad corpus: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"normgrad corpus: cannot write {out}: {error.strerror or error}", file=sys.stderr)
+        return 1
     cases_count = len({p.split('/')[0] for p in corpus if '/' in p})
     size = sum(len(b) for b in corpus.values())
     print(f"wrote {cases_count} cases ({size / 1024:.0f} KiB) to {out}")
