@@ -1,0 +1,70 @@
+"""Optimizer graphs against torch.optim and clip_grad_norm_, 20 steps on fixed gradients."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from normgrad.graphs.optimizers import build_optimizer_graph, next_name, optimizer_state_names
+
+torch = pytest.importorskip("torch")
+
+SHAPES = {"conv.weight": (4, 3, 3, 3), "fc.bias": (5,)}
+
+CASES = [
+    ("sgd", dict(momentum=0.9)),
+    ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("sgd", dict(momentum=0.8, dampening=0.3, weight_decay=0.05, clip_grad_norm=0.5)),
+    ("sgd", dict()),
+    ("adamw", dict(weight_decay=0.1, clip_grad_norm=1.0)),
+    ("adam", dict(weight_decay=0.01, amsgrad=True, betas=(0.8, 0.99), eps=1e-6)),
+]
+
+
+@pytest.mark.parametrize("kind,options", CASES)
+def test_matches_torch_optim(kind, options):
+    rng = np.random.default_rng(0)
+    params = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    model = build_optimizer_graph(SHAPES, kind, **options)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    state = dict(params)
+    for n, s in SHAPES.items():
+        for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
+            state[name] = np.zeros(s, np.float32)
+
+    tensors = {n: torch.tensor(v, requires_grad=True) for n, v in params.items()}
+    torch_options = {k: v for k, v in options.items() if k != "clip_grad_norm"}
+    optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
+        list(tensors.values()), lr=0.05, **torch_options)
+    outputs = [o.name for o in session.get_outputs()]
+    for step in range(1, 21):
+        lr = 0.05 * (1 - step / 40)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        grads = {n: (rng.standard_normal(s) * 3).astype(np.float32) for n, s in SHAPES.items()}
+        for n, t in tensors.items():
+            t.grad = torch.tensor(grads[n])
+        if "clip_grad_norm" in options:
+            torch.nn.utils.clip_grad_norm_(list(tensors.values()), options["clip_grad_norm"])
+        optimizer.step()
+        feeds = {**state, **{f"{n}_grad": g for n, g in grads.items()},
+                 "lr": np.array(lr, np.float32), "step": np.array(step, np.float32)}
+        result = dict(zip(outputs, session.run(None, feeds)))
+        state = {name: result[next_name(name)] for name in state}
+    for n, t in tensors.items():
+        expected = t.detach().numpy()
+        np.testing.assert_allclose(state[n], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+        for key, value in optimizer.state[t].items():
+            if key == "step":
+                continue
+            expected = value.numpy()
+            np.testing.assert_allclose(state[f"{n}.{key}"], expected, rtol=0,
+                                       atol=1e-5 * max(np.abs(expected).max(), 1e-30))
+
+
+def test_bad_hyperparameters():
+    with pytest.raises(ValueError, match="not one of"):
+        build_optimizer_graph(SHAPES, "lamb")
+    with pytest.raises(ValueError, match="nesterov"):
+        build_optimizer_graph(SHAPES, "sgd", nesterov=True)
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        build_optimizer_graph(SHAPES, "adam", clip_grad_norm=0)
