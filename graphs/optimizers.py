@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from normgrad.ops._common import IR_VERSION
 
-__all__ = ["build_optimizer_graph", "optimizer_state_names", "next_name"]
+__all__ = ["build_optimizer_graph", "build_step_graph", "optimizer_state_names", "next_name"]
 
 _KINDS = ("sgd", "adam", "adamw")
 
@@ -164,3 +164,54 @@ def build_optimizer_graph(
     })
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+    """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
+    with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
+    ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
+    inputs (no initializer); the returned dict holds every state input's initial value, for
+    :func:`normgrad.checkpoint.save`.
+
+    Raises:
+        ValueError: a training graph without a loss, a non-float32 trainable weight, or a
+            graph that already has a value named ``lr`` or ``step``.
+    """
+    metadata = {entry.key: entry.value for entry in training.metadata_props}
+    if json.loads(metadata.get("normgrad.loss", "null")) is None:
+        raise ValueError("a step graph needs a training graph built with a loss")
+    graph = training.graph
+    initializers = {t.name: t for t in graph.initializer}
+    trainable = [name for name in json.loads(metadata["normgrad.gradients"]).values() if name in initializers]
+    for name in trainable:
+        if initializers[name].data_type != TensorProto.FLOAT:
+            raise ValueError(f"trainable weight {name!r} is not float32; step graphs are float32")
+    names = {i.name for i in graph.input} | {o for n in graph.node for o in n.output} | set(initializers)
+    for reserved in ("lr", "step"):
+        if reserved in names:
+            raise ValueError(f"the training graph already has a value named {reserved!r}")
+    optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
+    present = {i.name for i in graph.input}
+    produced = {o for n in graph.node for o in n.output}
+    inputs = list(graph.input) + [i for i in optimizer.graph.input if i.name not in present and i.name not in produced]
+    loss = [o for o in graph.output if o.name == "loss"]
+    step = helper.make_graph(
+        list(graph.node) + list(optimizer.graph.node),
+        f"{graph.name}_{kind}_step",
+        inputs,
+        loss + list(optimizer.graph.output),
+        initializer=[t for t in graph.initializer if t.name not in trainable] + list(optimizer.graph.initializer),
+        value_info=list(graph.value_info),
+    )
+    model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")
+    model.functions.extend(training.functions)
+    model.ir_version = IR_VERSION
+    step_metadata = {entry.key: entry.value for entry in optimizer.metadata_props}
+    data_inputs = [i.name for i in graph.input if i.name not in trainable]
+    helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
+    onnx.checker.check_model(model, full_check=True)
+    initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
+    for n in trainable:
+        for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
+            initial[name] = np.zeros(initial[n].shape, np.float32)
+    return model, initial

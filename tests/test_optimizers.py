@@ -68,3 +68,36 @@ def test_bad_hyperparameters():
         build_optimizer_graph(SHAPES, "sgd", nesterov=True)
     with pytest.raises(ValueError, match="clip_grad_norm"):
         build_optimizer_graph(SHAPES, "adam", clip_grad_norm=0)
+
+
+def test_step_graph_of_an_mlp_matches_torch():
+    from normgrad.graphs import build_training_graph, examples
+    from normgrad.graphs.optimizers import build_step_graph
+
+    forward = examples.mlp()
+    model, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "sgd", momentum=0.9)
+    assert not {t.name for t in model.graph.initializer} & {"w1", "b1", "w2", "b2"}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    import json
+    meta = {e.key: json.loads(e.value) for e in model.metadata_props}
+    assert meta["normgrad.data_inputs"] == ["x", "labels"]
+    w = {n: torch.tensor(initial[n], requires_grad=True) for n in ("w1", "b1", "w2", "b2")}
+    optimizer = torch.optim.SGD(list(w.values()), lr=0.1, momentum=0.9)
+    rng = np.random.default_rng(1)
+    state = dict(initial)
+    outputs = [o.name for o in session.get_outputs()]
+    for step in range(1, 6):
+        x = rng.standard_normal((7, 5)).astype(np.float32)
+        labels = rng.integers(0, 3, 7)
+        optimizer.zero_grad()
+        logits = torch.tanh(torch.tensor(x) @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+        torch_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(labels))
+        torch_loss.backward()
+        optimizer.step()
+        result = dict(zip(outputs, session.run(None, {**state, "x": x, "labels": labels,
+                                                     "lr": np.array(0.1, np.float32), "step": np.array(step, np.float32)})))
+        assert abs(result["loss"] - torch_loss.item()) <= 1e-5 * abs(torch_loss.item())
+        state = {name: result[meta["normgrad.state"][name]] for name in state}
+    for n, t in w.items():
+        expected = t.detach().numpy()
+        np.testing.assert_allclose(state[n], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
