@@ -101,3 +101,31 @@ def test_step_graph_of_an_mlp_matches_torch():
     for n, t in w.items():
         expected = t.detach().numpy()
         np.testing.assert_allclose(state[n], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+def test_cli_writes_step_graph_and_checkpoint(tmp_path, capsys):
+    import onnx
+    from normgrad import checkpoint
+    from normgrad.graphs import examples
+    from normgrad.tools import export as export_tool
+
+    source = tmp_path / "mlp.onnx"
+    onnx.save(examples.mlp(), str(source))
+    target = tmp_path / "mlp_step.onnx"
+    assert export_tool.main([str(source), "-o", str(target), "--loss", "cross_entropy", "--optimizer", "adamw",
+                             "--amsgrad", "--clip-grad-norm", "1"]) == 0
+    model = onnx.load(str(target))
+    state = checkpoint.load(tmp_path / "mlp_step.ckpt")
+    inputs = {i.name: i for i in model.graph.input}
+    assert set(state.tensors) == set(inputs) - {"x", "labels", "lr", "step"}
+    assert not set(state.tensors) & {t.name for t in model.graph.initializer}
+    w1 = {t.name: t for t in examples.mlp().graph.initializer}["w1"]
+    assert state.tensors["w1"].tobytes() == onnx.numpy_helper.to_array(w1).tobytes()
+    with pytest.raises(SystemExit) as usage:
+        export_tool.main([str(source), "-o", str(tmp_path / "x.onnx"), "--optimizer", "sgd"])
+    assert usage.value.code == 2
+    capsys.readouterr()
+    assert export_tool.main([str(source), "-o", str(tmp_path / "x.onnx"), "--loss", "mse", "--optimizer", "sgd",
+                             "--nesterov"]) == 1
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "x.ckpt").exists()
