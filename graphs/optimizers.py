@@ -166,6 +166,16 @@ def build_optimizer_graph(
     return model
 
 
+def _live_nodes(nodes: List[onnx.NodeProto], outputs: List[str]) -> List[onnx.NodeProto]:
+    """The nodes some output depends on (the gradients of data inputs are not step outputs)."""
+    needed, live = set(outputs), []
+    for node in reversed(nodes):
+        if any(name in needed for name in node.output):
+            live.append(node)
+            needed.update(node.input)
+    return live[::-1]
+
+
 def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
     with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
@@ -195,11 +205,12 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
     produced = {o for n in graph.node for o in n.output}
     inputs = list(graph.input) + [i for i in optimizer.graph.input if i.name not in present and i.name not in produced]
     loss = [o for o in graph.output if o.name == "loss"]
+    outputs = loss + list(optimizer.graph.output)
     step = helper.make_graph(
-        list(graph.node) + list(optimizer.graph.node),
+        _live_nodes(list(graph.node) + list(optimizer.graph.node), [o.name for o in outputs]),
         f"{graph.name}_{kind}_step",
         inputs,
-        loss + list(optimizer.graph.output),
+        outputs,
         initializer=[t for t in graph.initializer if t.name not in trainable] + list(optimizer.graph.initializer),
         value_info=list(graph.value_info),
     )

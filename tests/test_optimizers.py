@@ -129,3 +129,38 @@ def test_cli_writes_step_graph_and_checkpoint(tmp_path, capsys):
                              "--nesterov"]) == 1
     assert capsys.readouterr().err.strip().count("\n") == 0
     assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "x.ckpt").exists()
+
+
+def test_frozen_weights_get_no_gradient_and_stay_bitwise(tmp_path):
+    import json
+    import onnx
+    from normgrad import checkpoint
+    from normgrad.graphs import examples
+    from normgrad.tools import export as export_tool
+
+    source = tmp_path / "mlp.onnx"
+    forward = examples.mlp()
+    onnx.save(forward, str(source))
+    target = tmp_path / "head.onnx"
+    assert export_tool.main([str(source), "-o", str(target), "--loss", "cross_entropy", "--optimizer", "sgd",
+                             "--momentum", "0.9", "--trainable", "*2"]) == 0
+    model = onnx.load(str(target))
+    meta = {e.key: json.loads(e.value) for e in model.metadata_props}
+    assert meta["normgrad.parameters"] == ["w2", "b2"]
+    values = {o for n in model.graph.node for o in n.output}
+    assert not {"w1_grad", "b1_grad"} & values
+    assert not any(n.op_type == "Gemm" for n in model.graph.node[4:])  # no backward through the frozen Gemm
+    initial = {t.name: onnx.numpy_helper.to_array(t) for t in forward.graph.initializer}
+    kept = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert kept["w1"].tobytes() == initial["w1"].tobytes() and kept["b1"].tobytes() == initial["b1"].tobytes()
+    state = checkpoint.load(tmp_path / "head.ckpt").tensors
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    outputs = [o.name for o in session.get_outputs()]
+    feeds = {**state, "x": rng.standard_normal((4, 5)).astype(np.float32), "labels": np.array([0, 1, 2, 1]),
+             "lr": np.array(0.1, np.float32), "step": np.array(1, np.float32)}
+    result = dict(zip(outputs, session.run(None, feeds)))
+    assert not np.array_equal(result["w2.next"], state["w2"])
+    with pytest.raises(ValueError, match="'nope' matches no float initializer"):
+        from normgrad.graphs.builder import frozen_parameters
+        frozen_parameters(forward, ["nope"])

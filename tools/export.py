@@ -17,6 +17,7 @@ __all__ = ["main"]
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad export``; returns the process exit code."""
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+    from normgrad.graphs.builder import frozen_parameters
     from normgrad.graphs.losses import LOSSES
 
     parser = argparse.ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
@@ -24,6 +25,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-o", "--output", required=True, help="where to write the training graph")
     parser.add_argument("--loss", choices=sorted(LOSSES), help="append a loss of the first output (adds a 'labels' input)")
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
+    parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
+                        help="initializers that get no gradient (repeatable; fnmatch globs)")
+    parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
+                        help="train only these initializers (repeatable; fnmatch globs)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss)")
     step.add_argument("--checkpoint", help="where to write the initial state (default: OUTPUT with .ckpt for .onnx)")
@@ -41,7 +46,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
-        training = build_training_graph(load_model(args.model), loss=args.loss, inline=args.inline)
+        forward = load_model(args.model)
+        frozen = frozen_parameters(forward, args.freeze, args.trainable)
+        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen)
         if args.optimizer:
             from normgrad import checkpoint
             from normgrad.graphs import build_step_graph
