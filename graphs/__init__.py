@@ -4,12 +4,16 @@ normalization layers.
 * :func:`build_training_graph`: forward model -> forward + backward model.
 * :func:`supported_op_types`: the op types the exporter can differentiate (or knows carry
   no gradient).
+* :func:`build_step_graph`: a training graph with a loss + an optimizer graph = one step graph.
+* :func:`build_optimizer_graph`: one torch.optim step (SGD, Adam, AdamW, optional
+  global-norm clipping) as a model taking gradients as inputs.
 * :class:`UnsupportedOperatorError`: a gradient would flow through an op without a rule.
 """
 
 from __future__ import annotations
 
 from normgrad.graphs.builder import build_training_graph
+from normgrad.graphs.optimizers import build_optimizer_graph, build_step_graph
 from normgrad.graphs.rules import UnsupportedOperatorError, supported_op_types
 
-__all__ = ["build_training_graph", "supported_op_types", "UnsupportedOperatorError"]
+__all__ = ["build_training_graph", "build_optimizer_graph", "build_step_graph", "supported_op_types", "UnsupportedOperatorError"]

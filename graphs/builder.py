@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import onnx
 import onnx.helper as oh
@@ -100,11 +101,11 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return inferred
 
 
-def _active(graph: onnx.GraphProto, types: GradientContext) -> Tuple[Set[str], List[onnx.NodeProto]]:
-    """Values reachable from a float input or initializer through differentiable edges, and
-    the nodes without a rule that such a value enters."""
+def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) -> Tuple[Set[str], List[onnx.NodeProto]]:
+    """Values reachable from a float input or non-frozen initializer through differentiable
+    edges, and the nodes without a rule that such a value enters."""
     active = {i.name for i in graph.input if _is_float(i.type)}
-    active |= {t.name for t in graph.initializer if t.data_type in FLOAT_ELEM_TYPES}
+    active |= {t.name for t in graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
     unsupported: List[onnx.NodeProto] = []
     for node in graph.node:
         rule = lookup(node)
@@ -197,7 +198,29 @@ def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
     return info
 
 
-def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False) -> onnx.ModelProto:
+def frozen_parameters(
+    model: onnx.ModelProto, freeze: Sequence[str] = (), trainable: Optional[Sequence[str]] = None
+) -> Set[str]:
+    """The float initializers to freeze: those matching a ``freeze`` name or fnmatch glob, and
+    with ``trainable`` given, every one matching none of its patterns.
+
+    Raises:
+        ValueError: a pattern that matches no float initializer (a typo would train everything).
+    """
+    names = [t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES]
+    for option, patterns in (("--freeze", freeze), ("--trainable", trainable or ())):
+        for pattern in patterns:
+            if not fnmatch.filter(names, pattern):
+                raise ValueError(f"{option} {pattern!r} matches no float initializer of the model")
+    frozen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in freeze)}
+    if trainable is not None:
+        frozen |= {n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in trainable)}
+    return frozen
+
+
+def build_training_graph(
+    model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False, frozen: Iterable[str] = ()
+) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
     The training graph's inputs are the forward inputs, every trainable initializer (it
@@ -212,6 +235,8 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
         loss: None, ``"mse"`` or ``"cross_entropy"``: a loss of the first output.
         inline: write standard ops only (the normgrad function bodies inlined) instead of
             normgrad nodes plus their function bodies.
+        frozen: initializer names that get no gradient (no gradient nodes at all; they stay
+            plain initializers), e.g. from :func:`frozen_parameters`.
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -228,7 +253,7 @@ def build_training_graph(model: onnx.ModelProto, loss: Optional[str] = None, inl
     model, opset = _prepare(model)
     graph = model.graph
     types = GradientContext(graph, opset, set())
-    active, unsupported = _active(graph, types)
+    active, unsupported = _active(graph, types, set(frozen))
     for output in graph.output:  # the graph outputs with the best type known
         if not _has_shape(output.type) and _has_shape(types.type_of(output.name)):
             output.type.CopyFrom(types.type_of(output.name))

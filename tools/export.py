@@ -1,5 +1,6 @@
-"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline]``: write the
-training graph (forward + gradients) of a forward model."""
+"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline] [--optimizer sgd|adam|adamw ...]``:
+write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
+its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import onnx
 
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+    from normgrad.graphs.builder import frozen_parameters
     from normgrad.graphs.losses import LOSSES
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
@@ -25,14 +27,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-o", "--output", required=True, help="where to write the training graph (not the input)")
     parser.add_argument("--loss", choices=sorted(LOSSES), help="append a loss of the first output (adds a 'labels' input)")
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
+    parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
+                        help="initializers that get no gradient (repeatable; fnmatch globs)")
+    parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
+                        help="train only these initializers (repeatable; fnmatch globs)")
+    step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
+    step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss)")
+    step.add_argument("--checkpoint", help="where to write the initial state (default: OUTPUT with .ckpt for .onnx)")
+    step.add_argument("--momentum", type=float, default=0.0)
+    step.add_argument("--dampening", type=float, default=0.0)
+    step.add_argument("--nesterov", action="store_true")
+    step.add_argument("--weight-decay", type=float, default=None, help="default 0 (sgd, adam), 0.01 (adamw), as torch")
+    step.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
+    step.add_argument("--eps", type=float, default=1e-8)
+    step.add_argument("--amsgrad", action="store_true")
+    step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
     args = parser.parse_args(argv)
+    if args.optimizer and not args.loss:
+        parser.error("--optimizer needs --loss")
+    checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
     except ValueError as error:
         print(f"normgrad export: {error}", file=sys.stderr)
         return 2
     try:
-        training = build_training_graph(load_model(args.model), loss=args.loss, inline=args.inline)
+        forward = load_model(args.model)
+        frozen = frozen_parameters(forward, args.freeze, args.trainable)
+        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen)
+        if args.optimizer:
+            from normgrad import checkpoint
+            from normgrad.graphs import build_step_graph
+
+            refuse_same_file(args.model, checkpoint_path, "checkpoint")
+            options = dict(weight_decay=args.weight_decay if args.weight_decay is not None else
+                           (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm)
+            if args.optimizer == "sgd":
+                options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
+            else:
+                options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
+            training, initial = build_step_graph(training, args.optimizer, **options)
+            checkpoint.save(checkpoint_path, initial)
         save_model_atomic(training, args.output)
     except OSError as error:
         print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
@@ -41,9 +76,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             onnx.shape_inference.InferenceError) as error:
         print(f"normgrad export: {one_line(error)}", file=sys.stderr)
         return 1
+    if args.optimizer:
+        print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in {checkpoint_path}")
+        return 0
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs")
     return 0
+
+
+def _checkpoint_beside(output: str) -> str:
+    return (output[: -len(".onnx")] if output.endswith(".onnx") else output) + ".ckpt"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,228 @@
+"""Optimizer graphs: one torch.optim step as an ONNX model that takes gradients as inputs.
+
+:func:`build_optimizer_graph` builds the update alone, so a gradient graph can be composed
+with it directly, through an accumulation of micro-batch gradients, or through an
+all-reduce. Inputs: for each parameter ``P``: ``P`` and ``P_grad``; then the optimizer state
+(``P.momentum_buffer`` for SGD with momentum; ``P.exp_avg``, ``P.exp_avg_sq`` and with
+amsgrad ``P.max_exp_avg_sq`` for Adam/AdamW); then ``lr`` and ``step`` (float32 scalars,
+``step`` 1-based as torch's ``state["step"]`` after its increment). Outputs: ``NAME.next``
+for every parameter and state input. Semantics are torch's single-tensor implementations of
+``torch.optim.SGD``/``Adam``/``AdamW`` and ``torch.nn.utils.clip_grad_norm_``. Initial state
+is zeros (SGD's first step takes the gradient as its momentum buffer, as torch does).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from normgrad.ops._common import IR_VERSION
+
+__all__ = ["build_optimizer_graph", "build_step_graph", "optimizer_state_names", "next_name"]
+
+_KINDS = ("sgd", "adam", "adamw")
+
+
+def next_name(name: str) -> str:
+    """The output that holds ``name``'s value after the step."""
+    return f"{name}.next"
+
+
+def optimizer_state_names(parameter: str, kind: str, momentum: float = 0.0, amsgrad: bool = False) -> List[str]:
+    """The optimizer-state inputs kept for ``parameter``."""
+    if kind == "sgd":
+        return [f"{parameter}.momentum_buffer"] if momentum != 0 else []
+    names = [f"{parameter}.exp_avg", f"{parameter}.exp_avg_sq"]
+    return names + [f"{parameter}.max_exp_avg_sq"] if amsgrad else names
+
+
+class _Nodes:
+    def __init__(self) -> None:
+        self.nodes: List[onnx.NodeProto] = []
+        self.initializers: List[onnx.TensorProto] = []
+        self._count = 0
+
+    def const(self, value: float) -> str:
+        self._count += 1
+        name = f"optimizer.const{self._count}"
+        self.initializers.append(numpy_helper.from_array(np.array(value, dtype=np.float32), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, output: Optional[str] = None, **attributes) -> str:
+        self._count += 1
+        output = output or f"optimizer.t{self._count}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [output], **attributes))
+        return output
+
+
+def build_optimizer_graph(
+    parameters: Mapping[str, Sequence[int]],
+    kind: str,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    amsgrad: bool = False,
+    clip_grad_norm: Optional[float] = None,
+) -> onnx.ModelProto:
+    """An ONNX model doing one optimizer step on float32 ``parameters`` ({name: shape}).
+
+    Raises:
+        ValueError: an unknown ``kind``, or a hyperparameter torch would refuse.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"optimizer kind {kind!r} is not one of {', '.join(_KINDS)}")
+    if not parameters:
+        raise ValueError("build_optimizer_graph needs at least one parameter")
+    if momentum < 0 or weight_decay < 0 or eps < 0:
+        raise ValueError("momentum, weight_decay and eps must be >= 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+    if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+        raise ValueError(f"betas must be two values in [0, 1), got {betas!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+
+    g = _Nodes()
+    value_info = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+    inputs = [value_info(p, s) for p, s in parameters.items()]
+    inputs += [value_info(f"{p}_grad", s) for p, s in parameters.items()]
+    state: Dict[str, str] = {}
+    for p, s in parameters.items():
+        for name in optimizer_state_names(p, kind, momentum, amsgrad):
+            inputs.append(value_info(name, s))
+    inputs += [value_info("lr", []), value_info("step", [])]
+
+    grads = {p: f"{p}_grad" for p in parameters}
+    if clip_grad_norm is not None:
+        squares = [g.op("ReduceSumSquare", grads[p], keepdims=0) for p in parameters]
+        total = g.op("Sqrt", g.op("Sum", *squares))
+        coefficient = g.op("Div", g.const(clip_grad_norm), g.op("Add", total, g.const(1e-6)))
+        clamped = g.op("Min", coefficient, g.const(1.0))
+        grads = {p: g.op("Mul", grads[p], clamped) for p in parameters}
+
+    outputs = []
+    for p, s in parameters.items():
+        grad, param = grads[p], p
+        if kind == "sgd":
+            if weight_decay != 0:
+                grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+            if momentum != 0:
+                buffer = f"{p}.momentum_buffer"
+                later = g.op("Add", g.op("Mul", buffer, g.const(momentum)), g.op("Mul", grad, g.const(1 - dampening)))
+                first = g.op("Equal", "step", g.const(1.0))
+                new_buffer = g.op("Where", first, grad, later, output=next_name(buffer))
+                state[buffer] = new_buffer
+                grad = g.op("Add", grad, g.op("Mul", new_buffer, g.const(momentum))) if nesterov else new_buffer
+            g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
+        else:
+            beta1, beta2 = betas
+            if weight_decay != 0:
+                if kind == "adamw":
+                    param = g.op("Mul", param, g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay))))
+                else:
+                    grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+            exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
+            new_avg = g.op("Add", exp_avg, g.op("Mul", g.op("Sub", grad, exp_avg), g.const(1 - beta1)),
+                           output=next_name(exp_avg))
+            new_sq = g.op("Add", g.op("Mul", exp_avg_sq, g.const(beta2)),
+                          g.op("Mul", g.op("Mul", grad, grad), g.const(1 - beta2)), output=next_name(exp_avg_sq))
+            state[exp_avg], state[exp_avg_sq] = new_avg, new_sq
+            second_moment = new_sq
+            if amsgrad:
+                max_sq = f"{p}.max_exp_avg_sq"
+                second_moment = g.op("Max", max_sq, new_sq, output=next_name(max_sq))
+                state[max_sq] = second_moment
+            correction1 = g.op("Sub", g.const(1.0), g.op("Pow", g.const(beta1), "step"))
+            correction2_sqrt = g.op("Sqrt", g.op("Sub", g.const(1.0), g.op("Pow", g.const(beta2), "step")))
+            step_size = g.op("Div", "lr", correction1)
+            denominator = g.op("Add", g.op("Div", g.op("Sqrt", second_moment), correction2_sqrt), g.const(eps))
+            update = g.op("Mul", g.op("Div", new_avg, denominator), step_size)
+            g.op("Sub", param, update, output=next_name(p))
+        outputs.append(value_info(next_name(p), s))
+    outputs += [value_info(next_name(name), parameters[name.rsplit(".", 1)[0]]) for name in state]
+
+    graph = helper.make_graph(g.nodes, f"{kind}_step", inputs, outputs, initializer=g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    hyperparameters = {"kind": kind, "lr": "input", "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
+    if kind == "sgd":
+        hyperparameters.update(momentum=momentum, dampening=dampening, nesterov=nesterov)
+    else:
+        hyperparameters.update(betas=list(betas), eps=eps, amsgrad=amsgrad)
+    helper.set_model_props(model, {
+        "normgrad.state": json.dumps({**{p: next_name(p) for p in parameters}, **state}),
+        "normgrad.parameters": json.dumps(list(parameters)),
+        "normgrad.optimizer": json.dumps(hyperparameters),
+    })
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _live_nodes(nodes: List[onnx.NodeProto], outputs: List[str]) -> List[onnx.NodeProto]:
+    """The nodes some output depends on (the gradients of data inputs are not step outputs)."""
+    needed, live = set(outputs), []
+    for node in reversed(nodes):
+        if any(name in needed for name in node.output):
+            live.append(node)
+            needed.update(node.input)
+    return live[::-1]
+
+
+def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+    """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
+    with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
+    ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
+    inputs (no initializer); the returned dict holds every state input's initial value, for
+    :func:`normgrad.checkpoint.save`.
+
+    Raises:
+        ValueError: a training graph without a loss, a non-float32 trainable weight, or a
+            graph that already has a value named ``lr`` or ``step``.
+    """
+    metadata = {entry.key: entry.value for entry in training.metadata_props}
+    if json.loads(metadata.get("normgrad.loss", "null")) is None:
+        raise ValueError("a step graph needs a training graph built with a loss")
+    graph = training.graph
+    initializers = {t.name: t for t in graph.initializer}
+    trainable = [name for name in json.loads(metadata["normgrad.gradients"]).values() if name in initializers]
+    for name in trainable:
+        if initializers[name].data_type != TensorProto.FLOAT:
+            raise ValueError(f"trainable weight {name!r} is not float32; step graphs are float32")
+    names = {i.name for i in graph.input} | {o for n in graph.node for o in n.output} | set(initializers)
+    for reserved in ("lr", "step"):
+        if reserved in names:
+            raise ValueError(f"the training graph already has a value named {reserved!r}")
+    optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
+    present = {i.name for i in graph.input}
+    produced = {o for n in graph.node for o in n.output}
+    inputs = list(graph.input) + [i for i in optimizer.graph.input if i.name not in present and i.name not in produced]
+    loss = [o for o in graph.output if o.name == "loss"]
+    outputs = loss + list(optimizer.graph.output)
+    step = helper.make_graph(
+        _live_nodes(list(graph.node) + list(optimizer.graph.node), [o.name for o in outputs]),
+        f"{graph.name}_{kind}_step",
+        inputs,
+        outputs,
+        initializer=[t for t in graph.initializer if t.name not in trainable] + list(optimizer.graph.initializer),
+        value_info=list(graph.value_info),
+    )
+    model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")
+    model.functions.extend(training.functions)
+    model.ir_version = IR_VERSION
+    step_metadata = {entry.key: entry.value for entry in optimizer.metadata_props}
+    data_inputs = [i.name for i in graph.input if i.name not in trainable]
+    helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
+    onnx.checker.check_model(model, full_check=True)
+    initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
+    for n in trainable:
+        for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
+            initial[name] = np.zeros(initial[n].shape, np.float32)
+    return model, initial
