@@ -115,5 +115,6 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     non_differentiable,
     pool,
     reduce,
+    select,
     shape,
 )

@@ -1,7 +1,7 @@
 """Elementwise activations and unary math: dx as a function of x, y and dy.
 
 Relu, LeakyRelu, Elu, Sigmoid, HardSigmoid, HardSwish, Softplus, Tanh, Exp, Log, Sqrt,
-Reciprocal, Neg, Abs, Erf, Clip (gradient to the data only), Softmax and LogSoftmax.
+Reciprocal, Neg, Abs, Erf, Sin, Cos, Clip (gradient to the data only), Softmax and LogSoftmax.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ UNARY_GRADIENTS: Dict[str, UnaryFn] = {
         dy,
         ctx.op("Mul", ctx.scalar(2 / math.sqrt(math.pi), x), ctx.op("Exp", ctx.op("Neg", ctx.op("Mul", x, x)))),
     ),
+    "Sin": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Cos", x)),
+    "Cos": lambda ctx, node, x, y, dy: ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Sin", x))),
     "Clip": _clip,
 }
 
