@@ -76,3 +76,54 @@ def test_variadic_ties_split_equally(op_type):
     ours = _run(two, {"a": a, "b": b, "y_grad": dy}, ["a_grad", "b_grad"])
     for mine, theirs in zip(ours, tensors):
         np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("data_shape, indices, axis", [
+    ((5, 3), [[0, 2, 2], [-1, 4, 0]], 0),  # embedding lookup with repeats and a negative index
+    ((2, 4, 3), [3, -4, 3], 1),
+    ((2, 3, 4), [[1], [-1]], -1),
+    ((3, 4), 1, 0),  # scalar index: a class token
+    ((2, 5, 3), -2, 1),
+])
+def test_gather(data_shape, indices, axis):
+    params = {"idx": np.asarray(indices, np.int64)}
+    nodes = [oh.make_node("Gather", ["x", "idx"], ["g"], axis=axis), _node("Mul", ["g", "g"])]
+    _check(model(nodes, {"x": data_shape}, ["y"], params))
+
+
+def test_gather_int32_indices_and_symbolic_dims():
+    params = {"idx": np.asarray([[0, -1], [1, 1]], np.int32)}  # the checker runs V = D = 2
+    nodes = [oh.make_node("Gather", ["x", "idx"], ["g"]), _node("Mul", ["g", "g"])]
+    _check(model(nodes, {"x": ("V", "D")}, ["y"], params))
+
+
+@pytest.mark.parametrize("indices, axis", [([[0, 2], [2, -1], [1, 1]], 1), ([[1, 0, 0, 2], [-3, 0, 1, 1]], 0), ([[3], [0], [-1]], 1)])
+def test_gather_elements(indices, axis):
+    params = {"idx": np.asarray(indices, np.int64)}
+    nodes = [oh.make_node("GatherElements", ["x", "idx"], ["g"], axis=axis), _node("Mul", ["g", "g"])]
+    _check(model(nodes, {"x": (3, 4)}, ["y"], params))
+
+
+@pytest.mark.parametrize("op_type", ["Gather", "GatherElements"])
+def test_gather_gradient_is_bitwise_the_same_for_any_thread_count(op_type):
+    """Repeated indices accumulate in one order (onnxruntime's ScatterND add would not)."""
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 20, (32, 64)).astype(np.int64)
+    shape = (20, 16) if op_type == "Gather" else (20, 64)
+    training = build_training_graph(model([_node(op_type, ["x", "idx"])], {"x": shape}, ["y"], {"idx": idx}))
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
+    feeds["y_grad"] = rng.standard_normal((32, 64, 16) if op_type == "Gather" else (32, 64)).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        results.append(session.run(["x_grad"], feeds)[0])
+    for result in results[1:]:
+        np.testing.assert_array_equal(result, results[0])
+    expected = np.zeros(shape)
+    if op_type == "Gather":
+        np.add.at(expected, idx, feeds["y_grad"].astype(np.float64))
+    else:
+        np.add.at(expected, (idx, np.arange(64)[None, :]), feeds["y_grad"].astype(np.float64))
+    np.testing.assert_allclose(results[0], expected, atol=1e-5)

@@ -109,6 +109,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     concat,
     conv,
     elementwise,
+    gather,
     gemm,
     group_norm,
     matmul,
