@@ -127,3 +127,55 @@ def test_gather_gradient_is_bitwise_the_same_for_any_thread_count(op_type):
     else:
         np.add.at(expected, (idx, np.arange(64)[None, :]), feeds["y_grad"].astype(np.float64))
     np.testing.assert_allclose(results[0], expected, atol=1e-5)
+
+
+def _dropout_model(ratio, training, mask_output=False, runtime=False):
+    params = {} if runtime else {"ratio": np.asarray(ratio, np.float32), "training": np.asarray(training)}
+    outputs = ["y", "mask"] if mask_output else ["y"]
+    node = oh.make_node("Dropout", ["x", "ratio", "training"], outputs, name="drop", seed=3)
+    forward = model([node], {"x": (6, 50)}, ["y"], params)
+    if runtime:
+        forward.graph.input.extend([oh.make_tensor_value_info("ratio", onnx.TensorProto.FLOAT, []),
+                                    oh.make_tensor_value_info("training", onnx.TensorProto.BOOL, [])])
+    if mask_output:
+        forward.graph.output.append(oh.make_tensor_value_info("mask", onnx.TensorProto.BOOL, [6, 50]))
+    return forward
+
+
+def test_dropout_training_mode_with_ratio_zero():
+    """p = 0 in training mode (torch's export of nn.Dropout(0)): the identity, through the mask."""
+    _check(_dropout_model(0.0, True))
+
+
+@pytest.mark.parametrize("mask_output", [True, False])
+def test_dropout_training_mode_uses_the_forward_mask(mask_output):
+    ratio = 0.4
+    training = build_training_graph(_dropout_model(ratio, True, mask_output))
+    assert any(n.op_type == "Dropout" and len(n.output) == 2 and n.output[1] for n in training.graph.node)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 50)).astype(np.float32)
+    dy = rng.standard_normal((6, 50)).astype(np.float32)
+    outputs = ["y", "x_grad"] + (["mask"] if mask_output else [])
+    y, grad, *mask = _run(training, {"x": x, "y_grad": dy}, outputs)
+    mask = mask[0] if mask_output else y != 0
+    assert 0.2 < 1 - mask.mean() < 0.6, "the mask should drop about 40%"
+    np.testing.assert_array_equal(y, np.where(mask, x / np.float32(1 - ratio), 0))  # the mask y was drawn with
+    assert np.all(grad[~mask] == 0)
+    np.testing.assert_allclose(grad[mask], dy[mask] / (1 - ratio), rtol=1e-6)
+    torch = pytest.importorskip("torch")
+    expected = torch.ops.aten.native_dropout_backward(torch.tensor(dy), torch.tensor(mask), 1 / (1 - ratio))
+    np.testing.assert_allclose(grad, expected.numpy(), rtol=1e-6)
+
+
+def test_dropout_ratio_and_training_mode_at_run_time():
+    training = build_training_graph(_dropout_model(None, None, mask_output=True, runtime=True))
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((6, 50)).astype(np.float32), "y_grad": rng.standard_normal((6, 50)).astype(np.float32)}
+    for ratio in (0.0, 0.25):  # onnxruntime refuses ratio 1
+        feeds.update(ratio=np.asarray(ratio, np.float32), training=np.asarray(True))
+        grad, mask = _run(training, feeds, ["x_grad", "mask"])
+        expected = np.where(mask, feeds["y_grad"] / np.float32(1 - ratio), 0)
+        np.testing.assert_allclose(grad, expected, rtol=1e-6)
+    feeds.update(ratio=np.asarray(0.5, np.float32), training=np.asarray(False))
+    (grad,) = _run(training, feeds, ["x_grad"])
+    np.testing.assert_array_equal(grad, feeds["y_grad"])

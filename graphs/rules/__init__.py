@@ -108,6 +108,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     batch_norm,
     concat,
     conv,
+    dropout,
     elementwise,
     gather,
     gemm,
