@@ -179,3 +179,56 @@ def test_dropout_ratio_and_training_mode_at_run_time():
     feeds.update(ratio=np.asarray(0.5, np.float32), training=np.asarray(False))
     (grad,) = _run(training, feeds, ["x_grad"])
     np.testing.assert_array_equal(grad, feeds["y_grad"])
+
+
+REDUCTIONS = ["ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "ReduceMax", "ReduceMin"]
+
+
+@pytest.mark.parametrize("op_type", REDUCTIONS)
+@pytest.mark.parametrize("axes, keepdims", [([1], 1), ([0, -1], 0), (None, 0), (None, 1)])
+@pytest.mark.parametrize("opset", [17, 18])
+def test_reductions(op_type, axes, keepdims, opset):
+    inputs, params, attrs = ["x"], {}, {"keepdims": keepdims}
+    if axes is not None and opset >= 18:
+        inputs.append("axes")
+        params["axes"] = np.array(axes, np.int64)
+    elif axes is not None:
+        attrs["axes"] = axes
+    _check(model([_node(op_type, inputs, **attrs)], {"x": (2, 3, 4)}, ["y"], params, opset=opset))
+
+
+@pytest.mark.parametrize("op_type", REDUCTIONS)
+def test_reductions_with_run_time_axes_and_symbolic_dims(op_type):
+    forward = model([_node(op_type, ["x", "axes"], keepdims=0)], {"x": ("N", 3, "W")}, ["y"], opset=18)
+    forward.graph.input.append(oh.make_tensor_value_info("axes", onnx.TensorProto.INT64, [1]))
+    forward.graph.output[0].CopyFrom(oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", "W"]))
+    training = build_training_graph(forward)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    dy = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    (grad,) = _run(training, {"x": x, "axes": np.array([-2], np.int64), "y_grad": dy}, ["x_grad"])
+    torch = pytest.importorskip("torch")
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = {"ReduceSumSquare": lambda: (t * t).sum(1), "ReduceL2": lambda: t.norm(dim=1),
+         "ReduceLogSumExp": lambda: t.logsumexp(1), "ReduceMax": lambda: t.amax(1), "ReduceMin": lambda: t.amin(1)}[op_type]()
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op_type", ["ReduceMax", "ReduceMin"])
+def test_reduce_max_min_ties_split_as_torch(op_type):
+    torch = pytest.importorskip("torch")
+    x = np.array([[1.0, 3.0, 3.0, -2.0], [2.0, 2.0, 2.0, 2.0], [-5.0, 0.0, -5.0, 4.0]], np.float32)
+    dy = np.array([1.0, 3.0, 2.0], np.float32)
+    training = build_training_graph(model([_node(op_type, ["x"], axes=[1], keepdims=0)], {"x": (3, 4)}, ["y"], opset=17))
+    (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
+    t = torch.tensor(x, requires_grad=True)
+    (t.amax(1) if op_type == "ReduceMax" else t.amin(1)).backward(torch.tensor(dy))
+    np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-6)
+    assert np.count_nonzero(grad) > 3  # ties actually present
+
+
+def test_reduce_l2_of_zeros_has_zero_gradient():
+    training = build_training_graph(model([_node("ReduceL2", ["x"], axes=[1], keepdims=1)], {"x": (2, 3)}, ["y"], opset=17))
+    x = np.array([[0.0, 0.0, 0.0], [3.0, 0.0, 4.0]], np.float32)
+    (grad,) = _run(training, {"x": x, "y_grad": np.ones((2, 1), np.float32)}, ["x_grad"])
+    np.testing.assert_allclose(grad, [[0, 0, 0], [0.6, 0, 0.8]], rtol=1e-6)
