@@ -9,7 +9,7 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import build_training_graph
+from normgrad.graphs import UnsupportedOperatorError, build_training_graph
 
 from _graph_models import model, weights
 from test_graphs_rules import _check, _node
@@ -232,3 +232,41 @@ def test_reduce_l2_of_zeros_has_zero_gradient():
     x = np.array([[0.0, 0.0, 0.0], [3.0, 0.0, 4.0]], np.float32)
     (grad,) = _run(training, {"x": x, "y_grad": np.ones((2, 1), np.float32)}, ["x_grad"])
     np.testing.assert_allclose(grad, [[0, 0, 0], [0.6, 0, 0.8]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]),  # attention scores
+    ("bhij,bhjd->bhid", [(2, 2, 3, 5), (2, 2, 5, 4)]),  # attention-weighted values
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("ij->ji", [(3, 4)]),
+    ("bid->bdi", [(2, 3, 4)]),
+    ("ij,jk", [(3, 4), (4, 5)]),  # implicit output: ik
+    ("ij->i", [(3, 4)]),  # j summed out: broadcast back
+    ("ij,kj->", [(3, 4), (2, 4)]),
+    ("i,j->ij", [(3,), (4,)]),
+    ("abc,cd,ad->b", [(2, 3, 4), (4, 5), (2, 5)]),
+    ("...ij,...jk->...ik", [(2, 1, 3, 4), (1, 3, 4, 2)]),  # broadcast ellipsis
+    ("b...d,d->b...", [(2, 3, 4), (4,)]),
+    ("k,b...d->b...k", [(3,), (2, 3, 4)]),
+    ("...ij->...i", [(2, 3, 4)]),
+])
+def test_einsum(equation, shapes):
+    inputs = {f"x{i}": shape for i, shape in enumerate(shapes)}
+    forward = model([_node("Einsum", list(inputs), equation=equation)], inputs, ["y"])
+    if equation == "...ij,...jk->...ik":  # onnx's shape inference does not broadcast ellipses
+        forward.graph.output[0].CopyFrom(oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 3, 2]))
+    _check(forward)
+
+
+@pytest.mark.parametrize("equation, inputs", [
+    ("bhid,bhjd->bhij", {"q": ("B", 2, "T", 4), "k": ("B", 2, "S", 4)}),
+    ("b...d,d->b...", {"q": ("B", "T", 4), "k": (4,)}),
+])
+def test_einsum_with_symbolic_dims(equation, inputs):
+    _check(model([_node("Einsum", ["q", "k"], equation=equation)], inputs, ["y"]))
+
+
+def test_einsum_diagonal_is_refused():
+    forward = model([oh.make_node("Einsum", ["x"], ["y"], name="diag", equation="ii->i")], {"x": (3, 3)}, ["y"])
+    with pytest.raises(UnsupportedOperatorError, match="Einsum node 'diag'.*repeated"):
+        build_training_graph(forward)

@@ -109,6 +109,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     concat,
     conv,
     dropout,
+    einsum,
     elementwise,
     gather,
     gemm,
