@@ -270,3 +270,61 @@ def test_einsum_diagonal_is_refused():
     forward = model([oh.make_node("Einsum", ["x"], ["y"], name="diag", equation="ii->i")], {"x": (3, 3)}, ["y"])
     with pytest.raises(UnsupportedOperatorError, match="Einsum node 'diag'.*repeated"):
         build_training_graph(forward)
+
+
+def _gelu_erf_derivative(x):
+    """Phi(x) + x phi(x) in float64 (closed form: onnx's reference Erf is only an approximation)."""
+    import math
+
+    x = x.astype(np.float64)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    return cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def test_gelu_tanh():
+    _check(model([_node("Gelu", ["x"], approximate="tanh")], {"x": (3, 5)}, ["y"], opset=20))
+
+
+def test_gelu_erf():
+    x = np.linspace(-4, 4, 24, dtype=np.float32).reshape(4, 6)
+    dy = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    training = build_training_graph(model([_node("Gelu", ["x"])], {"x": (4, 6)}, ["y"], opset=20))
+    (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
+    np.testing.assert_allclose(grad, dy * _gelu_erf_derivative(x), rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_against_torch():
+    torch = pytest.importorskip("torch")
+    x = np.linspace(-4, 4, 24, dtype=np.float32).reshape(4, 6)
+    dy = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for approximate in ("none", "tanh"):
+        training = build_training_graph(model([_node("Gelu", ["x"], approximate=approximate)], {"x": (4, 6)}, ["y"], opset=20))
+        (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
+        t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        torch.nn.functional.gelu(t, approximate=approximate).backward(torch.tensor(dy, dtype=torch.float64))
+        np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+_GELU_CONSTANTS = {"sqrt2": np.sqrt(2), "one": 1.0, "half": 0.5, "three": 3.0, "c": 0.044715, "k": np.sqrt(2 / np.pi)}
+
+
+def test_gelu_tanh_decomposition_node_by_node():
+    """The chains exporters write before opset 20 need no rule of their own."""
+    nodes = [oh.make_node("Pow", ["x", "three"], ["t0"]), oh.make_node("Mul", ["t0", "c"], ["t1"]),
+             oh.make_node("Add", ["x", "t1"], ["t2"]), oh.make_node("Mul", ["t2", "k"], ["t3"]),
+             oh.make_node("Tanh", ["t3"], ["t4"]), oh.make_node("Add", ["t4", "one"], ["t5"]),
+             oh.make_node("Mul", ["x", "t5"], ["t6"]), _node("Mul", ["t6", "half"])]
+    consts = {n: np.float32(v) for n, v in _GELU_CONSTANTS.items() if n in ("three", "c", "k", "one", "half")}
+    _check(model(nodes, {"x": (3, 4)}, ["y"], consts))
+
+
+def test_gelu_erf_decomposition_node_by_node():
+    nodes = [oh.make_node("Div", ["x", "sqrt2"], ["e0"]), oh.make_node("Erf", ["e0"], ["e1"]),
+             oh.make_node("Add", ["e1", "one"], ["e2"]), oh.make_node("Mul", ["x", "e2"], ["e3"]),
+             _node("Mul", ["e3", "half"])]
+    consts = {n: np.float32(v) for n, v in _GELU_CONSTANTS.items() if n in ("sqrt2", "one", "half")}
+    training = build_training_graph(model(nodes, {"x": (4, 6)}, ["y"], consts))
+    x = np.linspace(-4, 4, 24, dtype=np.float32).reshape(4, 6)
+    dy = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
+    np.testing.assert_allclose(grad, dy * _gelu_erf_derivative(x), rtol=1e-5, atol=1e-6)
