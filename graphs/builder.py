@@ -138,13 +138,20 @@ def _needing_grad(
         if any(node.output[i] in useful for i in rule.differentiable_outputs(node)):
             useful.update(node.input[i] for i in rule.differentiable_inputs(types, node))
     needs = active & useful
+    blocking: Dict[Tuple[str, str], List[onnx.NodeProto]] = {}  # (domain, op type) -> nodes, in graph order
     for node in unsupported:
         if any(name in needs for name in node.output):
-            domain = f" of domain '{node.domain}'" if node.domain else ""
-            raise UnsupportedOperatorError(
-                f"no gradient rule for operator {node.op_type}{domain} ({describe(node)}); a gradient must flow "
-                f"through it. Supported: see normgrad.graphs.supported_op_types()"
-            )
+            blocking.setdefault((node.domain, node.op_type), []).append(node)
+    if blocking:
+        gaps = []
+        for (domain, op_type), nodes in blocking.items():
+            where = f" of domain '{domain}'" if domain else ""
+            count = f"{len(nodes)} nodes, first " if len(nodes) > 1 else ""
+            gaps.append(f"{op_type}{where} ({count}{describe(nodes[0])})")
+        raise UnsupportedOperatorError(
+            f"no gradient rule for operator{'s' if len(gaps) > 1 else ''} {', '.join(gaps)}; a gradient must flow "
+            f"through {'each of them' if len(gaps) > 1 else 'it'}. Supported: see normgrad.graphs.supported_op_types()"
+        )
     return needs
 
 

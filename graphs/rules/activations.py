@@ -1,7 +1,8 @@
 """Elementwise activations and unary math: dx as a function of x, y and dy.
 
 Relu, LeakyRelu, Elu, Sigmoid, HardSigmoid, HardSwish, Softplus, Tanh, Exp, Log, Sqrt,
-Reciprocal, Neg, Abs, Erf, Clip (gradient to the data only), Softmax and LogSoftmax.
+Reciprocal, Neg, Abs, Erf, Sin, Cos, Gelu (opset 20; approximate "none" and "tanh"), Clip
+(gradient to the data only), Softmax and LogSoftmax.
 """
 
 from __future__ import annotations
@@ -43,6 +44,35 @@ def _one_minus(ctx: GradientContext, value: str, like: str) -> str:
     return ctx.op("Sub", ctx.scalar(1.0, like), value)
 
 
+_TANH_GELU_CUBIC = 0.044715
+
+
+def _gelu(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -> str:
+    """none: Phi(x) + x phi(x); tanh: with t = tanh(sqrt(2/pi) (x + c x^3)),
+    0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2)."""
+    half = ctx.scalar(0.5, x)
+    square = ctx.op("Mul", x, x)
+    if attr(node, "approximate", "none") == "tanh":
+        cubic = ctx.scalar(_TANH_GELU_CUBIC, x)
+        inner = ctx.op("Mul", ctx.scalar(math.sqrt(2 / math.pi), x), ctx.op("Add", x, ctx.op("Mul", cubic, ctx.op("Mul", square, x))))
+        t = ctx.op("Tanh", inner)
+        slope = ctx.op(
+            "Mul",
+            ctx.scalar(math.sqrt(2 / math.pi), x),
+            ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Mul", ctx.scalar(3 * _TANH_GELU_CUBIC, x), square)),
+        )
+        local = ctx.op(
+            "Mul",
+            half,
+            ctx.op("Add", ctx.op("Add", ctx.scalar(1.0, x), t), ctx.op("Mul", x, ctx.op("Mul", _one_minus(ctx, ctx.op("Mul", t, t), x), slope))),
+        )
+    else:
+        cdf = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Erf", ctx.op("Mul", x, ctx.scalar(math.sqrt(0.5), x)))))
+        pdf = ctx.op("Mul", ctx.scalar(1 / math.sqrt(2 * math.pi), x), ctx.op("Exp", ctx.op("Mul", ctx.scalar(-0.5, x), square)))
+        local = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
+    return ctx.op("Mul", dy, local)
+
+
 UNARY_GRADIENTS: Dict[str, UnaryFn] = {
     "Relu": lambda ctx, node, x, y, dy: _where_positive(ctx, x, dy, ctx.scalar(0.0, x)),
     "LeakyRelu": lambda ctx, node, x, y, dy: _where_positive(
@@ -77,6 +107,9 @@ UNARY_GRADIENTS: Dict[str, UnaryFn] = {
         dy,
         ctx.op("Mul", ctx.scalar(2 / math.sqrt(math.pi), x), ctx.op("Exp", ctx.op("Neg", ctx.op("Mul", x, x)))),
     ),
+    "Sin": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Cos", x)),
+    "Cos": lambda ctx, node, x, y, dy: ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Sin", x))),
+    "Gelu": _gelu,
     "Clip": _clip,
 }
 

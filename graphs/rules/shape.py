@@ -1,5 +1,4 @@
-"""Ops that only move elements: Reshape, Flatten, Squeeze, Unsqueeze, Identity, Dropout
-(inference), Expand and Transpose."""
+"""Ops that only move elements: Reshape, Flatten, Squeeze, Unsqueeze, Identity, Expand and Transpose."""
 
 from __future__ import annotations
 
@@ -8,10 +7,10 @@ from typing import List, Optional
 import numpy as np
 import onnx
 
-from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.context import GradientContext, attr
+from normgrad.graphs.rules import register
 
-__all__ = ["reshape_gradient", "identity_gradient", "dropout_gradient", "expand_gradient", "transpose_gradient"]
+__all__ = ["reshape_gradient", "identity_gradient", "expand_gradient", "transpose_gradient"]
 
 
 @register("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -23,20 +22,6 @@ def reshape_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opt
 @register("Identity")
 def identity_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """dy itself."""
-    return [grads[0]]
-
-
-@register("Dropout", outputs=(0,))
-def dropout_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
-    """Inference-mode Dropout is the identity; training mode needs a random mask and is refused."""
-    training = node.input[2] if len(node.input) > 2 else ""
-    if training:
-        value = ctx.constant(training)
-        if value is None or bool(np.asarray(value).reshape(-1)[0]):
-            raise UnsupportedOperatorError(
-                f"{describe(node)}: Dropout in training mode is not supported (export the model with dropout "
-                "disabled, e.g. model.eval() for the dropout layers)"
-            )
     return [grads[0]]
 
 
