@@ -16,6 +16,7 @@ import normgrad
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, lookup
+from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
@@ -226,7 +227,11 @@ def frozen_parameters(
 
 
 def build_training_graph(
-    model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False, frozen: Iterable[str] = ()
+    model: onnx.ModelProto,
+    loss: Optional[str] = None,
+    inline: bool = False,
+    frozen: Iterable[str] = (),
+    portable: bool = False,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -244,6 +249,11 @@ def build_training_graph(
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
             plain initializers), e.g. from :func:`frozen_parameters`.
+        portable: rewrite the graph so that every execution provider runs it correctly
+            (:func:`normgrad.graphs.portable.make_portable`): trainable weights become pure
+            inputs (no initializer; their initial values are the forward model's
+            initializers, or call ``make_portable`` on the non-portable graph to get them),
+            inputs nothing reads are dropped.
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -341,4 +351,6 @@ def build_training_graph(
         result.opset_import.extend(kept)
     result.ir_version = IR_VERSION
     onnx.checker.check_model(result, full_check=True)
+    if portable:
+        result, _ = make_portable(result)
     return result

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from normgrad.graphs.portable import make_portable
 from normgrad.ops._common import IR_VERSION
 
 __all__ = ["build_optimizer_graph", "build_step_graph", "optimizer_state_names", "next_name"]
@@ -176,12 +177,16 @@ def _live_nodes(nodes: List[onnx.NodeProto], outputs: List[str]) -> List[onnx.No
     return live[::-1]
 
 
-def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+def build_step_graph(
+    training: onnx.ModelProto, kind: str, portable: bool = False, **options
+) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
     with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
     ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
     inputs (no initializer); the returned dict holds every state input's initial value, for
-    :func:`normgrad.checkpoint.save`.
+    :func:`normgrad.checkpoint.save`. ``portable``: rewrite the step graph so that every
+    execution provider runs it correctly (:func:`normgrad.graphs.portable.make_portable`);
+    ``training`` is the ordinary (non-portable) training graph.
 
     Raises:
         ValueError: a training graph without a loss, a non-float32 trainable weight, or a
@@ -221,8 +226,13 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
     data_inputs = [i.name for i in graph.input if i.name not in trainable]
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
     onnx.checker.check_model(model, full_check=True)
+    if portable:
+        model, _ = make_portable(model)
     initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
     for n in trainable:
         for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
             initial[name] = np.zeros(initial[n].shape, np.float32)
+    if portable:  # a state input nothing reads was dropped
+        kept = {i.name for i in model.graph.input}
+        initial = {name: value for name, value in initial.items() if name in kept}
     return model, initial
