@@ -137,6 +137,7 @@ def _onehot_nodes(node: onnx.NodeProto, rank: int, names: _Names) -> List[onnx.N
         "one": np.array([1], np.int64),
         "classes_shape": np.array(shape, np.int64),
         "axis": np.array([axis], np.int64),
+        "cumsum_axis": np.array(0, np.int64),  # an input, so 0-d is fine
     }
     names_of = {}
     nodes = []
@@ -151,7 +152,7 @@ def _onehot_nodes(node: onnx.NodeProto, rank: int, names: _Names) -> List[onnx.N
         make("Cast", [depth], "depth64", to=onnx.TensorProto.INT64),
         make("Reshape", [v["depth64"], one], "depth"),
         make("ConstantOfShape", [v["depth"]], "ones", value=onh.from_array(np.array([1], np.int64))),
-        make("CumSum", [v["ones"], zero], "counts"),
+        make("CumSum", [v["ones"], names_of["cumsum_axis"]], "counts"),
         make("Sub", [v["counts"], one], "range"),
         make("Reshape", [v["range"], names_of["classes_shape"]], "classes"),
         make("Cast", [indices], "indices64", to=onnx.TensorProto.INT64),

@@ -56,16 +56,12 @@ def counted_nodes(model: onnx.ModelProto) -> int:
     return sum(1 for node in inlined.graph.node if node.op_type != "Constant")
 
 
-def run_profiled(
-    model: onnx.ModelProto, feeds: Dict[str, np.ndarray], providers
-) -> Tuple[Dict[str, np.ndarray], List[Tuple[str, str]]]:
-    """(outputs, [(op type, node name)] of every node the CPU provider ran), read from the
-    session profile: each node event names the provider that ran it, and an OpenVINO
-    subgraph is one event."""
-    s = session(model, providers, profile=True)
-    names = [o.name for o in s.get_outputs()]
-    outputs = dict(zip(names, s.run(None, _declared(model, feeds))))
-    path = s.end_profiling()
+def nodes_on_cpu(profiled: ort.InferenceSession) -> List[Tuple[str, str]]:
+    """[(op type, node name)] of every node the CPU provider ran in a session made with
+    ``session(..., profile=True)`` and run at least once, read from its profile: each node
+    event names the provider that ran it (an OpenVINO subgraph is one event). Ends the
+    profiling."""
+    path = profiled.end_profiling()
     with open(path) as f:
         events = json.load(f)
     os.remove(path)
@@ -75,7 +71,17 @@ def run_profiled(
         args = event.get("args", {})
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and args.get("provider") == "CPUExecutionProvider":
             on_cpu.add((args["op_name"], event["name"][: -len("_kernel_time")]))
-    return outputs, sorted(on_cpu)
+    return sorted(on_cpu)
+
+
+def run_profiled(
+    model: onnx.ModelProto, feeds: Dict[str, np.ndarray], providers
+) -> Tuple[Dict[str, np.ndarray], List[Tuple[str, str]]]:
+    """(outputs, :func:`nodes_on_cpu`)."""
+    s = session(model, providers, profile=True)
+    names = [o.name for o in s.get_outputs()]
+    outputs = dict(zip(names, s.run(None, _declared(model, feeds))))
+    return outputs, nodes_on_cpu(s)
 
 
 def max_relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
