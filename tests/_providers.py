@@ -20,6 +20,10 @@ import pytest
 
 OPENVINO_PROVIDER = "OpenVINOExecutionProvider"
 OPENVINO = OPENVINO_PROVIDER in ort.get_available_providers()
+if os.environ.get("NORMGRAD_REQUIRE_OPENVINO") and not OPENVINO:
+    raise RuntimeError(
+        f"NORMGRAD_REQUIRE_OPENVINO is set but onnxruntime {ort.__version__} offers only {ort.get_available_providers()}"
+    )
 OPENVINO_CPU = [(OPENVINO_PROVIDER, {"device_type": "CPU"}), "CPUExecutionProvider"]
 CPU = ["CPUExecutionProvider"]
 
