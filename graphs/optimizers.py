@@ -13,6 +13,7 @@ is zeros (SGD's first step takes the gradient as its momentum buffer, as torch d
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -22,7 +23,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from normgrad.ops._common import IR_VERSION
 
-__all__ = ["build_optimizer_graph", "build_step_graph", "optimizer_state_names", "next_name"]
+__all__ = [
+    "build_optimizer_graph",
+    "build_step_graph",
+    "optimizer_state_names",
+    "next_name",
+    "optimizer_options",
+    "running_statistics",
+]
 
 _KINDS = ("sgd", "adam", "adamw")
 
@@ -176,12 +184,67 @@ def _live_nodes(nodes: List[onnx.NodeProto], outputs: List[str]) -> List[onnx.No
     return live[::-1]
 
 
+def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
+    return node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and any(
+        a.name == "training_mode" and a.i == 1 for a in node.attribute)
+
+
+def running_statistics(nodes: Sequence[onnx.NodeProto], initializers: Mapping[str, onnx.TensorProto],
+                       taken: set) -> Dict[str, str]:
+    """{running statistic: the BatchNormalization output holding its updated value} for every
+    training-mode BatchNormalization whose running_mean/running_var (inputs 3, 4) are
+    initializers. Outputs 1 and 2 are named on the node when absent (``nodes`` are changed in
+    place; ``taken`` holds the value names in use and gets the new ones).
+
+    Raises:
+        ValueError: an initializer that is the running statistic of two nodes (two updates of one tensor).
+    """
+    updated: Dict[str, str] = {}
+    for node in nodes:
+        if not _is_training_batch_norm(node) or len(node.input) < 5:
+            continue
+        while len(node.output) < 3:
+            node.output.append("")
+        for index in (3, 4):
+            stat = node.input[index]
+            if stat not in initializers:
+                continue
+            if stat in updated:
+                raise ValueError(f"running statistic {stat!r} is read by two training-mode BatchNormalization nodes; "
+                                 "a step graph cannot update it twice")
+            if not node.output[index - 2]:
+                name, k = f"{stat}.batch_update", 1
+                while name in taken:
+                    k += 1
+                    name = f"{stat}.batch_update{k}"
+                taken.add(name)
+                node.output[index - 2] = name
+            updated[stat] = node.output[index - 2]
+    return updated
+
+
+def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
+    """The optimizer kind and :func:`build_optimizer_graph` keyword arguments recorded in the
+    ``normgrad.optimizer`` metadata of a step or optimizer graph."""
+    metadata = {entry.key: entry.value for entry in model.metadata_props}
+    if "normgrad.optimizer" not in metadata:
+        raise ValueError("the model has no normgrad.optimizer metadata: not a step graph written by normgrad")
+    options = json.loads(metadata["normgrad.optimizer"])
+    kind = options.pop("kind")
+    options.pop("lr", None)
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    return kind, options
+
+
 def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
     with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
     ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
-    inputs (no initializer); the returned dict holds every state input's initial value, for
-    :func:`normgrad.checkpoint.save`.
+    inputs (no initializer); so do the running statistics of every training-mode
+    BatchNormalization (initializers read as inputs 3 and 4), whose ``NAME.next`` outputs are
+    the node's outputs 1 and 2 (torch's train-mode update). The returned dict holds every
+    state input's initial value, for :func:`normgrad.checkpoint.save`.
 
     Raises:
         ValueError: a training graph without a loss, a non-float32 trainable weight, or a
@@ -201,28 +264,41 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
     optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
+    nodes = [copy.deepcopy(node) for node in graph.node]
+    statistics = running_statistics(nodes, initializers, names)
+    nodes += [helper.make_node("Identity", [updated], [next_name(stat)]) for stat, updated in statistics.items()]
     present = {i.name for i in graph.input}
     produced = {o for n in graph.node for o in n.output}
-    inputs = list(graph.input) + [i for i in optimizer.graph.input if i.name not in present and i.name not in produced]
+    inputs = [i for i in graph.input if i.name not in statistics]
+    inputs += [i for i in optimizer.graph.input if i.name not in present and i.name not in produced]
+    inputs += [helper.make_tensor_value_info(s, initializers[s].data_type, list(initializers[s].dims)) for s in statistics]
     loss = [o for o in graph.output if o.name == "loss"]
     outputs = loss + list(optimizer.graph.output)
+    outputs += [helper.make_tensor_value_info(next_name(s), initializers[s].data_type, list(initializers[s].dims))
+                for s in statistics]
+    state_inputs = set(trainable) | set(statistics)
     step = helper.make_graph(
-        _live_nodes(list(graph.node) + list(optimizer.graph.node), [o.name for o in outputs]),
+        _live_nodes(nodes + list(optimizer.graph.node), [o.name for o in outputs]),
         f"{graph.name}_{kind}_step",
         inputs,
         outputs,
-        initializer=[t for t in graph.initializer if t.name not in trainable] + list(optimizer.graph.initializer),
+        initializer=[t for t in graph.initializer if t.name not in state_inputs] + list(optimizer.graph.initializer),
         value_info=list(graph.value_info),
     )
     model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")
     model.functions.extend(training.functions)
     model.ir_version = IR_VERSION
     step_metadata = {entry.key: entry.value for entry in optimizer.metadata_props}
-    data_inputs = [i.name for i in graph.input if i.name not in trainable]
+    state_map = json.loads(step_metadata["normgrad.state"])
+    state_map.update({s: next_name(s) for s in statistics})
+    step_metadata["normgrad.state"] = json.dumps(state_map)
+    step_metadata["normgrad.running_statistics"] = json.dumps(list(statistics))
+    data_inputs = [i.name for i in graph.input if i.name not in state_inputs]
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
     onnx.checker.check_model(model, full_check=True)
     initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
     for n in trainable:
         for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
             initial[name] = np.zeros(initial[n].shape, np.float32)
+    initial.update({s: numpy_helper.to_array(initializers[s]).copy() for s in statistics})
     return model, initial
