@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from normgrad.graphs.structure import subgraph_captures
 from normgrad.ops._common import IR_VERSION
 
 __all__ = [
@@ -30,7 +31,13 @@ __all__ = [
     "next_name",
     "optimizer_options",
     "running_statistics",
+    "build_gradient_graph",
+    "build_inference_model",
+    "ACCUMULATOR_SUFFIX",
 ]
+
+ACCUMULATOR_SUFFIX = "_grad.sum"
+"""``P_grad.sum``: the gradient accumulator input of :func:`build_gradient_graph` for parameter ``P``."""
 
 _KINDS = ("sgd", "adam", "adamw")
 
@@ -174,14 +181,123 @@ def build_optimizer_graph(
     return model
 
 
-def _live_nodes(nodes: List[onnx.NodeProto], outputs: List[str]) -> List[onnx.NodeProto]:
+def _live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> List[onnx.NodeProto]:
     """The nodes some output depends on (the gradients of data inputs are not step outputs)."""
     needed, live = set(outputs), []
     for node in reversed(nodes):
         if any(name in needed for name in node.output):
             live.append(node)
             needed.update(node.input)
+            needed.update(subgraph_captures(node))
     return live[::-1]
+
+
+def _read_values(nodes: Sequence[onnx.NodeProto]) -> set:
+    return {name for node in nodes for name in list(node.input) + subgraph_captures(node)}
+
+
+def _metadata(model: onnx.ModelProto) -> Dict[str, object]:
+    return {entry.key: json.loads(entry.value) for entry in model.metadata_props if entry.key.startswith("normgrad.")}
+
+
+def _sub_model(step: onnx.ModelProto, name: str, nodes: List[onnx.NodeProto], inputs: List[onnx.ValueInfoProto],
+               outputs: List[onnx.ValueInfoProto], properties: Mapping[str, str],
+               initializers: Sequence[onnx.TensorProto] = (), check: bool = True) -> onnx.ModelProto:
+    """A model of ``nodes`` cut out of ``step``, with the initializers they read (plus
+    ``initializers``) and the function bodies and opsets of the domains they use."""
+    read = _read_values(nodes)
+    graph = helper.make_graph(nodes, name, inputs, outputs,
+                              initializer=[t for t in step.graph.initializer if t.name in read] + list(initializers),
+                              value_info=[v for v in step.graph.value_info if v.name in read])
+    domains = {node.domain for node in nodes} | {""}
+    opsets = [o for o in step.opset_import if o.domain in domains or (o.domain == "ai.onnx" and "" in domains)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="normgrad")
+    model.functions.extend(f for f in step.functions if f.domain in domains)
+    model.ir_version = IR_VERSION
+    helper.set_model_props(model, dict(properties))
+    if check:
+        onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def build_gradient_graph(step: onnx.ModelProto) -> onnx.ModelProto:
+    """The gradient half of a step graph, accumulating: (data inputs, parameters, running
+    statistics, ``P_grad.sum`` per parameter, ``grad_scale``) -> (``loss``, ``NAME.next`` per
+    running statistic, ``P_grad.sum.next`` = ``P_grad.sum`` + ``P_grad`` * ``grad_scale``).
+
+    Run once per micro-batch with ``grad_scale`` = 1/k and the sums starting at zero, it
+    gives the mean gradient of k micro-batches (torch's ``(loss / k).backward()`` k times)
+    for the optimizer graph (:func:`build_optimizer_graph` with :func:`optimizer_options`),
+    with room for an all-reduce between the two.
+    """
+    meta = _metadata(step)
+    parameters = meta["normgrad.parameters"]
+    statistics = meta.get("normgrad.running_statistics", [])
+    types = {i.name: i for i in step.graph.input}
+    grad_outputs = [f"{p}_grad" for p in parameters]
+    outputs = ["loss"] + [next_name(s) for s in statistics]
+    nodes = [copy.deepcopy(n) for n in _live_nodes(step.graph.node, outputs + grad_outputs)]
+    accumulated = []
+    for p in parameters:
+        total = p + ACCUMULATOR_SUFFIX
+        scaled = helper.make_node("Mul", [f"{p}_grad", "grad_scale"], [f"{total}.scaled"])
+        nodes += [scaled, helper.make_node("Add", [total, scaled.output[0]], [next_name(total)])]
+        accumulated.append(total)
+    read = _read_values(nodes)
+    inputs = [i for i in step.graph.input if i.name in read and i.name not in ("lr", "step")]
+    inputs.append(helper.make_tensor_value_info("grad_scale", TensorProto.FLOAT, []))
+    inputs += [helper.make_tensor_value_info(a, TensorProto.FLOAT, _dims(types[p])) for a, p in zip(accumulated, parameters)]
+    loss = [o for o in step.graph.output if o.name == "loss"]
+    state_outputs = [o for o in step.graph.output if o.name in {next_name(s) for s in statistics}]
+    outputs_info = loss + state_outputs + [helper.make_tensor_value_info(next_name(a), TensorProto.FLOAT, _dims(types[p]))
+                                           for a, p in zip(accumulated, parameters)]
+    state = {**{s: next_name(s) for s in statistics}, **{a: next_name(a) for a in accumulated}}
+    return _sub_model(step, f"{step.graph.name}_gradients", nodes, inputs, outputs_info,
+                      {"normgrad.state": json.dumps(state), "normgrad.parameters": json.dumps(parameters)})
+
+
+def _dims(info: onnx.ValueInfoProto) -> List[int]:
+    return [d.dim_value for d in info.type.tensor_type.shape.dim]
+
+
+def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The forward model inside a step graph, for inference: the nodes computing the output
+    the loss reads, with BatchNormalization in inference mode (normalizing with the running
+    statistics; outputs 1 and 2 dropped) and Dropout as Identity, and every state tensor it
+    reads (``tensors``: trained weights, running statistics) as an initializer.
+
+    Raises:
+        ValueError: ``step`` is not a step graph, or ``tensors`` lacks a state tensor the forward reads.
+    """
+    meta = _metadata(step)
+    if "normgrad.loss" not in meta or not meta["normgrad.loss"]:
+        raise ValueError("not a step graph written by normgrad: no normgrad.loss metadata")
+    output = meta["normgrad.loss"]["output"]
+    nodes = []
+    for node in _live_nodes(step.graph.node, [output]):
+        node = copy.deepcopy(node)
+        if _is_training_batch_norm(node):
+            for attribute in node.attribute:
+                if attribute.name == "training_mode":
+                    attribute.i = 0
+            del node.output[1:]
+        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            node = helper.make_node("Identity", node.input[:1], node.output[:1], name=node.name)
+        nodes.append(node)
+    read = _read_values(nodes)
+    state = set(meta["normgrad.state"])
+    missing = sorted(n for n in state if n in read and n not in tensors)
+    if missing:
+        raise ValueError(f"no value for state tensor {missing[0]!r}, which the forward model reads")
+    inputs = [i for i in step.graph.input if i.name in read and i.name not in state]
+    loss_type = next(o for o in step.graph.output if o.name == "loss").type.tensor_type.elem_type
+    trained = [numpy_helper.from_array(np.asarray(tensors[n]), n) for n in sorted(state & read)]
+    model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
+                       [helper.make_tensor_value_info(output, loss_type, None)], {}, trained, check=False)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    model.graph.output[0].CopyFrom(next(o for o in inferred.graph.output if o.name == output))
+    onnx.checker.check_model(model, full_check=True)
+    return model
 
 
 def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
