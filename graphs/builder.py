@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import onnx
 import onnx.helper as oh
@@ -205,6 +205,22 @@ def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
     return info
 
 
+def _loss_output(graph: onnx.GraphProto, float_outputs: List[onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
+    """The graph output ``name``, checked to be a differentiable float scalar."""
+    found = [o for o in graph.output if o.name == name]
+    if not found:
+        raise ValueError(f"loss output {name!r} is not an output of the model "
+                         f"(outputs: {', '.join(o.name for o in graph.output)})")
+    if found[0] not in float_outputs:
+        raise ValueError(f"loss output {_describe_output(found[0])} is not a float tensor that depends on a float "
+                         "input or trainable initializer")
+    shape = found[0].type.tensor_type.shape if _has_shape(found[0].type) else None
+    if shape is None or len(shape.dim) != 0:
+        dims = "unknown" if shape is None else [d.dim_value or d.dim_param or "?" for d in shape.dim]
+        raise ValueError(f"loss output {name!r} must be a scalar (shape []); its shape is {dims}")
+    return found[0]
+
+
 def frozen_parameters(
     model: onnx.ModelProto, freeze: Sequence[str] = (), trainable: Optional[Sequence[str]] = None
 ) -> Set[str]:
@@ -226,7 +242,12 @@ def frozen_parameters(
 
 
 def build_training_graph(
-    model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False, frozen: Iterable[str] = ()
+    model: onnx.ModelProto,
+    loss: Optional[str] = None,
+    inline: bool = False,
+    frozen: Iterable[str] = (),
+    loss_options: Optional[Mapping[str, object]] = None,
+    loss_output: Optional[str] = None,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -239,7 +260,11 @@ def build_training_graph(
 
     Args:
         model: the forward model (default-domain ops; local functions are inlined).
-        loss: None, ``"mse"`` or ``"cross_entropy"``: a loss of the first output.
+        loss: None or a name in :data:`normgrad.graphs.losses.LOSSES`: a loss of the first output.
+        loss_options: the loss's options (torch's names, :data:`normgrad.graphs.losses.LOSS_OPTIONS`):
+            ``label_smoothing``, ``ignore_index`` (cross_entropy), ``beta`` (smooth_l1).
+        loss_output: instead of ``loss``, the name of a scalar float output the forward
+            model already computes as its loss (seeded with gradient 1; no ``labels`` input).
         inline: write standard ops only (the normgrad function bodies inlined) instead of
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
@@ -251,7 +276,8 @@ def build_training_graph(
 
     Raises:
         UnsupportedOperatorError: a gradient must flow through an operator (or a variant of one) without a rule.
-        ValueError: unknown loss, an opset the version converter cannot raise, no
+        ValueError: unknown loss or loss option, a ``loss_output`` that is not a
+            differentiable scalar output, an opset the version converter cannot raise, no
             differentiable output, or a malformed graph (a value produced twice, nodes out
             of topological order, a cycle).
     """
@@ -270,7 +296,13 @@ def build_training_graph(
             "no output of the model is differentiable: none is a float tensor that depends on a float input "
             f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})"
         )
-    seeded = [float_outputs[0].name] if loss is not None else [o.name for o in float_outputs]
+    if loss_output is not None:
+        if loss is not None:
+            raise ValueError("give either a loss or a loss output, not both")
+        float_outputs = [_loss_output(graph, float_outputs, loss_output)]
+    if loss_options and loss is None:
+        raise ValueError("loss options need a loss")
+    seeded = [float_outputs[0].name] if loss is not None or loss_output is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     ctx = GradientContext(graph, opset, needs)
 
@@ -290,7 +322,7 @@ def build_training_graph(
     extra_outputs: List[onnx.ValueInfoProto] = []
     if loss is not None:
         ctx.scope("loss")
-        appended = losses.append_loss(ctx, loss, float_outputs[0])
+        appended = losses.append_loss(ctx, loss, float_outputs[0], loss_options)
         if ctx.reserve(appended.labels.name) != appended.labels.name:
             raise ValueError("the model already has a value named 'labels'")
         extra_inputs.append(appended.labels)
@@ -298,6 +330,14 @@ def build_training_graph(
         ctx.op("Identity", appended.loss, outputs=[loss_name])
         extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
         seeds = {float_outputs[0].name: appended.grad}
+    elif loss_output is not None:
+        ctx.scope("loss")
+        seeds = {loss_output: ctx.scalar(1.0, loss_output)}
+        if loss_output != "loss":
+            if ctx.reserve("loss") != "loss":
+                raise ValueError("the model already has a value named 'loss' besides its loss output")
+            ctx.op("Identity", loss_output, outputs=["loss"])
+            extra_outputs.append(_value_info("loss", float_outputs[0].type))
     else:
         seeds = {}
         for output in float_outputs:
@@ -328,7 +368,9 @@ def build_training_graph(
     metadata = {
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
-        METADATA_LOSS: json.dumps({"kind": loss, "output": float_outputs[0].name} if loss else None),
+        METADATA_LOSS: json.dumps(
+            {"kind": loss, "output": float_outputs[0].name, "options": dict(loss_options or {})} if loss
+            else {"kind": "output", "output": loss_output, "options": {}} if loss_output else None),
     }
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION

@@ -261,8 +261,9 @@ def _dims(info: onnx.ValueInfoProto) -> List[int]:
 
 
 def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """The forward model inside a step graph, for inference: the nodes computing the output
-    the loss reads, with BatchNormalization in inference mode (normalizing with the running
+    """The forward model inside a step graph, for inference: the nodes computing its forward
+    outputs (those the step graph still computes; for a model computing its own loss
+    (``loss_output``), its other outputs when it has any), with BatchNormalization in inference mode (normalizing with the running
     statistics; outputs 1 and 2 dropped) and Dropout as Identity, and every state tensor it
     reads (``tensors``: trained weights, running statistics) as an initializer.
 
@@ -272,9 +273,13 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     meta = _metadata(step)
     if "normgrad.loss" not in meta or not meta["normgrad.loss"]:
         raise ValueError("not a step graph written by normgrad: no normgrad.loss metadata")
-    output = meta["normgrad.loss"]["output"]
+    loss_output = meta["normgrad.loss"]["output"]
+    produced = {o for node in step.graph.node for o in node.output}
+    outputs = [o for o in meta.get("normgrad.forward_outputs", [loss_output]) if o in produced]
+    if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
+        outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
     nodes = []
-    for node in _live_nodes(step.graph.node, [output]):
+    for node in _live_nodes(step.graph.node, outputs):
         node = copy.deepcopy(node)
         if _is_training_batch_norm(node):
             for attribute in node.attribute:
@@ -290,12 +295,14 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     if missing:
         raise ValueError(f"no value for state tensor {missing[0]!r}, which the forward model reads")
     inputs = [i for i in step.graph.input if i.name in read and i.name not in state]
-    loss_type = next(o for o in step.graph.output if o.name == "loss").type.tensor_type.elem_type
     trained = [numpy_helper.from_array(np.asarray(tensors[n]), n) for n in sorted(state & read)]
     model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
-                       [helper.make_tensor_value_info(output, loss_type, None)], {}, trained, check=False)
-    inferred = onnx.shape_inference.infer_shapes(model)
-    model.graph.output[0].CopyFrom(next(o for o in inferred.graph.output if o.name == output))
+                       [onnx.ValueInfoProto(name=o) for o in outputs], {}, trained, check=False)
+    inferred_graph = onnx.shape_inference.infer_shapes(model).graph
+    inferred = {o.name: o for o in list(inferred_graph.value_info) + list(inferred_graph.output) if o.HasField("type")}
+    for output in model.graph.output:
+        if output.name in inferred:
+            output.CopyFrom(inferred[output.name])
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -410,6 +417,9 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
     step_metadata["normgrad.state"] = json.dumps(state_map)
     step_metadata["normgrad.running_statistics"] = json.dumps(list(statistics))
     data_inputs = [i.name for i in graph.input if i.name not in state_inputs]
+    gradients = json.loads(metadata["normgrad.gradients"])
+    step_metadata["normgrad.forward_outputs"] = json.dumps(
+        [o.name for o in graph.output if o.name != "loss" and o.name not in gradients])
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
     onnx.checker.check_model(model, full_check=True)
     initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
