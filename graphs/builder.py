@@ -15,11 +15,12 @@ import onnx.shape_inference
 import normgrad
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, lookup
+from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
-__all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS"]
+__all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS",
+           "METADATA_BATCH_NORM"]
 
 MIN_OPSET = 15
 """The lowest default-domain opset of a training graph (normgrad function bodies need it)."""
@@ -28,6 +29,10 @@ METADATA_SEEDS = "normgrad.seeds"
 """Model metadata key: JSON {forward output: its seed-gradient input}."""
 METADATA_GRADIENTS = "normgrad.gradients"
 """Model metadata key: JSON {gradient output: the input or initializer it is the gradient of}."""
+METADATA_BATCH_NORM = "normgrad.batch_norm"
+"""Model metadata key: JSON list, per training-mode BatchNormalization, of {"output": its Y,
+"running_mean", "running_var": its inputs 3 and 4, "running_mean_next", "running_var_next":
+the values holding their train-mode update}."""
 METADATA_LOSS = "normgrad.loss"
 """Model metadata key: JSON {"kind": loss name, "output": the output it applies to}, or null."""
 
@@ -101,9 +106,11 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return inferred
 
 
-def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) -> Tuple[Set[str], List[onnx.NodeProto]]:
+def _active(
+    graph: onnx.GraphProto, types: GradientContext, frozen: Set[str], stopped: Set[str]
+) -> Tuple[Set[str], List[onnx.NodeProto]]:
     """Values reachable from a float input or non-frozen initializer through differentiable
-    edges, and the nodes without a rule that such a value enters."""
+    edges (never through ``stopped`` values), and the nodes without a rule that such a value enters."""
     active = {i.name for i in graph.input if _is_float(i.type)}
     active |= {t.name for t in graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
     unsupported: List[onnx.NodeProto] = []
@@ -116,7 +123,7 @@ def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) ->
             continue
         if any(node.input[i] in active for i in rule.differentiable_inputs(types, node)):
             outputs = (node.output[i] for i in rule.differentiable_outputs(node))
-            active.update(name for name in outputs if _maybe_float(types.type_of(name)))
+            active.update(name for name in outputs if _maybe_float(types.type_of(name)) and name not in stopped)
     return active, unsupported
 
 
@@ -205,6 +212,31 @@ def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
     return info
 
 
+def _name_running_outputs(graph: onnx.GraphProto) -> List[Dict[str, str]]:
+    """Names the running-statistics outputs (1 and 2) of every training-mode
+    BatchNormalization where absent, so that the graph computes their update, and lists
+    them (:data:`METADATA_BATCH_NORM`)."""
+    taken = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    found = []
+    for node in graph.node:
+        training = any(a.name == "training_mode" and a.i for a in node.attribute)
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or not training:
+            continue
+        while len(node.output) < 3:
+            node.output.append("")
+        for index in (1, 2):
+            if not node.output[index]:
+                name, k = f"{node.input[index + 2]}.updated", 1
+                while name in taken:
+                    k += 1
+                    name = f"{node.input[index + 2]}.updated{k}"
+                taken.add(name)
+                node.output[index] = name
+        found.append({"output": node.output[0], "running_mean": node.input[3], "running_var": node.input[4],
+                      "running_mean_next": node.output[1], "running_var_next": node.output[2]})
+    return found
+
+
 def _loss_output(graph: onnx.GraphProto, float_outputs: List[onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
     """The graph output ``name``, checked to be a differentiable float scalar."""
     found = [o for o in graph.output if o.name == name]
@@ -248,6 +280,7 @@ def build_training_graph(
     frozen: Iterable[str] = (),
     loss_options: Optional[Mapping[str, object]] = None,
     loss_output: Optional[str] = None,
+    batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -269,6 +302,9 @@ def build_training_graph(
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
             plain initializers), e.g. from :func:`frozen_parameters`.
+        batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
+            statistics and backward sums go through this all-reduce (see
+            :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -285,8 +321,11 @@ def build_training_graph(
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
+    running_statistics = _name_running_outputs(graph)
+    batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
+    stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}
     types = GradientContext(graph, opset, set())
-    active, unsupported = _active(graph, types, set(frozen))
+    active, unsupported = _active(graph, types, set(frozen), stopped)
     for output in graph.output:  # the graph outputs with the best type known
         if not _has_shape(output.type) and _has_shape(types.type_of(output.name)):
             output.type.CopyFrom(types.type_of(output.name))
@@ -305,6 +344,7 @@ def build_training_graph(
     seeded = [float_outputs[0].name] if loss is not None or loss_output is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     ctx = GradientContext(graph, opset, needs)
+    ctx.batch_statistics = batch_statistics
 
     input_names = {i.name for i in graph.input}
     wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]
@@ -372,6 +412,8 @@ def build_training_graph(
             {"kind": loss, "output": float_outputs[0].name, "options": dict(loss_options or {})} if loss
             else {"kind": "output", "output": loss_output, "options": {}} if loss_output else None),
     }
+    if running_statistics:
+        metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     result = normgrad.add_functions(result)

@@ -263,9 +263,10 @@ def _dims(info: onnx.ValueInfoProto) -> List[int]:
 def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """The forward model inside a step graph, for inference: the nodes computing its forward
     outputs (those the step graph still computes; for a model computing its own loss
-    (``loss_output``), its other outputs when it has any), with BatchNormalization in inference mode (normalizing with the running
-    statistics; outputs 1 and 2 dropped) and Dropout as Identity, and every state tensor it
-    reads (``tensors``: trained weights, running statistics) as an initializer.
+    (``loss_output``), its other outputs when it has any), with every training-mode
+    BatchNormalization normalizing with its running statistics instead of the batch's,
+    Dropout as Identity, and every state tensor it reads (``tensors``: trained weights,
+    running statistics) as an initializer.
 
     Raises:
         ValueError: ``step`` is not a step graph, or ``tensors`` lacks a state tensor the forward reads.
@@ -278,17 +279,17 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     outputs = [o for o in meta.get("normgrad.forward_outputs", [loss_output]) if o in produced]
     if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
         outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
+    running = {layer["output"]: layer for layer in meta.get("normgrad.batch_norm", [])}
     nodes = []
-    for node in _live_nodes(step.graph.node, outputs):
-        node = copy.deepcopy(node)
-        if _is_training_batch_norm(node):
-            for attribute in node.attribute:
-                if attribute.name == "training_mode":
-                    attribute.i = 0
-            del node.output[1:]
+    for node in step.graph.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and node.output[0] in running:
+            # the layer normalizes with its batch statistics in training: the running ones now
+            node = copy.deepcopy(node)
+            node.input[3], node.input[4] = running[node.output[0]]["running_mean"], running[node.output[0]]["running_var"]
         elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
             node = helper.make_node("Identity", node.input[:1], node.output[:1], name=node.name)
         nodes.append(node)
+    nodes = _live_nodes(nodes, outputs)
     read = _read_values(nodes)
     state = set(meta["normgrad.state"])
     missing = sorted(n for n in state if n in read and n not in tensors)
@@ -307,42 +308,19 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     return model
 
 
-def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
-    return node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and any(
-        a.name == "training_mode" and a.i == 1 for a in node.attribute)
-
-
-def running_statistics(nodes: Sequence[onnx.NodeProto], initializers: Mapping[str, onnx.TensorProto],
-                       taken: set) -> Dict[str, str]:
-    """{running statistic: the BatchNormalization output holding its updated value} for every
-    training-mode BatchNormalization whose running_mean/running_var (inputs 3, 4) are
-    initializers. Outputs 1 and 2 are named on the node when absent (``nodes`` are changed in
-    place; ``taken`` holds the value names in use and gets the new ones).
-
-    Raises:
-        ValueError: an initializer that is the running statistic of two nodes (two updates of one tensor).
-    """
+def running_statistics(training: onnx.ModelProto) -> Dict[str, str]:
+    """{running statistic: the value holding its train-mode update} for every training-mode
+    BatchNormalization of a training graph whose running_mean/running_var are initializers
+    (``normgrad.batch_norm`` metadata, written by ``build_training_graph``)."""
+    initializers = {t.name for t in training.graph.initializer}
     updated: Dict[str, str] = {}
-    for node in nodes:
-        if not _is_training_batch_norm(node) or len(node.input) < 5:
-            continue
-        while len(node.output) < 3:
-            node.output.append("")
-        for index in (3, 4):
-            stat = node.input[index]
-            if stat not in initializers:
-                continue
-            if stat in updated:
-                raise ValueError(f"running statistic {stat!r} is read by two training-mode BatchNormalization nodes; "
-                                 "a step graph cannot update it twice")
-            if not node.output[index - 2]:
-                name, k = f"{stat}.batch_update", 1
-                while name in taken:
-                    k += 1
-                    name = f"{stat}.batch_update{k}"
-                taken.add(name)
-                node.output[index - 2] = name
-            updated[stat] = node.output[index - 2]
+    for layer in _metadata(training).get("normgrad.batch_norm", []):
+        for stat in ("running_mean", "running_var"):
+            if layer[stat] in initializers:
+                if layer[stat] in updated:
+                    raise ValueError(f"running statistic {layer[stat]!r} belongs to two training-mode BatchNormalization "
+                                     "nodes; a step graph cannot update it twice")
+                updated[layer[stat]] = layer[f"{stat}_next"]
     return updated
 
 
@@ -366,7 +344,7 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
     ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
     inputs (no initializer); so do the running statistics of every training-mode
     BatchNormalization (initializers read as inputs 3 and 4), whose ``NAME.next`` outputs are
-    the node's outputs 1 and 2 (torch's train-mode update). The returned dict holds every
+    torch's train-mode update (:func:`running_statistics`). The returned dict holds every
     state input's initial value, for :func:`normgrad.checkpoint.save`.
 
     Raises:
@@ -387,9 +365,9 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
     optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
-    nodes = [copy.deepcopy(node) for node in graph.node]
-    statistics = running_statistics(nodes, initializers, names)
-    nodes += [helper.make_node("Identity", [updated], [next_name(stat)]) for stat, updated in statistics.items()]
+    statistics = running_statistics(training)
+    nodes = list(graph.node) + [helper.make_node("Identity", [updated], [next_name(stat)])
+                                for stat, updated in statistics.items()]
     present = {i.name for i in graph.input}
     produced = {o for n in graph.node for o in n.output}
     inputs = [i for i in graph.input if i.name not in statistics]
