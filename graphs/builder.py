@@ -34,7 +34,8 @@ METADATA_BATCH_NORM = "normgrad.batch_norm"
 "running_mean", "running_var": its inputs 3 and 4, "running_mean_next", "running_var_next":
 the values holding their train-mode update}."""
 METADATA_LOSS = "normgrad.loss"
-"""Model metadata key: JSON {"kind": loss name, "output": the output it applies to}, or null."""
+"""Model metadata key: JSON {"kind": loss name (``"output"`` for ``loss_output``), "output":
+the output it applies to, "options": the loss options, when any}, or null."""
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -409,8 +410,8 @@ def build_training_graph(
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
         METADATA_LOSS: json.dumps(
-            {"kind": loss, "output": float_outputs[0].name, "options": dict(loss_options or {})} if loss
-            else {"kind": "output", "output": loss_output, "options": {}} if loss_output else None),
+            {"kind": loss, "output": float_outputs[0].name, **({"options": dict(loss_options)} if loss_options else {})}
+            if loss else {"kind": "output", "output": loss_output} if loss_output else None),
     }
     if running_statistics:
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)

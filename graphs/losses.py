@@ -51,13 +51,17 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     log_probs = ctx.op("LogSoftmax", output, axis=1)
-    values = ctx.op("CastLike", ctx.op("Constant", value=onh.from_array(np.array([0.0, 1.0], np.float32))), output)
-    # depth as a scalar: onnx's ReferenceEvaluator rejects the [1]-shaped form the spec allows.
-    depth = ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0]))
+
+    def onehot_of(indices: str) -> tuple:
+        values = ctx.op("CastLike", ctx.op("Constant", value=onh.from_array(np.array([0.0, 1.0], np.float32))), output)
+        # depth as a scalar: onnx's ReferenceEvaluator rejects the [1]-shaped form the spec allows.
+        depth = ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0]))
+        return ctx.op("OneHot", indices, depth, values, axis=1), depth
+
     if ignore_index is None and label_smoothing == 0.0:
         picked = ctx.op("GatherElements", log_probs, ctx.unsqueeze(labels, [1]), axis=1)
         loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
-        onehot = ctx.op("OneHot", labels, depth, values, axis=1)
+        onehot, _ = onehot_of(labels)
         count = ctx.op("CastLike", ctx.op("Size", labels), output)
         return loss, ctx.op("Div", ctx.op("Sub", ctx.op("Softmax", output, axis=1), onehot), count)
     if ignore_index is None:
@@ -69,6 +73,7 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
         valid = ctx.op("CastLike", ctx.op("Not", ignored), output)
         count = ctx.reduce("ReduceSum", valid, None, keepdims=False)
     masked = (lambda value: value) if valid is None else (lambda value: ctx.op("Mul", value, valid))
+    onehot, depth = onehot_of(safe)
     picked = ctx.op("Squeeze", ctx.op("GatherElements", log_probs, ctx.unsqueeze(safe, [1]), axis=1), ctx.ints([1]))
     nll_sum = ctx.reduce("ReduceSum", masked(picked), None, keepdims=False)
     smoothing_per_class = ctx.op("Div", ctx.scalar(label_smoothing, output), ctx.op("CastLike", depth, output))
@@ -78,7 +83,6 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
                                keepdims=False)
         total = ctx.op("Add", total, ctx.op("Mul", class_sum, smoothing_per_class))
     loss = ctx.op("Neg", ctx.op("Div", total, count))
-    onehot = ctx.op("OneHot", safe, depth, values, axis=1)
     target = ctx.op("Add", ctx.op("Mul", onehot, ctx.scalar(1.0 - label_smoothing, output)), smoothing_per_class)
     grad = ctx.op("Div", ctx.op("Sub", ctx.op("Softmax", output, axis=1), target), count)
     return loss, grad if valid is None else ctx.op("Mul", grad, ctx.unsqueeze(valid, [1]))
