@@ -61,10 +61,10 @@ class _Nodes:
         self.initializers: List[onnx.TensorProto] = []
         self._count = 0
 
-    def const(self, value: float) -> str:
+    def const(self, value: float, dtype=np.float32) -> str:
         self._count += 1
         name = f"optimizer.const{self._count}"
-        self.initializers.append(numpy_helper.from_array(np.array(value, dtype=np.float32), name))
+        self.initializers.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
         return name
 
     def op(self, op_type: str, *inputs: str, output: Optional[str] = None, **attributes) -> str:
@@ -123,6 +123,17 @@ def build_optimizer_graph(
         clamped = g.op("Min", coefficient, g.const(1.0))
         grads = {p: g.op("Mul", grads[p], clamped) for p in parameters}
 
+    if kind != "sgd":
+        # bias corrections in float64, as torch computes them (Python floats): in float32,
+        # 1 - 0.999**step loses about 5 digits to cancellation in the first steps
+        beta1, beta2 = betas
+        step64 = g.op("Cast", "step", to=TensorProto.DOUBLE)
+        one = g.const(1.0, np.float64)
+        correction1 = g.op("Sub", one, g.op("Pow", g.const(beta1, np.float64), step64))
+        correction2 = g.op("Sub", one, g.op("Pow", g.const(beta2, np.float64), step64))
+        step_size = g.op("Cast", g.op("Div", g.op("Cast", "lr", to=TensorProto.DOUBLE), correction1), to=TensorProto.FLOAT)
+        correction2_sqrt = g.op("Cast", g.op("Sqrt", correction2), to=TensorProto.FLOAT)
+
     outputs = []
     for p, s in parameters.items():
         grad, param = grads[p], p
@@ -138,7 +149,6 @@ def build_optimizer_graph(
                 grad = g.op("Add", grad, g.op("Mul", new_buffer, g.const(momentum))) if nesterov else new_buffer
             g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
         else:
-            beta1, beta2 = betas
             if weight_decay != 0:
                 if kind == "adamw":
                     param = g.op("Mul", param, g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay))))
@@ -155,9 +165,6 @@ def build_optimizer_graph(
                 max_sq = f"{p}.max_exp_avg_sq"
                 second_moment = g.op("Max", max_sq, new_sq, output=next_name(max_sq))
                 state[max_sq] = second_moment
-            correction1 = g.op("Sub", g.const(1.0), g.op("Pow", g.const(beta1), "step"))
-            correction2_sqrt = g.op("Sqrt", g.op("Sub", g.const(1.0), g.op("Pow", g.const(beta2), "step")))
-            step_size = g.op("Div", "lr", correction1)
             denominator = g.op("Add", g.op("Div", g.op("Sqrt", second_moment), correction2_sqrt), g.const(eps))
             update = g.op("Mul", g.op("Div", new_avg, denominator), step_size)
             g.op("Sub", param, update, output=next_name(p))
