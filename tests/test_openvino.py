@@ -132,3 +132,26 @@ def test_training_loop_on_openvino(block, loss, optimizer, options, allowed_on_c
     assert not unexplained, f"ran on the CPU provider: {on_cpu}"
     print(f"{block} {loss} {optimizer}: {len(on_cpu)} of {counted_nodes(step_model)} nodes on the CPU provider: "
           f"{sorted({op for op, _ in on_cpu})}")
+
+
+def test_trainer_on_openvino():
+    """normgrad.train.Trainer with providers=[OpenVINO, CPU] and no kernels registered (so
+    OpenVINO inlines the function bodies): 5 steps of a portable step graph, state fed back
+    through IOBinding, against the float64 loop."""
+    from normgrad.train import Trainer
+
+    training = build_training_graph(examples.style_transfer_block(), loss="mse")
+    step_model, state = build_step_graph(training, "sgd", portable=True, momentum=0.9)
+    trainer = Trainer(step_model, state, lr=0.1, providers=OPENVINO_CPU, kernels=None)
+    assert trainer._step_part.session.get_providers()[0] == "OpenVINOExecutionProvider"
+    rng = np.random.default_rng(8)
+    batches = [{"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32),
+                "labels": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)} for _ in range(5)]
+    losses = [trainer.step(**batch) for batch in batches]
+    want_losses, want = _step_loop(step_model, {k: v.astype(np.float64) for k, v in state.items()}, batches,
+                                   lambda feeds: float64_outputs(step_model, feeds))
+    for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
+        assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}"
+    final = trainer.state_dict()
+    for name, expected in want.items():
+        assert max_relative_error(final[name], expected) <= 1e-4, name
