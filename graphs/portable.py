@@ -36,7 +36,7 @@ import onnx.inliner
 import onnx.numpy_helper as onh
 import onnx.shape_inference
 
-from normgrad.graphs.context import attr, describe
+from normgrad.graphs.context import attr, describe, reserve_name
 
 __all__ = ["make_portable", "METADATA_REMOVED_INPUTS", "EXPANDED_OPS"]
 
@@ -58,12 +58,7 @@ class _Names:
             self.used.add(node.name)
 
     def __call__(self, hint: str) -> str:
-        name, k = hint, 0
-        while name in self.used:
-            k += 1
-            name = f"{hint}_{k}"
-        self.used.add(name)
-        return name
+        return reserve_name(self.used, hint)
 
 
 def _weights_as_inputs(graph: onnx.GraphProto) -> Dict[str, np.ndarray]:
