@@ -14,6 +14,10 @@ minimal reproducer of each:
 * **OneHot as Equal + Where**: OpenVINO leaves OneHot with a run-time depth to the CPU
   provider, and the constant-folded value it would read then leaves the OpenVINO subgraph
   under a name onnxruntime does not find ("Output names mismatch").
+* **Size as ReduceProd(Shape)**: OpenVINO leaves Size to the CPU provider; between two
+  OpenVINO parts (the mse loss's Size of the model output) that makes the partition cyclic:
+  the session fails ("the graph is not acyclic") or, in larger graphs, the forward pass
+  falls back to the CPU provider.
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -180,6 +184,23 @@ def _onehot_as_equal(model: onnx.ModelProto, names: _Names) -> None:
     graph.node.extend(nodes)
 
 
+def _size_as_shape_product(graph: onnx.GraphProto, names: _Names) -> None:
+    """Size(v) as ReduceProd(Shape(v)): OpenVINO does not take Size, and one left to the CPU
+    provider between two OpenVINO parts makes the partition cyclic."""
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type == "Size" and node.domain in ("", "ai.onnx"):
+            prefix = node.name or node.output[0]
+            shape = names(f"{prefix}/shape")
+            nodes.append(oh.make_node("Shape", [node.input[0]], [shape], name=names(f"{prefix}/Shape")))
+            nodes.append(oh.make_node("ReduceProd", [shape], [node.output[0]], name=names(f"{prefix}/ReduceProd"),
+                                      keepdims=0))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 def _value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     graph = inferred.graph
@@ -275,6 +296,7 @@ def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np
     model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)
     _onehot_as_equal(model, names)
+    _size_as_shape_product(model.graph, names)
     _unshare_conv_transpose_weights(model.graph, names)
     removed = _drop_unused_inputs(model.graph)
     for name in removed:

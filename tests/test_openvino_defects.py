@@ -192,6 +192,19 @@ def _group_norm_case():
     return model, {"x": x}, {"y": np.maximum(y, 0.0)}
 
 
+# 7. Size of a value OpenVINO computes, read back by OpenVINO nodes: Size goes to the CPU
+#    provider and the partition has a cycle.
+
+def _size_case():
+    x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
+    model = _model(
+        [oh.make_node("Relu", ["x"], ["y"]), oh.make_node("Size", ["y"], ["size"]),
+         oh.make_node("Cast", ["size"], ["size_float"], to=FLOAT), oh.make_node("Mul", ["y", "size_float"], ["z"])],
+        [("x", FLOAT, ["N", 3])], ["z"],
+    )
+    return model, {"x": x}, {"z": np.maximum(x.astype(np.float64), 0.0) * 6}
+
+
 # Each defect: its reproducer, what the defect is, the error text it is known by when OpenVINO
 # refuses the model (None: it gives a wrong result).
 DEFECTS = {
@@ -220,6 +233,11 @@ DEFECTS = {
         _group_norm_case,
         "GroupNormalization-21's output loses its rank and the model fails to compile",
         "dynamic rank"),
+    "size_cycle": (
+        _size_case,
+        "Size is left to the CPU provider; between two OpenVINO parts the partition is cyclic and the session fails "
+        "(in larger graphs the producing part falls back to the CPU provider instead)",
+        "the graph is not acyclic"),
 }
 
 
@@ -230,7 +248,7 @@ def test_defect(name):
 
 
 @pytest.mark.parametrize("name", ["shared_square_conv_weight", "output_names_mismatch", "unused_input_binding",
-                                  "group_normalization_21"])
+                                  "group_normalization_21", "size_cycle"])
 def test_portable(name):
     """make_portable's graph is right on OpenVINO (the two other defects have tests of their own)."""
     _portable_is_correct(*DEFECTS[name][0]())
