@@ -9,9 +9,12 @@ exporter's ``--portable``); ``tests/test_openvino_defects.py`` shows why each re
 from __future__ import annotations
 
 import json
+import pathlib
+import tempfile
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 
 from normgrad.graphs import build_step_graph, build_training_graph, examples
@@ -20,6 +23,7 @@ from normgrad.ops import harness
 from normgrad.tools.corpus import float64_outputs
 
 from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, session
+from conftest import cpp_available
 from test_corpus import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
 pytestmark = requires_openvino
@@ -152,3 +156,25 @@ def test_trainer_on_openvino():
     final = trainer.state_dict()
     for name, expected in want.items():
         assert max_relative_error(final[name], expected) <= 1e-4, name
+
+
+def test_inference_session_on_openvino():
+    """normgrad.inference_session passes any provider list: with function bodies
+    (backend="functions") OpenVINO runs the whole node; with the C++ kernels registered the
+    normgrad node is a CPU kernel, so it runs on the CPU provider."""
+    import normgrad
+
+    name = "node_GroupNormalizationGrad_float32"
+    model, inputs, expected = load_case(name)
+    for backend, normgrad_on_cpu in (("functions", False), ("cpp", True)):
+        if backend == "cpp" and not cpp_available():
+            continue
+        options = onnxruntime.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(pathlib.Path(tempfile.mkdtemp(prefix="normgrad-profile-")) / "run")
+        s = normgrad.inference_session(model, backend=backend, options=options, providers=OPENVINO_CPU)
+        assert s.get_providers()[0] == "OpenVINOExecutionProvider"
+        outputs = dict(zip([o.name for o in s.get_outputs()], s.run(None, inputs)))
+        assert_matches(outputs, expected, TOLERANCE[("node", "float32")], f"{name}, backend {backend}")
+        on_cpu = {op for op, _ in nodes_on_cpu(s)}
+        assert ("GroupNormalizationGrad" in on_cpu) == normgrad_on_cpu, on_cpu
