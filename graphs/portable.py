@@ -121,9 +121,9 @@ def _const(names: _Names, hint: str, value: np.ndarray) -> Tuple[str, onnx.NodeP
 
 def _onehot_nodes(node: onnx.NodeProto, rank: int, names: _Names) -> List[onnx.NodeProto]:
     """OneHot(indices, depth, values, axis) as Where(Equal(indices, classes), on, off), with
-    negative indices counted from depth as OneHot does. No value is 0-d: OpenVINO leaves a
-    node with a 0-d output to the CPU provider, and a constant it folded then crosses the
-    boundary (the "Output names mismatch" defect)."""
+    negative indices counted from depth as OneHot does. No computed value is 0-d: OpenVINO
+    left a Reshape of depth to a 0-d value to the CPU provider, and constants it folded then
+    crossed the boundary (the "Output names mismatch" defect again)."""
     indices, depth, values = node.input
     out = node.output[0]
     prefix = node.name or out
