@@ -420,6 +420,4 @@ def build_step_graph(
     initial.update({s: numpy_helper.to_array(initializers[s]).copy() for s in statistics})
     if portable:
         model, _ = make_portable(model)
-        kept = {i.name for i in model.graph.input}  # a state input nothing reads was dropped
-        initial = {name: value for name, value in initial.items() if name in kept}
     return model, initial

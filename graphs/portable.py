@@ -21,7 +21,8 @@ minimal reproducer of each:
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
-* **no unused inputs**: with one, OpenVINO binds the remaining inputs by position.
+* **unused inputs last**: with an input nothing reads before used ones, OpenVINO binds the
+  inputs by position (Sub(a, b) computed c - a). Moved behind the others, it shifts none.
 * **no training-mode BatchNormalization**: OpenVINO refuses ``training_mode=1`` at
   compile time without falling back to the CPU provider; the exporter writes the batch
   statistics explicitly, and a graph that still has such a node is refused here.
@@ -30,7 +31,6 @@ minimal reproducer of each:
 from __future__ import annotations
 
 import copy
-import json
 from typing import Dict, List, Set, Tuple
 
 import numpy as np
@@ -42,10 +42,8 @@ import onnx.shape_inference
 
 from normgrad.graphs.context import attr, describe, reserve_name
 
-__all__ = ["make_portable", "METADATA_REMOVED_INPUTS", "EXPANDED_OPS"]
+__all__ = ["make_portable", "EXPANDED_OPS"]
 
-METADATA_REMOVED_INPUTS = "normgrad.removed_inputs"
-"""Model metadata key: JSON list of the inputs a portable graph dropped because nothing read them."""
 EXPANDED_OPS = ("GroupNormalization",)
 """Default-domain function ops replaced by their ONNX function bodies."""
 _EXPAND_DOMAIN = "normgrad.portable.expand"
@@ -269,13 +267,12 @@ def _read_names(nodes) -> Set[str]:
     return read
 
 
-def _drop_unused_inputs(graph: onnx.GraphProto) -> List[str]:
+def _unused_inputs_last(graph: onnx.GraphProto) -> None:
+    """Moves the inputs nothing reads behind the others (names, and so feeds, unchanged)."""
     read = _read_names(graph.node) | {o.name for o in graph.output}
-    removed = [i.name for i in graph.input if i.name not in read]
-    kept = [i for i in graph.input if i.name in read]
+    ordered = [i for i in graph.input if i.name in read] + [i for i in graph.input if i.name not in read]
     del graph.input[:]
-    graph.input.extend(kept)
-    return removed
+    graph.input.extend(ordered)
 
 
 def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
@@ -283,8 +280,8 @@ def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np
     the module docstring for each rewrite), and the values of the initializers it turned
     into pure inputs (the trainable weights of a training graph; none for a step graph).
 
-    Inputs nothing reads are dropped and listed in the metadata under
-    :data:`METADATA_REMOVED_INPUTS`; feed a portable graph only the inputs it declares.
+    The inputs keep their names, so the same feeds work; inputs nothing reads (``step`` of
+    plain SGD) move behind the others.
 
     Raises:
         ValueError: a BatchNormalization in training mode is left, or a OneHot whose indices
@@ -298,11 +295,6 @@ def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np
     _onehot_as_equal(model, names)
     _size_as_shape_product(model.graph, names)
     _unshare_conv_transpose_weights(model.graph, names)
-    removed = _drop_unused_inputs(model.graph)
-    for name in removed:
-        moved.pop(name, None)
-    metadata = {p.key: p.value for p in model.metadata_props}
-    metadata[METADATA_REMOVED_INPUTS] = json.dumps(removed)
-    oh.set_model_props(model, metadata)
+    _unused_inputs_last(model.graph)
     onnx.checker.check_model(model, full_check=True)
     return model, moved

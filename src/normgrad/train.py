@@ -268,8 +268,6 @@ class Trainer:
         other buffers, which then become current. Returns the loss."""
         binding = part.binding
         for name, value in feeds.items():
-            if name not in part.inputs:  # a portable step graph drops inputs it does not read (step, for SGD)
-                continue
             if isinstance(value, np.ndarray):
                 binding.bind_cpu_input(name, value)
             else:
