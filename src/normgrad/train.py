@@ -219,13 +219,16 @@ class Trainer:
         if isinstance(source, checkpoints.Checkpoint):
             ckpt = source
         elif isinstance(source, Mapping):
-            ckpt = checkpoints.Checkpoint(tensors=dict(source), metadata={})
+            ckpt = checkpoints.Checkpoint(tensors={k: np.asarray(v) for k, v in source.items()}, metadata={})
         else:
-            ckpt = checkpoints.load(source)
+            try:
+                ckpt = checkpoints.load(source)
+            except checkpoints.CheckpointError as error:
+                raise TrainerError(str(error)) from None
         try:
             checkpoints.check_matches(ckpt, self._expected)
         except checkpoints.CheckpointError as error:
-            raise TrainerError(f"{error} (the step graph's state)") from None
+            raise TrainerError(f"{error} (checked against the step graph's state)") from None
         step_text = ckpt.metadata.get(STEP_METADATA, "0")
         if not step_text.isdigit():
             raise TrainerError(f"checkpoint metadata {STEP_METADATA} must be a step count, got {step_text!r}")
