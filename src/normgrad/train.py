@@ -101,8 +101,9 @@ class Trainer:
         step_model: the step graph (path or ``ModelProto``) written by ``normgrad export
             --optimizer`` or :func:`normgrad.graphs.build_step_graph`.
         checkpoint: its state: a checkpoint path (``.ckpt`` beside the step graph, or one
-            :meth:`save` wrote), a :class:`normgrad.checkpoint.Checkpoint`, or ``{name: array}``
-            (the initial state ``build_step_graph`` returns).
+            :meth:`save` wrote), the checkpoint's ``ModelProto``, a
+            :class:`normgrad.checkpoint.Checkpoint`, or ``{name: array}`` (the initial state
+            ``build_step_graph`` returns).
         lr: a float, or a schedule ``f(step) -> lr`` of the 1-based optimizer step.
         accumulation: micro-batches per optimizer step: :meth:`step` splits its batch along
             axis 0 into this many equal parts and averages their gradients.
@@ -121,7 +122,7 @@ class Trainer:
     def __init__(
         self,
         step_model: Union[PathLike, onnx.ModelProto],
-        checkpoint: Union[PathLike, checkpoints.Checkpoint, Mapping[str, np.ndarray]],
+        checkpoint: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint, Mapping[str, np.ndarray]],
         *,
         lr: Union[float, Schedule] = 1e-3,
         accumulation: int = 1,
@@ -222,7 +223,7 @@ class Trainer:
             ckpt = checkpoints.Checkpoint(tensors={k: np.asarray(v) for k, v in source.items()}, metadata={})
         else:
             try:
-                ckpt = checkpoints.load(source)
+                ckpt = checkpoints.from_proto(source) if isinstance(source, onnx.ModelProto) else checkpoints.load(source)
             except checkpoints.CheckpointError as error:
                 raise TrainerError(str(error)) from None
         try:
@@ -255,7 +256,7 @@ class Trainer:
         if self.is_saving_rank:
             checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step)})
 
-    def load(self, path: Union[PathLike, checkpoints.Checkpoint]) -> None:
+    def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
         """Replaces the state and step count with a checkpoint's.
 
         Raises:
