@@ -337,8 +337,12 @@ def test_bad_batches_and_options(resnet_step):
         trainer.step(x, x=x)
     with pytest.raises(TrainerError, match="batch input 'labels' must be float32"):
         trainer.step(x, np.zeros((2, 4, 5, 5), np.int64))
-    with pytest.raises(TrainerError, match="divisible by 3"):
+    with pytest.raises(TrainerError, match=r"'x' needs a first axis divisible by 3; got shape \[2, 4, 5, 5\]"):
         Trainer(step, initial, accumulation=3).step(x, x)
+    with pytest.raises(TrainerError, match=r"'x' has shape \[3, 4, 5, 5\]; the step graph takes \[2, 4, 5, 5\]"):
+        trainer.step(np.zeros((3, 4, 5, 5), np.float32), x)
+    with pytest.raises(TrainerError, match=r"'x' \(each of the 2 micro-batches\) has shape \[1, 4, 5, 5\]"):
+        Trainer(step, initial, accumulation=2).step(x, x)
     with pytest.raises(TrainerError, match="accumulation must be"):
         Trainer(step, initial, accumulation=0)
     with pytest.raises(TrainerError, match="not a step graph"):

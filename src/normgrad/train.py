@@ -308,6 +308,15 @@ class Trainer:
             if value.dtype != dtype and value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
                 raise TrainerError(f"batch input {name!r} must be {dtype} (or the same kind); got {value.dtype}")
             feeds[name] = np.ascontiguousarray(value, dtype)
+            if self.accumulation > 1 and (value.ndim == 0 or value.shape[0] % self.accumulation):
+                raise TrainerError(f"with accumulation {self.accumulation}, batch input {name!r} needs a first axis "
+                                   f"divisible by {self.accumulation}; got shape {list(value.shape)}")
+            fed = (value.shape[0] // self.accumulation,) + value.shape[1:] if self.accumulation > 1 else value.shape
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[name].type.tensor_type.shape.dim]
+            if len(dims) != len(fed) or any(d is not None and d != f for d, f in zip(dims, fed)):
+                micro = f" (each of the {self.accumulation} micro-batches)" if self.accumulation > 1 else ""
+                wanted = [d if d is not None else "any" for d in dims]
+                raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
         return feeds
 
     def step(self, *batch, **named) -> float:
@@ -329,10 +338,6 @@ class Trainer:
 
     def _accumulate(self, feeds: Dict[str, np.ndarray]) -> float:
         k = self.accumulation
-        sizes = {name: value.shape[0] if value.ndim else None for name, value in feeds.items()}
-        if any(size is None or size % k for size in sizes.values()):
-            raise TrainerError(f"with accumulation {k}, every batch input needs a first axis divisible by {k}; "
-                               f"got {', '.join(f'{n}: {s}' for n, s in sizes.items())}")
         scale = np.array(1.0 / k, np.float32)
         losses = []
         for i in range(k):
