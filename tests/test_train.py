@@ -363,12 +363,7 @@ def test_schedules():
 
 def test_loss_output_model_trains_and_serves_its_other_output(tmp_path):
     """A forward that computes its own loss: the step graph seeds it; the inference model serves y."""
-    oh = onnx.helper
-    forward = examples.mlp()
-    nodes = list(forward.graph.node) + [oh.make_node("Sub", ["y", "target"], ["d"]), oh.make_node("Mul", ["d", "d"], ["d2"]),
-                                        oh.make_node("ReduceMean", ["d2"], ["total"], keepdims=0)]
-    weights = {t.name: onnx.numpy_helper.to_array(t) for t in forward.graph.initializer}
-    own = examples.model(nodes, {"x": (4, 5), "target": (4, 3)}, ["y", "total"], weights)
+    own = examples.mlp_with_loss()
     step, initial = build_step_graph(build_training_graph(own, loss_output="total"), "sgd")
     reference, reference_initial = build_step_graph(build_training_graph(examples.mlp(), loss="mse"), "sgd")
     a, b = Trainer(step, initial, lr=0.1), Trainer(reference, reference_initial, lr=0.1)
