@@ -391,3 +391,46 @@ def test_digits_demo_reaches_95_percent(tmp_path, capsys):
     assert not [n for n in inference.graph.node if n.domain not in ("", "ai.onnx")]
     images, labels, test_images, test_labels = train_tool.load_digits(0)
     assert abs(train_tool.accuracy(inference, test_images, test_labels) * 100 - accuracy) < 0.05
+
+
+def test_function_bodies_and_kernels_train_alike():
+    """kernels=None runs the function bodies the step graph carries instead of the C++ kernels.
+    (SGD: Adam would amplify the rounding noise of b1's gradient, 0 up to rounding before BatchNorm.)"""
+    step, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "sgd", momentum=0.9)
+    bodies, native = Trainer(step, initial, lr=0.01, kernels=None), Trainer(step, initial, lr=0.01)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        x, t = rng.standard_normal((2, 2, 4, 5, 5)).astype(np.float32)
+        assert bodies.step(x, t) == pytest.approx(native.step(x, t), rel=1e-5)
+    a, b = bodies.state_dict(), native.state_dict()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5 * max(1.0, np.abs(b[name]).max()))
+
+
+def test_inference_model_drops_dropout():
+    """Training-mode Dropout in the forward: the inference model is deterministic and equals
+    the network without it, with the trained weights."""
+    params = {t.name: onnx.numpy_helper.to_array(t) for t in examples.mlp().graph.initializer}
+    oh = onnx.helper
+    nodes = [
+        oh.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+        oh.make_node("Tanh", ["h"], ["a"]),
+        oh.make_node("Constant", [], ["ratio"], value=onnx.numpy_helper.from_array(np.array(0.3, np.float32))),
+        oh.make_node("Constant", [], ["training"], value=onnx.numpy_helper.from_array(np.array(True))),
+        oh.make_node("Dropout", ["a", "ratio", "training"], ["dropped"]),
+        oh.make_node("MatMul", ["dropped", "w2"], ["z"]),
+        oh.make_node("Add", ["z", "b2"], ["y"]),
+    ]
+    forward = examples.model(nodes, {"x": ("N", 5)}, ["y"], params)
+    step, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "sgd", momentum=0.9)
+    trainer = Trainer(step, initial, lr=0.1)
+    rng = np.random.default_rng(9)
+    for _ in range(3):
+        trainer.step(rng.standard_normal((6, 5)).astype(np.float32), rng.integers(0, 3, 6))
+    inference = trainer.inference_model()
+    assert "Dropout" not in {n.op_type for n in inference.graph.node}
+    w = trainer.state_dict()
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    expected = np.tanh(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+    session = ort.InferenceSession(inference.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=0, atol=1e-5)
