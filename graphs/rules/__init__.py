@@ -120,4 +120,5 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     reduce,
     select,
     shape,
+    slice,
 )

@@ -15,6 +15,7 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules._scatter import scatter_to_positions
 from normgrad.graphs.rules._window import window_of
 
 __all__ = ["average_pool_gradient", "max_pool_gradient"]
@@ -58,16 +59,5 @@ def max_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Op
             f"{describe(node)}: MaxPool with auto_pad SAME_* and dilations is not supported (onnxruntime's "
             "Indices output, which the gradient needs, ignores the padding there); write explicit pads"
         )
-    x = node.input[0]
     indices = ctx.ensure_output(node, 1, "indices")
-    flat = ctx.ints([-1])
-    zeros = ctx.op("Reshape", ctx.zeros_like(x), flat)
-    scattered = ctx.op(
-        "ScatterElements",
-        zeros,
-        ctx.op("Reshape", indices, flat),
-        ctx.op("Reshape", grads[0], flat),
-        axis=0,
-        reduction="add",
-    )
-    return [ctx.reshape_like(scattered, x)]
+    return [scatter_to_positions(ctx, grads[0], indices, node.input[0], "add")]

@@ -1,0 +1,98 @@
+"""The rules of issue 8's spatial and data-movement ops alone (Slice, Split, Tile, Pad,
+Resize/Upsample, ConvTranspose) and Conv/pool/Resize/Pad at dynamic image sizes: float64
+central finite differences, and torch autograd of the equivalent torch op when torch is
+installed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+
+from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+from normgrad.tools.check import _output_shapes, check_gradients
+
+from _graph_models import model, weights
+from test_graphs_rules import TOLERANCE, _check, _node
+
+
+def _ints(**values):
+    return {name: np.asarray(value, np.int64) for name, value in values.items()}
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [
+    ([1], [3], [1], None),
+    ([0, -3], [2, 100], None, None),  # axes omitted, negative start, oversized end
+    ([-1], [-100], [2], [-1]),  # full reverse
+    ([4, 1], [0, 5], [-1, 0], [-2, 2]),  # negative step and negative axis
+    ([-100], [100], [-2], [3]),
+])
+def test_slice(starts, ends, axes, steps):
+    params = _ints(starts=starts, ends=ends)
+    inputs = ["x", "starts", "ends"]
+    if axes is not None or steps is not None:
+        params["axes"] = np.asarray(axes if axes is not None else range(len(starts)), np.int64)
+        inputs.append("axes")
+    if steps is not None:
+        params["steps"] = np.asarray(steps, np.int64)
+        inputs.append("steps")
+    _check(model([_node("Slice", inputs)], {"x": (3, 4, 5)}, ["y"], params))
+
+
+def test_slice_opset_9_attributes():
+    node = _node("Slice", ["x"], starts=[1, 0], ends=[3, -1], axes=[0, 2])
+    _check(model([node], {"x": (4, 3, 5)}, ["y"], opset=9))
+
+
+def test_slice_starts_computed_at_run_time():
+    """Starts from the input's shape (Shape → Div): one training graph for every size."""
+    params = _ints(two=[2], big=[1000], axes=[1])
+    nodes = [
+        oh.make_node("Shape", ["x"], ["shape"], start=1, end=2),
+        oh.make_node("Div", ["shape", "two"], ["half"]),
+        _node("Slice", ["x", "half", "big", "axes"]),
+    ]
+    forward = model(nodes, {"x": ("N", "L")}, ["y"], params)
+    training = build_training_graph(forward)
+    for length in (5, 8):
+        _check_at(training, {"x": (2, length)})
+
+
+@pytest.mark.parametrize("opset, attrs, split, used, shape", [
+    (13, {"axis": 1}, [1, 3], [0, 1], (3, 4, 2)),
+    (13, {"axis": -1}, [2, 2, 1], [0, 2], (3, 2, 5)),  # an output without gradient
+    (11, {"axis": 0, "split": [1, 2]}, None, [1], (3, 2, 4)),
+    (18, {"axis": 1, "num_outputs": 3}, None, [0, 1, 2], (3, 5, 2)),  # uneven: 2, 2, 1
+    (13, {"axis": 2}, None, [0, 1], (3, 2, 4)),  # equal parts
+])
+def test_split(opset, attrs, split, used, shape):
+    params = _ints(split=split) if split is not None else {}
+    count = len(split) if split is not None else len(attrs.get("split", [])) or attrs.get("num_outputs", 2)
+    outputs = [f"y{i}" for i in range(count)]
+    inputs = ["x", "split"] if split is not None else ["x"]
+    nodes = [oh.make_node("Split", inputs, outputs, **attrs)]
+    _check(model(nodes, {"x": shape}, [outputs[i] for i in used], params, opset=opset))
+
+
+@pytest.mark.parametrize("x_shape, repeats", [((2, 3), [2, 1]), ((2, 1, 3), [1, 3, 2]), ((4,), [3])])
+def test_tile(x_shape, repeats):
+    _check(model([_node("Tile", ["x", "repeats"])], {"x": x_shape}, ["y"], _ints(repeats=repeats)))
+
+
+def _check_at(training: onnx.ModelProto, shapes, tolerance: float = TOLERANCE, seed: int = 0) -> None:
+    """Finite differences of ``training`` with its data inputs at ``shapes`` (the seeds
+    at their outputs' run-time shapes, trainable initializers at their values)."""
+    rng = np.random.default_rng(seed)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    stored = {init.name: onnx.numpy_helper.to_array(init) for init in training.graph.initializer}
+    feeds.update({i.name: stored[i.name] for i in training.graph.input if i.name in stored})
+    seeds = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.seeds"))
+    for output, shape in _output_shapes(training, list(seeds), feeds).items():
+        feeds[seeds[output]] = rng.standard_normal(shape).astype(np.float32)
+    checks = check_gradients(training, feeds=feeds, directions=2)
+    worst = max(checks, key=lambda c: c.error)
+    assert worst.error < tolerance, (shapes, worst)
