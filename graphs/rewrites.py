@@ -9,6 +9,12 @@ would produce a wrong or rejected model.
   rejects it, and the converter turns it into GroupNormalization-21 (per channel) without
   expanding scale and bias. We expand them in the graph (Reshape/Expand, which the
   gradient flows back through) and convert to opset 21.
+* Upsample (opsets 7-9) and Resize-10 become Resize-11+ without the coordinate mode they
+  had: the converter leaves the new default half_pixel, which changes what linear
+  computes. We set onnxruntime's semantics: asymmetric coordinates, and for nearest
+  floor (upsampling; Upsample allows no other) or ceil (a Resize-10 that downsamples).
+* The converter keeps Pad-2's ``value`` attribute on reflect/edge Pads, which Pad-11 rejects;
+  it means nothing there and is dropped.
 """
 
 from __future__ import annotations
@@ -99,6 +105,43 @@ def _expand_group_norm_18(graph: onnx.GraphProto) -> None:
     graph.node.extend(nodes)
 
 
+def _constant_values(graph: onnx.GraphProto, name: str):
+    for init in graph.initializer:
+        if init.name == name:
+            return onh.to_array(init)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name and node.attribute and node.attribute[0].name == "value":
+            return onh.to_array(node.attribute[0].t)
+    return None
+
+
+def _legacy_resize_modes(graph: onnx.GraphProto, opset: int) -> dict:
+    """{output of each Upsample / pre-11 Resize: the nearest_mode onnxruntime gives it};
+    drops Pad-2's meaningless ``value`` of non-constant modes.
+
+    Raises:
+        UnsupportedOperatorError: a nearest Resize-10 whose scales are not constant or both
+            up- and downsample (onnxruntime rounds each way differently; Resize-11 cannot).
+    """
+    modes = {}
+    for node in graph.node:
+        if node.op_type == "Pad" and attr(node, "mode", "constant") != "constant":
+            for attribute in [a for a in node.attribute if a.name == "value"]:
+                node.attribute.remove(attribute)
+        if node.op_type == "Upsample" or (node.op_type == "Resize" and opset < 11):
+            rounding = "floor"
+            if node.op_type == "Resize" and attr(node, "mode", "nearest") == "nearest":
+                scales = _constant_values(graph, node.input[1])
+                if scales is None or (np.any(scales < 1) and np.any(scales > 1)):
+                    raise UnsupportedOperatorError(
+                        f"{describe(node)}: an opset-10 nearest Resize needs constant scales that all up- or all "
+                        "downsample (onnxruntime rounds each way differently); re-export with opset 11 or newer"
+                    )
+                rounding = "ceil" if np.any(scales < 1) else "floor"
+            modes[node.output[0]] = rounding
+    return modes
+
+
 def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.ModelProto:
     """``model`` (default-domain ``opset``) converted to at least opset ``needed``.
 
@@ -115,6 +158,7 @@ def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.Model
     if opset >= needed:
         return model
     training = _batch_norm_training_outputs(graph) if opset < 14 else set()
+    resize_modes = _legacy_resize_modes(graph, opset) if opset < 11 else {}
     try:
         converted = onnx.version_converter.convert_version(model, needed)
     except Exception as error:  # the converter raises bare RuntimeErrors
@@ -125,4 +169,11 @@ def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.Model
                 if attr.name == "training_mode":
                     node.attribute.remove(attr)
             node.attribute.append(oh.make_attribute("training_mode", 1))
+        if node.op_type == "Resize" and node.output[0] in resize_modes:
+            for attr_ in [a for a in node.attribute if a.name in ("coordinate_transformation_mode", "nearest_mode")]:
+                node.attribute.remove(attr_)
+            node.attribute.extend([
+                oh.make_attribute("coordinate_transformation_mode", "asymmetric"),
+                oh.make_attribute("nearest_mode", resize_modes[node.output[0]]),
+            ])
     return converted

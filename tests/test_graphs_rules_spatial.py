@@ -83,6 +83,18 @@ def test_tile(x_shape, repeats):
     _check(model([_node("Tile", ["x", "repeats"])], {"x": x_shape}, ["y"], _ints(repeats=repeats)))
 
 
+def _forward_in_onnxruntime(monkeypatch) -> None:
+    """Finite differences through onnxruntime's float64 kernels: onnx's reference evaluator
+    has no negative Pad pads and no Pad axes."""
+    from normgrad.tools import check
+
+    def runner(forward):
+        session = ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+        return lambda feeds: session.run(None, feeds)
+
+    monkeypatch.setattr(check, "_runner", runner)
+
+
 def _check_at(training: onnx.ModelProto, shapes, tolerance: float = TOLERANCE, seed: int = 0) -> None:
     """Finite differences of ``training`` with its data inputs at ``shapes`` (the seeds
     at their outputs' run-time shapes, trainable initializers at their values)."""
@@ -96,3 +108,35 @@ def _check_at(training: onnx.ModelProto, shapes, tolerance: float = TOLERANCE, s
     checks = check_gradients(training, feeds=feeds, directions=2)
     worst = max(checks, key=lambda c: c.error)
     assert worst.error < tolerance, (shapes, worst)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+@pytest.mark.parametrize("pads", [[0, 1, 2, 0, 2, 1], [0, -1, 1, 0, 1, -2], [1, 0, 0, 0, 0, 2]])
+def test_pad(mode, pads, monkeypatch):
+    if min(pads) < 0:
+        _forward_in_onnxruntime(monkeypatch)
+    params = _ints(pads=pads)
+    params["value"] = np.asarray(0.5, np.float32)
+    _check(model([_node("Pad", ["x", "pads", "value"], mode=mode)], {"x": (2, 3, 4)}, ["y"], params))
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge", "wrap"])
+def test_pad_axes_input(mode, monkeypatch):
+    """Opset 18's ``axes`` (negative here); wrap is opset 19."""
+    _forward_in_onnxruntime(monkeypatch)
+    params = _ints(pads=[2, -1, 1, 1], axes=[-1, 1])
+    node = _node("Pad", ["x", "pads", "", "axes"], mode=mode)
+    _check(model([node], {"x": (2, 3, 4)}, ["y"], params, opset=19))
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_pad_opset_2_attributes(mode):
+    node = _node("Pad", ["x"], mode=mode, pads=[0, 0, 1, 2, 0, 0, 2, 1], value=0.25)
+    _check(model([node], {"x": (2, 3, 4, 4)}, ["y"], opset=10))
+
+
+def test_pad_pads_computed_at_run_time():
+    """Pads that only the run time knows: dy is padded by their negation in the graph."""
+    nodes = [oh.make_node("Shape", ["x"], ["shape"]), oh.make_node("Sub", ["shape", "shape"], ["zeros"]),
+             oh.make_node("Concat", ["zeros", "ones"], ["pads"], axis=0), _node("Pad", ["x", "pads"])]
+    _check(model(nodes, {"x": (2, 3)}, ["y"], _ints(ones=[1, 2])))

@@ -116,6 +116,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     group_norm,
     matmul,
     non_differentiable,
+    pad,
     pool,
     reduce,
     select,
