@@ -95,6 +95,25 @@ def _forward_in_onnxruntime(monkeypatch) -> None:
     monkeypatch.setattr(check, "_runner", runner)
 
 
+def _check_adjoint(forward: onnx.ModelProto, tolerance: float = 1e-5) -> None:
+    """For an op linear in x (up to a constant): <dx, v> = <dy, y(v) - y(0)> for random v,
+    the forward run in onnxruntime as exported (float32; it has no float64 Resize)."""
+    training = build_training_graph(forward)
+    x = forward.graph.input[0]
+    shape = [d.dim_value for d in x.type.tensor_type.shape.dim]
+    rng = np.random.default_rng(0)
+    run = ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"]).run
+    y0 = run(None, {x.name: np.zeros(shape, np.float32)})[0].astype(np.float64)
+    dy = rng.standard_normal(y0.shape).astype(np.float32)
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    (dx,) = session.run([x.name + "_grad"], {x.name: np.zeros(shape, np.float32), "y_grad": dy})
+    for _ in range(3):
+        v = rng.standard_normal(shape).astype(np.float32)
+        yv = run(None, {x.name: v})[0].astype(np.float64) - y0
+        expected = float(np.sum(dy * yv))
+        assert abs(float(np.sum(dx.astype(np.float64) * v)) - expected) < tolerance * np.linalg.norm(dy) * np.linalg.norm(v)
+
+
 def _check_at(training: onnx.ModelProto, shapes, tolerance: float = TOLERANCE, seed: int = 0) -> None:
     """Finite differences of ``training`` with its data inputs at ``shapes`` (the seeds
     at their outputs' run-time shapes, trainable initializers at their values)."""
@@ -140,3 +159,89 @@ def test_pad_pads_computed_at_run_time():
     nodes = [oh.make_node("Shape", ["x"], ["shape"]), oh.make_node("Sub", ["shape", "shape"], ["zeros"]),
              oh.make_node("Concat", ["zeros", "ones"], ["pads"], axis=0), _node("Pad", ["x", "pads"])]
     _check(model(nodes, {"x": (2, 3)}, ["y"], _ints(ones=[1, 2])))
+
+
+def _floats(**values):
+    return {name: np.asarray(value, np.float32) for name, value in values.items()}
+
+
+RESIZE_CASES = [
+    # (attributes, scales or None, sizes or None, input shape)
+    ({"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, [1, 1, 2, 3], None, (2, 2, 3, 4)),
+    ({"mode": "nearest", "coordinate_transformation_mode": "half_pixel", "nearest_mode": "round_prefer_floor"}, [1, 1, 2, 2], None, (2, 2, 3, 4)),
+    ({"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, [1, 1, 1.5, 0.5], None, (1, 2, 4, 6)),
+    ({"mode": "nearest", "coordinate_transformation_mode": "align_corners", "nearest_mode": "round_prefer_ceil"}, None, [1, 2, 7, 5], (1, 2, 3, 4)),
+    ({"mode": "nearest", "coordinate_transformation_mode": "tf_half_pixel_for_nn", "nearest_mode": "ceil"}, [1, 1, 1, 2], None, (1, 2, 3, 4)),
+    ({"mode": "linear", "coordinate_transformation_mode": "half_pixel"}, [1, 1, 2, 2], None, (2, 2, 3, 4)),
+    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [1, 1, 2, 2], None, (2, 2, 3, 4)),
+    ({"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, None, [2, 2, 5, 1], (2, 2, 3, 4)),
+    ({"mode": "linear", "coordinate_transformation_mode": "asymmetric"}, [1, 1, 0.5, 0.75], None, (1, 2, 6, 8)),
+    ({"mode": "cubic", "coordinate_transformation_mode": "half_pixel", "cubic_coeff_a": -0.5}, [1, 1, 2, 1.5], None, (1, 2, 4, 4)),
+    ({"mode": "cubic", "coordinate_transformation_mode": "align_corners", "exclude_outside": 1}, None, [1, 2, 6, 7], (1, 2, 4, 4)),
+    ({"mode": "linear", "coordinate_transformation_mode": "half_pixel"}, [1, 1, 2.5], None, (2, 3, 4)),  # 1-D
+    ({"mode": "linear", "coordinate_transformation_mode": "half_pixel"}, [1, 2], None, (4, 3)),  # an outer axis
+]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("attrs, scales, sizes, shape", RESIZE_CASES)
+def test_resize(attrs, scales, sizes, shape, opset):
+    if opset < 18 and attrs["mode"] != "linear" and sizes is None and min(scales) < 1:
+        pytest.skip("one opset is enough for downsampling nearest")
+    params = _floats(scales=scales) if scales is not None else _ints(sizes=sizes)
+    inputs = ["x", "", "scales"] if scales is not None else ["x", "", "", "sizes"]
+    forward = model([_node("Resize", inputs, **attrs)], {"x": shape}, ["y"], params, opset=opset)
+    if attrs["coordinate_transformation_mode"] == "tf_half_pixel_for_nn":
+        _check_adjoint(forward)  # onnx's reference evaluator lacks the mode
+    else:
+        _check(forward)
+
+
+def test_resize_opset_11_roi_and_empty_scales():
+    params = {"roi": np.zeros(0, np.float32), "scales": np.zeros(0, np.float32), **_ints(sizes=[2, 2, 5, 7])}
+    node = _node("Resize", ["x", "roi", "scales", "sizes"], mode="linear", coordinate_transformation_mode="align_corners")
+    _check(model([node], {"x": (2, 2, 3, 4)}, ["y"], params, opset=11))
+
+
+@pytest.mark.parametrize("attrs, values", [
+    ({"axes": [-1, 2], "mode": "linear"}, {"scales": [2.0, 0.5]}),
+    ({"axes": [3], "mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, {"scales": [3.0]}),
+    ({"axes": [2], "mode": "linear", "antialias": 1}, {"scales": [0.5]}),
+    ({"axes": [2, 3], "mode": "cubic", "antialias": 1}, {"sizes": [3, 5]}),
+    ({"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"}, {"scales": [1, 1, 1.5, 0.5]}),
+])
+def test_resize_opset_19_axes_antialias(attrs, values):
+    name, value = next(iter(values.items()))
+    params = _floats(**values) if name == "scales" else _ints(**values)
+    inputs = ["x", "", "scales"] if name == "scales" else ["x", "", "", "sizes"]
+    forward = model([_node("Resize", inputs, **attrs)], {"x": (1, 2, 6, 8)}, ["y"], params, opset=19)
+    if min(attrs.get("axes", [0])) < 0:
+        _check_adjoint(forward)  # onnx's reference evaluator fails on negative axes
+    else:
+        _check(forward)
+
+
+@pytest.mark.parametrize("opset, op_type, mode, scales", [
+    (9, "Upsample", "nearest", [1, 1, 2, 1.5]),
+    (9, "Upsample", "linear", [1, 1, 2, 2]),
+    (10, "Resize", "nearest", [1, 1, 0.5, 0.7]),
+    (10, "Resize", "linear", [1, 1, 1.5, 2]),
+])
+def test_upsample_and_resize_10(opset, op_type, mode, scales):
+    """Converted with onnxruntime's semantics for the old ops (asymmetric; nearest floor when
+    upsampling, ceil when downsampling): the gradient is the adjoint of what onnxruntime
+    runs for the model as exported."""
+    node = _node(op_type, ["x", "scales"], mode=mode)
+    _check_adjoint(model([node], {"x": (1, 2, 4, 5)}, ["y"], _floats(scales=scales), opset=opset))
+
+
+def test_upsample_opset_7_scales_attribute():
+    node = _node("Upsample", ["x"], mode="nearest", scales=[1.0, 1.0, 2.0, 3.0])
+    _check_adjoint(model([node], {"x": (1, 2, 3, 2)}, ["y"], opset=7))
+
+
+def test_resize_10_mixed_nearest_rounding_is_refused():
+    node = oh.make_node("Resize", ["x", "scales"], ["y"], name="mixed", mode="nearest")
+    forward = model([node], {"x": (1, 2, 4, 4)}, ["y"], _floats(scales=[1, 1, 2, 0.5]), opset=10)
+    with pytest.raises(UnsupportedOperatorError, match="Resize node 'mixed'.*re-export with opset 11"):
+        build_training_graph(forward)

@@ -119,6 +119,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     pad,
     pool,
     reduce,
+    resize,
     select,
     shape,
     slice,
