@@ -197,6 +197,13 @@ def test_resize(attrs, scales, sizes, shape, opset):
         _check(forward)
 
 
+def test_resize_follows_onnxruntime():
+    """align_corners where in x scale is not whole: onnxruntime and onnx's reference
+    evaluator place the samples differently; the gradient is the adjoint of onnxruntime's."""
+    node = _node("Resize", ["x", "", "scales"], mode="linear", coordinate_transformation_mode="align_corners")
+    _check_adjoint(model([node], {"x": (1, 2, 5, 9)}, ["y"], _floats(scales=[1, 1, 1, 1.5])))
+
+
 def test_resize_opset_11_roi_and_empty_scales():
     params = {"roi": np.zeros(0, np.float32), "scales": np.zeros(0, np.float32), **_ints(sizes=[2, 2, 5, 7])}
     node = _node("Resize", ["x", "roi", "scales", "sizes"], mode="linear", coordinate_transformation_mode="align_corners")
@@ -245,3 +252,84 @@ def test_resize_10_mixed_nearest_rounding_is_refused():
     forward = model([node], {"x": (1, 2, 4, 4)}, ["y"], _floats(scales=[1, 1, 2, 0.5]), opset=10)
     with pytest.raises(UnsupportedOperatorError, match="Resize node 'mixed'.*re-export with opset 11"):
         build_training_graph(forward)
+
+
+CONV_TRANSPOSE_CASES = [
+    # (attributes, W shape [C_in, C_out/group, k...], x shape)
+    ({}, (3, 2, 3, 3), (2, 3, 4, 4)),
+    ({"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}, (3, 2, 3, 3), (2, 3, 3, 4)),
+    ({"strides": [2, 1], "pads": [1, 0, 0, 2], "output_padding": [1, 0]}, (2, 3, 4, 3), (1, 2, 3, 3)),
+    ({"dilations": [2, 1], "strides": [1, 2]}, (2, 2, 2, 3), (1, 2, 3, 3)),
+    ({"group": 3, "strides": [2, 2], "pads": [1, 1, 1, 1]}, (3, 1, 4, 4), (1, 3, 3, 3)),  # depthwise
+    ({"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (2, 2, 3, 3), (1, 2, 3, 3)),  # odd: the extra pad at the tail
+    ({"auto_pad": "SAME_LOWER", "strides": [2, 2]}, (2, 2, 3, 3), (1, 2, 3, 3)),  # odd: the extra pad at the head
+    ({"auto_pad": "VALID", "strides": [3, 2]}, (2, 2, 2, 2), (1, 2, 3, 3)),
+    ({"output_shape": [8, 9], "strides": [2, 2]}, (2, 2, 3, 3), (1, 2, 3, 4)),
+    ({"output_shape": [7, 11], "strides": [2, 3]}, (2, 2, 3, 3), (1, 2, 3, 3)),  # larger than natural
+    ({"strides": [2]}, (2, 3, 3), (2, 2, 5)),  # 1-D
+    ({"pads": [1, 0, 0, 0, 1, 1], "strides": [1, 2, 1]}, (2, 1, 2, 2, 2), (1, 2, 3, 3, 2)),  # 3-D
+]
+
+
+@pytest.mark.parametrize("attrs, w_shape, x_shape", CONV_TRANSPOSE_CASES)
+def test_conv_transpose(attrs, w_shape, x_shape):
+    """No bias with groups: onnx's reference evaluator adds the first group's bias to every
+    group (and fails outright for 1 < group < channels: see the adjoint test below and the
+    torch cross-check)."""
+    inputs = ["x", "w", "b"] if attrs.get("group", 1) == 1 else ["x", "w"]
+    params = weights(2, w=w_shape, b=(w_shape[1],))
+    params = {name: params[name] for name in inputs[1:]}
+    _check(model([_node("ConvTranspose", inputs, **attrs)], {"x": x_shape}, ["y"], params))
+
+
+def test_conv_transpose_groups_adjoint():
+    params = weights(3, w=(4, 3, 2, 3))
+    node = _node("ConvTranspose", ["x", "w"], group=2, strides=[1, 2], pads=[0, 1, 1, 0])
+    _check_adjoint(model([node], {"x": (2, 4, 3, 3)}, ["y"], params))
+
+
+DYNAMIC_CASES = {
+    "conv": [("Conv", ["x", "w", "b"], {"strides": [2, 2], "pads": [1, 1, 1, 1]})],
+    "conv_groups_dilations": [("Conv", ["x", "wg"], {"group": 2, "dilations": [2, 1], "pads": [2, 0, 1, 1]})],
+    "conv_transpose": [("ConvTranspose", ["x", "wt", "b"], {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]})],
+    "average_pool": [("AveragePool", ["x"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]})],
+    "average_pool_include_pad": [("AveragePool", ["x"], {"kernel_shape": [2, 3], "pads": [1, 1, 0, 1], "count_include_pad": 1})],
+    "max_pool": [("MaxPool", ["x"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]})],
+    "global_average_pool": [("GlobalAveragePool", ["x"], {})],
+    "resize_nearest": [("Resize", ["x", "", "scales2"], {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                                          "nearest_mode": "floor"})],
+    "resize_linear": [("Resize", ["x", "", "scales2"], {"mode": "linear", "coordinate_transformation_mode": "align_corners"})],
+    "pad_reflect": [("Pad", ["x", "pads"], {"mode": "reflect"})],
+    "pad_constant": [("Pad", ["x", "pads"], {})],
+}
+
+
+@pytest.mark.parametrize("case", sorted(DYNAMIC_CASES))
+def test_dynamic_image_size(case):
+    """One training graph, exported once with symbolic N, H, W, matches finite differences
+    at two image sizes (odd and even, so pads and output paddings differ)."""
+    params = weights(4, w=(3, 4, 3, 3), wg=(2, 2, 3, 2), wt=(4, 3, 3, 3), b=(3,))
+    params.update(_floats(scales2=[1, 1, 2, 1.5]))
+    params.update(_ints(pads=[0, 0, 1, 2, 0, 0, 2, 1]))
+    nodes = [_node(op_type, inputs, **attrs) for op_type, inputs, attrs in DYNAMIC_CASES[case]]
+    used = {name for node in nodes for name in node.input}
+    forward = model(nodes, {"x": ("N", 4, "H", "W")}, ["y"], {k: v for k, v in params.items() if k in used})
+    training = build_training_graph(forward)
+    for shape in [(2, 4, 7, 6), (1, 4, 8, 10)]:  # W x 1.5 whole: see test_resize_follows_onnxruntime
+        _check_at(training, {"x": shape})
+
+
+def test_resize_torch_sizes_at_dynamic_sizes():
+    """TorchScript's F.interpolate(size=...) writes sizes = Concat(Shape(x)[0:2], size): the
+    batch and channel axes are recognised as unchanged (no interpolation matrix for them)."""
+    nodes = [
+        oh.make_node("Shape", ["x"], ["shape"]),
+        oh.make_node("Slice", ["shape", "zero", "two", "zero"], ["batch_channels"]),
+        oh.make_node("Concat", ["batch_channels", "size"], ["sizes"], axis=0),
+        _node("Resize", ["x", "", "", "sizes"], mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
+    ]
+    forward = model(nodes, {"x": ("N", 2, "H", "W")}, ["y"], _ints(zero=[0], two=[2], size=[5, 7]))
+    training = build_training_graph(forward)
+    assert sum(node.op_type == "EyeLike" for node in training.graph.node) == 2
+    for shape in [(2, 2, 3, 4), (1, 2, 6, 9)]:
+        _check_at(training, {"x": shape})

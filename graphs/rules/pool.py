@@ -16,7 +16,7 @@ import onnx.numpy_helper as onh
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
 from normgrad.graphs.rules._scatter import scatter_to_positions
-from normgrad.graphs.rules._window import window_of
+from normgrad.graphs.rules._window import transposed_window, window_of
 
 __all__ = ["average_pool_gradient", "max_pool_gradient"]
 
@@ -35,16 +35,13 @@ def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
     if attr(node, "count_include_pad", 0) or not any(window.pads):
         dy = ctx.op("Div", dy, ctx.scalar(float(np.prod(window.kernel)), x))
     else:
-        plane = ctx.op(
-            "ConstantOfShape",
-            ctx.ints([1, 1] + window.in_sizes),
-            value=onh.from_array(np.ones(1, np.float32)),
-        )
+        plane_shape = ctx.op("Concat", ctx.ints([1, 1]), ctx.shape_of(x, start=2), axis=0)
+        plane = ctx.op("ConstantOfShape", plane_shape, value=onh.from_array(np.ones(1, np.float32)))
         counts = ctx.op("Conv", ctx.op("CastLike", plane, x), ones, **geometry)
         dy = ctx.op("Div", dy, counts)
     channels = ctx.op("Concat", ctx.ints([-1, 1]), ctx.shape_of(dy, start=2), axis=0)
     planes = ctx.op("Reshape", dy, channels)
-    dx = ctx.op("ConvTranspose", planes, ones, output_padding=window.output_padding, kernel_shape=window.kernel, **geometry)
+    dx = transposed_window(ctx, planes, ones, x, window)  # x lends only its spatial size
     return [ctx.reshape_like(dx, x)]
 
 
