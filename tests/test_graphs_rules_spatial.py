@@ -222,8 +222,12 @@ def test_resize_opset_19_axes_antialias(attrs, values):
     params = _floats(**values) if name == "scales" else _ints(**values)
     inputs = ["x", "", "scales"] if name == "scales" else ["x", "", "", "sizes"]
     forward = model([_node("Resize", inputs, **attrs)], {"x": (1, 2, 6, 8)}, ["y"], params, opset=19)
-    if min(attrs.get("axes", [0])) < 0:
-        _check_adjoint(forward)  # onnx's reference evaluator fails on negative axes
+    if min(attrs.get("axes", [0])) < 0:  # onnx's reference evaluator fails on negative axes
+        try:
+            ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+        except ort.capi.onnxruntime_pybind11_state.RuntimeException as error:  # onnxruntime 1.19.2
+            pytest.skip(f"this onnxruntime rejects negative Resize axes: {error}")
+        _check_adjoint(forward)
     else:
         _check(forward)
 
