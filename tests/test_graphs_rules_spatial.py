@@ -337,3 +337,36 @@ def test_resize_torch_sizes_at_dynamic_sizes():
     assert sum(node.op_type == "EyeLike" for node in training.graph.node) == 2
     for shape in [(2, 2, 3, 4), (1, 2, 6, 9)]:
         _check_at(training, {"x": shape})
+
+
+@pytest.mark.parametrize("split, keepdims, positions", [
+    ([1, 3, 1], 1, [0, 2, -2]),  # sizes
+    (2, 1, [1, 2]),  # a scalar: pieces of 2, the last shorter
+    (None, 0, [4, 0, 0]),  # one per element, squeezed; a piece read twice
+])
+def test_split_to_sequence_read_by_sequence_at(split, keepdims, positions):
+    """torch's dynamo exporter writes torch.split/chunk as SplitToSequence + SequenceAt:
+    rewritten to a Split before differentiation."""
+    params = {f"p{k}": np.asarray(p, np.int64) for k, p in enumerate(positions)}
+    inputs = ["x"]
+    if split is not None:
+        params["split"] = np.asarray(split, np.int64)
+        inputs.append("split")
+    nodes = [oh.make_node("SplitToSequence", inputs, ["seq"], axis=1, keepdims=keepdims)]
+    nodes += [oh.make_node("SequenceAt", ["seq", f"p{k}"], [f"a{k}"]) for k in range(len(positions))]
+    nodes.append(oh.make_node("Concat", [f"a{k}" for k in range(len(positions))], ["y"], axis=1))
+    forward = model(nodes, {"x": (2, 5, 3)}, ["y"], params)
+    training = build_training_graph(forward)
+    assert not {"SplitToSequence", "SequenceAt"} & {node.op_type for node in training.graph.node}
+    _check(forward)
+
+
+@pytest.mark.parametrize("indices", [
+    [[0, 1], [1, 2], [0, 1], [-1, 0]],  # pairs, a repeat, a negative index
+    [[1], [0], [1]],  # k = 1
+    [[[0, 1, 2], [1, 0, 3]], [[1, 2, 0], [1, 2, 0]]],  # full tuples, extra index axes
+])
+def test_gather_nd(indices):
+    """torch's dynamo exporter writes nearest-exact interpolation with GatherND."""
+    params = _ints(indices=indices)
+    _check(model([_node("GatherND", ["x", "indices"])], {"x": (2, 3, 4)}, ["y"], params))
