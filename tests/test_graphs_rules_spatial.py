@@ -370,3 +370,34 @@ def test_gather_nd(indices):
     """torch's dynamo exporter writes nearest-exact interpolation with GatherND."""
     params = _ints(indices=indices)
     _check(model([_node("GatherND", ["x", "indices"])], {"x": (2, 3, 4)}, ["y"], params))
+
+
+def test_gradients_do_not_depend_on_the_thread_count():
+    """Resize (interpolation matrices and repeats), reflect Pad (scatter-adds), Slice with a
+    negative step, ConvTranspose, GatherND with repeated rows: bitwise equal gradients with
+    1 and 3 intra-op threads."""
+    params = weights(5, wt=(8, 4, 3, 3))
+    params.update(_floats(linear=[1, 1, 1.5, 2], nearest=[1, 1, 2, 2]))
+    params.update(_ints(pads=[0, 0, 2, 1, 0, 0, 1, 2], starts=[-1], ends=[-1000], axes=[2], steps=[-2],
+                        rows=[[0, 1], [1, 2], [0, 1], [1, 3]]))
+    nodes = [
+        oh.make_node("Resize", ["x", "", "linear"], ["r"], mode="linear"),
+        oh.make_node("Pad", ["r", "pads"], ["p"], mode="reflect"),
+        oh.make_node("Slice", ["p", "starts", "ends", "axes", "steps"], ["s"]),
+        oh.make_node("ConvTranspose", ["s", "wt"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]),
+        oh.make_node("Resize", ["c", "", "nearest"], ["n"], mode="nearest", coordinate_transformation_mode="asymmetric",
+                     nearest_mode="floor"),
+        oh.make_node("GatherND", ["n", "rows"], ["y"]),
+    ]
+    training = build_training_graph(model(nodes, {"x": (2, 8, 24, 20)}, ["y"], params))
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 8, 24, 20)).astype(np.float32), "wt": params["wt"]}
+    feeds["y_grad"] = rng.standard_normal(_output_shapes(training, ["y"], feeds)["y"]).astype(np.float32)
+    results = []
+    for threads in (1, 3):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        results.append(session.run(["x_grad", "wt_grad"], feeds))
+    for one, three in zip(*results):
+        np.testing.assert_array_equal(one, three)
