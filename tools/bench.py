@@ -551,7 +551,13 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if "--train" in (sys.argv[1:] if argv is None else argv):
+        from normgrad.tools import bench_train
+
+        return bench_train.main(argv)
     parser = argparse.ArgumentParser(prog="normgrad bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train", action="store_true",
+                        help="instead: training steps of four CNNs against torch (and onnxruntime-training); see --train --help")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every implementation (2)")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")

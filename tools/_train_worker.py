@@ -1,0 +1,205 @@
+"""A worker of ``normgrad bench --train``: builds one variant's training step for one model,
+then answers JSON lines on stdin: ``step`` (one step; its wall time and loss), ``profile``
+(the op types' node time of one profiled step), ``end`` (peak RSS). Runs as a script, also in
+a Python that has onnxruntime-training and no normgrad (``ort-training``), so it imports
+normgrad only for normgrad's variants."""
+
+import glob
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def _rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _options(threads, profile_prefix=None):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return options
+
+
+def _events(path):
+    """The events of a profile file (onnxruntime-training may append several JSON arrays)."""
+    with open(path) as f:
+        text = f.read()
+    decoder, events, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        while at < len(text) and text[at] in " \r\n\t,":
+            at += 1
+        if at >= len(text):
+            break
+        chunk, at = decoder.raw_decode(text, at)
+        events += chunk if isinstance(chunk, list) else [chunk]
+    return events
+
+
+def _by_op(*profile_paths):
+    """Node time per op type, after the first model run (warm-up) in profile files."""
+    events = [e for path in profile_paths for e in _events(path)]
+    runs = sorted((e for e in events if e.get("name") in ("model_run", "TrainStep") or e.get("name", "").endswith("_run")
+                   and e.get("cat") == "Session"), key=lambda e: e["ts"])
+    start = runs[0]["ts"] + runs[0]["dur"] if len(runs) > 1 else 0
+    result = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op = e.get("args", {}).get("op_name", "?")
+            result[op] = result.get(op, 0.0) + e["dur"]
+    return result
+
+
+def _normgrad(variant, forward_path, x, labels, threads):
+    import onnx
+
+    from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.train import Trainer
+
+    training = build_training_graph(onnx.load(forward_path), loss="cross_entropy")
+    step_graph, initial = build_step_graph(training, "adamw", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    kernels = "cpp" if variant == "cpp" else None
+    trainer = Trainer(step_graph, initial, lr=LR, session_options=_options(threads), kernels=kernels)
+
+    def step():
+        return float(trainer.step(x, labels))
+
+    def profile():
+        import onnxruntime
+
+        import normgrad
+
+        with tempfile.TemporaryDirectory() as folder:
+            options = _options(threads, os.path.join(folder, "p"))
+            if variant == "cpp":
+                normgrad.session_options("cpp", options)
+            session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
+                                                   providers=["CPUExecutionProvider"])
+            feeds = {**initial, "x": x, "labels": labels, "lr": np.array(LR, np.float32), "step": np.array(1, np.float32)}
+            feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+            for _ in range(2):
+                session.run(None, feeds)
+            return _by_op(session.end_profiling())
+
+    return step, profile
+
+
+def _torch(name, state_path, x, labels, threads, quick):
+    import torch
+
+    from normgrad.tools.bench_train import torch_model
+
+    torch.set_num_threads(threads)
+    model = torch_model(name, quick)
+    model.load_state_dict(torch.load(state_path))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(tx), tl)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step, None
+
+
+def _ort_training(forward_path, x, labels, threads):
+    import onnx
+    from onnxruntime.training import artifacts
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    folder = tempfile.mkdtemp()
+    forward = onnx.load(forward_path)
+    params = [t.name for t in forward.graph.initializer
+              if not any(s in t.name for s in ("running_mean", "running_var", "num_batches_tracked"))
+              and t.data_type == onnx.TensorProto.FLOAT]
+    artifacts.generate_artifacts(forward, requires_grad=params, frozen_params=[],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=folder)
+    ckpt = os.path.join(folder, "checkpoint")
+
+    def make(profile_prefix=None):
+        state = CheckpointState.load_checkpoint(ckpt)
+        kwargs = {}
+        module = Module(os.path.join(folder, "training_model.onnx"), state, None, "cpu",
+                        session_options=_options(threads, profile_prefix), **kwargs)
+        optimizer = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+        optimizer.set_learning_rate(LR)
+        module.train()
+        return module, optimizer
+
+    module, optimizer = make()
+    def run(module, optimizer):
+        loss = module(x, labels)
+        optimizer.step()
+        module.lazy_reset_grad()
+        return float(loss)
+
+    def profile():
+        prefix = os.path.join(folder, "profile")
+        m, o = make(prefix)
+        for _ in range(2):
+            run(m, o)
+        del m, o
+        import gc
+
+        gc.collect()
+        files = glob.glob(prefix + "*.json")
+        return _by_op(*files) if files else None
+
+    return (lambda: run(module, optimizer)), profile
+
+
+def main():
+    variant, name, paths, threads, quick = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+    x, labels = np.load(paths["x.npy"]), np.load(paths["labels.npy"])
+    try:
+        if variant in ("cpp", "functions"):
+            step, profile = _normgrad(variant, paths["onnx"], x, labels, threads)
+        elif variant == "torch":
+            step, profile = _torch(name, paths["pt"], x, labels, threads, quick)
+        else:
+            step, profile = _ort_training(paths["onnx"], x, labels, threads)
+    except Exception as error:
+        print(json.dumps({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:150] if str(error).strip() else ''}"}),
+              flush=True)
+        return
+    print(json.dumps({"rss_mb": _rss_mb()}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        try:
+            if command == "step":
+                start = time.perf_counter()
+                loss = step()
+                print(json.dumps({"time": time.perf_counter() - start, "loss": loss}), flush=True)
+            elif command == "profile":
+                try:
+                    result = {"profile": profile() if profile else None}
+                except Exception as error:  # a profile is a convenience: the timings stand without it
+                    result = {"profile": None, "profile_error": f"{type(error).__name__}: {error}"[:150]}
+                print(json.dumps(result), flush=True)
+            elif command == "rss":
+                print(json.dumps({"peak_mb": _rss_mb()}), flush=True)
+            elif command == "end":
+                return
+        except Exception as error:
+            print(json.dumps({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:150]}"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

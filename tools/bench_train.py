@@ -1,0 +1,294 @@
+"""``normgrad bench --train``: one training step of four CNNs, side by side.
+
+A step is forward, cross-entropy against integer labels, backward and one AdamW update
+(lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) of every parameter:
+
+* ``cpp``: normgrad's step graph (``build_step_graph``) in ``normgrad.train.Trainer`` with
+  normgrad's C++ kernels;
+* ``functions``: the same step graph in plain onnxruntime, on its function bodies;
+* ``torch``: torch eager, ``train()`` mode, ``torch.optim.AdamW`` (the same weights);
+* ``ort-training``: onnxruntime-training's ``Module`` + ``Optimizer`` (``generate_artifacts``
+  with CrossEntropyLoss and AdamW) when ``--ort-training-python`` names a Python that has it.
+
+The models are torch modules exported by torch's TorchScript exporter (training mode,
+opset 17): a ResNet basic block with a GAP/Linear head (x [16, 64, 56, 56]), a ResNet-18
+(x [8, 3, 128, 128], 1000 classes), a diffusion-UNet block (GroupNorm-SiLU-Conv twice plus
+the skip, GAP/Linear head, x [8, 128, 32, 32]) and an EfficientNet MBConv block (1x1 expand,
+BN-SiLU, depthwise 3x3, BN-SiLU, squeeze-excite, 1x1 project, BN, skip; x [16, 40, 28, 28]).
+``--quick`` shrinks them (CI smoke test). torch must be installed to build them.
+
+How it is measured: every variant runs in its own worker process (``tools/_train_worker.py``;
+``--threads`` intra-op threads, spinning off, torch ``set_num_threads``), which builds its
+session and waits. The parent then runs rounds: in each round every worker does one step, in
+turn, and reports its wall time, so machine-load drifts hit all variants alike; the first
+two steps are warm-up and agreement check (their losses must agree with ``cpp`` to 1e-3
+relative; the step-2 loss depends on the step-1 update, so it checks the gradients and the
+optimizer too). The table shows medians and ranges over ``--repeat`` rounds, ratios to torch
+and to ort-training, and each worker's peak RSS (``ru_maxrss``) with the part its steps added
+above the RSS after building (imports and the built session excluded). With ``cpp`` and
+``ort-training``, one extra profiled step gives the top op types by share of node time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["main", "MODELS", "torch_model"]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_train_worker.py")
+
+# name: (input shape, quick input shape, classes)
+MODELS: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], int]] = {
+    "resnet_block": ((16, 64, 56, 56), (2, 8, 16, 16), 10),
+    "resnet18": ((8, 3, 128, 128), (4, 3, 64, 64), 1000),
+    "unet_block": ((8, 128, 32, 32), (2, 16, 8, 8), 10),
+    "mbconv_block": ((16, 40, 28, 28), (2, 8, 8, 8), 10),
+}
+
+
+def torch_model(name: str, quick: bool):
+    """The torch module of benchmark model ``name`` (seeded; ``quick``: 1/8 the widths of resnet18)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class Head(nn.Module):
+        def __init__(self, channels, classes):
+            super().__init__()
+            self.fc = nn.Linear(channels, classes)
+
+        def forward(self, x):
+            return self.fc(x.mean((2, 3)))
+
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride=1):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.down = None
+            if stride != 1 or cin != cout:
+                self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+            return torch.relu(y + (x if self.down is None else self.down(x)))
+
+    class UNet(nn.Module):
+        def __init__(self, c, groups):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(groups, c), nn.Conv2d(c, c, 3, 1, 1)
+            self.n2, self.c2 = nn.GroupNorm(groups, c), nn.Conv2d(c, c, 3, 1, 1)
+
+        def forward(self, x):
+            h = self.c1(nn.functional.silu(self.n1(x)))
+            return x + self.c2(nn.functional.silu(self.n2(h)))
+
+    class MBConv(nn.Module):
+        def __init__(self, c, expand=6, squeeze=4):
+            super().__init__()
+            e = c * expand
+            self.expand = nn.Sequential(nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e), nn.SiLU())
+            self.depthwise = nn.Sequential(nn.Conv2d(e, e, 3, 1, 1, groups=e, bias=False), nn.BatchNorm2d(e), nn.SiLU())
+            self.se = nn.Sequential(nn.Conv2d(e, c // squeeze, 1), nn.SiLU(), nn.Conv2d(c // squeeze, e, 1), nn.Sigmoid())
+            self.project = nn.Sequential(nn.Conv2d(e, c, 1, bias=False), nn.BatchNorm2d(c))
+
+        def forward(self, x):
+            h = self.depthwise(self.expand(x))
+            return x + self.project(h * self.se(h.mean((2, 3), keepdim=True)))
+
+    shape, quick_shape, classes = MODELS[name]
+    c = (quick_shape if quick else shape)[1]
+    if name == "resnet_block":
+        model = nn.Sequential(Basic(c, c), Head(c, classes))
+    elif name == "resnet18":
+        w = [8, 16, 32, 64] if quick else [64, 128, 256, 512]
+        layers = [nn.Conv2d(3, w[0], 7, 2, 3, bias=False), nn.BatchNorm2d(w[0]), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+        cin = w[0]
+        for i, cout in enumerate(w):
+            layers += [Basic(cin, cout, 1 if i == 0 else 2), Basic(cout, cout)]
+            cin = cout
+        model = nn.Sequential(*layers, Head(cin, classes))
+    elif name == "unet_block":
+        model = nn.Sequential(UNet(c, 4 if quick else 32), Head(c, classes))
+    else:
+        model = nn.Sequential(MBConv(c), Head(c, classes))
+    # BatchNorm's and GroupNorm's default weight 1 / bias 0 would make every scale equal.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    return model.train()
+
+
+def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
+    """Writes the model's forward ONNX, torch state, x and labels into ``folder``."""
+    import torch
+
+    shape, quick_shape, classes = MODELS[name]
+    shape = quick_shape if quick else shape
+    model = torch_model(name, quick)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    labels = rng.integers(0, classes, shape[0]).astype(np.int64)
+    paths = {k: os.path.join(folder, f"{name}.{k}") for k in ("onnx", "x.npy", "labels.npy", "pt")}
+    torch.save(model.state_dict(), paths["pt"])  # before the export: tracing in training mode moves the BN statistics
+    import io
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the exporter's notes on num_batches_tracked, one per BatchNorm
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.from_numpy(x),), buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                          do_constant_folding=False, input_names=["x"], output_names=["y"], opset_version=17)
+    from normgrad import _files
+
+    _files.write_bytes_atomic(paths["onnx"], buffer.getvalue())
+    np.save(paths["x.npy"], x)
+    np.save(paths["labels.npy"], labels)
+    return paths
+
+
+class _Worker:
+    """One variant in its own process: JSON lines over stdin/stdout."""
+
+    def __init__(self, python: str, variant: str, name: str, paths: Dict[str, str], threads: int, quick: bool):
+        env = dict(os.environ)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        command = [python, WORKER, variant, name, json.dumps(paths), str(threads), "1" if quick else "0"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=env)
+        self.error: Optional[str] = None
+        self.ready = self._reply()
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            self.error = (self.process.stderr.read().strip().splitlines() or ["worker exited"])[-1][:160]
+            return {}
+        reply = json.loads(line)
+        if "error" in reply:
+            self.error = reply["error"]
+        return reply
+
+    def ask(self, command: str) -> dict:
+        if self.error:
+            return {}
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.write("end\n")
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _top(profile: Dict[str, float], count: int = 5) -> str:
+    total = sum(profile.values()) or 1.0
+    top = sorted(profile.items(), key=lambda item: -item[1])[:count]
+    return ", ".join(f"{op} {t / total:.0%}" for op, t in top)
+
+
+def _model_group(name: str, args, folder: str, out) -> bool:
+    shape = MODELS[name][1 if args.quick else 0]
+    paths = _export(name, args.quick, folder)
+    variants = [("cpp", sys.executable), ("functions", sys.executable), ("torch", sys.executable)]
+    if args.ort_training_python:
+        variants.append(("ort-training", args.ort_training_python))
+    workers = {v: _Worker(python, v, name, paths, args.threads, args.quick) for v, python in variants}
+    losses: Dict[str, List[float]] = {}
+    for _ in range(2):  # warm-up steps; their losses are the agreement check
+        for v, worker in workers.items():
+            reply = worker.ask("step")
+            if "loss" in reply:
+                losses.setdefault(v, []).append(reply["loss"])
+    times: Dict[str, List[float]] = {v: [] for v in workers}
+    for _ in range(args.repeat):
+        for v, worker in workers.items():
+            reply = worker.ask("step")
+            if "time" in reply:
+                times[v].append(reply["time"])
+    ends = {v: worker.ask("rss") for v, worker in workers.items()}  # before profiling builds another session
+    profiles = {v: worker.ask("profile") for v, worker in workers.items() if v in ("cpp", "ort-training")}
+    for worker in workers.values():
+        worker.close()
+
+    print(f"\n{name} x {list(shape)}: training step (forward, cross-entropy, backward, AdamW), "
+          f"{args.threads} threads, median of {args.repeat} interleaved rounds", file=out)
+    ok = True
+    reference = losses.get("cpp")
+    medians = {v: statistics.median(t) for v, t in times.items() if t}
+    print(f"  {'variant':<14}{'median':>10}{'range':>22}{'/torch':>8}{'/ort-tr':>9}{'peak RSS':>11}{'step RSS':>11}"
+          f"  check (losses of steps 1, 2)", file=out)
+    for v, worker in workers.items():
+        if worker.error or v not in medians:
+            print(f"  {v:<14}failed: {worker.error or 'no timing'}", file=out)
+            continue
+        t = times[v]
+        ratio = lambda other: f"{medians[v] / medians[other]:.2f}x" if other in medians else "-"  # noqa: E731
+        peak, ready = ends[v].get("peak_mb"), worker.ready.get("rss_mb")
+        check = ""
+        if reference and v in losses:
+            error = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[v], reference))
+            good = error <= 1e-3
+            ok &= good
+            check = f"{losses[v][0]:.5f} {losses[v][1]:.5f} (vs cpp {error:.1e}{'' if good else ' MISMATCH'})"
+        print(f"  {v:<14}{medians[v] * 1e3:8.1f}ms  {min(t) * 1e3:8.1f}-{max(t) * 1e3:8.1f}ms{ratio('torch'):>8}"
+              f"{ratio('ort-training'):>9}{peak or 0:9.0f}MB{(peak or 0) - (ready or 0):9.0f}MB  {check}", file=out)
+    for v, reply in profiles.items():
+        if reply.get("profile"):
+            print(f"  {v} profile (op types by share of node time): {_top(reply['profile'])}", file=out)
+        elif not workers[v].error:
+            print(f"  {v} profile: unavailable ({reply.get('profile_error', 'no node events')})", file=out)
+    return ok
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="normgrad bench --train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="small models, 3 rounds (CI smoke test)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every variant (2)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models to time")
+    parser.add_argument("--ort-training-python", default=None, metavar="PATH",
+                        help="a Python with onnxruntime-training (1.19.2): adds its column")
+    args = parser.parse_args(argv)
+    args.repeat = args.repeat or (3 if args.quick else 7)
+    if args.repeat < 1 or args.threads < 1:
+        parser.error("--repeat and --threads must be >= 1")
+    if args.ort_training_python and not os.access(args.ort_training_python, os.X_OK):
+        parser.error(f"--ort-training-python: {args.ort_training_python!r} is not an executable")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("normgrad bench --train: the models are built from torch code; install torch", file=sys.stderr)
+        return 2
+    import onnxruntime
+
+    out = sys.stdout
+    print(f"normgrad bench --train: onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, "
+          f"{args.threads} threads; one worker process per variant, steps interleaved round by round", file=out)
+    ok = True
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models:
+            ok &= _model_group(name, args, folder, out)
+    return 0 if ok else 1
