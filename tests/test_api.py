@@ -99,6 +99,25 @@ def test_bench_quick_runs(capsys):
         assert row in out
 
 
+def test_bench_train_quick_runs_and_agrees(capsys):
+    """The output format of ``bench --train``, and the losses of the first two steps of
+    every variant agreeing with cpp's (exit status 0); timings are not asserted."""
+    pytest.importorskip("torch")
+    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", "resnet_block", "mbconv_block"]) == 0
+    out = capsys.readouterr().out
+    for name in ("resnet_block x [2, 8, 16, 16]", "mbconv_block x [2, 8, 8, 8]"):
+        assert name in out
+    for variant in ("cpp", "functions", "torch"):
+        rows = [line for line in out.splitlines() if line.strip().startswith(variant + " ") and "ms" in line]
+        assert len(rows) == 2 and all("vs cpp" in row and "MISMATCH" not in row for row in rows)
+    assert out.count("cpp profile (op types by share of node time): ") == 2
+
+
+def test_bench_train_bad_ort_python_is_a_usage_error(capsys):
+    assert cli.main(["bench", "--train", "--ort-training-python", "/nonexistent/python"]) == 2
+    assert "--ort-training-python" in capsys.readouterr().err
+
+
 def test_python_ops_of_other_domains_keep_working():
     """normgrad's invocation hook hands other libraries' Python ops to the original one."""
     from onnxruntime_extensions import PyCustomOpDef, onnx_op

@@ -433,3 +433,28 @@ def test_common_slices_and_pads_avoid_scatter(op_type, inputs, attrs, params):
 def test_refused_variants_name_the_node(node, shape, params, message):
     with pytest.raises(UnsupportedOperatorError, match=message):
         build_training_graph(model([node], {"x": shape}, ["y"], params, opset=19))
+
+
+CONV_FORM_CASES = [
+    # (attributes, W shape, x shape): each gradient form of graphs/rules/conv.py and its edges
+    ({"pads": [0, 2, 1, 1], "dilations": [1, 2]}, (3, 2, 3, 2), (2, 2, 5, 6)),  # stride 1: flipped-Conv dx, per-tap dW
+    ({"pads": [3, 0, 0, 0]}, (2, 2, 3, 2), (1, 2, 5, 4)),  # a pad past the kernel's reach: ConvTranspose dx
+    ({"strides": [2, 3], "dilations": [2, 1], "pads": [1, 0, 0, 1]}, (2, 2, 2, 2), (1, 2, 7, 8)),  # strided taps
+    ({"strides": [2, 2]}, (3, 2, 1, 1), (2, 2, 5, 5)),  # 1x1 downsample: one tap
+    ({"pads": [1, 1, 1, 1]}, (2, 2, 4, 4), (1, 2, 5, 5)),  # 16 taps: the big-kernel Conv dW
+    ({"pads": [1, 0, 1, 1, 0, 1]}, (2, 2, 2, 2, 2), (1, 2, 3, 3, 3)),  # 3-D, 8 taps
+]
+
+
+@pytest.mark.parametrize("attrs, w_shape, x_shape", CONV_FORM_CASES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_conv_gradient_forms(attrs, w_shape, x_shape, dynamic):
+    """Finite differences of every Conv gradient form, at static sizes and at symbolic ones
+    (one graph checked at two sizes)."""
+    params = weights(5, w=w_shape)
+    spatial = len(x_shape) - 2
+    inputs = {"x": (x_shape if not dynamic else ("N", x_shape[1]) + tuple(f"S{i}" for i in range(spatial)))}
+    training = build_training_graph(model([_node("Conv", ["x", "w"], **attrs)], inputs, ["y"], params))
+    sizes = [x_shape] + ([x_shape[:2] + tuple(d + 1 for d in x_shape[2:])] if dynamic else [])
+    for shape in sizes:
+        _check_at(training, {"x": shape})
