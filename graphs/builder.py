@@ -16,6 +16,7 @@ import normgrad
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
+from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
@@ -67,6 +68,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
+    rewrites.split_sequences(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
@@ -282,6 +284,7 @@ def build_training_graph(
     loss_options: Optional[Mapping[str, object]] = None,
     loss_output: Optional[str] = None,
     batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
+    portable: bool = False,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -306,6 +309,11 @@ def build_training_graph(
         batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
             statistics and backward sums go through this all-reduce (see
             :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
+        portable: rewrite the graph so that every execution provider runs it correctly
+            (:func:`normgrad.graphs.portable.make_portable`): trainable weights become pure
+            inputs (no initializer; their initial values are the forward model's
+            initializers, or call ``make_portable`` on the non-portable graph to get them),
+            inputs nothing reads are dropped.
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -426,4 +434,6 @@ def build_training_graph(
         result.opset_import.extend(kept)
     result.ir_version = IR_VERSION
     onnx.checker.check_model(result, full_check=True)
+    if portable:
+        result, _ = make_portable(result)
     return result
