@@ -18,6 +18,15 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
 def _rss_mb():
+    """This process's peak RSS. On Linux VmHWM: ru_maxrss carries the parent's peak across
+    fork and exec, which would credit the bench's own exports to every worker."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -44,7 +53,10 @@ def _events(path):
             at += 1
         if at >= len(text):
             break
-        chunk, at = decoder.raw_decode(text, at)
+        try:
+            chunk, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:  # a file the session has not closed yet: its complete events
+            chunk, at = json.loads(text[at:text.rindex("}", at) + 1].rstrip().rstrip(",") + "]"), len(text)
         events += chunk if isinstance(chunk, list) else [chunk]
     return events
 
@@ -120,7 +132,7 @@ def _torch(name, state_path, x, labels, threads, quick):
 
 def _ort_training(forward_path, x, labels, threads):
     import onnx
-    from onnxruntime.training import artifacts
+    from onnxruntime.training import artifacts, onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
     folder = tempfile.mkdtemp()
@@ -129,7 +141,9 @@ def _ort_training(forward_path, x, labels, threads):
               if not any(s in t.name for s in ("running_mean", "running_var", "num_batches_tracked"))
               and t.data_type == onnx.TensorProto.FLOAT]
     artifacts.generate_artifacts(forward, requires_grad=params, frozen_params=[],
-                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 # its OptimType.AdamW has eps 1e-6 and no weight decay
+                                 optimizer=onnxblock.optim.AdamW(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                                  artifact_directory=folder)
     ckpt = os.path.join(folder, "checkpoint")
 

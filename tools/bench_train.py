@@ -24,9 +24,11 @@ turn, and reports its wall time, so machine-load drifts hit all variants alike; 
 two steps are warm-up and agreement check (their losses must agree with ``cpp`` to 1e-3
 relative; the step-2 loss depends on the step-1 update, so it checks the gradients and the
 optimizer too). The table shows medians and ranges over ``--repeat`` rounds, ratios to torch
-and to ort-training, and each worker's peak RSS (``ru_maxrss``) with the part its steps added
-above the RSS after building (imports and the built session excluded). With ``cpp`` and
-``ort-training``, one extra profiled step gives the top op types by share of node time.
+and to ort-training, and each worker's peak RSS (``VmHWM``) with the part its steps added
+above the high-water mark after building (imports, graph building and session creation
+excluded). With ``cpp`` and ``ort-training``, profiled steps in an extra session give the
+top op types by share of node time (onnxruntime-training writes its profile only when its
+session ends, which its Python API does not expose: that profile is mostly unavailable).
 """
 
 from __future__ import annotations
