@@ -179,6 +179,13 @@ def _ort_training(forward_path, x, labels, threads):
     return (lambda: run(module, optimizer)), profile
 
 
+def _describe(error):
+    """One line; the end of a long onnxruntime message, where it says what went wrong."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text if len(text) <= 150 else '...' + text[-150:]}"
+
+
 def main():
     variant, name, paths, threads, quick = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
     x, labels = np.load(paths["x.npy"]), np.load(paths["labels.npy"])
@@ -190,8 +197,7 @@ def main():
         else:
             step, profile = _ort_training(paths["onnx"], x, labels, threads)
     except Exception as error:
-        print(json.dumps({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:150] if str(error).strip() else ''}"}),
-              flush=True)
+        print(json.dumps({"error": _describe(error)}), flush=True)
         return
     print(json.dumps({"rss_mb": _rss_mb()}), flush=True)
     for line in sys.stdin:
@@ -212,7 +218,7 @@ def main():
             elif command == "end":
                 return
         except Exception as error:
-            print(json.dumps({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:150]}"}), flush=True)
+            print(json.dumps({"error": _describe(error)}), flush=True)
 
 
 if __name__ == "__main__":

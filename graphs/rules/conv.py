@@ -8,8 +8,8 @@ axes but 1.
 ConvTranspose(x, W) is the adjoint of Conv(., W) with the same geometry, so dx = Conv(dy, W)
 and dW is Conv's weight gradient with dy as the input and x as the output gradient.
 
-Measured (onnxruntime 1.32 CPU, float32, 2 intra-op threads, medians of 5 interleaved runs on
-a shared machine at load ~70, so +-20%), in ms, [N, C, H, W] -> M channels, kernel k, stride s:
+Measured (onnxruntime 1.32 CPU, float32, 2 intra-op threads, medians of 5-7 interleaved runs on
+a shared machine at load 40-70, so +-20%), in ms, [N, C, H, W] -> M channels, kernel k, stride s:
 
 ==============================  ============  ===========  ===============  ===========
 case                            dx ConvT      dx flip Conv dW big-kernel    dW per tap
@@ -22,8 +22,13 @@ case                            dx ConvT      dx flip Conv dW big-kernel    dW p
 [8, 64, 32, 32] -> 128, k3 s2   5.5           -            9.9              3.3
 [8, 64, 32, 32] -> 128, k1 s2   0.4           -            4.2              0.6
 [8, 3, 128, 128] -> 64, k7 s2   9.5           -            20.0             63.8
-[16, 96, 28, 28] depthwise k3   2.5           10.5         (grouped)        -
+[16, 96, 28, 28] depthwise k3   2.5           10.5         -                -
+[16, 240, 28, 28] depthwise k3  -             -            98               97 (*)
+[8, 96, 56, 56] depthwise k3    -             -            60               56 (*)
 ==============================  ============  ===========  ===============  ===========
+
+(*) depthwise dW per tap as Slice-Mul-ReduceSum: no better than the grouped big-kernel Conv,
+which it keeps.
 
 So dW is one GEMM per kernel tap for ungrouped convs with at most 9 taps (the big-kernel Conv
 is 2-10x slower there; an im2col with one GEMM measured between the two), the big-kernel Conv
