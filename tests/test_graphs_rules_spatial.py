@@ -443,6 +443,8 @@ CONV_FORM_CASES = [
     ({"strides": [2, 2]}, (3, 2, 1, 1), (2, 2, 5, 5)),  # 1x1 downsample: one tap
     ({"pads": [1, 1, 1, 1]}, (2, 2, 4, 4), (1, 2, 5, 5)),  # 16 taps: the big-kernel Conv dW
     ({"pads": [1, 0, 1, 1, 0, 1]}, (2, 2, 2, 2, 2), (1, 2, 3, 3, 3)),  # 3-D, 8 taps
+    ({"pads": [1, 2], "dilations": [2]}, (3, 2, 3), (2, 2, 1100)),  # >= 1024 output pixels: batched MatMul per tap
+    ({"strides": [2, 1], "pads": [1, 1, 0, 1]}, (2, 2, 3, 2), (1, 2, 64, 32)),  # the same, 2-D and strided
 ]
 
 

@@ -30,7 +30,8 @@ case                            dx ConvT      dx flip Conv dW big-kernel    dW p
 (*) depthwise dW per tap as Slice-Mul-ReduceSum: no better than the grouped big-kernel Conv,
 which it keeps.
 
-So dW is one GEMM per kernel tap for ungrouped convs with at most 9 taps (the big-kernel Conv
+So dW is one GEMM per kernel tap for ungrouped convs with at most 9 taps (batched over
+the samples for large images: see :func:`_per_tap_weight_gradient`) (the big-kernel Conv
 is 2-10x slower there; an im2col with one GEMM measured between the two), the big-kernel Conv
 otherwise (a 7x7 stem on 3 channels: 49 thin GEMMs lose); dx is the flipped Conv for
 ungrouped stride-1 convs and ConvTranspose otherwise (depthwise: 4x faster as ConvTranspose).
@@ -70,25 +71,45 @@ def input_gradient(ctx: GradientContext, dy: str, w: str, x: str, window: Window
 
 
 def _per_tap_weight_gradient(ctx: GradientContext, x: str, w: str, dy: str, window: Window) -> str:
-    """dW of an ungrouped Conv as one GEMM per kernel tap: dW[:, :, tap] = dy2 @ x_tap^T over
-    K = N * output pixels, where dy2 is dy as [M, K] and x_tap the zero-padded input as [C, K],
-    sliced at the tap's offset with the conv's strides."""
+    """dW of an ungrouped Conv as GEMMs, one per kernel tap: x zero-padded and sliced at the
+    tap's offset with the conv's strides (x_tap, shaped like dy but with C channels) against
+    dy, summed over the batch and the output pixels.
+
+    Large images (at least 1024 output pixels per sample, known statically): a batched MatMul
+    per tap, x_tap [N, C, P] @ dy^T [N, P, M], then ReduceSum over N; x stays in NCHW and dy
+    is transposed once. Otherwise one Gemm per tap over K = N * P, with x and dy arranged
+    channels-first once ([C, K], [M, K]). Measured on forward + dW of one 3x3 conv: batched
+    117 vs 140 ms at [16, 64, 56, 56], 12.0 vs 13.6 ms at [8, 64, 32, 32]; Gemm 16.7 vs 19.8 ms
+    at [8, 128, 16, 16], 12.2 vs 13.9 at [8, 256, 8, 8], 22.5 vs 36.0 at [8, 512, 4, 4]."""
     r = len(window.kernel)
     spatial = list(range(2, 2 + r))
-    x_arranged = ctx.op("Transpose", x, perm=[1, 0] + spatial)  # [C, N, ...]
+    batched = window.out_sizes is not None and int(np.prod(window.out_sizes)) >= 1024
+    if batched:
+        source = x
+        dy_arranged = ctx.op("Transpose", ctx.op("Reshape", dy, ctx.ints([0, 0, -1])), perm=[0, 2, 1])  # [N, P, M]
+        flat = ctx.ints([0, 0, -1])  # [N, C, P]
+    else:
+        source = ctx.op("Transpose", x, perm=[1, 0] + spatial)  # [C, N, ...]
+        dy_arranged = ctx.op("Reshape", ctx.op("Transpose", dy, perm=[1, 0] + spatial), ctx.ints([0, -1]))  # [M, K]
+        flat = ctx.ints([0, -1])  # [C, K]
     if any(window.pads):
-        x_arranged = ctx.op("Pad", x_arranged, ctx.ints([0, 0] + window.pads[:r] + [0, 0] + window.pads[r:]))
-    dy_rows = ctx.op("Reshape", ctx.op("Transpose", dy, perm=[1, 0] + spatial), ctx.ints([0, -1]))  # [M, K]
+        source = ctx.op("Pad", source, ctx.ints([0, 0] + window.pads[:r] + [0, 0] + window.pads[r:]))
     out_sizes = ctx.shape_of(dy, start=2)
     # the last element a tap reads is offset + (out - 1) * stride; Slice's end is one past it
     span = ctx.op("Mul", ctx.op("Sub", out_sizes, ctx.ints([1] * r)), ctx.ints(window.strides))
-    rows_of_x = ctx.ints([0, -1])
     taps = []
     for offsets in itertools.product(*[range(0, k * d, d) for k, d in zip(window.kernel, window.dilations)]):
         ends = ctx.op("Add", span, ctx.ints([o + 1 for o in offsets]))
-        tap = ctx.op("Slice", x_arranged, ctx.ints(list(offsets)), ends, ctx.ints(spatial), ctx.ints(window.strides))
-        taps.append(ctx.unsqueeze(ctx.op("Gemm", dy_rows, ctx.op("Reshape", tap, rows_of_x), transB=1), [2]))
-    stacked = taps[0] if len(taps) == 1 else ctx.op("Concat", *taps, axis=2)  # [M, C, taps]
+        tap = ctx.op("Reshape", ctx.op("Slice", source, ctx.ints(list(offsets)), ends, ctx.ints(spatial),
+                                       ctx.ints(window.strides)), flat)
+        if batched:
+            product = ctx.reduce("ReduceSum", ctx.op("MatMul", tap, dy_arranged), [0], keepdims=False)  # [C, M]
+        else:
+            product = ctx.op("Gemm", dy_arranged, tap, transB=1)  # [M, C]
+        taps.append(ctx.unsqueeze(product, [2]))
+    stacked = taps[0] if len(taps) == 1 else ctx.op("Concat", *taps, axis=2)  # [M, C, taps] or [C, M, taps]
+    if batched:
+        stacked = ctx.op("Transpose", stacked, perm=[1, 0, 2])
     return ctx.op("Reshape", stacked, ctx.op("Concat", ctx.shape_of(w, end=2), ctx.ints(window.kernel), axis=0))
 
 
