@@ -1,5 +1,8 @@
 """``normgrad bench``: the kernels side by side, from one run.
 
+``normgrad bench --train`` instead times whole training steps of four CNNs against torch
+eager and onnxruntime-training (:mod:`normgrad.tools.bench_train`).
+
 For each operator it times, with medians over interleaved repetitions (each repetition runs
 every implementation once, in turn, so drifts in machine load hit them alike; torch's OpenMP
 workers are told to sleep between calls, ``OMP_WAIT_POLICY=PASSIVE``, unless set already):
