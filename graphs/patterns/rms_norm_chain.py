@@ -1,0 +1,120 @@
+"""The RMSNorm chains torch's exporters write: one ``RMSNormalizationGrad``.
+
+transformers' LlamaRMSNorm (and its many copies), ``w * (x.float() * rsqrt(mean(x², -1) +
+eps)).to(dtype)``, and the dynamo exporter's ``nn.RMSNorm`` decomposition:
+
+    xc   = Cast(x, float) | x
+    ms   = ReduceMean(Pow(xc, 2) | Mul(xc, xc), axes)    # axes a..r-1, keepdims
+    rms  = Sqrt(Add(ms, eps))
+    n    = Mul(xc, Reciprocal(rms)) | Mul(xc, Div(1, rms)) | Div(xc, rms)
+    y    = Mul(Cast(n) | n, w) | Cast(n) | n             # any operand order
+
+(TorchScript writes Div(1, Sqrt) and Casts even to the same type, dynamo Reciprocal(Sqrt);
+TorchScript cannot export ``nn.RMSNorm`` itself: ``aten::rms_norm`` has no ONNX symbolic
+below opset 23.) Node by node, its gradient takes about eight passes over the data; here it
+is one ``RMSNormalizationGrad`` on x in its own type, reading the chain's own 1 / rms (or
+1 / rms of its Sqrt, per row).
+
+Matched with onnxscript's rewriter (:mod:`normgrad.graphs.patterns._declarative`), then
+checked strictly, else the per-node rules apply: the ReduceMean over trailing axes a..r-1
+with keepdims; Casts between float types; eps one value that needs no gradient; w
+broadcasting to x along the axes >= a only, the product of x's shape; each intermediate
+value read by the chain alone and not a graph output.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import onnx
+
+from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
+from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
+from normgrad.graphs.patterns._row_norm import broadcasts_along, fixed_epsilon, float_input, keeps_shape, normalised_axis
+from normgrad.graphs.rules.layer_norm import row_norm_gradient
+
+__all__ = ["PATTERN", "match_rms_norm_chain"]
+
+PATTERN = "rms_norm_chain"
+
+
+def _computed(op, x):
+    """x, or x cast (to the compute type)."""
+    return _pattern.OrValue([op.Cast(x, _outputs=["cast_in"]), x])
+
+
+def _rms(op, xc, eps):
+    squared = _pattern.OrValue([op.Pow(xc, 2.0), op.Mul(xc, xc)])
+    mean_square = op.ReduceMean(squared, _allow_other_inputs=True, _outputs=["mean_square"])
+    return op.Sqrt(op.Add(mean_square, eps), _outputs=["rms"])
+
+
+def _times_inverse(op, xc, eps):
+    rms = _rms(op, xc, eps)
+    inverse = _pattern.OrValue([op.Reciprocal(rms, _outputs=["inv_rms"]), op.Div(1.0, rms, _outputs=["one_over_rms"])])
+    return op.Mul(xc, inverse)
+
+
+def _normalised(op, x, eps):
+    xc = _computed(op, x)
+    return _pattern.OrValue([_times_inverse(op, xc, eps), op.Div(xc, _rms(op, xc, eps))])
+
+
+def _scaled(op, x, eps, w):
+    normalised = _normalised(op, x, eps)
+    return op.Mul(_pattern.OrValue([op.Cast(normalised, _outputs=["cast_out"]), normalised]), w)
+
+
+def _cast(op, x, eps):
+    return op.Cast(_normalised(op, x, eps), _outputs=["cast_out"])
+
+
+def _times(op, x, eps):
+    return _times_inverse(op, _computed(op, x), eps)
+
+
+def _divided(op, x, eps):
+    xc = _computed(op, x)
+    return op.Div(xc, _rms(op, xc, eps))
+
+
+_CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided)
+_ANCHORS = ("Mul", "Cast", "Div")
+
+
+def _float_cast(view: GraphView, name: Optional[str]) -> bool:
+    """Whether the Cast producing ``name`` (if any) casts to a float type."""
+    return name is None or attr(view.producer[name], "to", 0) in FLOAT_ELEM_TYPES
+
+
+@register(PATTERN)
+def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
+    """The chain ending at ``anchor``, or None."""
+    if anchor.op_type not in _ANCHORS or anchor.domain not in ("", "ai.onnx") or not {"ReduceMean", "Sqrt"} <= view.op_types:
+        return None
+    found = _CHAIN.match(view, ctx, anchor)
+    if found is None:
+        return None
+    bound, nodes = found
+    x, eps, w = bound["x"], bound["eps"], bound.get("w")
+    x_shape = ctx.shape(x)
+    if not float_input(ctx, x) or x_shape is None or not x_shape:
+        return None
+    if not (_float_cast(view, bound.get("cast_in")) and _float_cast(view, bound.get("cast_out"))):
+        return None
+    rank = len(x_shape)
+    axis = normalised_axis(view, ctx, view.producer[bound["mean_square"]], rank)
+    if axis is None or not fixed_epsilon(ctx, eps, rank):
+        return None
+    if w is not None and not (broadcasts_along(ctx, w, x, axis) and keeps_shape(ctx, anchor.output[0], x)):
+        return None
+    rms, inv_rms = bound["rms"], bound.get("inv_rms") or bound.get("one_over_rms")
+
+    def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
+        dx, dscale, _ = row_norm_gradient(
+            ctx, "RMSNormalizationGrad", dy, anchor.output[0], x, w, [inv_rms or ctx.op("Reciprocal", rms)], axis
+        )
+        return [(name, grad) for name, grad in ((x, dx), (w, dscale)) if grad is not None and ctx.needs_grad(name)]
+
+    return Match(PATTERN, anchor, nodes, gradient)
