@@ -28,6 +28,7 @@ from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import harness
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
+from normgrad.ops import _common
 from normgrad.ops._common import tensor_type
 
 try:
@@ -317,7 +318,7 @@ def check_gn(inputs, outputs=gng.OUTPUTS, threads=None, trailing_empty=False):
                 scale = terms.reshape(x.shape)
         else:
             terms = dy64 * np.abs(x_hat) if name == "dgamma" else dy64
-            scale = gng._sum_to_shape(terms, inputs["gamma"].shape) if x.size else 1.0
+            scale = _common.sum_to_shape(terms, inputs["gamma"].shape) if x.size else 1.0
         truth = _truth(inputs, name)
         assert_close(value, truth, t, scale, name)
     return actual
@@ -334,7 +335,7 @@ def _truth(inputs, name):
         return dx.reshape(x.shape)
     dy64 = dy.astype(np.float64)
     value = dy64 * x_hat.reshape(x.shape) if name == "dgamma" else dy64
-    return gng._sum_to_shape(value, gamma.shape)
+    return _common.sum_to_shape(value, gamma.shape)
 
 
 @pytest.mark.parametrize("t,u", [(t, u) for t in DTYPES for u in DTYPES if u in (t, np.dtype(np.float32))],
