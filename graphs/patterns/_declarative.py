@@ -17,7 +17,7 @@ a candidate.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import onnx
 
@@ -69,10 +69,13 @@ class ChainPattern:
     Args:
         name: for the missing-onnxscript warning.
         functions: onnxscript pattern functions ``f(op, **variables) -> output``.
+        differentiable: the variables that may need a gradient; a match where any other
+            input of the chain's nodes needs one is refused.
     """
 
-    def __init__(self, name: str, *functions: Callable):
+    def __init__(self, name: str, *functions: Callable, differentiable: Sequence[str]):
         self.name = name
+        self._differentiable = tuple(differentiable)
         self._functions = functions
         self._variants: Optional[List[object]] = None
 
@@ -111,5 +114,9 @@ class ChainPattern:
                     if value is None or isinstance(value, (ir.Value, int))
                 }
                 nodes = [view.producer[n.outputs[0].name] for n in found.nodes]
+                inside = {name for node in nodes for name in node.output}
+                allowed = {bindings.get(name) for name in self._differentiable} | inside
+                if any(ctx.needs_grad(name) for node in nodes for name in node.input if name not in allowed):
+                    return None  # e.g. a trainable initializer where the pattern has a constant
                 return bindings, nodes
         return None

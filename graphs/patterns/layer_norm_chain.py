@@ -73,7 +73,7 @@ def _reciprocal(op, x, eps):
     return op.Mul(centred, op.Reciprocal(_std(op, centred, eps), _outputs=["inv_std"]))
 
 
-_CHAIN = ChainPattern("the decomposed LayerNorm", _with_bias, _with_scale, _divided, _reciprocal)
+_CHAIN = ChainPattern("the decomposed LayerNorm", _with_bias, _with_scale, _divided, _reciprocal, differentiable=("x", "w", "b"))
 _ANCHORS = ("Add", "Mul", "Div")
 
 

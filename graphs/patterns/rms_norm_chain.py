@@ -39,9 +39,11 @@ __all__ = ["PATTERN", "match_rms_norm_chain"]
 PATTERN = "rms_norm_chain"
 
 
+# tag_var on every OrValue: onnxscript 0.7.2 cannot commute (clone) a backtracking OrValue without one
+
 def _computed(op, x):
     """x, or x cast (to the compute type)."""
-    return _pattern.OrValue([op.Cast(x, _outputs=["cast_in"]), x])
+    return _pattern.OrValue([op.Cast(x, _outputs=["cast_in"]), x], tag_var="cast_in_or_not")
 
 
 def _rms(op, xc, eps):
@@ -58,12 +60,13 @@ def _times_inverse(op, xc, eps):
 
 def _normalised(op, x, eps):
     xc = _computed(op, x)
-    return _pattern.OrValue([_times_inverse(op, xc, eps), op.Div(xc, _rms(op, xc, eps))])
+    return _pattern.OrValue([_times_inverse(op, xc, eps), op.Div(xc, _rms(op, xc, eps))], tag_var="times_or_divided")
 
 
 def _scaled(op, x, eps, w):
     normalised = _normalised(op, x, eps)
-    return op.Mul(_pattern.OrValue([op.Cast(normalised, _outputs=["cast_out"]), normalised]), w)
+    cast_or_not = _pattern.OrValue([op.Cast(normalised, _outputs=["cast_out"]), normalised], tag_var="cast_out_or_not")
+    return op.Mul(cast_or_not, w)
 
 
 def _cast(op, x, eps):
@@ -79,7 +82,7 @@ def _divided(op, x, eps):
     return op.Div(xc, _rms(op, xc, eps))
 
 
-_CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided)
+_CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
 _ANCHORS = ("Mul", "Cast", "Div")
 
 
