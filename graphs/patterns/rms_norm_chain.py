@@ -3,21 +3,22 @@
 transformers' LlamaRMSNorm (and its many copies), ``w * (x.float() * rsqrt(mean(x², -1) +
 eps)).to(dtype)``, and the dynamo exporter's ``nn.RMSNorm`` decomposition:
 
-    xc   = Cast(x, float) | x
-    ms   = ReduceMean(Pow(xc, 2) | Mul(xc, xc), axes)    # axes a..r-1, keepdims
+    ms   = ReduceMean(Pow(x, 2) | Mul(x, x), axes)      # axes a..r-1, keepdims
     rms  = Sqrt(Add(ms, eps))
-    n    = Mul(xc, Reciprocal(rms)) | Mul(xc, Div(1, rms)) | Div(xc, rms)
+    n    = Mul(x, Reciprocal(rms)) | Mul(x, Div(1, rms)) | Div(x, rms)
     y    = Mul(Cast(n) | n, w) | Cast(n) | n             # any operand order
 
 (TorchScript writes Div(1, Sqrt) and Casts even to the same type, dynamo Reciprocal(Sqrt);
 TorchScript cannot export ``nn.RMSNorm`` itself: ``aten::rms_norm`` has no ONNX symbolic
 below opset 23.) Node by node, its gradient takes about eight passes over the data; here it
-is one ``RMSNormalizationGrad`` on x in its own type, reading the chain's own 1 / rms (or
-1 / rms of its Sqrt, per row).
+is one ``RMSNormalizationGrad``, reading the chain's own 1 / rms (or 1 / rms of its Sqrt,
+per row). x is the value the chain normalises, i.e. the output of the Cast to float32 where
+there is one: TorchScript lets the residual Add read that same Cast, so the Cast cannot be
+part of the chain (its gradient goes through the Cast rule).
 
 Matched with onnxscript's rewriter (:mod:`normgrad.graphs.patterns._declarative`), then
 checked strictly, else the per-node rules apply: the ReduceMean over trailing axes a..r-1
-with keepdims; Casts between float types; eps one value that needs no gradient; w
+with keepdims; the Cast after the normalisation to a float type; eps one value that needs no gradient; w
 broadcasting to x along the axes >= a only, the product of x's shape; each intermediate
 value read by the chain alone and not a graph output.
 """
@@ -39,11 +40,8 @@ __all__ = ["PATTERN", "match_rms_norm_chain"]
 PATTERN = "rms_norm_chain"
 
 
-# tag_var on every OrValue: onnxscript 0.7.2 cannot commute (clone) a backtracking OrValue without one
-
-def _computed(op, x):
-    """x, or x cast (to the compute type)."""
-    return _pattern.OrValue([op.Cast(x, _outputs=["cast_in"]), x], tag_var="cast_in_or_not")
+# tag_var on every OrValue that is not a choice between op types: onnxscript 0.7.2 cannot
+# commute (clone) such an OrValue without one
 
 
 def _rms(op, xc, eps):
@@ -58,8 +56,7 @@ def _times_inverse(op, xc, eps):
     return op.Mul(xc, inverse)
 
 
-def _normalised(op, x, eps):
-    xc = _computed(op, x)
+def _normalised(op, xc, eps):
     return _pattern.OrValue([_times_inverse(op, xc, eps), op.Div(xc, _rms(op, xc, eps))], tag_var="times_or_divided")
 
 
@@ -74,12 +71,11 @@ def _cast(op, x, eps):
 
 
 def _times(op, x, eps):
-    return _times_inverse(op, _computed(op, x), eps)
+    return _times_inverse(op, x, eps)
 
 
 def _divided(op, x, eps):
-    xc = _computed(op, x)
-    return op.Div(xc, _rms(op, xc, eps))
+    return op.Div(x, _rms(op, x, eps))
 
 
 _CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
@@ -104,7 +100,7 @@ def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.Nod
     x_shape = ctx.shape(x)
     if not float_input(ctx, x) or x_shape is None or not x_shape:
         return None
-    if not (_float_cast(view, bound.get("cast_in")) and _float_cast(view, bound.get("cast_out"))):
+    if not _float_cast(view, bound.get("cast_out")):
         return None
     rank = len(x_shape)
     axis = normalised_axis(view, ctx, view.producer[bound["mean_square"]], rank)
