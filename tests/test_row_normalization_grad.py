@@ -196,9 +196,3 @@ def test_deterministic_across_thread_counts(backend, kind):
         for name in module.OUTPUTS:
             np.testing.assert_array_equal(runs[0][name], run[name])
 
-
-@pytest.fixture
-def backend(backend):
-    if backend == "cpp":
-        pytest.skip("the C++ kernels land in the next commit")  # TEMPORARY
-    return backend
