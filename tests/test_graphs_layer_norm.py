@@ -4,7 +4,6 @@ fallbacks to the per-node rules, and torch's layers through both exporters again
 
 from __future__ import annotations
 
-import collections
 import io
 from typing import Dict, Optional, Sequence
 
@@ -17,28 +16,15 @@ import pytest
 
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph
 from normgrad.graphs.patterns import _declarative
-from normgrad.tools.check import check_gradients
 
 from _graph_models import model
+from test_graphs_patterns import _backward_ops, _check
 
-TOLERANCE = 1e-4
 needs_onnxscript = pytest.mark.skipif(not _declarative.AVAILABLE, reason="onnxscript is not installed: no chain patterns")
 
 
 def _const(name: str, value) -> onnx.NodeProto:
     return oh.make_node("Constant", [], [name], value=onh.from_array(np.asarray(value), name))
-
-
-def _backward_ops(forward: onnx.ModelProto, training: onnx.ModelProto) -> collections.Counter:
-    """Op types of the nodes the exporter appended (the forward nodes come first)."""
-    return collections.Counter(n.op_type for n in training.graph.node[len(forward.graph.node):])
-
-
-def _check(training: onnx.ModelProto) -> None:
-    checks = check_gradients(training, directions=2)
-    assert checks, "no gradient outputs"
-    worst = max(checks, key=lambda c: c.error)
-    assert worst.error < TOLERANCE, worst
 
 
 def _params(seed: int, **shapes: Sequence[int]) -> Dict[str, np.ndarray]:

@@ -1,17 +1,55 @@
-"""Checks the LayerNorm and RMSNorm chain patterns share: the normalised axes, epsilon, and
-the operands of the affine that follows."""
+"""What the LayerNorm and RMSNorm chain patterns share: matching the chain, and the checks of
+its normalised axes, epsilon and the scale that follows."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+import dataclasses
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import onnx
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
 from normgrad.graphs.patterns import GraphView
+from normgrad.graphs.patterns._declarative import Binding, ChainPattern
 
-__all__ = ["normalised_axis", "fixed_epsilon", "broadcasts_along", "keeps_shape", "float_input"]
+__all__ = ["RowNormChain", "match_row_norm", "normalised_axis", "fixed_epsilon", "broadcasts_along", "keeps_shape", "float_input"]
+
+
+@dataclasses.dataclass
+class RowNormChain:
+    """A matched chain normalising ``x`` over the axes >= ``axis``, times ``w`` if not None."""
+
+    bound: Dict[str, Binding]
+    nodes: List[onnx.NodeProto]
+    x: str
+    w: Optional[str]
+    axis: int
+
+
+def match_row_norm(
+    view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto, chain: ChainPattern, anchors: Sequence[str], moment: str
+) -> Optional[RowNormChain]:
+    """``chain`` ending at ``anchor`` (one of the op types ``anchors``), with its variables
+    ``x``, ``eps``, optional ``w`` and ``scaled`` (the product by w) checked: x of a float type
+    and known rank, the ReduceMean producing variable ``moment`` over trailing axes, eps one
+    fixed value, w broadcasting along the normalised axes only, the product of x's shape."""
+    if anchor.op_type not in anchors or anchor.domain not in ("", "ai.onnx") or not {"ReduceMean", "Sqrt"} <= view.op_types:
+        return None
+    found = chain.match(view, ctx, anchor)
+    if found is None:
+        return None
+    bound, nodes = found
+    x, w = bound["x"], bound.get("w")
+    x_shape = ctx.shape(x)
+    if not float_input(ctx, x) or not x_shape:
+        return None
+    axis = normalised_axis(view, ctx, view.producer[bound[moment]], len(x_shape))
+    if axis is None or not fixed_epsilon(ctx, bound["eps"], len(x_shape)):
+        return None
+    if w is not None and not (broadcasts_along(ctx, w, x, axis) and keeps_shape(ctx, bound["scaled"], x)):
+        return None
+    return RowNormChain(bound, nodes, x, w, axis)
 
 
 def normalised_axis(view: GraphView, ctx: GradientContext, reduce_mean: onnx.NodeProto, rank: int) -> Optional[int]:

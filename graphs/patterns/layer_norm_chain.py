@@ -31,7 +31,7 @@ import onnx
 from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
-from normgrad.graphs.patterns._row_norm import broadcasts_along, fixed_epsilon, float_input, keeps_shape, normalised_axis
+from normgrad.graphs.patterns._row_norm import float_input, keeps_shape, match_row_norm, normalised_axis
 from normgrad.graphs.rules.layer_norm import row_norm_gradient
 
 __all__ = ["PATTERN", "match_layer_norm_chain"]
@@ -74,30 +74,18 @@ def _reciprocal(op, x, eps):
 
 
 _CHAIN = ChainPattern("the decomposed LayerNorm", _with_bias, _with_scale, _divided, _reciprocal, differentiable=("x", "w", "b"))
-_ANCHORS = ("Add", "Mul", "Div")
 
 
 @register(PATTERN)
 def match_layer_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
-    if anchor.op_type not in _ANCHORS or anchor.domain not in ("", "ai.onnx") or not {"ReduceMean", "Sqrt"} <= view.op_types:
+    chain = match_row_norm(view, ctx, anchor, _CHAIN, ("Add", "Mul", "Div"), "variance")
+    if chain is None:
         return None
-    found = _CHAIN.match(view, ctx, anchor)
-    if found is None:
+    bound, x, w, axis = chain.bound, chain.x, chain.w, chain.axis
+    if normalised_axis(view, ctx, view.producer[bound["mean"]], len(ctx.shape(x))) != axis:
         return None
-    bound, nodes = found
-    x, eps, w, b = bound["x"], bound["eps"], bound.get("w"), bound.get("b")
-    x_shape = ctx.shape(x)
-    if not float_input(ctx, x) or x_shape is None or not x_shape:
-        return None
-    rank = len(x_shape)
-    axis = normalised_axis(view, ctx, view.producer[bound["mean"]], rank)
-    if axis is None or normalised_axis(view, ctx, view.producer[bound["variance"]], rank) != axis:
-        return None
-    if not fixed_epsilon(ctx, eps, rank):
-        return None
-    if w is not None and not (broadcasts_along(ctx, w, x, axis) and keeps_shape(ctx, bound["scaled"], x)):
-        return None
+    b = bound.get("b")
     if b is not None and not (float_input(ctx, b) and keeps_shape(ctx, anchor.output[0], x)):
         return None
     mean, std, inv_std = bound["mean"], bound["std"], bound.get("inv_std")
@@ -110,4 +98,4 @@ def match_layer_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.N
         grads = [(x, dx), (w, dscale), (b, dbias)]
         return [(name, grad) for name, grad in grads if grad is not None and ctx.needs_grad(name)]
 
-    return Match(PATTERN, anchor, nodes, gradient)
+    return Match(PATTERN, anchor, chain.nodes, gradient)

@@ -32,7 +32,7 @@ import onnx
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
 from normgrad.graphs.patterns import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
-from normgrad.graphs.patterns._row_norm import broadcasts_along, fixed_epsilon, float_input, keeps_shape, normalised_axis
+from normgrad.graphs.patterns._row_norm import match_row_norm
 from normgrad.graphs.rules.layer_norm import row_norm_gradient
 
 __all__ = ["PATTERN", "match_rms_norm_chain"]
@@ -63,7 +63,7 @@ def _normalised(op, xc, eps):
 def _scaled(op, x, eps, w):
     normalised = _normalised(op, x, eps)
     cast_or_not = _pattern.OrValue([op.Cast(normalised, _outputs=["cast_out"]), normalised], tag_var="cast_out_or_not")
-    return op.Mul(cast_or_not, w)
+    return op.Mul(cast_or_not, w, _outputs=["scaled"])
 
 
 def _cast(op, x, eps):
@@ -79,7 +79,6 @@ def _divided(op, x, eps):
 
 
 _CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
-_ANCHORS = ("Mul", "Cast", "Div")
 
 
 def _float_cast(view: GraphView, name: Optional[str]) -> bool:
@@ -90,25 +89,11 @@ def _float_cast(view: GraphView, name: Optional[str]) -> bool:
 @register(PATTERN)
 def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
-    if anchor.op_type not in _ANCHORS or anchor.domain not in ("", "ai.onnx") or not {"ReduceMean", "Sqrt"} <= view.op_types:
+    chain = match_row_norm(view, ctx, anchor, _CHAIN, ("Mul", "Cast", "Div"), "mean_square")
+    if chain is None or not _float_cast(view, chain.bound.get("cast_out")):
         return None
-    found = _CHAIN.match(view, ctx, anchor)
-    if found is None:
-        return None
-    bound, nodes = found
-    x, eps, w = bound["x"], bound["eps"], bound.get("w")
-    x_shape = ctx.shape(x)
-    if not float_input(ctx, x) or x_shape is None or not x_shape:
-        return None
-    if not _float_cast(view, bound.get("cast_out")):
-        return None
-    rank = len(x_shape)
-    axis = normalised_axis(view, ctx, view.producer[bound["mean_square"]], rank)
-    if axis is None or not fixed_epsilon(ctx, eps, rank):
-        return None
-    if w is not None and not (broadcasts_along(ctx, w, x, axis) and keeps_shape(ctx, anchor.output[0], x)):
-        return None
-    rms, inv_rms = bound["rms"], bound.get("inv_rms") or bound.get("one_over_rms")
+    x, w, axis = chain.x, chain.w, chain.axis
+    rms, inv_rms = chain.bound["rms"], chain.bound.get("inv_rms") or chain.bound.get("one_over_rms")
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
         dx, dscale, _ = row_norm_gradient(
@@ -116,4 +101,4 @@ def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.Nod
         )
         return [(name, grad) for name, grad in ((x, dx), (w, dscale)) if grad is not None and ctx.needs_grad(name)]
 
-    return Match(PATTERN, anchor, nodes, gradient)
+    return Match(PATTERN, anchor, chain.nodes, gradient)
