@@ -230,6 +230,51 @@ def test_layer_norm_chain_with_a_broadcast_scale():
     _check(training)
 
 
+def _unfused(forward: onnx.ModelProto) -> onnx.ModelProto:
+    from test_graphs_patterns import _unfused as unfused
+
+    return unfused(forward)
+
+
+@needs_onnxscript
+@pytest.mark.parametrize("affine", ["bias", "none"])
+def test_float16_layer_norm_chain_with_casts(affine):
+    """torch's TorchScript exporter below opset 17 writes a float16 nn.LayerNorm with the
+    centred values cast to double and the result cast back: one LayerNormalizationGrad on
+    float16 x, the float16 mean and the double 1/std cast to float32; gradients equal to the
+    node-by-node graph's to float16 precision."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float16)
+    nodes = [
+        oh.make_node("ReduceMean", ["x"], ["mean"], axes=[-1]),
+        oh.make_node("Sub", ["x", "mean"], ["centred"]),
+        oh.make_node("Cast", ["centred"], ["centred64"], to=onnx.TensorProto.DOUBLE),
+        _const("two", np.float64(2.0)),
+        oh.make_node("Pow", ["centred64", "two"], ["squared"]),
+        oh.make_node("ReduceMean", ["squared"], ["variance"], axes=[-1]),
+        _const("eps", np.float64(1e-3)),
+        oh.make_node("Add", ["variance", "eps"], ["shifted"]),
+        oh.make_node("Sqrt", ["shifted"], ["std"]),
+        oh.make_node("Div", ["centred64", "std"], ["normed"]),
+        oh.make_node("Cast", ["normed"], ["y" if affine == "none" else "normed16"], to=onnx.TensorProto.FLOAT16),
+    ]
+    params = {}
+    if affine == "bias":
+        params = {k: v.astype(np.float16) for k, v in _params(3, w=[8], b=[8]).items()}
+        nodes += [oh.make_node("Mul", ["normed16", "w"], ["scaled"]), oh.make_node("Add", ["scaled", "b"], ["y"])]
+    forward = model(nodes, {"x": (2, 3, 8)}, ["y"], params, opset=16, elem_type=onnx.TensorProto.FLOAT16)
+    training = build_training_graph(forward)
+    ops = _backward_ops(forward, training)
+    assert ops["LayerNormalizationGrad"] == 1 and ops["ReduceSum"] == 0, ops
+    (grad,) = [n for n in training.graph.node if n.op_type == "LayerNormalizationGrad"]
+    assert grad.input[1] == "x" and grad.input[2] != "centred64"
+    feeds = {"x": x, "y_grad": rng.standard_normal((2, 3, 8)).astype(np.float16)}
+    fused, reference = _run(training, feeds), _run(_unfused(forward), feeds)
+    for name in [o.name for o in training.graph.output if o.name.endswith("_grad")]:
+        want, got = reference[name].astype(np.float32), fused[name].astype(np.float32)
+        assert fused[name].dtype == np.float16 and np.abs(got - want).max() < 1e-2 * np.abs(want).max(), name
+
+
 @pytest.mark.parametrize("case", ["centred_read_elsewhere", "std_output", "eps_trainable", "axes_not_trailing", "weight_per_row"])
 def test_layer_norm_chain_fallback(case):
     """Anything unexpected falls back to the per-node rules, still correct."""
