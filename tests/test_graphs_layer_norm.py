@@ -59,6 +59,7 @@ def layer_norm_model(shape=(2, 3, 8), axis=-1, scale_shape=None, bias_shape="sca
 @pytest.mark.parametrize("opset", [17, 18])
 def test_layer_normalization_rule_matches_finite_differences(shape, axis, scale_shape, bias_shape, opset):
     forward = layer_norm_model(shape, axis, scale_shape, bias_shape, opset)
+    _skip_unless_runs(forward, {"x": np.zeros(shape, np.float32)})
     training = build_training_graph(forward)
     ops = _backward_ops(forward, training)
     assert ops["LayerNormalizationGrad"] == 1, ops
@@ -87,6 +88,15 @@ def test_layer_normalization_refuses_a_gradient_through_its_statistics():
     forward.graph.output.append(oh.make_tensor_value_info("mean", onnx.TensorProto.FLOAT, None))
     with pytest.raises(UnsupportedOperatorError, match="Mean or InvStdDev output"):
         build_training_graph(forward)
+
+
+def _skip_unless_runs(forward: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> None:
+    """Skips unless this onnxruntime runs the forward model (onnxruntime 1.19.2's
+    LayerNormalization refuses a scale smaller than the normalised shape)."""
+    try:
+        ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    except Exception as error:
+        pytest.skip(f"onnxruntime {ort.__version__} cannot run the forward model: {str(error).splitlines()[0]}")
 
 
 def _run(training: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
@@ -125,10 +135,7 @@ def test_rms_normalization_rule_matches_finite_differences(shape, axis, scale_sh
     scale_shape = list(shape[axis % len(shape):]) if scale_shape is None else scale_shape
     node = oh.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=axis, epsilon=1e-3)
     forward = model([node, oh.make_node("Tanh", ["y"], ["out"])], {"x": shape}, ["out"], _params(3, scale=scale_shape), opset=23)
-    try:
-        ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
-    except Exception as error:
-        pytest.skip(f"this onnxruntime cannot load opset 23: {error}")
+    _skip_unless_runs(forward, {"x": np.zeros(shape, np.float32)})  # opset 23: not in older onnxruntimes
     training = build_training_graph(forward)
     ops = _backward_ops(forward, training)
     assert ops["RMSNormalizationGrad"] == 1 and ops["ReduceMean"] == 1, ops
