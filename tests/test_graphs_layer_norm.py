@@ -390,6 +390,21 @@ def test_chains_without_onnxscript_go_node_by_node(monkeypatch):
         _check(training)
 
 
+@needs_onnxscript
+def test_chains_fall_back_when_the_rewriter_fails(monkeypatch):
+    """An error inside onnxscript (here: viewing the graph) is a warning, not a failed export."""
+
+    def broken(view, ctx):
+        raise RuntimeError("cannot view this graph")
+
+    monkeypatch.setattr(_declarative, "_ir_view", broken)
+    forward = layer_norm_chain()
+    with pytest.warns(UserWarning, match="onnxscript's rewriter failed on this graph .RuntimeError: cannot view this graph"):
+        training = build_training_graph(forward)
+    _assert_not_fused(forward, training)
+    _check(training)
+
+
 # -------------------------------------------------------------- torch's layers, both exporters
 def _torch_layers(torch):
     nn = torch.nn

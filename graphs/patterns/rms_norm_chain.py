@@ -78,7 +78,7 @@ def _divided(op, x, eps):
     return op.Div(x, _rms(op, x, eps))
 
 
-_CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
+_CHAIN = ChainPattern("the written-out RMSNorm", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
 
 
 @register(PATTERN)
