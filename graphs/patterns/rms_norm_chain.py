@@ -44,20 +44,24 @@ PATTERN = "rms_norm_chain"
 # commute (clone) such an OrValue without one
 
 
-def _rms(op, xc, eps):
-    squared = _pattern.OrValue([op.Pow(xc, 2.0), op.Mul(xc, xc)])
+def _rms(op, x, eps):
+    squared = _pattern.OrValue([op.Pow(x, 2.0), op.Mul(x, x)])
     mean_square = op.ReduceMean(squared, _allow_other_inputs=True, _outputs=["mean_square"])
     return op.Sqrt(op.Add(mean_square, eps), _outputs=["rms"])
 
 
-def _times_inverse(op, xc, eps):
-    rms = _rms(op, xc, eps)
+def _times_inverse(op, x, eps):
+    rms = _rms(op, x, eps)
     inverse = _pattern.OrValue([op.Reciprocal(rms, _outputs=["inv_rms"]), op.Div(1.0, rms, _outputs=["one_over_rms"])])
-    return op.Mul(xc, inverse)
+    return op.Mul(x, inverse)
 
 
-def _normalised(op, xc, eps):
-    return _pattern.OrValue([_times_inverse(op, xc, eps), op.Div(xc, _rms(op, xc, eps))], tag_var="times_or_divided")
+def _divided(op, x, eps):
+    return op.Div(x, _rms(op, x, eps))
+
+
+def _normalised(op, x, eps):
+    return _pattern.OrValue([_times_inverse(op, x, eps), _divided(op, x, eps)], tag_var="times_or_divided")
 
 
 def _scaled(op, x, eps, w):
@@ -70,15 +74,7 @@ def _cast(op, x, eps):
     return op.Cast(_normalised(op, x, eps), _outputs=["cast_out"])
 
 
-def _times(op, x, eps):
-    return _times_inverse(op, x, eps)
-
-
-def _divided(op, x, eps):
-    return op.Div(x, _rms(op, x, eps))
-
-
-_CHAIN = ChainPattern("the written-out RMSNorm", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
+_CHAIN = ChainPattern("the written-out RMSNorm", _scaled, _cast, _times_inverse, _divided, differentiable=("x", "w"))
 
 
 @register(PATTERN)
