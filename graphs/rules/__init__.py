@@ -117,8 +117,11 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     layer_norm,
     matmul,
     non_differentiable,
+    pad,
     pool,
     reduce,
+    resize,
     select,
     shape,
+    slice,
 )
