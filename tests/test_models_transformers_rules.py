@@ -169,25 +169,30 @@ def _tiny_vit():
     return _Outputs(transformers.ViTModel(config), "pixel_values", ("last_hidden_state", "pooler_output"))
 
 
+def _llama_config(hidden=32):
+    """Eager attention: with the default (sdpa), the TorchScript exporter cannot export
+    LlamaModel's causal mask (no symbolic for ``aten::diff``)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=16, attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+
+
 class _LlamaBlock(nn.Module):
     """A Llama decoder layer (RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP)
-    and the final RMSNorm, on hidden states: LlamaModel around it adds the embedding and a
-    causal mask whose ``aten::diff`` the TorchScript exporter cannot export."""
+    and the final RMSNorm, on hidden states (so the input's gradient is compared too)."""
 
-    def __init__(self, hidden=32):
+    def __init__(self):
         super().__init__()
-        transformers = pytest.importorskip("transformers")
         from transformers.models.llama import modeling_llama
 
-        config = transformers.LlamaConfig(
-            hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=100, max_position_embeddings=16, attention_dropout=0.0,
-            attn_implementation="eager",
-        )
+        config = _llama_config()
         torch.manual_seed(0)
         self.rotary = modeling_llama.LlamaRotaryEmbedding(config)
         self.layer = modeling_llama.LlamaDecoderLayer(config, 0)
-        self.norm = modeling_llama.LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden):
         positions = torch.arange(hidden.shape[1]).unsqueeze(0)
@@ -240,13 +245,21 @@ def test_tiny_vit_matches_torch(exporter):
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_llama_decoder_block_matches_torch(exporter):
-    """LlamaDecoderLayer + final LlamaRMSNorm (hidden 32, 2 heads, 1 KV head): the three
-    RMSNorms, written by both exporters as x * rsqrt(mean(x²) + eps) * w with Casts to float32,
-    each one RMSNormalizationGrad (the chain pattern, onnxscript's rewriter)."""
-    if not _declarative.AVAILABLE:
-        pytest.skip("onnxscript is not installed: the RMSNorm chains go node by node")
+@pytest.mark.parametrize("whole", [False, True], ids=["block", "LlamaModel"])
+def test_llama_matches_torch(exporter, whole):
+    """A Llama decoder block (LlamaDecoderLayer + final LlamaRMSNorm; hidden 32, 2 heads, 1
+    KV head) on hidden states, and a whole one-layer LlamaModel (token embedding, causal mask)
+    on token ids: the three RMSNorms, written by both exporters as x * rsqrt(mean(x²) + eps)
+    * w with Casts to float32, each one RMSNormalizationGrad (the chain pattern)."""
     if "Slice" not in supported_op_types():
-        pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet (the rules helper adds it)")
-    hidden = np.random.default_rng(0).standard_normal((2, 8, 32)).astype(np.float32)
-    _check_model(_LlamaBlock(), hidden, exporter, "hidden", ("y",), "RMSNormalizationGrad", 3)
+        pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet")
+    rng = np.random.default_rng(0)
+    if whole:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        module = _Outputs(transformers.LlamaModel(_llama_config()), "input_ids", ("last_hidden_state",))
+        inputs = rng.integers(0, 100, (2, 8)).astype(np.int64)
+    else:
+        module, inputs = _LlamaBlock(), rng.standard_normal((2, 8, 32)).astype(np.float32)
+    norms = 3 if _declarative.AVAILABLE else 0
+    _check_model(module, inputs, exporter, "input_ids" if whole else "hidden", ("y",), "RMSNormalizationGrad", norms)
