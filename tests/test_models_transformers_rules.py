@@ -44,10 +44,10 @@ def _export(module, args, exporter, input_names, output_names):
     return program.model_proto
 
 
-def _run_training(forward, feeds, seeds, extra_outputs=()):
-    """The training graph's outputs by name (forward outputs, gradients and ``extra_outputs``),
-    the initializer names and the op types it runs (a Counter)."""
-    training = build_training_graph(forward)
+def _run_training(forward, feeds, seeds, extra_outputs=(), training=None):
+    """The training graph's outputs by name (forward outputs, gradients and ``extra_outputs``)
+    and its initializer names; ``training``: the graph already built from ``forward``."""
+    training = build_training_graph(forward) if training is None else training
     for name in extra_outputs:
         training.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
@@ -57,8 +57,7 @@ def _run_training(forward, feeds, seeds, extra_outputs=()):
     options.log_severity_level = 3
     session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in training.graph.output]
-    ops = collections.Counter(node.op_type for node in training.graph.node)
-    return dict(zip(names, session.run(None, feeds))), set(initializers), ops
+    return dict(zip(names, session.run(None, feeds))), set(initializers)
 
 
 def _assert_gradients_match(results, initializers, module, extra=None):
@@ -105,7 +104,7 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
             dropouts[0].output.append("")
         dropouts[0].output[1] = dropouts[0].output[1] or "dropout_mask"
         mask_name = [dropouts[0].output[1]]
-    results, initializers, _ = _run_training(forward, {"x": x}, {"y": dy}, mask_name)
+    results, initializers = _run_training(forward, {"x": x}, {"y": dy}, mask_name)
     mask = results[mask_name[0]] if mask_name else np.ones((16, 16), bool)
     if p:
         assert 0.1 < 1 - mask.mean() < 0.5
@@ -214,8 +213,10 @@ def _check_model(module, inputs, exporter, input_name, output_names, grad_op, no
     seeds = {name: rng.standard_normal(tuple(out.shape)).astype(np.float32) for name, out in zip(output_names, outputs)}
     torch.autograd.backward(list(outputs), [torch.tensor(seeds[name]) for name in output_names])
     forward = _export(module, (torch.tensor(inputs),), exporter, [input_name], list(output_names))
-    results, initializers, ops = _run_training(forward, {input_name: inputs}, seeds)
+    training = build_training_graph(forward)
+    ops = collections.Counter(node.op_type for node in training.graph.node)
     assert ops[grad_op] == norms, ops
+    results, initializers = _run_training(forward, {input_name: inputs}, seeds, training=training)
     for name, out in zip(output_names, outputs):
         np.testing.assert_allclose(results[name], out.detach().numpy(), rtol=1e-4, atol=1e-4)
     extra = {input_name: inputs_t.grad.numpy()} if inputs_t.grad is not None else {}
