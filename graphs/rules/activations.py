@@ -24,6 +24,17 @@ def _where_positive(ctx: GradientContext, x: str, then: str, otherwise: str) -> 
     return ctx.op("Where", ctx.op("Greater", x, ctx.scalar(0.0, x)), then, otherwise)
 
 
+def _relu_gradient(ctx: GradientContext, x: str, dy: str) -> str:
+    """dy * (x > 0) as a Mul by the mask cast to x's type: onnxruntime's CPU Where with a
+    scalar branch is single-threaded and slow (Greater + Where 14.0 ms, Greater + Cast + Mul
+    2.3 ms on [16, 64, 56, 56] float32, 2 threads; ReLU's Where was 10-17% of a ResNet
+    training step). Unlike Where it turns an inf or NaN dy at x <= 0 into NaN, not 0."""
+    elem_type = ctx.elem_type(x)
+    if elem_type is None:
+        return _where_positive(ctx, x, dy, ctx.scalar(0.0, x))
+    return ctx.op("Mul", dy, ctx.op("Cast", ctx.op("Greater", x, ctx.scalar(0.0, x)), to=elem_type))
+
+
 def _hard_sigmoid_slope(ctx: GradientContext, x: str, alpha: float, beta: float) -> str:
     """alpha where 0 < alpha * x + beta < 1, else 0 (the derivative of HardSigmoid)."""
     z = ctx.op("Add", ctx.op("Mul", x, ctx.scalar(alpha, x)), ctx.scalar(beta, x))
@@ -74,7 +85,7 @@ def _gelu(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -
 
 
 UNARY_GRADIENTS: Dict[str, UnaryFn] = {
-    "Relu": lambda ctx, node, x, y, dy: _where_positive(ctx, x, dy, ctx.scalar(0.0, x)),
+    "Relu": lambda ctx, node, x, y, dy: _relu_gradient(ctx, x, dy),
     "LeakyRelu": lambda ctx, node, x, y, dy: _where_positive(
         ctx, x, dy, ctx.op("Mul", dy, ctx.scalar(attr(node, "alpha", 0.01), x))
     ),
