@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import onnx
@@ -13,7 +14,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
-from normgrad.graphs import losses, patterns, rewrites
+from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, lookup
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
@@ -225,6 +226,15 @@ def frozen_parameters(
     return frozen
 
 
+def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
+    """With metadata from :func:`normgrad.torch.export`: every float initializer that is no
+    torch parameter (buffers, constants), to be frozen."""
+    parameters = torch_exports.torch_parameters(model)
+    if parameters is None:
+        return set()
+    return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in parameters}
+
+
 def build_training_graph(
     model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False, frozen: Iterable[str] = ()
 ) -> onnx.ModelProto:
@@ -243,7 +253,9 @@ def build_training_graph(
         inline: write standard ops only (the normgrad function bodies inlined) instead of
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
-            plain initializers), e.g. from :func:`frozen_parameters`.
+            plain initializers), e.g. from :func:`frozen_parameters`. A model written by
+            :func:`normgrad.torch.export` also freezes every float initializer its metadata
+            ``normgrad.torch_parameters`` does not list (buffers, constants).
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -254,8 +266,16 @@ def build_training_graph(
         ValueError: unknown loss, an opset the version converter cannot raise, no
             differentiable output, or a malformed graph (a value produced twice, nodes out
             of topological order, a cycle).
+        MisexportedModelError: (a ValueError) a torch export that cannot give torch's
+            gradients, as far as the model shows it (:mod:`normgrad.graphs.torch_exports`).
+
+    Warns:
+        TorchExportWarning: trainable initializers that look like constants torch folded.
     """
     check_graph_structure(model.graph)
+    torch_exports.check_forward_model(model)
+    frozen = set(frozen) | _not_torch_parameters(model)
+    folded_constants = torch_exports.torchscript_folded_constants(model)
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
@@ -272,6 +292,9 @@ def build_training_graph(
         )
     seeded = [float_outputs[0].name] if loss is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
+    trained_folded = [name for name in folded_constants if name in needs]
+    if trained_folded:
+        warnings.warn(torch_exports.folded_constants_warning(trained_folded), torch_exports.TorchExportWarning, stacklevel=2)
     ctx = GradientContext(graph, opset, needs)
 
     input_names = {i.name for i in graph.input}
