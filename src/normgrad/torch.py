@@ -219,19 +219,24 @@ def _export_torchscript(torch, module, inputs, input_names, output_names, dynami
 
 def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
     """dynamo export with ``optimize=False`` (its optimizer folds BatchNorm into convolutions,
-    merges equal initializers and constant-folds parameter transforms) and training-mode
+    merges equal initializers and constant-folds parameter transforms), training-mode
     batch_norm written as BatchNormalization with ``training_mode=1`` (onnxscript's own
-    translation always writes inference mode)."""
+    translation always writes inference mode), and nn.Dropout modules made out-of-place
+    for the export (the exporter leaves an in-place dropout in training mode out of the
+    graph, torch 2.13)."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as error:
         raise ImportError(f"the dynamo exporter needs onnxscript ({error}); pip install onnxscript") from None
+    in_place = [m for m in module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.inplace]
     aten = torch.ops.aten
     table = {
         aten._native_batch_norm_legit_functional.default: _batch_norm_training,
         aten._native_batch_norm_legit.no_stats: _batch_norm_training_no_stats,
     }
     try:
+        for dropout in in_place:  # the dynamo exporter drops an in-place training-mode dropout
+            dropout.inplace = False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
@@ -241,6 +246,9 @@ def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axe
             )
     except Exception as error:
         raise TorchExportError(f"torch's dynamo exporter failed: {type(error).__name__}: {_first_line(error)}") from error
+    finally:
+        for dropout in in_place:
+            dropout.inplace = True
     return program.model_proto
 
 
