@@ -132,7 +132,8 @@ def check_forward_model(model: onnx.ModelProto) -> None:
     if folded:
         problems.append(
             f"the dynamo exporter's optimizer folded BatchNorm into {len(folded)} node(s) (first {_node_name(folded[0])}; "
-            "torch.onnx.export(dynamo=True) optimizes by default), so the graph normalizes with no batch statistics"
+            "torch.onnx.export(dynamo=True) optimizes by default): the BatchNorm's scale and bias are no parameters "
+            "of their own and, in training mode, the batch statistics are gone"
         )
     inference = [
         n for n in model.graph.node

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -316,5 +317,15 @@ def _strip_prefix(model: onnx.ModelProto, prefix: str) -> None:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    """The error's first line, and its innermost cause's (where torch wraps the real one)."""
+
+    def line(exception: BaseException) -> str:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exception)).strip().splitlines()
+        return text[0] if text else type(exception).__name__
+
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is error:
+        return line(error)
+    return f"{line(error)} Caused by {type(cause).__name__}: {line(cause)}"
