@@ -15,6 +15,8 @@ from normgrad.graphs import UnsupportedOperatorError, build_training_graph, supp
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+import _torch_models  # noqa: E402
+
 
 def _distinct_parameters(module, seed=0):
     """Distinct random values for every parameter, so that no exporter can merge two of them."""
@@ -111,43 +113,10 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
     _assert_gradients_match(results, initializers, module, {"x": xt.grad.numpy()})
 
 
-class _DecomposedLayerNorm(nn.Module):
-    """nn.LayerNorm written out (ReduceMean, Sub, Pow, Sqrt, Div, ...), for exports before a
-    LayerNormalization gradient rule exists."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.weight, self.bias, self.eps = norm.weight, norm.bias, norm.eps
-
-    def forward(self, x):
-        centred = x - x.mean(-1, keepdim=True)
-        return centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
-
-
 def _tiny_bert(layer_norm):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    bert = transformers.BertModel(config)
-    if layer_norm == "decomposed":
-        for name, child in list(bert.named_modules()):
-            for attribute, sub in list(child.named_children()):
-                if isinstance(sub, nn.LayerNorm):
-                    setattr(child, attribute, _DecomposedLayerNorm(sub))
-
-    class Encoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids):
-            out = self.bert(input_ids=input_ids)
-            return out.last_hidden_state, out.pooler_output
-
-    encoder = Encoder().train()
+    encoder = _torch_models.BertEncoder(layer_norm).train()
     _distinct_parameters(encoder)
     return encoder
 
