@@ -16,7 +16,7 @@ import onnx.shape_inference
 import normgrad
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, lookup
+from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
@@ -102,9 +102,11 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return inferred
 
 
-def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) -> Tuple[Set[str], List[onnx.NodeProto]]:
+def _active(
+    graph: onnx.GraphProto, types: GradientContext, frozen: Set[str], stopped: Set[str]
+) -> Tuple[Set[str], List[onnx.NodeProto]]:
     """Values reachable from a float input or non-frozen initializer through differentiable
-    edges, and the nodes without a rule that such a value enters."""
+    edges (never through ``stopped`` values), and the nodes without a rule that such a value enters."""
     active = {i.name for i in graph.input if _is_float(i.type)}
     active |= {t.name for t in graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
     unsupported: List[onnx.NodeProto] = []
@@ -117,7 +119,7 @@ def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) ->
             continue
         if any(node.input[i] in active for i in rule.differentiable_inputs(types, node)):
             outputs = (node.output[i] for i in rule.differentiable_outputs(node))
-            active.update(name for name in outputs if _maybe_float(types.type_of(name)))
+            active.update(name for name in outputs if _maybe_float(types.type_of(name)) and name not in stopped)
     return active, unsupported
 
 
@@ -236,7 +238,11 @@ def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
 
 
 def build_training_graph(
-    model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False, frozen: Iterable[str] = ()
+    model: onnx.ModelProto,
+    loss: Optional[str] = None,
+    inline: bool = False,
+    frozen: Iterable[str] = (),
+    batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -256,6 +262,9 @@ def build_training_graph(
             plain initializers), e.g. from :func:`frozen_parameters`. A model written by
             :func:`normgrad.torch.export` also freezes every float initializer its metadata
             ``normgrad.torch_parameters`` does not list (buffers, constants).
+        batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
+            statistics and backward sums go through this all-reduce (see
+            :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -279,8 +288,10 @@ def build_training_graph(
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
+    batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
+    stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}
     types = GradientContext(graph, opset, set())
-    active, unsupported = _active(graph, types, set(frozen))
+    active, unsupported = _active(graph, types, set(frozen), stopped)
     for output in graph.output:  # the graph outputs with the best type known
         if not _has_shape(output.type) and _has_shape(types.type_of(output.name)):
             output.type.CopyFrom(types.type_of(output.name))
@@ -296,6 +307,7 @@ def build_training_graph(
     if trained_folded:
         warnings.warn(torch_exports.folded_constants_warning(trained_folded), torch_exports.TorchExportWarning, stacklevel=2)
     ctx = GradientContext(graph, opset, needs)
+    ctx.batch_statistics = batch_statistics
 
     input_names = {i.name for i in graph.input}
     wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]
