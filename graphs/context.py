@@ -47,6 +47,7 @@ class GradientContext:
                 value = _constant_value(node)
                 if value is not None:
                     self._constants[node.output[0]] = value
+        self._producers = {name: node for node in graph.node for name in node.output if name}
         self._used: Set[str] = set(self._types)
         for node in graph.node:
             self._used.update(node.input)
@@ -104,6 +105,10 @@ class GradientContext:
         """The value of ``name`` if nothing can change it at run time: a Constant node's
         output, or an initializer that is not also a graph input (and so cannot be fed)."""
         return self._constants.get(name)
+
+    def producer(self, name: str) -> Optional[onnx.NodeProto]:
+        """The forward node whose output is ``name`` (None for graph inputs and initializers)."""
+        return self._producers.get(name)
 
     def type_of(self, name: str) -> Optional[onnx.TypeProto]:
         """The TypeProto of forward value ``name``."""
