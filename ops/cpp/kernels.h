@@ -28,6 +28,10 @@ struct KernelTable {
   // out = a·g·dy + b·(x − mean) + d
   void (*affine_g[kNumDTypes])(const void* dy, const void* x, const void* g, void* out, size_t n, float mean,
                                float a, float b, float d);
+  // affine_g, and acc_xhat[i] += dy·(x − mean)·rstd, acc_dy[i] += dy (float32 accumulators,
+  // either may be null; the scale gradients of a block of rows)
+  void (*affine_g_acc[kNumDTypes])(const void* dy, const void* x, const void* g, void* out, size_t n, float mean,
+                                   float a, float b, float d, float rstd, float* acc_xhat, float* acc_dy);
 };
 
 // The sum kernels add their float32 lane partials into the double outputs every kSumBlock

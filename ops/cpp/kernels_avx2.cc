@@ -203,29 +203,62 @@ void affine(const void* dy_, const void* x_, void* out_, size_t n, float mean, f
   }
 }
 
-template <int T>
-void affine_g(const void* dy_, const void* x_, const void* g_, void* out_, size_t n, float mean, float a, float b,
-              float d) {
+// One block of 8 for affine_g_acc (xm = x − mean): returns dx and updates the accumulators in place.
+template <bool kXhat, bool kDy>
+inline __m256 affine_g_acc8(__m256 dv, __m256 xm, __m256 gv, __m256 va, __m256 vb, __m256 vd, __m256 vr,
+                            float* acc_xhat, float* acc_dy) {
+  if (kXhat) _mm256_storeu_ps(acc_xhat, _mm256_fmadd_ps(dv, _mm256_mul_ps(xm, vr), _mm256_loadu_ps(acc_xhat)));
+  if (kDy) _mm256_storeu_ps(acc_dy, _mm256_add_ps(_mm256_loadu_ps(acc_dy), dv));
+  return _mm256_fmadd_ps(_mm256_mul_ps(va, gv), dv, _mm256_fmadd_ps(vb, xm, vd));
+}
+
+template <int T, bool kXhat, bool kDy>
+void affine_g_acc_impl(const void* dy_, const void* x_, const void* g_, void* out_, size_t n, float mean, float a,
+                       float b, float d, float rstd, float* acc_xhat, float* acc_dy) {
   using S = typename Io<T>::S;
   const S* dy = static_cast<const S*>(dy_);
   const S* x = static_cast<const S*>(x_);
   const S* g = static_cast<const S*>(g_);
   S* out = static_cast<S*>(out_);
   const __m256 m = _mm256_set1_ps(mean), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vd = _mm256_set1_ps(d);
+  const __m256 vr = _mm256_set1_ps(rstd);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 ag = _mm256_mul_ps(va, Io<T>::load(g + i));
-    Io<T>::store(out + i, _mm256_fmadd_ps(ag, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd)));
+    const __m256 xm = _mm256_sub_ps(Io<T>::load(x + i), m);
+    Io<T>::store(out + i, affine_g_acc8<kXhat, kDy>(Io<T>::load(dy + i), xm, Io<T>::load(g + i), va, vb, vd, vr,
+                                                   acc_xhat + i, acc_dy + i));
   }
   if (i < n) {
+    // Padded lanes: dy = 0 adds nothing to acc_dy; x − mean is masked so 0 · inf gives no NaN.
     S bd[8], bx[8], bg[8], bo[8];
-    pad8<T>(dy + i, n - i, bd);
-    pad8<T>(x + i, n - i, bx);
-    pad8<T>(g + i, n - i, bg);
-    __m256 ag = _mm256_mul_ps(va, Io<T>::load(bg));
-    Io<T>::store(bo, _mm256_fmadd_ps(ag, Io<T>::load(bd), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(bx), m), vd)));
-    std::memcpy(out + i, bo, (n - i) * sizeof(S));
+    float ax[8] = {}, ad[8] = {};
+    const size_t rest = n - i;
+    pad8<T>(dy + i, rest, bd);
+    pad8<T>(x + i, rest, bx);
+    pad8<T>(g + i, rest, bg);
+    if (kXhat) std::memcpy(ax, acc_xhat + i, rest * sizeof(float));
+    if (kDy) std::memcpy(ad, acc_dy + i, rest * sizeof(float));
+    const __m256 xm = _mm256_and_ps(lanes_below(rest), _mm256_sub_ps(Io<T>::load(bx), m));
+    Io<T>::store(bo, affine_g_acc8<kXhat, kDy>(Io<T>::load(bd), xm, Io<T>::load(bg), va, vb, vd, vr, ax, ad));
+    std::memcpy(out + i, bo, rest * sizeof(S));
+    if (kXhat) std::memcpy(acc_xhat + i, ax, rest * sizeof(float));
+    if (kDy) std::memcpy(acc_dy + i, ad, rest * sizeof(float));
   }
+}
+
+template <int T>
+void affine_g(const void* dy, const void* x, const void* g, void* out, size_t n, float mean, float a, float b,
+              float d) {
+  affine_g_acc_impl<T, false, false>(dy, x, g, out, n, mean, a, b, d, 0.0f, nullptr, nullptr);
+}
+
+template <int T>
+void affine_g_acc(const void* dy, const void* x, const void* g, void* out, size_t n, float mean, float a, float b,
+                  float d, float rstd, float* acc_xhat, float* acc_dy) {
+  if (acc_xhat && acc_dy) return affine_g_acc_impl<T, true, true>(dy, x, g, out, n, mean, a, b, d, rstd, acc_xhat, acc_dy);
+  if (acc_xhat) return affine_g_acc_impl<T, true, false>(dy, x, g, out, n, mean, a, b, d, rstd, acc_xhat, acc_dy);
+  if (acc_dy) return affine_g_acc_impl<T, false, true>(dy, x, g, out, n, mean, a, b, d, rstd, acc_xhat, acc_dy);
+  affine_g<T>(dy, x, g, out, n, mean, a, b, d);
 }
 
 }  // namespace
@@ -236,6 +269,7 @@ extern const KernelTable kAvx2Kernels = {
     {sum_gdy_gdyxmu<kF32>, sum_gdy_gdyxmu<kF16>, sum_gdy_gdyxmu<kBF16>},
     {affine<kF32>, affine<kF16>, affine<kBF16>},
     {affine_g<kF32>, affine_g<kF16>, affine_g<kBF16>},
+    {affine_g_acc<kF32>, affine_g_acc<kF16>, affine_g_acc<kBF16>},
 };
 
 }  // namespace normgrad

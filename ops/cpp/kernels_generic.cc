@@ -151,6 +151,17 @@ void affine_g(const void* dy, const void* x, const void* g, void* out, size_t n,
   for (size_t i = 0; i < n; ++i) st<T>(out, i, (a * ld<T>(g, i)) * ld<T>(dy, i) + (b * (ld<T>(x, i) - mean) + d));
 }
 
+template <int T>
+void affine_g_acc(const void* dy, const void* x, const void* g, void* out, size_t n, float mean, float a, float b,
+                  float d, float rstd, float* acc_xhat, float* acc_dy) {
+  for (size_t i = 0; i < n; ++i) {
+    const float dv = ld<T>(dy, i), xm = ld<T>(x, i) - mean;
+    st<T>(out, i, (a * ld<T>(g, i)) * dv + (b * xm + d));
+    if (acc_xhat) acc_xhat[i] += dv * (xm * rstd);
+    if (acc_dy) acc_dy[i] += dv;
+  }
+}
+
 }  // namespace
 
 extern const KernelTable kGenericKernels = {
@@ -159,6 +170,7 @@ extern const KernelTable kGenericKernels = {
     {sum_gdy_gdyxmu<kF32>, sum_gdy_gdyxmu<kF16>, sum_gdy_gdyxmu<kBF16>},
     {affine<kF32>, affine<kF16>, affine<kBF16>},
     {affine_g<kF32>, affine_g<kF16>, affine_g<kBF16>},
+    {affine_g_acc<kF32>, affine_g_acc<kF16>, affine_g_acc<kBF16>},
 };
 
 static const KernelTable* choose_kernels() {
