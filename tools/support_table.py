@@ -65,10 +65,16 @@ def _cell(outcome: Optional[dict]) -> str:
     status = outcome["status"]
     if status == "pass":
         return f"matches torch ({outcome['gradients']} gradients)"
-    if status == "blocked":
+    if status == "blocked" and outcome["operators"]:
         return "blocked: no gradient rule for " + ", ".join(outcome["operators"])
-    error = outcome["error"].replace("|", "\\|")
-    return f"export fails: {error[:200]}{'...' if len(error) > 200 else ''}"
+    if status == "blocked":
+        return f"blocked: {_short(outcome['error'])}"
+    return f"export fails: {_short(outcome['error'])}"
+
+
+def _short(error: str) -> str:
+    error = error.replace("|", "\\|")
+    return f"{error[:200]}{'...' if len(error) > 200 else ''}"
 
 
 def render_models(results: dict) -> str:
