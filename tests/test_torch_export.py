@@ -135,12 +135,15 @@ def test_dynamic_batch_serves_every_batch_size(exporter, tmp_path):
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
-def test_dynamic_spatial_axes_are_exported(exporter, tmp_path):
+def test_dynamic_batch_and_image_size_serve_every_size(exporter, tmp_path):
+    torch.manual_seed(0)
     module = ConvNet().train()
     forward = normgrad.torch.export(module, (torch.tensor(_image()),), tmp_path / "net.onnx", exporter=exporter,
                                     input_names=["x"], output_names=["y"], dynamic_axes={"x": [0, 2, 3]})
     dims = forward.graph.input[0].type.tensor_type.shape.dim
     assert [bool(d.dim_param) for d in dims] == [True, False, True, True]
+    for batch, size in ((3, 8), (2, 11)):
+        _assert_matches_torch(module, forward, _image(batch, size, seed=size), seed=size)
 
 
 @pytest.mark.parametrize("arguments, message", [
