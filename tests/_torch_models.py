@@ -14,8 +14,11 @@ Random weights only; nothing is downloaded.
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -462,3 +465,14 @@ class VAE(nn.Module):
 
     def forward(self, sample):
         return self.vae(sample, sample_posterior=False).sample
+
+
+def run_training_graph(training: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Every output of ``training`` by name, run in onnxruntime with ``feeds`` plus the stored
+    values of the trainable initializers."""
+    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
+    feeds = dict(feeds, **{i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))

@@ -20,7 +20,6 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -132,16 +131,6 @@ def _torch_with_masks(module, masks: List[np.ndarray]):
     return [d.register_forward_hook(apply) for d in dropouts], len(dropouts)
 
 
-def _run_onnx(training: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
-    feeds = dict(feeds, **{i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, feeds)))
-
-
 def _measure(model: str, exporter: str, tmp_path) -> dict:
     """Exports, builds the training graph, compares with torch; returns the outcome."""
     family = FAMILIES[model]
@@ -171,7 +160,7 @@ def _measure(model: str, exporter: str, tmp_path) -> dict:
         shapes = module(*(torch.tensor(v) for v in data.values()))
     shapes = [tuple(t.shape) for t in (shapes if isinstance(shapes, tuple) else (shapes,))]
     seeds = {output: rng.standard_normal(shape).astype(np.float32) for output, shape in zip(family.outputs, shapes)}
-    results = _run_onnx(training, dict(data, **{f"{k}_grad": v for k, v in seeds.items()}))
+    results = zoo.run_training_graph(training, dict(data, **{f"{k}_grad": v for k, v in seeds.items()}))
 
     handles, dropping = _torch_with_masks(module, [results[m] for m in masks])
     assert dropping == len(masks), f"{dropping} dropping nn.Dropout modules, {len(masks)} dropping Dropout nodes"

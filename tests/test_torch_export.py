@@ -12,13 +12,13 @@ import warnings
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import normgrad.torch  # noqa: E402
+from _torch_models import run_training_graph  # noqa: E402
 from normgrad.graphs import build_training_graph  # noqa: E402
 from normgrad.graphs.torch_exports import (  # noqa: E402
     METADATA_TORCH_PARAMETERS,
@@ -52,15 +52,6 @@ def _image(batch=2, size=8, seed=0):
     return np.random.default_rng(seed).standard_normal((batch, 3, size, size)).astype(np.float32)
 
 
-def _gradients(training, feeds):
-    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
-    feeds = dict(feeds, **{i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-
-
 def _torch_gradients(module, x, dy):
     module.zero_grad()
     xt = torch.tensor(x, requires_grad=True)
@@ -72,7 +63,7 @@ def _torch_gradients(module, x, dy):
 def _assert_matches_torch(module, forward, x, seed=1):
     training = build_training_graph(forward)
     dy = np.random.default_rng(seed).standard_normal((x.shape[0], 3)).astype(np.float32)
-    results = _gradients(training, {"x": x, "y_grad": dy})
+    results = run_training_graph(training, {"x": x, "y_grad": dy})
     expected = _torch_gradients(module, x, dy)
     assert {n[: -len("_grad")] for n in results if n.endswith("_grad") and n != "y_grad"} == set(expected)
     largest = max(np.abs(g).max() for g in expected.values())
