@@ -281,12 +281,14 @@ def build_training_graph(
             gradients, as far as the model shows it (:mod:`normgrad.graphs.torch_exports`).
 
     Warns:
-        TorchExportWarning: trainable initializers that look like constants torch folded.
+        TorchExportWarning: trainable initializers that look like constants torch folded, or
+            that torch's TorchScript exporter merged several tensors into.
     """
     check_graph_structure(model.graph)
     torch_exports.check_forward_model(model)
     frozen = set(frozen) | _not_torch_parameters(model)
     folded_constants = torch_exports.torchscript_folded_constants(model)
+    merged_initializers = torch_exports.torchscript_merged_initializers(model)
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
@@ -308,6 +310,9 @@ def build_training_graph(
     trained_folded = [name for name in folded_constants if name in needs]
     if trained_folded:
         warnings.warn(torch_exports.folded_constants_warning(trained_folded), torch_exports.TorchExportWarning, stacklevel=2)
+    trained_merged = {kept: names for kept, names in merged_initializers.items() if kept in needs}
+    if trained_merged:
+        warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=2)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
 

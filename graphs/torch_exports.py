@@ -30,6 +30,8 @@ __all__ = [
     "check_forward_model",
     "torchscript_folded_constants",
     "folded_constants_warning",
+    "torchscript_merged_initializers",
+    "merged_initializers_warning",
 ]
 
 METADATA_TORCH_PARAMETERS = "normgrad.torch_parameters"
@@ -176,4 +178,31 @@ def folded_constants_warning(names: List[str]) -> str:
         f"{len(names)} trainable initializer(s) ({shown}) look like constants torch's TorchScript exporter folded "
         "from parameters (do_constant_folding=True): they are trained under those names, not as the torch "
         f"parameters they came from; {FIX}, or torch.onnx.export(..., do_constant_folding=False)"
+    )
+
+
+def torchscript_merged_initializers(model: onnx.ModelProto) -> Dict[str, List[str]]:
+    """{float initializer: the names torch gave the values merged into it}: torch's
+    TorchScript exporter keeps one initializer for tensors it deduplicates (one shared
+    parameter, or, exporting an eval-mode model, equal values) and writes
+    ``Identity(kept) -> other name`` for the rest."""
+    if model.producer_name != "pytorch" or torch_parameters(model) is not None:
+        return {}
+    floats = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES}
+    merged: Dict[str, List[str]] = {}
+    for node in model.graph.node:
+        if node.op_type == "Identity" and node.input and node.input[0] in floats and not _TORCHSCRIPT_FOLDED.match(node.output[0]):
+            merged.setdefault(node.input[0], []).append(node.output[0])
+    return merged
+
+
+def merged_initializers_warning(merged: Dict[str, List[str]]) -> str:
+    """The warning for trainable :func:`torchscript_merged_initializers`."""
+    shown = "; ".join(f"{kept} also stands for {', '.join(names)}" for kept, names in list(merged.items())[:3])
+    return (
+        f"{len(merged)} trainable initializer(s) stand for several torch tensors ({shown}"
+        f"{'; ...' if len(merged) > 3 else ''}): torch's TorchScript exporter merged them, and each gets the sum of "
+        "their gradients. Right for one parameter shared in torch; wrong for distinct parameters merged because "
+        "their values were equal, which torch does exporting an eval-mode model: "
+        f"{FIX}, or export with the top module in training mode"
     )

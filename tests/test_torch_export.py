@@ -266,3 +266,20 @@ def test_metadata_naming_a_missing_initializer_is_refused(tmp_path, capsys):
     with pytest.raises(MisexportedModelError, match=r"metadata normgrad.torch_parameters names ghost, which is not an initializer"):
         build_training_graph(forward)
     assert _cli(tmp_path, forward) == 1
+
+
+def test_torchscript_merged_initializers_are_trained_with_a_warning():
+    """An eval-mode model through the TorchScript exporter: equal initializers (all-ones
+    BatchNorm/GroupNorm scales, all-zeros biases) are merged into one, the others written as
+    Identity nodes of it; its gradient is then the sum of all of theirs."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ConvNet().eval(), (torch.tensor(_image()),), buffer, dynamo=False, opset_version=17,
+                          do_constant_folding=False, input_names=["x"], output_names=["y"])
+    forward = onnx.load_from_string(buffer.getvalue())
+    assert "gn1.weight" not in {t.name for t in forward.graph.initializer}
+    with pytest.warns(TorchExportWarning, match=r"^2 trainable initializer\(s\) stand for several torch tensors \(bn.bias "
+                                                r"also stands for gn2.bias, gn1.bias, bn.running_mean; bn.weight also "
+                                                r"stands for gn2.weight, gn1.weight, bn.running_var\)"):
+        build_training_graph(forward)
