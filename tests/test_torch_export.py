@@ -283,3 +283,32 @@ def test_torchscript_merged_initializers_are_trained_with_a_warning():
                                                 r"also stands for gn2.bias, gn1.bias, bn.running_mean; bn.weight also "
                                                 r"stands for gn2.weight, gn1.weight, bn.running_var\)"):
         build_training_graph(forward)
+
+
+class _TiedHead(nn.Module):
+    """An embedding whose weight the output projection shares (tied, as language models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_shared_parameter_is_one_trainable_initializer_with_torchs_summed_gradient(exporter, tmp_path):
+    torch.manual_seed(0)
+    module = _TiedHead().train()
+    ids = np.array([[1, 2, 2], [7, 1, 0]], np.int64)
+    forward = normgrad.torch.export(module, torch.tensor(ids), tmp_path / "m.onnx", exporter=exporter,
+                                    input_names=["ids"], output_names=["y"])
+    recorded = json.loads(next(p.value for p in forward.metadata_props if p.key == METADATA_TORCH_PARAMETERS))
+    assert list(recorded.values()) == ["embed.weight"]
+    dy = np.random.default_rng(0).standard_normal((2, 3, 10)).astype(np.float32)
+    results = run_training_graph(build_training_graph(forward), {"ids": ids, "y_grad": dy})
+    module(torch.tensor(ids)).backward(torch.tensor(dy))
+    grad = results[f"{next(iter(recorded))}_grad"]
+    np.testing.assert_allclose(grad, module.embed.weight.grad.numpy(), rtol=1e-5, atol=1e-5)

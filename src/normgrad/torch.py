@@ -110,8 +110,7 @@ def export(
         model = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
     else:
         model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
-    initializers = {t.name for t in model.graph.initializer}
-    recorded = {name: name for name in parameters if name in initializers}
+    recorded = {t.name: parameters[t.name] for t in model.graph.initializer if t.name in parameters}
     _check_parameters_kept(model, parameters, recorded, exporter)
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
                                         METADATA_TORCH_PARAMETERS: json.dumps(recorded)})
@@ -177,16 +176,23 @@ def _dynamic_axes(dynamic_axes, inputs, input_names, output_names) -> Optional[D
     return result
 
 
-def _trainable_parameters(module) -> List[str]:
-    """Torch names of the parameters with requires_grad (a shared parameter once, first name)."""
-    return [name for name, param in module.named_parameters() if param.requires_grad]
+def _trainable_parameters(module) -> Dict[str, str]:
+    """{every name of a parameter with requires_grad: its first name} (a parameter shared by
+    several modules has several names; an exporter keeps one initializer under one of them)."""
+    first: Dict[int, str] = {}
+    names: Dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            names[name] = first.setdefault(id(param), name)
+    return names
 
 
-def _check_parameters_kept(model: onnx.ModelProto, parameters: Sequence[str], recorded: Mapping[str, str], exporter: str) -> None:
-    """Raises when a parameter the graph reads is not an initializer of its own name."""
+def _check_parameters_kept(model: onnx.ModelProto, parameters: Mapping[str, str], recorded: Mapping[str, str], exporter: str) -> None:
+    """Raises when a parameter the dynamo exporter says the graph reads is not an initializer."""
     if exporter != "dynamo":
         return
-    lost = [name for name in referenced_parameters(model, parameters) if name not in recorded]
+    kept = set(recorded.values())
+    lost = [name for name in referenced_parameters(model, parameters) if parameters[name] not in kept]
     if lost:
         raise TorchExportError(
             f"the dynamo exporter did not keep torch parameter{'s' if len(lost) > 1 else ''} {', '.join(lost[:5])}"
