@@ -401,3 +401,35 @@ def test_gradients_do_not_depend_on_the_thread_count():
         results.append(session.run(["x_grad", "wt_grad"], feeds))
     for one, three in zip(*results):
         np.testing.assert_array_equal(one, three)
+
+
+@pytest.mark.parametrize("op_type, inputs, attrs, params", [
+    ("Slice", ["x", "starts", "ends", "axes"], {}, _ints(starts=[1, -2], ends=[100, -1], axes=[2, -1])),
+    ("Pad", ["x", "pads"], {"mode": "reflect"}, _ints(pads=[0, 0, 1, 2, 0, 0, 2, 1])),
+    ("Pad", ["x", "pads"], {"mode": "edge"}, _ints(pads=[0, 0, 1, 2, 0, 0, 2, 1])),
+])
+def test_common_slices_and_pads_avoid_scatter(op_type, inputs, attrs, params):
+    """onnxruntime's ScatterElements is some hundred times slower than Pad/Slice: unit-step
+    Slices and constant reflect/edge Pads are differentiated without it (and still right)."""
+    forward = model([_node(op_type, inputs, **attrs)], {"x": (2, 3, 5, 4)}, ["y"], params)
+    assert "ScatterElements" not in {node.op_type for node in build_training_graph(forward).graph.node}
+    _check(forward)
+
+
+@pytest.mark.parametrize("node, shape, params, message", [
+    (oh.make_node("Resize", ["x", "", "s"], ["y"], name="crop", mode="linear", coordinate_transformation_mode="tf_crop_and_resize"),
+     (1, 1, 4, 4), _floats(s=[1, 1, 2, 2]), "Resize node 'crop'.*tf_crop_and_resize"),
+    (oh.make_node("Resize", ["x", "", "", "n"], ["y"], name="keep", keep_aspect_ratio_policy="not_larger"),
+     (1, 1, 4, 4), _ints(n=[1, 1, 6, 7]), "Resize node 'keep'.*keep_aspect_ratio_policy not_larger"),
+    (oh.make_node("GatherND", ["x", "i"], ["y"], name="batched", batch_dims=1),
+     (2, 3, 4), _ints(i=[[1], [0]]), "GatherND node 'batched'.*batch_dims 0"),
+    (oh.make_node("Conv", ["x", "w"], ["y"], name="same", auto_pad="SAME_UPPER", strides=[2, 2]),
+     ("N", 2, "H", "W"), weights(0, w=(2, 2, 3, 3)), "Conv node 'same'.*auto_pad=SAME_UPPER needs static spatial dims"),
+    (oh.make_node("AveragePool", ["x"], ["y"], name="ceil", kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+     (1, 2, "H", "W"), {}, "AveragePool node 'ceil'.*ceil_mode=1 needs static spatial dims"),
+    (oh.make_node("ConvTranspose", ["x", "w"], ["y"], name="shaped", output_shape=[9, 9], strides=[2, 2]),
+     (1, 2, "H", "W"), weights(0, w=(2, 2, 3, 3)), "ConvTranspose node 'shaped'.*output_shape needs static spatial dims"),
+])
+def test_refused_variants_name_the_node(node, shape, params, message):
+    with pytest.raises(UnsupportedOperatorError, match=message):
+        build_training_graph(model([node], {"x": shape}, ["y"], params, opset=19))

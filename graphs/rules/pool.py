@@ -27,17 +27,14 @@ def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
     x, dy = node.input[0], grads[0]
     window = window_of(ctx, node)
     geometry = dict(strides=window.strides, dilations=window.dilations, pads=window.pads)
-    ones = ctx.op(
-        "CastLike",
-        ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, np.float32))),
-        x,
-    )
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(ctx.elem_type(x) or onnx.TensorProto.FLOAT)
+    ones = ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, dtype)))
     if attr(node, "count_include_pad", 0) or not any(window.pads):
         dy = ctx.op("Div", dy, ctx.scalar(float(np.prod(window.kernel)), x))
     else:
         plane_shape = ctx.op("Concat", ctx.ints([1, 1]), ctx.shape_of(x, start=2), axis=0)
-        plane = ctx.op("ConstantOfShape", plane_shape, value=onh.from_array(np.ones(1, np.float32)))
-        counts = ctx.op("Conv", ctx.op("CastLike", plane, x), ones, **geometry)
+        plane = ctx.op("ConstantOfShape", plane_shape, value=onh.from_array(np.ones(1, dtype)))
+        counts = ctx.op("Conv", plane, ones, **geometry)
         dy = ctx.op("Div", dy, counts)
     channels = ctx.op("Concat", ctx.ints([-1, 1]), ctx.shape_of(dy, start=2), axis=0)
     planes = ctx.op("Reshape", dy, channels)

@@ -78,10 +78,11 @@ def _interpolation(ctx: GradientContext, node: onnx.NodeProto, axis: int, scale_
     x = node.input[0]
     n = ctx.shape_of(x, start=axis, end=axis + 1)
     blank = ctx.op("ConstantOfShape", ctx.op("Concat", n, n, axis=0), value=onh.from_array(np.zeros(1, np.float32)))
-    eye = ctx.op("CastLike", ctx.op("EyeLike", blank), x)
+    elem_type = ctx.elem_type(x)
+    eye = ctx.op("EyeLike", blank, dtype=elem_type) if elem_type else ctx.op("CastLike", ctx.op("EyeLike", blank), x)
     kind, value = scale_or_size
-    if kind == "scales":
-        inputs = [eye, "", ctx.op("Concat", ctx.op("CastLike", ctx.op("Constant", value=onh.from_array(np.ones(1, np.float32))), value), value, axis=0)]
+    if kind == "scales":  # float32, as Resize's scales always are
+        inputs = [eye, "", ctx.op("Concat", ctx.op("Constant", value=onh.from_array(np.ones(1, np.float32))), value, axis=0)]
     else:
         inputs = [eye, "", "", ctx.op("Concat", n, value, axis=0)]
     attrs = {name: attr(node, name, None) for name in _KEPT_ATTRIBUTES}
