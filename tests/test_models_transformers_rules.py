@@ -46,10 +46,10 @@ def _export(module, args, exporter, input_names, output_names):
     return program.model_proto
 
 
-def _run_training(forward, feeds, seeds, extra_outputs=()):
-    """The training graph's outputs by name (forward outputs, gradients and ``extra_outputs``),
-    the initializer names and the op types it runs (a Counter)."""
-    training = build_training_graph(forward)
+def _run_training(forward, feeds, seeds, extra_outputs=(), training=None):
+    """The training graph's outputs by name (forward outputs, gradients and ``extra_outputs``)
+    and its initializer names; ``training``: the graph already built from ``forward``."""
+    training = build_training_graph(forward) if training is None else training
     for name in extra_outputs:
         training.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
@@ -59,8 +59,7 @@ def _run_training(forward, feeds, seeds, extra_outputs=()):
     options.log_severity_level = 3
     session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in training.graph.output]
-    ops = collections.Counter(node.op_type for node in training.graph.node)
-    return dict(zip(names, session.run(None, feeds))), set(initializers), ops
+    return dict(zip(names, session.run(None, feeds))), set(initializers)
 
 
 def _assert_gradients_match(results, initializers, module, extra=None):
@@ -107,7 +106,7 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
             dropouts[0].output.append("")
         dropouts[0].output[1] = dropouts[0].output[1] or "dropout_mask"
         mask_name = [dropouts[0].output[1]]
-    results, initializers, _ = _run_training(forward, {"x": x}, {"y": dy}, mask_name)
+    results, initializers = _run_training(forward, {"x": x}, {"y": dy}, mask_name)
     mask = results[mask_name[0]] if mask_name else np.ones((16, 16), bool)
     if p:
         assert 0.1 < 1 - mask.mean() < 0.5
@@ -158,25 +157,30 @@ def _tiny_vit():
     return _Outputs(transformers.ViTModel(config), "pixel_values", ("last_hidden_state", "pooler_output"))
 
 
+def _llama_config(hidden=32):
+    """Eager attention: with the default (sdpa), the TorchScript exporter cannot export
+    LlamaModel's causal mask (no symbolic for ``aten::diff``)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=16, attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+
+
 class _LlamaBlock(nn.Module):
     """A Llama decoder layer (RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP)
-    and the final RMSNorm, on hidden states: LlamaModel around it adds the embedding and a
-    causal mask whose ``aten::diff`` the TorchScript exporter cannot export."""
+    and the final RMSNorm, on hidden states (so the input's gradient is compared too)."""
 
-    def __init__(self, hidden=32):
+    def __init__(self):
         super().__init__()
-        transformers = pytest.importorskip("transformers")
         from transformers.models.llama import modeling_llama
 
-        config = transformers.LlamaConfig(
-            hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=100, max_position_embeddings=16, attention_dropout=0.0,
-            attn_implementation="eager",
-        )
+        config = _llama_config()
         torch.manual_seed(0)
         self.rotary = modeling_llama.LlamaRotaryEmbedding(config)
         self.layer = modeling_llama.LlamaDecoderLayer(config, 0)
-        self.norm = modeling_llama.LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden):
         positions = torch.arange(hidden.shape[1]).unsqueeze(0)
@@ -198,8 +202,10 @@ def _check_model(module, inputs, exporter, input_name, output_names, grad_op, no
     seeds = {name: rng.standard_normal(tuple(out.shape)).astype(np.float32) for name, out in zip(output_names, outputs)}
     torch.autograd.backward(list(outputs), [torch.tensor(seeds[name]) for name in output_names])
     forward = _export(module, (torch.tensor(inputs),), exporter, [input_name], list(output_names))
-    results, initializers, ops = _run_training(forward, {input_name: inputs}, seeds)
+    training = build_training_graph(forward)
+    ops = collections.Counter(node.op_type for node in training.graph.node)
     assert ops[grad_op] == norms, ops
+    results, initializers = _run_training(forward, {input_name: inputs}, seeds, training=training)
     for name, out in zip(output_names, outputs):
         np.testing.assert_allclose(results[name], out.detach().numpy(), rtol=1e-4, atol=1e-4)
     extra = {input_name: inputs_t.grad.numpy()} if inputs_t.grad is not None else {}
@@ -229,13 +235,21 @@ def test_tiny_vit_matches_torch(exporter):
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_llama_decoder_block_matches_torch(exporter):
-    """LlamaDecoderLayer + final LlamaRMSNorm (hidden 32, 2 heads, 1 KV head): the three
-    RMSNorms, written by both exporters as x * rsqrt(mean(x²) + eps) * w with Casts to float32,
-    each one RMSNormalizationGrad (the chain pattern, onnxscript's rewriter)."""
-    if not _declarative.AVAILABLE:
-        pytest.skip("onnxscript is not installed: the RMSNorm chains go node by node")
+@pytest.mark.parametrize("whole", [False, True], ids=["block", "LlamaModel"])
+def test_llama_matches_torch(exporter, whole):
+    """A Llama decoder block (LlamaDecoderLayer + final LlamaRMSNorm; hidden 32, 2 heads, 1
+    KV head) on hidden states, and a whole one-layer LlamaModel (token embedding, causal mask)
+    on token ids: the three RMSNorms, written by both exporters as x * rsqrt(mean(x²) + eps)
+    * w with Casts to float32, each one RMSNormalizationGrad (the chain pattern)."""
     if "Slice" not in supported_op_types():
-        pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet (the rules helper adds it)")
-    hidden = np.random.default_rng(0).standard_normal((2, 8, 32)).astype(np.float32)
-    _check_model(_LlamaBlock(), hidden, exporter, "hidden", ("y",), "RMSNormalizationGrad", 3)
+        pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet")
+    rng = np.random.default_rng(0)
+    if whole:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        module = _Outputs(transformers.LlamaModel(_llama_config()), "input_ids", ("last_hidden_state",))
+        inputs = rng.integers(0, 100, (2, 8)).astype(np.int64)
+    else:
+        module, inputs = _LlamaBlock(), rng.standard_normal((2, 8, 32)).astype(np.float32)
+    norms = 3 if _declarative.AVAILABLE else 0
+    _check_model(module, inputs, exporter, "input_ids" if whole else "hidden", ("y",), "RMSNormalizationGrad", norms)

@@ -93,14 +93,27 @@ class ChainPattern:
     ) -> Optional[Tuple[Dict[str, Binding], List[onnx.NodeProto]]]:
         """The chain's variables and nodes if it ends at ``node``, else None."""
         if not AVAILABLE:
-            if not view.cache.get(f"warned {self.name}"):
-                view.cache[f"warned {self.name}"] = True
-                warnings.warn(
-                    f"onnxscript is not installed: chains like {self.name} are differentiated node by node "
-                    "(correct, with more passes over the data); `pip install onnxscript` fuses them",
-                    stacklevel=2,
-                )
+            self._warn(view, "onnxscript is not installed", "; `pip install onnxscript` fuses them")
             return None
+        try:
+            return self._match(view, ctx, node)
+        except Exception as error:  # an optional speed-up must not break the export
+            self._warn(view, f"onnxscript's rewriter failed on this graph ({type(error).__name__}: {error})")
+            return None
+
+    def _warn(self, view: GraphView, reason: str, hint: str = "") -> None:
+        """Warns once per graph that ``self``'s chains go node by node, and why."""
+        if not view.cache.get(f"warned {self.name}"):
+            view.cache[f"warned {self.name}"] = True
+            warnings.warn(
+                f"{reason}: chains like {self.name} are differentiated node by node "
+                f"(correct, with more passes over the data){hint}",
+                stacklevel=4,
+            )
+
+    def _match(
+        self, view: GraphView, ctx: GradientContext, node: onnx.NodeProto
+    ) -> Optional[Tuple[Dict[str, Binding], List[onnx.NodeProto]]]:
         model, by_output = _ir_view(view, ctx)
         ir_node = by_output.get(node.output[0]) if node.output else None
         if ir_node is None:
@@ -114,9 +127,9 @@ class ChainPattern:
                     if value is None or isinstance(value, (ir.Value, int))
                 }
                 nodes = [view.producer[n.outputs[0].name] for n in found.nodes]
-                inside = {name for node in nodes for name in node.output}
+                inside = {name for chain_node in nodes for name in chain_node.output}
                 allowed = {bindings.get(name) for name in self._differentiable} | inside
-                if any(ctx.needs_grad(name) for node in nodes for name in node.input if name not in allowed):
+                if any(ctx.needs_grad(name) for chain_node in nodes for name in chain_node.input if name not in allowed):
                     return None  # e.g. a trainable initializer where the pattern has a constant
                 return bindings, nodes
         return None

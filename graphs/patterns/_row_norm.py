@@ -13,7 +13,7 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
 from normgrad.graphs.patterns import GraphView
 from normgrad.graphs.patterns._declarative import Binding, ChainPattern
 
-__all__ = ["RowNormChain", "match_row_norm", "normalised_axis", "fixed_epsilon", "broadcasts_along", "keeps_shape", "float_input"]
+__all__ = ["RowNormChain", "match_row_norm", "casts_to_float", "normalised_axis", "fixed_epsilon", "broadcasts_along", "keeps_shape", "float_input"]
 
 
 @dataclasses.dataclass
@@ -98,6 +98,11 @@ def keeps_shape(ctx: GradientContext, value: str, x: str) -> bool:
     broadcast into x, not x into something larger."""
     shape, x_shape = ctx.shape(value), ctx.shape(x)
     return shape is not None and shape == x_shape and None not in shape
+
+
+def casts_to_float(view: GraphView, name: Optional[str]) -> bool:
+    """Whether the Cast producing ``name`` (None: no Cast) casts to a float type."""
+    return name is None or attr(view.producer[name], "to", 0) in FLOAT_ELEM_TYPES
 
 
 def float_input(ctx: GradientContext, name: str) -> bool:

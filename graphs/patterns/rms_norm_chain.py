@@ -29,10 +29,10 @@ from typing import List, Optional, Tuple
 
 import onnx
 
-from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
+from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
-from normgrad.graphs.patterns._row_norm import match_row_norm
+from normgrad.graphs.patterns._row_norm import casts_to_float, match_row_norm
 from normgrad.graphs.rules.layer_norm import row_norm_gradient
 
 __all__ = ["PATTERN", "match_rms_norm_chain"]
@@ -44,20 +44,24 @@ PATTERN = "rms_norm_chain"
 # commute (clone) such an OrValue without one
 
 
-def _rms(op, xc, eps):
-    squared = _pattern.OrValue([op.Pow(xc, 2.0), op.Mul(xc, xc)])
+def _rms(op, x, eps):
+    squared = _pattern.OrValue([op.Pow(x, 2.0), op.Mul(x, x)])
     mean_square = op.ReduceMean(squared, _allow_other_inputs=True, _outputs=["mean_square"])
     return op.Sqrt(op.Add(mean_square, eps), _outputs=["rms"])
 
 
-def _times_inverse(op, xc, eps):
-    rms = _rms(op, xc, eps)
+def _times_inverse(op, x, eps):
+    rms = _rms(op, x, eps)
     inverse = _pattern.OrValue([op.Reciprocal(rms, _outputs=["inv_rms"]), op.Div(1.0, rms, _outputs=["one_over_rms"])])
-    return op.Mul(xc, inverse)
+    return op.Mul(x, inverse)
 
 
-def _normalised(op, xc, eps):
-    return _pattern.OrValue([_times_inverse(op, xc, eps), op.Div(xc, _rms(op, xc, eps))], tag_var="times_or_divided")
+def _divided(op, x, eps):
+    return op.Div(x, _rms(op, x, eps))
+
+
+def _normalised(op, x, eps):
+    return _pattern.OrValue([_times_inverse(op, x, eps), _divided(op, x, eps)], tag_var="times_or_divided")
 
 
 def _scaled(op, x, eps, w):
@@ -70,34 +74,21 @@ def _cast(op, x, eps):
     return op.Cast(_normalised(op, x, eps), _outputs=["cast_out"])
 
 
-def _times(op, x, eps):
-    return _times_inverse(op, x, eps)
-
-
-def _divided(op, x, eps):
-    return op.Div(x, _rms(op, x, eps))
-
-
-_CHAIN = ChainPattern("the RMSNorm chains", _scaled, _cast, _times, _divided, differentiable=("x", "w"))
-
-
-def _float_cast(view: GraphView, name: Optional[str]) -> bool:
-    """Whether the Cast producing ``name`` (if any) casts to a float type."""
-    return name is None or attr(view.producer[name], "to", 0) in FLOAT_ELEM_TYPES
+_CHAIN = ChainPattern("the written-out RMSNorm", _scaled, _cast, _times_inverse, _divided, differentiable=("x", "w"))
 
 
 @register(PATTERN)
 def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
     chain = match_row_norm(view, ctx, anchor, _CHAIN, ("Mul", "Cast", "Div"), "mean_square")
-    if chain is None or not _float_cast(view, chain.bound.get("cast_out")):
+    if chain is None or not casts_to_float(view, chain.bound.get("cast_out")):
         return None
     x, w, axis = chain.x, chain.w, chain.axis
     rms, inv_rms = chain.bound["rms"], chain.bound.get("inv_rms") or chain.bound.get("one_over_rms")
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
         dx, dscale, _ = row_norm_gradient(
-            ctx, "RMSNormalizationGrad", dy, anchor.output[0], x, w, [inv_rms or ctx.op("Reciprocal", rms)], axis
+            ctx, "RMSNormalizationGrad", dy, anchor.output[0], x, w, [(inv_rms or ctx.op("Reciprocal", rms), rms)], axis
         )
         return [(name, grad) for name, grad in ((x, dx), (w, dscale)) if grad is not None and ctx.needs_grad(name)]
 

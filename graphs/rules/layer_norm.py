@@ -50,7 +50,7 @@ def row_norm_gradient(
     dy_like: str,
     x: str,
     scale: Optional[str],
-    stats: Sequence[str],
+    stats: Sequence[Tuple[str, Optional[str]]],
     axis: int,
     bias: Optional[str] = None,
 ) -> Tuple[str, Optional[str], Optional[str]]:
@@ -62,7 +62,9 @@ def row_norm_gradient(
         x: the forward input (float type).
         scale: the forward scale, or None for none (a scalar one is passed).
         stats: the per-row statistics (mean and inv_std_dev, or inv_rms), x's shape with the
-            dims >= axis set to 1, of x's type or float32 (any type for a double x).
+            dims >= axis set to 1, each with a forward value of its element type (None: of
+            the grad op's statistics type, as LayerNormalization writes them). Statistics of
+            one type, x's or float32, are passed as they are; others are cast to float32.
         bias: the forward bias of a LayerNorm, if its gradient is wanted.
 
     Returns:
@@ -77,13 +79,12 @@ def row_norm_gradient(
         scale_operand = ctx.scalar(1.0, x) if compute == x_type else float32_scalar(ctx, 1.0)
     else:
         scale_operand = _to_type(ctx, scale, ctx.elem_type(scale), compute)
-    # statistics of x's type or float32 as they are; others (a double x's, a chain computing
-    # in double) as float32
-    stats = [
-        s if ctx.elem_type(s) in (compute, onnx.TensorProto.FLOAT) or (compute == x_type and ctx.elem_type(s) is None)
-        else ctx.op("Cast", s, to=onnx.TensorProto.FLOAT)
-        for s in stats
-    ]
+    types = [ctx.elem_type(like) if like else None for _, like in stats]
+    known = set(types) - {None}
+    names = [name for name, _ in stats]
+    if compute != x_type or len(known) > 1 or not known <= {compute, onnx.TensorProto.FLOAT}:
+        # a double x's, a chain's in double, or a mean in x's type beside a float32 inv_std
+        names = [n if t == onnx.TensorProto.FLOAT else ctx.op("Cast", n, to=onnx.TensorProto.FLOAT) for n, t in zip(names, types)]
     outputs = [ctx.fresh("dx"), ctx.fresh("dscale") if want_scale else ""]
     if op_type == "LayerNormalizationGrad":
         outputs.append(ctx.fresh("dbias") if bias_from_op else "")
@@ -92,7 +93,7 @@ def row_norm_gradient(
         _to_type(ctx, dy, ctx.elem_type(dy_like), compute),
         _to_type(ctx, x, x_type, compute),
         scale_operand,
-        *stats,
+        *names,
         outputs=outputs,
         domain=DOMAIN,
         axis=axis,
@@ -122,7 +123,7 @@ def layer_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
     mean = ctx.ensure_output(node, 1, "mean")
     inv_std_dev = ctx.ensure_output(node, 2, "inv_std_dev")
     dx, dscale, dbias = row_norm_gradient(
-        ctx, "LayerNormalizationGrad", grads[0], x, x, scale, [mean, inv_std_dev], attr(node, "axis", -1), bias
+        ctx, "LayerNormalizationGrad", grads[0], x, x, scale, [(mean, None), (inv_std_dev, None)], attr(node, "axis", -1), bias
     )
     return [dx, dscale, dbias][: len(node.input)]
 
@@ -137,5 +138,5 @@ def rms_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Op
     mean_square = ctx.reduce("ReduceMean", ctx.op("Mul", x32, x32), list(range(axis, rank)), keepdims=True)
     shifted = ctx.op("Add", mean_square, float32_scalar(ctx, attr(node, "epsilon", 1e-5)))
     inv_rms = ctx.op("Reciprocal", ctx.op("Sqrt", shifted))
-    dx, dscale, _ = row_norm_gradient(ctx, "RMSNormalizationGrad", grads[0], x, x, scale, [inv_rms], axis)
+    dx, dscale, _ = row_norm_gradient(ctx, "RMSNormalizationGrad", grads[0], x, x, scale, [(inv_rms, None)], axis)
     return [dx, dscale]

@@ -1,13 +1,14 @@
 // LayerNormalizationGrad and RMSNormalizationGrad: x as R rows of D values at `axis`.
 //
 // Rows are cut into blocks of kRowsPerBlock consecutive rows (a layout fixed by the shape,
-// never by the thread count); one task per block. Per row, while the row is in cache: a
-// reduction pass s1 = Σ w·dy, s2 = Σ w·dy·(x − μ) (μ = 0 for RMSNorm), then the output pass
+// never by the thread count); one task per block. Per group of rows (1 for float32, 4 for
+// 16-bit types), while the rows are in cache: a reduction pass s1 = Σ w·dy,
+// s2 = Σ w·dy·(x − μ) (μ = 0 for RMSNorm) per row, then the output pass
 // dx = rstd·w·dy − rstd³·s2/D·(x − μ) − rstd·s1/D, which also adds dy·x̂ and dy into the
-// block's float32 partial sums of dscale and dbias. The blocks' partials are then summed
-// per column in block order, in double, by column ranges (again fixed). So x and dy are
-// read from memory once and dx written once, and every output is the same for any number
-// of threads.
+// block's float32 partial sums of dscale and dbias and prefetches the next group. The
+// blocks' partials are then summed per column in block order, in double, by column ranges
+// (again fixed). So x and dy are read from memory once and dx written once, and every
+// output is the same for any number of threads.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -147,34 +148,42 @@ struct RowNormalizationGrad : KernelBase {
     std::vector<float> partials(sums ? checked_mul(blocks, checked_mul(sums, d, op, "x"), op, "x") : 0, 0.0f);
     const KernelTable& k = kernels();
     const double inv_d = 1.0 / static_cast<double>(d);
+    // Rows per output pass: several for 16-bit types (the scale's conversion and the
+    // partials' loads and stores are shared), one for float32 (measured faster: the rows
+    // being read and the next ones being fetched then fit in L1).
+    const size_t group = t == kF32 ? 1 : kMaxRows;
     auto block_task = [&](size_t block) {
       float* acc = sums ? &partials[block * sums * d] : nullptr;
       float* acc_xhat = dscale ? acc : nullptr;
       float* acc_dy = dbias ? acc + (dscale ? d : 0) : nullptr;
       const size_t end = std::min(rows, (block + 1) * kRowsPerBlock);
-      for (size_t row = block * kRowsPerBlock; row < end; ++row) {
-        const size_t offset = row * d;
-        const float mu = layer_norm ? vec_at(mean, row) : 0.0f, rs = vec_at(rstd, row);
-        double part[2] = {0.0, 0.0};
-        k.sum_gdy_gdyxmu[t](at(dy.data, offset, t), at(x.data, offset, t), w, d, mu, part);
-        const double rsd = rs;
-        const float b = static_cast<float>(-rsd * rsd * rsd * part[1] * inv_d);
-        const float c = layer_norm ? static_cast<float>(-rsd * part[0] * inv_d) : 0.0f;
-        k.affine_g_acc[t](at(dy.data, offset, t), at(x.data, offset, t), w, at(dx, offset, t), d, mu, rs, b, c, rs,
-                          acc_xhat, acc_dy);
+      RowCoef q[kMaxRows];
+      for (size_t first = block * kRowsPerBlock; first < end; first += group) {
+        const size_t count = std::min(group, end - first);
+        for (size_t r = 0; r < count; ++r) {
+          const size_t offset = (first + r) * d;
+          const float mu = layer_norm ? vec_at(mean, first + r) : 0.0f, rs = vec_at(rstd, first + r);
+          double part[2] = {0.0, 0.0};
+          k.sum_gdy_gdyxmu[t](at(dy.data, offset, t), at(x.data, offset, t), w, d, mu, part);
+          const double rsd = rs;
+          q[r] = RowCoef{mu, rs, static_cast<float>(-rsd * rsd * rsd * part[1] * inv_d),
+                         layer_norm ? static_cast<float>(-rsd * part[0] * inv_d) : 0.0f, rs};
+        }
+        const size_t offset = first * d;
+        k.rows_affine_acc[t](at(dy.data, offset, t), at(x.data, offset, t), w, at(dx, offset, t), d, count, q,
+                             acc_xhat, acc_dy);
       }
     };
     parallel_for(ctx, blocks, block_task, x.size);
     if (!sums) return;
 
-    // Column sums over the blocks, in block order, in double.
-    std::vector<double> totals(sums * d);
+    // Column sums over the blocks, in block order, in double; by ranges of columns.
+    std::vector<double> totals(sums * d, 0.0);
     auto column_task = [&](size_t task) {
       const size_t j0 = task * kColumnsPerTask, j1 = std::min(sums * d, j0 + kColumnsPerTask);
-      for (size_t j = j0; j < j1; ++j) {
-        double total = 0.0;
-        for (size_t block = 0; block < blocks; ++block) total += partials[block * sums * d + j];
-        totals[j] = total;
+      for (size_t block = 0; block < blocks; ++block) {
+        const float* part = &partials[block * sums * d];
+        for (size_t j = j0; j < j1; ++j) totals[j] += part[j];
       }
     };
     parallel_for(ctx, (sums * d + kColumnsPerTask - 1) / kColumnsPerTask, column_task, partials.size());
