@@ -32,7 +32,7 @@ def _assert_matches_torch(forward, module, x, rng):
     y = module(xt)
     dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
     y.backward(torch.tensor(dy))
-    results, initializers, _ = _run_training(forward, {"x": x}, {"y": dy})  # (outputs, initializers, op counts)
+    results, initializers = _run_training(forward, {"x": x}, {"y": dy})
     np.testing.assert_allclose(results["y"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
     _assert_gradients_match(results, initializers, module, {"x": xt.grad.numpy()})
 
