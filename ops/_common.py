@@ -23,6 +23,7 @@ __all__ = [
     "check_vector",
     "is_float_dtype",
     "make_schema",
+    "normalization_grad_body",
     "sum_to_shape",
     "sum_to_shape_body",
 ]
@@ -223,3 +224,38 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
             f"{output} = CastLike ({output}_float, {param})",
         ]
     return "\n".join(lines)
+
+
+def normalization_grad_body(rstd: str, count: str, centre: bool, param: str, param_float: str, sums) -> str:
+    """Function-body lines (ONNX text) shared by the normalization gradients. From float32
+    views ``x_hat`` and ``g`` (dy * scale) with the normalised axes merged into the last one,
+    ``rstd`` broadcasting to them and ``count`` (values per normalised group, at least 1):
+
+        dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))    (no mean(g) unless ``centre``)
+
+    reshaped to ``x_shape`` and cast like ``x``; then dy * x_hat (``dy_x_hat``) and ``dyf``
+    summed to the shape of ``param`` as :func:`sum_to_shape_body` does, for ``sums``.
+    The caller defines ``x``, ``dyf``, ``x_shape``, ``x_hat``, ``g`` and ``last`` ([-1])."""
+    lines = [
+        "g_x_hat = Mul (g, x_hat)",
+        "sum_g_x_hat = ReduceSum <keepdims = 1> (g_x_hat, last)",
+        f"mean_g_x_hat = Div (sum_g_x_hat, {count})",
+        "x_hat_term = Mul (x_hat, mean_g_x_hat)",
+    ]
+    if centre:
+        lines += [
+            "sum_g = ReduceSum <keepdims = 1> (g, last)",
+            f"mean_g = Div (sum_g, {count})",
+            "g_centred = Sub (g, mean_g)",
+            "inner = Sub (g_centred, x_hat_term)",
+        ]
+    else:
+        lines.append("inner = Sub (g, x_hat_term)")
+    lines += [
+        f"dx_view = Mul ({rstd}, inner)",
+        "dx_full = Reshape <allowzero = 1> (dx_view, x_shape)",
+        "dx = CastLike (dx_full, x)",
+        "x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)",
+        "dy_x_hat = Mul (dyf, x_hat_full)",
+    ]
+    return "\n".join(lines) + "\n" + sum_to_shape_body(param, param_float, "x_shape", sums)

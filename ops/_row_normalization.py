@@ -201,19 +201,15 @@ def function_body(op: str, inputs: Sequence[str], outputs: Sequence[str], opset:
     Outputs a node does not name are pruned by the runtime.
     """
     rstd_name = inputs[-1]
-    if "mean" in inputs:
-        centre = """
+    layer_norm = "mean" in inputs
+    if layer_norm:
+        x_hat = """
             mean_f = Cast <to = 1> (mean)
             mu = Reshape <allowzero = 1> (mean_f, rows_1)
             x_centred = Sub (x2, mu)
-            x_hat = Mul (x_centred, rstd)
-            sum_g = ReduceSum <keepdims = 1> (g, last)
-            mean_g = Div (sum_g, d_float)
-            g_centred = Sub (g, mean_g)"""
+            x_hat = Mul (x_centred, rstd)"""
     else:
-        centre = """
-            x_hat = Mul (x2, rstd)
-            g_centred = Identity (g)"""
+        x_hat = "x_hat = Mul (x2, rstd)"
     sums = [("dscale", "dy_x_hat"), ("dbias", "dyf")][: len(outputs) - 1]
     return onnx.parser.parse_function(
         f"""
@@ -241,18 +237,8 @@ def function_body(op: str, inputs: Sequence[str], outputs: Sequence[str], opset:
             d_cast = Cast <to = 1> (d)
             one_float = Constant <value_float = 1.0> ()
             d_float = Max (d_cast, one_float)
-            {centre}
-            g_x_hat = Mul (g, x_hat)
-            sum_g_x_hat = ReduceSum <keepdims = 1> (g_x_hat, last)
-            mean_g_x_hat = Div (sum_g_x_hat, d_float)
-            x_hat_term = Mul (x_hat, mean_g_x_hat)
-            inner = Sub (g_centred, x_hat_term)
-            dx2 = Mul (rstd, inner)
-            dx_full = Reshape <allowzero = 1> (dx2, x_shape)
-            dx = CastLike (dx_full, x)
-            x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)
-            dy_x_hat = Mul (dyf, x_hat_full)
-            {_common.sum_to_shape_body("scale", "scalef", "x_shape", sums)}
+            {x_hat}
+            {_common.normalization_grad_body("rstd", "d_float", layer_norm, "scale", "scalef", sums)}
         }}
         """
     )

@@ -221,23 +221,10 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             x_hat = Mul (centred, rstd3)
             g_full = Mul (dyf, gammaf)
             g = Reshape <allowzero = 1> (g_full, ngm)
-            g_x_hat = Mul (g, x_hat)
-            sum_g = ReduceSum <keepdims = 1> (g, last)
-            sum_g_x_hat = ReduceSum <keepdims = 1> (g_x_hat, last)
             m_cast = Cast <to = 1> (m)
             one_float = Constant <value_float = 1.0> ()
             m_float = Max (m_cast, one_float)
-            mean_g = Div (sum_g, m_float)
-            mean_g_x_hat = Div (sum_g_x_hat, m_float)
-            x_hat_term = Mul (x_hat, mean_g_x_hat)
-            g_centred = Sub (g, mean_g)
-            inner = Sub (g_centred, x_hat_term)
-            dx3 = Mul (rstd3, inner)
-            dx_full = Reshape <allowzero = 1> (dx3, x_shape)
-            dx = CastLike (dx_full, x)
-            x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)
-            dy_x_hat = Mul (dyf, x_hat_full)
-            {_common.sum_to_shape_body("gamma", "gammaf", "x_shape", [("dgamma", "dy_x_hat"), ("dbeta", "dyf")])}
+            {_common.normalization_grad_body("rstd3", "m_float", True, "gamma", "gammaf", [("dgamma", "dy_x_hat"), ("dbeta", "dyf")])}
         }}
         """
     )
