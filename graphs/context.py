@@ -54,6 +54,8 @@ class GradientContext:
             self._used.add(node.name)
         self._scope = "grad"
         self._counter = 0
+        self.batch_statistics: Dict[str, "BatchStatistics"] = {}
+        """{Y of a training-mode BatchNormalization: its forward statistics}, set by the builder."""
 
     # ----------------------------------------------------------------- forward graph facts
     def needs_grad(self, name: str) -> bool:
