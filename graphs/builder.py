@@ -13,6 +13,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
+from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
@@ -233,6 +234,9 @@ def build_training_graph(
     inline: bool = False,
     frozen: Iterable[str] = (),
     batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
+    data_parallel: bool = False,
+    sync_batch_norm: bool = False,
+    bucket_bytes: int = data_parallel_rules.DEFAULT_BUCKET_BYTES,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -253,6 +257,12 @@ def build_training_graph(
         batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
             statistics and backward sums go through this all-reduce (see
             :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
+        data_parallel: average the gradients of the trainable initializers and the loss over
+            the MPI ranks (normgrad AllReduce, bucketed: :mod:`normgrad.graphs.data_parallel`);
+            the gradients of graph inputs stay this rank's.
+        sync_batch_norm: synchronized BatchNorm with normgrad's AllReduce (shorthand for
+            ``batch_norm_all_reduce=normgrad.graphs.data_parallel.all_reduce``).
+        bucket_bytes: the largest all-reduce of ``data_parallel``, in bytes.
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -264,6 +274,11 @@ def build_training_graph(
             differentiable output, or a malformed graph (a value produced twice, nodes out
             of topological order, a cycle).
     """
+    if inline and (data_parallel or sync_batch_norm or batch_norm_all_reduce):
+        raise ValueError("inline=True writes AllReduce as its function body, the identity: it cannot be combined "
+                         "with data_parallel or sync_batch_norm")
+    if sync_batch_norm:
+        batch_norm_all_reduce = batch_norm_all_reduce or data_parallel_rules.all_reduce
     check_graph_structure(model.graph)
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
@@ -307,7 +322,8 @@ def build_training_graph(
             raise ValueError("the model already has a value named 'labels'")
         extra_inputs.append(appended.labels)
         loss_name = ctx.reserve("loss")
-        ctx.op("Identity", appended.loss, outputs=[loss_name])
+        if not data_parallel:  # else the mean over the ranks, below
+            ctx.op("Identity", appended.loss, outputs=[loss_name])
         extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
         seeds = {float_outputs[0].name: appended.grad}
     else:
@@ -319,10 +335,26 @@ def build_training_graph(
     grads = _backward(graph, ctx, seeds)
 
     ctx.scope("grad/outputs")
+    values = {name: ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name) for name, _ in wanted}
+    parallel_metadata = {}
+    if data_parallel:
+        trainable = {info.name for info in trainable_inputs}
+        members = [data_parallel_rules.static_member(ctx, name, values[name]) for name, _ in wanted if name in trainable]
+        if loss is not None:
+            members.append(data_parallel_rules.static_member(ctx, loss_name, appended.loss, float_outputs[0].name, []))
+        averaged = data_parallel_rules.average_over_ranks(ctx, members, bucket_bytes)
+        values.update((name, averaged[name]) for name in trainable)
+        if loss is not None:
+            ctx.op("Identity", averaged[loss_name], outputs=[loss_name])
+        buckets = data_parallel_rules.describe(data_parallel_rules.plan_buckets(members, bucket_bytes))
+        parallel_metadata[data_parallel_rules.METADATA] = json.dumps(
+            {"buckets": buckets, "sync_batch_norm": batch_norm_all_reduce is not None}
+        )
+    elif batch_norm_all_reduce is not None:
+        parallel_metadata[data_parallel_rules.METADATA] = json.dumps({"buckets": [], "sync_batch_norm": True})
     gradients: Dict[str, str] = {}
     for (name, type_proto), grad_name in zip(wanted, grad_names):
-        value = ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name)
-        ctx.op("Identity", value, outputs=[grad_name])
+        ctx.op("Identity", values[name], outputs=[grad_name])
         gradients[grad_name] = name
         extra_outputs.append(_value_info(grad_name, type_proto))
 
@@ -341,6 +373,7 @@ def build_training_graph(
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
         METADATA_LOSS: json.dumps({"kind": loss, "output": float_outputs[0].name} if loss else None),
+        **parallel_metadata,
     }
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION

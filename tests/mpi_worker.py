@@ -2,6 +2,8 @@
 what it computes on every rank and raises on a mismatch (which aborts the whole job).
 
     python tests/mpi_worker.py allreduce      AllReduce kernels against the reference
+    python tests/mpi_worker.py train sync|local  data-parallel ResNet block training against
+                                              one process on the global batch / DDP semantics
     python tests/mpi_worker.py raise RANK     RANK raises after MPI is up; the others wait
     python tests/mpi_worker.py exit RANK      RANK calls sys.exit(3); the others wait
     python tests/mpi_worker.py die RANK       RANK is killed by SIGKILL; the others wait
@@ -9,6 +11,7 @@ what it computes on every rank and raises on a mismatch (which aborts the whole 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -59,6 +62,151 @@ def check_allreduce() -> None:
         print(f"allreduce ok on {mpi.size()} ranks")
 
 
+# ---------------------------------------------------------------------------------- training
+
+PER_RANK_BATCH = 2
+STEPS = 3
+LR, MOMENTUM = 0.1, 0.9
+TOLERANCE_OF_SCALE = 1e-5
+
+
+def resnet_model():
+    """graphs.examples.resnet_block with a dynamic batch dimension."""
+    import onnx
+
+    from normgrad.graphs import examples
+
+    model = examples.resnet_block()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    del model.graph.value_info[:]
+    for output in model.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _session(model, options=None):
+    import onnxruntime
+
+    return onnxruntime.InferenceSession(model.SerializeToString(), options or mpi.session_options(),
+                                        providers=["CPUExecutionProvider"])
+
+
+def _run(session, feeds) -> dict:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds)))
+
+
+def _truth_gradients(model, params: dict, x: np.ndarray, labels: np.ndarray):
+    """float64 loss and parameter gradients of the MSE-loss block on one batch (BatchNorm over
+    that batch): torch autograd when torch is installed, else normgrad's float64 evaluation of
+    the single-process training graph (onnx ReferenceEvaluator + NumPy references)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        from normgrad.graphs import build_training_graph
+        from normgrad.tools.corpus import float64_outputs
+
+        outputs = float64_outputs(build_training_graph(model, loss="mse"), {"x": x, "labels": labels, **params})
+        return float(outputs["loss"]), {name: outputs[f"{name}_grad"] for name in params}
+    p = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True) for name, value in params.items()}
+    xt = torch.tensor(x, dtype=torch.float64)
+    bn = lambda value, i: F.batch_norm(value, None, None, p[f"s{i}"], p[f"t{i}"], training=True, eps=1e-5)  # noqa: E731
+    hidden = torch.relu(bn(F.conv2d(xt, p["w1"], p["b1"], padding=1), 1))
+    y = torch.relu(bn(F.conv2d(hidden, p["w2"], padding=1), 2) + xt)
+    loss = ((y - torch.tensor(labels, dtype=torch.float64)) ** 2).mean()
+    loss.backward()
+    return float(loss), {name: p[name].grad.numpy() for name in params}
+
+
+def _relative_error(actual, expected) -> float:
+    """max |actual - expected| over the tensors of a dict (or one tensor), relative to the
+    largest |expected| among them: b1's gradient is ~0 (BatchNorm follows the bias), so
+    each tensor's own scale would be rounding noise."""
+    if not isinstance(expected, dict):
+        actual, expected = {"": actual}, {"": expected}
+    scale = max(float(np.abs(np.asarray(v, np.float64)).max()) for v in expected.values())
+    error = max(float(np.abs(np.asarray(actual[k], np.float64) - np.asarray(v, np.float64)).max())
+                for k, v in expected.items())
+    return error / max(scale, 1e-30)
+
+
+def check_training(mode: str) -> None:
+    """2 ranks x batch B against one process x batch 2B (sync) or per-rank BatchNorm with
+    averaged gradients (local, torch DDP's semantics): loss, gradients, and the weights after
+    STEPS SGD-with-momentum steps, within TOLERANCE_OF_SCALE of their scale; every rank
+    bitwise the same weights."""
+    from normgrad.graphs import build_step_graph, build_training_graph
+
+    sync = mode == "sync"
+    comm, ranks = mpi.comm(), mpi.size()
+    model = resnet_model()
+    training = build_training_graph(model, loss="mse", data_parallel=True, sync_batch_norm=sync)
+    plain = build_training_graph(model, loss="mse")
+    rng = np.random.default_rng(7)
+    global_batch = PER_RANK_BATCH * ranks
+    batches = [(rng.normal(size=(global_batch, 4, 5, 5)).astype(np.float32),
+                rng.normal(size=(global_batch, 4, 5, 5)).astype(np.float32)) for _ in range(STEPS)]
+    step_model, initial = build_step_graph(training, "sgd", momentum=MOMENTUM)
+    state = mpi.broadcast(initial)
+    params = {name: state[name] for name in ("w1", "w2", "b1", "s1", "t1", "s2", "t2")}
+
+    def truth(params64, x, labels):
+        if sync:
+            return _truth_gradients(model, params64, x, labels)
+        parts = [slice(r * PER_RANK_BATCH, (r + 1) * PER_RANK_BATCH) for r in range(ranks)]
+        shards = [_truth_gradients(model, params64, x[part], labels[part]) for part in parts]
+        return (float(np.mean([loss for loss, _ in shards])),
+                {name: np.mean([grads[name] for _, grads in shards], axis=0) for name in params64})
+
+    errors = {}
+    # 1. loss and gradients of one training-graph run
+    x, labels = batches[0]
+    got = _run(_session(training), {"x": mpi.shard(x), "labels": mpi.shard(labels), **params})
+    true_loss, true_grads = truth({k: v.astype(np.float64) for k, v in params.items()}, x, labels)
+    errors["loss vs truth"] = _relative_error(got["loss"], true_loss)
+    gradients = {n: got[f"{n}_grad"] for n in params}
+    errors["gradients vs truth"] = _relative_error(gradients, true_grads)
+    if sync:  # the same graph engine on one process and the global batch
+        single = _run(_session(plain, mpi.session_options()), {"x": x, "labels": labels, **params})
+        errors["loss vs 1 process"] = _relative_error(got["loss"], single["loss"])
+        errors["gradients vs 1 process"] = _relative_error(gradients, {n: single[f"{n}_grad"] for n in params})
+        # control: per-rank statistics are measurably different, so the comparison can fail
+        local = build_training_graph(model, loss="mse", data_parallel=True)
+        local_grads = _run(_session(local), {"x": mpi.shard(x), "labels": mpi.shard(labels), **params})
+        control = _relative_error({n: local_grads[f"{n}_grad"] for n in params}, {n: single[f"{n}_grad"] for n in params})
+        assert control > 1e-3, f"per-rank BatchNorm gradients match the global batch's ({control:.2e}): no test"
+
+    # 2. STEPS optimizer steps of the step graph
+    session = _session(step_model)
+    meta = {p.key: json.loads(p.value) for p in step_model.metadata_props}
+    truth_params = {k: v.astype(np.float64) for k, v in params.items()}
+    buffers = {}
+    single_state = dict(state)
+    single_session = _session(build_step_graph(plain, "sgd", momentum=MOMENTUM)[0]) if sync else None
+    for step, (x, labels) in enumerate(batches, start=1):
+        feeds = {"lr": np.array(LR, np.float32), "step": np.array(step, np.float32)}
+        out = _run(session, {**state, "x": mpi.shard(x), "labels": mpi.shard(labels), **feeds})
+        state = {name: out[meta["normgrad.state"][name]] for name in state}
+        if sync:
+            out1 = _run(single_session, {**single_state, "x": x, "labels": labels, **feeds})
+            single_state = {name: out1[meta["normgrad.state"][name]] for name in single_state}
+        _, grads = truth(truth_params, x, labels)
+        for name, grad in grads.items():  # torch.optim.SGD(momentum) in float64
+            buffers[name] = grad if step == 1 else MOMENTUM * buffers[name] + grad
+            truth_params[name] = truth_params[name] - LR * buffers[name]
+    errors["weights vs truth"] = max(_relative_error(state[n], truth_params[n]) for n in params)
+    if sync:
+        errors["weights vs 1 process"] = max(_relative_error(state[n], single_state[n]) for n in params)
+    everyone = comm.allgather(b"".join(_bits(state[n]) for n in sorted(state)))
+    assert all(bits == everyone[0] for bits in everyone), "ranks hold different weights after the steps"
+    worst = {name: max(comm.allgather(error)) for name, error in errors.items()}
+    bad = {name: error for name, error in worst.items() if not error <= TOLERANCE_OF_SCALE}
+    assert not bad, f"{mode}: errors above {TOLERANCE_OF_SCALE} of scale: {bad}"
+    if mpi.rank() == 0:
+        print(f"train {mode} ok on {ranks} ranks: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
 def wait_then_fail(mode: str, victim: int) -> None:
     """Rank ``victim`` fails; every other rank blocks in a collective it can never finish."""
     mpi.barrier()
@@ -74,9 +222,14 @@ def wait_then_fail(mode: str, victim: int) -> None:
 
 
 def main(argv) -> None:
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
     mpi.init()
     if argv[0] == "allreduce":
         check_allreduce()
+    elif argv[0] == "train":
+        check_training(argv[1])
     elif argv[0] in ("raise", "exit", "die"):
         wait_then_fail(argv[0], int(argv[1]))
     else:
