@@ -68,7 +68,7 @@ def validate(input, *other_ranks):
         array = np.asarray(value)
         if not _common.is_float_dtype(array.dtype):
             raise NormgradInputError(
-                f"{OP_TYPE}: '{name}' must be float32, float16, bfloat16 or float64; got {array.dtype}"
+                f"{OP_TYPE}: input '{name}' must be float32, float16, bfloat16 or float64; got {array.dtype}"
             )
         if arrays:
             _common.check_same_shape(OP_TYPE, name, array, "input", arrays[0])

@@ -6,6 +6,7 @@ what it computes on every rank and raises on a mismatch (which aborts the whole 
                                               one process on the global batch / DDP semantics
     python tests/mpi_worker.py raise RANK     RANK raises after MPI is up; the others wait
     python tests/mpi_worker.py exit RANK      RANK calls sys.exit(3); the others wait
+    python tests/mpi_worker.py leave RANK     RANK's program ends normally; the others wait
     python tests/mpi_worker.py die RANK       RANK is killed by SIGKILL; the others wait
 """
 
@@ -215,7 +216,9 @@ def wait_then_fail(mode: str, victim: int) -> None:
         if mode == "raise":
             raise RuntimeError("deliberate failure for the test")
         if mode == "exit":
-            raise SystemExit(3)
+            sys.exit(3)
+        if mode == "leave":
+            return  # a normal end of the program while the other rank still runs
         os.kill(os.getpid(), signal.SIGKILL)
     mpi.comm().allreduce(1)  # the victim never joins
     time.sleep(600)
@@ -230,7 +233,7 @@ def main(argv) -> None:
         check_allreduce()
     elif argv[0] == "train":
         check_training(argv[1])
-    elif argv[0] in ("raise", "exit", "die"):
+    elif argv[0] in ("raise", "exit", "leave", "die"):
         wait_then_fail(argv[0], int(argv[1]))
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")

@@ -1,4 +1,5 @@
-"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline] [--optimizer sgd|adam|adamw ...]``:
+"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline] [--optimizer sgd|adam|adamw ...]
+[--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
 its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
 
@@ -31,6 +32,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
                         help="train only these initializers (repeatable; fnmatch globs)")
+    parallel = parser.add_argument_group("data parallelism over MPI ranks (run the graph under mpirun; see normgrad.mpi)")
+    parallel.add_argument("--data-parallel", action="store_true",
+                          help="average parameter gradients and the loss over the ranks (bucketed AllReduce)")
+    parallel.add_argument("--sync-batch-norm", action="store_true",
+                          help="training-mode BatchNorm statistics and backward sums over the global batch")
+    parallel.add_argument("--bucket-mb", type=float, default=25.0, help="largest gradient all-reduce, MiB (default 25)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss)")
     step.add_argument("--checkpoint", help="where to write the initial state (default: OUTPUT with .ckpt for .onnx)")
@@ -45,6 +52,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.optimizer and not args.loss:
         parser.error("--optimizer needs --loss")
+    if args.inline and (args.data_parallel or args.sync_batch_norm):
+        parser.error("--inline writes AllReduce as its function body (the identity): it cannot be combined with "
+                     "--data-parallel or --sync-batch-norm")
+    if not args.bucket_mb > 0:
+        parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
@@ -54,7 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
-        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen)
+        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
+                                        data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
+                                        bucket_bytes=int(args.bucket_mb * 1024 * 1024))
         if args.optimizer:
             from normgrad import checkpoint
             from normgrad.graphs import build_step_graph
