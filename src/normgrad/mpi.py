@@ -203,9 +203,9 @@ def broadcast(arrays: Mapping[str, np.ndarray], root: int = 0) -> Dict[str, np.n
         raise ValueError(f"normgrad.mpi.broadcast: rank {rank()} has other tensors than rank {root} (e.g. {missing[:3]})")
     result = {}
     for name, dtype, shape in root_layout:
-        buffer = np.ascontiguousarray(arrays[name]) if rank() == root else np.empty(shape, dtype)
-        _comm.Bcast(buffer.view(np.uint8).reshape(-1), root=root)
-        result[name] = buffer if rank() != root else buffer.copy()
+        buffer = np.array(arrays[name], order="C") if rank() == root else np.empty(shape, dtype)
+        _comm.Bcast(buffer.reshape(-1).view(np.uint8), root=root)
+        result[name] = buffer
     return result
 
 
@@ -235,7 +235,7 @@ def allreduce_array(array: np.ndarray) -> np.ndarray:
     array = np.asarray(array)
     if _comm is None or size() == 1:
         return array.copy()
-    parts = _comm.allgather(np.ascontiguousarray(array))
+    parts = _comm.allgather(array)
     total = np.zeros(array.shape, np.float64)
     for part in parts:
         total += part.astype(np.float64)
