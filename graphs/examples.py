@@ -26,6 +26,7 @@ __all__ = [
     "unet_block",
     "unet_block_torchscript",
     "style_transfer_block",
+    "digits_cnn",
 ]
 
 FLOAT = onnx.TensorProto.FLOAT
@@ -191,3 +192,41 @@ def style_transfer_block(channels: int = 4) -> onnx.ModelProto:
         oh.make_node("Add", ["n2", "x"], ["y"]),
     ]
     return model(nodes, {"x": (2, channels, 6, 6)}, ["y"], params, opset=17, name="style_transfer_block")
+
+
+def digits_cnn(classes: int = 10, width: int = 16, seed: int = 0) -> onnx.ModelProto:
+    """A small CNN for 8x8 one-channel images (scikit-learn's digits): two blocks of
+    Conv 3x3 -> BatchNormalization (training mode) -> Relu -> MaxPool 2x2, then Flatten ->
+    Gemm to ``classes`` logits. Input ``x`` [N, 1, 8, 8], output ``logits`` [N, classes];
+    weights drawn as torch's defaults (uniform, bound 1/sqrt(fan_in)); BatchNorm scale 1,
+    bias 0, running mean 0, running var 1, torch's momentum 0.1 (ONNX momentum 0.9)."""
+    rng = np.random.default_rng(seed)
+    uniform = lambda fan_in, *shape: rng.uniform(-1, 1, shape).astype(np.float32) / np.float32(np.sqrt(fan_in))  # noqa: E731
+    params: Dict[str, np.ndarray] = {}
+    nodes = []
+    source, channels = "x", 1
+    for block, out_channels in ((1, width), (2, 2 * width)):
+        fan_in = channels * 9
+        params[f"conv{block}.weight"] = uniform(fan_in, out_channels, channels, 3, 3)
+        params[f"conv{block}.bias"] = uniform(fan_in, out_channels)
+        params[f"bn{block}.weight"] = np.ones(out_channels, np.float32)
+        params[f"bn{block}.bias"] = np.zeros(out_channels, np.float32)
+        params[f"bn{block}.running_mean"] = np.zeros(out_channels, np.float32)
+        params[f"bn{block}.running_var"] = np.ones(out_channels, np.float32)
+        names = [f"bn{block}.{n}" for n in ("weight", "bias", "running_mean", "running_var")]
+        nodes += [
+            oh.make_node("Conv", [source, f"conv{block}.weight", f"conv{block}.bias"], [f"conv{block}"], pads=[1, 1, 1, 1]),
+            oh.make_node("BatchNormalization", [f"conv{block}"] + names, [f"bn{block}", f"bn{block}.mean_update", f"bn{block}.var_update"],
+                         epsilon=1e-5, momentum=0.9, training_mode=1),
+            oh.make_node("Relu", [f"bn{block}"], [f"relu{block}"]),
+            oh.make_node("MaxPool", [f"relu{block}"], [f"pool{block}"], kernel_shape=[2, 2], strides=[2, 2]),
+        ]
+        source, channels = f"pool{block}", out_channels
+    features = channels * 2 * 2
+    params["fc.weight"] = uniform(features, classes, features)
+    params["fc.bias"] = uniform(features, classes)
+    nodes += [
+        oh.make_node("Flatten", [source], ["features"], axis=1),
+        oh.make_node("Gemm", ["features", "fc.weight", "fc.bias"], ["logits"], transB=1),
+    ]
+    return model(nodes, {"x": ("N", 1, 8, 8)}, ["logits"], params, opset=17, name="digits_cnn")

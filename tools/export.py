@@ -1,4 +1,4 @@
-"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline] [--optimizer sgd|adam|adamw ...]
+"""``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--optimizer sgd|adam|adamw ...]
 [--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
 its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
@@ -21,12 +21,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
     from normgrad.graphs.builder import frozen_parameters
-    from normgrad.graphs.losses import LOSSES
+    from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="forward ONNX model")
     parser.add_argument("-o", "--output", required=True, help="where to write the training graph (not the input)")
     parser.add_argument("--loss", choices=sorted(LOSSES), help="append a loss of the first output (adds a 'labels' input)")
+    parser.add_argument("--label-smoothing", type=float, default=None, metavar="EPS",
+                        help="cross_entropy: torch's label_smoothing (0..1)")
+    parser.add_argument("--ignore-index", type=int, default=None, metavar="CLASS",
+                        help="cross_entropy: samples with this label get no loss or gradient (torch's ignore_index, e.g. -100)")
+    parser.add_argument("--beta", type=float, default=None, help="smooth_l1: torch's beta (default 1)")
+    parser.add_argument("--loss-output", metavar="NAME",
+                        help="the model's scalar output NAME is already its loss (instead of --loss)")
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
     parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
@@ -39,7 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           help="training-mode BatchNorm statistics and backward sums over the global batch")
     parallel.add_argument("--bucket-mb", type=float, default=25.0, help="largest gradient all-reduce, MiB (default 25)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
-    step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss)")
+    step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
     step.add_argument("--checkpoint", help="where to write the initial state (default: OUTPUT with .ckpt for .onnx)")
     step.add_argument("--momentum", type=float, default=0.0)
     step.add_argument("--dampening", type=float, default=0.0)
@@ -50,8 +57,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--amsgrad", action="store_true")
     step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
     args = parser.parse_args(argv)
-    if args.optimizer and not args.loss:
-        parser.error("--optimizer needs --loss")
+    if args.optimizer and not (args.loss or args.loss_output):
+        parser.error("--optimizer needs --loss or --loss-output")
+    if args.loss and args.loss_output:
+        parser.error("give --loss or --loss-output, not both")
+    loss_options = {name: value for name, value in (("label_smoothing", args.label_smoothing),
+                                                    ("ignore_index", args.ignore_index), ("beta", args.beta))
+                    if value is not None}
+    if args.label_smoothing is not None and not 0.0 <= args.label_smoothing <= 1.0:
+        parser.error(f"--label-smoothing must be in [0, 1]; got {args.label_smoothing}")
+    if args.beta is not None and not args.beta >= 0:
+        parser.error(f"--beta must be >= 0; got {args.beta}")
+    for name in loss_options:
+        if name not in LOSS_OPTIONS.get(args.loss, ()):
+            parser.error(f"--{name.replace('_', '-')} is an option of "
+                         f"{' '.join(k for k, v in LOSS_OPTIONS.items() if name in v)} (--loss {args.loss})")
     if args.inline and (args.data_parallel or args.sync_batch_norm):
         parser.error("--inline writes AllReduce as its function body (the identity): it cannot be combined with "
                      "--data-parallel or --sync-batch-norm")
@@ -67,6 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
         training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
+                                        loss_options=loss_options, loss_output=args.loss_output,
                                         data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
                                         bucket_bytes=int(args.bucket_mb * 1024 * 1024))
         if args.optimizer:
