@@ -4,6 +4,8 @@ what it computes on every rank and raises on a mismatch (which aborts the whole 
     python tests/mpi_worker.py allreduce      AllReduce kernels against the reference
     python tests/mpi_worker.py train sync|local  data-parallel ResNet block training against
                                               one process on the global batch / DDP semantics
+    python tests/mpi_worker.py trainer DIR    normgrad.mpi.DataParallelTrainer against a
+                                              one-process Trainer on the global batch
     python tests/mpi_worker.py raise RANK     RANK raises after MPI is up; the others wait
     python tests/mpi_worker.py exit RANK      RANK calls sys.exit(3); the others wait
     python tests/mpi_worker.py leave RANK     RANK's program ends normally; the others wait
@@ -218,6 +220,49 @@ def check_training(mode: str) -> None:
         print(f"train {mode} ok on {ranks} ranks: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
 
 
+def check_trainer(folder: str) -> None:
+    """DataParallelTrainer (2 ranks x batch B, sync BatchNorm) against normgrad.train.Trainer
+    (1 process x batch 2B): losses and the whole state (weights, momentum buffers, running
+    statistics) after STEPS steps within TOLERANCE_OF_SCALE; rank 0's differing initial
+    weights win; a checkpoint saved by rank 0 is complete when save() returns on every rank."""
+    import pathlib
+
+    from normgrad import checkpoint
+    from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.train import Trainer
+
+    comm, ranks = mpi.comm(), mpi.size()
+    folder = pathlib.Path(folder)
+    model = resnet_model()
+    parallel, initial = build_step_graph(build_training_graph(model, loss="mse", data_parallel=True,
+                                                              sync_batch_norm=True), "sgd", momentum=MOMENTUM)
+    single, _ = build_step_graph(build_training_graph(model, loss="mse"), "sgd", momentum=MOMENTUM)
+    # every rank but 0 starts from other weights: the trainer must replace them with rank 0's
+    mine = {name: value + np.float32(mpi.rank()) for name, value in initial.items()}
+    trainer = mpi.DataParallelTrainer(parallel, mine, lr=LR)
+    reference = Trainer(single, initial, lr=LR)
+    rng = np.random.default_rng(11)
+    losses = []
+    for _ in range(STEPS):
+        x = rng.normal(size=(PER_RANK_BATCH * ranks, 4, 5, 5)).astype(np.float32)
+        labels = rng.normal(size=x.shape).astype(np.float32)
+        losses.append((trainer.step(mpi.shard(x), mpi.shard(labels)), reference.step(x, labels)))
+    errors = {"losses": max(_relative_error(a, b) for a, b in losses),
+              "state": _relative_error(trainer.state_dict(), reference.state_dict())}
+    running = [name for name in initial if name.startswith(("m", "v")) and len(name) == 2]
+    assert running and all(not np.array_equal(trainer.state_dict()[n], initial[n]) for n in running), running
+    path = folder / "state.ckpt"
+    trainer.save(path)
+    saved = checkpoint.load(path)  # every rank: rank 0 wrote it before save() returned
+    assert all(_bits(saved.tensors[n]) == _bits(v) for n, v in trainer.state_dict().items())
+    trainer.load(path)
+    worst = {name: max(comm.allgather(error)) for name, error in errors.items()}
+    bad = {name: error for name, error in worst.items() if not error <= TOLERANCE_OF_SCALE}
+    assert not bad, f"trainer: errors above {TOLERANCE_OF_SCALE} of scale: {bad}"
+    if mpi.rank() == 0:
+        print(f"trainer ok on {ranks} ranks: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
 def wait_then_fail(mode: str, victim: int) -> None:
     """Rank ``victim`` fails; every other rank blocks in a collective it can never finish."""
     mpi.barrier()
@@ -241,6 +286,8 @@ def main(argv) -> None:
     mpi.init()
     if argv[0] == "allreduce":
         check_allreduce()
+    elif argv[0] == "trainer":
+        check_trainer(argv[1])
     elif argv[0] == "train":
         check_training(argv[1])
     elif argv[0] in ("raise", "exit", "leave", "die"):

@@ -69,6 +69,15 @@ def test_two_ranks_train_as_one_process(mode):
     assert f"train {mode} ok on 2 ranks" in result.stdout, result.stdout + result.stderr
 
 
+def test_data_parallel_trainer_trains_as_one_process(tmp_path):
+    """mpi.DataParallelTrainer on 2 ranks x batch 2 = Trainer on 1 process x batch 4: losses and
+    the whole state (weights, momentum, running statistics) after 3 steps; rank 0's initial
+    weights win over the others'; rank 0's checkpoint is complete when save() returns."""
+    result = run_job("trainer", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "trainer ok on 2 ranks" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("mode, names_it", [
     ("raise", r"normgrad\.mpi: rank 1 of 2 raised RuntimeError: deliberate failure"),
     ("exit", r"normgrad\.mpi: rank 1 of 2 called sys\.exit\(3\)"),

@@ -146,7 +146,9 @@ def run_section(shape: List[int], total_threads: int, rounds: int, out) -> int:
             job = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, errors="replace")
             lines = [line for line in job.stdout.splitlines() if line.startswith("RESULT ")]
             if job.returncode != 0 or not lines:
-                tail = " | ".join((job.stderr or job.stdout).strip().splitlines()[-3:])
+                lines = (job.stderr + job.stdout).strip().splitlines()
+                named = [line for line in lines if line.startswith("normgrad.mpi:") or "Error" in line]
+                tail = " | ".join(named[:2] or lines[-3:])
                 print(f"  {ranks} rank(s): job failed (exit {job.returncode}): {tail}", file=out)
                 return 1
             results[ranks].append(json.loads(lines[-1][len("RESULT "):]))

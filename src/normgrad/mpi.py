@@ -49,6 +49,8 @@ __all__ = [
     "allreduce_array",
     "abort_on_error",
     "barrier",
+    "trainer",
+    "DataParallelTrainer",
 ]
 
 _comm = None  # the communicator of init(), None before
@@ -176,34 +178,35 @@ def configured_size() -> int:
 def session_options(backend: str = "cpp", options=None):
     """``normgrad.session_options(backend)`` for graphs with AllReduce nodes: sequential
     execution, so every rank runs the collectives in the same (graph) order."""
-    import onnxruntime
-
     import normgrad
 
-    options = normgrad.session_options(backend, options)
-    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-    return options
+    return _sequential(normgrad.session_options(backend, options))
 
 
-def broadcast(arrays: Mapping[str, np.ndarray], root: int = 0) -> Dict[str, np.ndarray]:
+def broadcast(arrays: Optional[Mapping[str, np.ndarray]], root: int = 0) -> Dict[str, np.ndarray]:
     """Rank ``root``'s arrays on every rank (names, shapes, dtypes and values), e.g. the
-    initial weights, so that every rank starts from the same state. Without :func:`init`: a
-    copy of ``arrays``.
+    initial weights, so that every rank starts from the same state. A rank other than the
+    root may pass None to receive whatever the root sends. Without :func:`init`: a copy of
+    ``arrays``.
 
     Raises:
         ValueError: a rank's names differ from the root's (the ranks run different models).
     """
     if _comm is None or size() == 1:
-        return {name: np.array(value) for name, value in arrays.items()}
-    layout = [(name, np.asarray(value).dtype, np.asarray(value).shape) for name, value in arrays.items()]
+        return {name: np.array(value) for name, value in (arrays or {}).items()}
+    is_root = rank() == root
+    if is_root and arrays is None:
+        raise ValueError("normgrad.mpi.broadcast: the root rank must pass the arrays")
+    layout = None if arrays is None else [(name, np.asarray(v).dtype, np.asarray(v).shape) for name, v in arrays.items()]
     root_layout = _comm.bcast(layout, root=root)
-    names, root_names = [n for n, _, _ in layout], [n for n, _, _ in root_layout]
-    if names != root_names:
-        missing = sorted(set(root_names) - set(names)) or sorted(set(names) - set(root_names))
-        raise ValueError(f"normgrad.mpi.broadcast: rank {rank()} has other tensors than rank {root} (e.g. {missing[:3]})")
+    mismatch = layout is not None and [n for n, _, _ in layout] != [n for n, _, _ in root_layout]
+    if any(_comm.allgather(mismatch)):
+        names, root_names = {n for n, _, _ in layout or []}, {n for n, _, _ in root_layout}
+        example = sorted(names ^ root_names)[:3] or "a different order"
+        raise ValueError(f"normgrad.mpi.broadcast: the ranks pass other tensors than rank {root} (e.g. {example})")
     result = {}
     for name, dtype, shape in root_layout:
-        buffer = np.array(arrays[name], order="C") if rank() == root else np.empty(shape, dtype)
+        buffer = np.array(arrays[name], order="C") if is_root else np.empty(shape, dtype)
         _comm.Bcast(buffer.reshape(-1).view(np.uint8), root=root)
         result[name] = buffer
     return result
@@ -240,6 +243,141 @@ def allreduce_array(array: np.ndarray) -> np.ndarray:
     for part in parts:
         total += part.astype(np.float64)
     return total.astype(array.dtype)
+
+
+def trainer(step_model, checkpoint, **options):
+    """A :class:`normgrad.train.Trainer` for ``mpirun`` (see :class:`DataParallelTrainer`)."""
+    return __getattr__("DataParallelTrainer")(step_model, checkpoint, **options)
+
+
+def _data_parallel_trainer_class():
+    import onnx
+
+    from normgrad import checkpoint as checkpoints
+    from normgrad.train import Trainer, TrainerError
+
+    class DataParallelTrainer(Trainer):
+        """:class:`normgrad.train.Trainer` under ``mpirun``, for a step graph exported with
+        ``--data-parallel`` (and usually ``--sync-batch-norm``), whose AllReduce nodes average
+        the gradients: every rank applies the same optimizer step to the same weights.
+
+        * :func:`init` is called if it has not been;
+        * the checkpoint is read on rank 0 only and broadcast, so every rank starts from rank
+          0's state (weights, optimizer tensors, running statistics, step count);
+        * :meth:`save` and :meth:`export_inference_model` write on rank 0 only and return on
+          every rank once the file is in place;
+        * normgrad's C++ kernels are required with more than one rank (the function body of
+          AllReduce is the identity: ranks would silently drift apart), and sessions run their
+          nodes sequentially, so the collectives come in graph order on every rank;
+        * after the first step, the ranks compare a digest of their state
+          (:meth:`check_in_sync`) and fail if it differs.
+
+        Each rank passes :meth:`step` its own shard of the global batch (:func:`shard`).
+        Same arguments as :class:`normgrad.train.Trainer`.
+
+        Raises:
+            TrainerError: more than one rank and a step graph without ``--data-parallel``,
+                or ``kernels=None``.
+        """
+
+        def __init__(self, step_model, checkpoint, **options):
+            if not initialized():
+                init()
+            model = step_model if isinstance(step_model, onnx.ModelProto) else onnx.load(str(step_model))
+            metadata = {entry.key: entry.value for entry in model.metadata_props}
+            if size() > 1:
+                if "normgrad.data_parallel" not in metadata:
+                    raise TrainerError(f"{size()} ranks but the step graph does not average gradients over them: "
+                                       "export it with --data-parallel (and --sync-batch-norm for BatchNorm)")
+                if options.get("kernels", "auto") is None:
+                    raise TrainerError("data-parallel training needs normgrad's C++ kernels (kernels='cpp'): "
+                                       "AllReduce's function body is the identity")
+                options["kernels"] = "cpp"
+            options["session_options"] = _sequential(options.get("session_options"))
+            self._checked = False
+            super().__init__(model, _from_rank_0(checkpoint), **options)
+
+        def broadcast_state(self, tensors):
+            return broadcast(tensors)
+
+        @property
+        def is_saving_rank(self) -> bool:
+            return rank() == 0
+
+        def load(self, path) -> None:
+            super().load(_from_rank_0(path))
+
+        def save(self, path) -> None:
+            _then_barrier(super().save, path)
+
+        def export_inference_model(self, path) -> None:
+            _then_barrier(super().export_inference_model, path)
+
+        def step(self, *batch, **named) -> float:
+            loss = super().step(*batch, **named)
+            if not self._checked:
+                self.check_in_sync()
+                self._checked = True
+            return loss
+
+        def check_in_sync(self) -> None:
+            """Raises TrainerError on every rank unless all ranks hold bitwise the same state."""
+            import hashlib
+
+            digest = hashlib.sha256()
+            for name, value in sorted(self.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(np.ascontiguousarray(value).tobytes())
+            digests = _comm.allgather(digest.hexdigest()) if _comm is not None else [digest.hexdigest()]
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            if differ:
+                raise TrainerError(f"ranks {differ} hold other weights than rank 0 after a step: the gradients were "
+                                   "not averaged (a step graph without --data-parallel, or AllReduce run as its "
+                                   "function body instead of normgrad's kernel)")
+
+    def _from_rank_0(source):
+        """A checkpoint given as a path, read on rank 0 and broadcast (other sources as given)."""
+        if isinstance(source, (checkpoints.Checkpoint, Mapping)) or _comm is None or size() == 1:
+            return source
+        loaded, error = None, None
+        if rank() == 0:
+            try:
+                loaded = checkpoints.load(source)
+            except checkpoints.CheckpointError as problem:
+                error = str(problem)
+        error = _comm.bcast(error, root=0)
+        if error is not None:
+            raise TrainerError(f"{error} (read on rank 0)")
+        metadata = _comm.bcast(loaded.metadata if loaded is not None else None, root=0)
+        tensors = broadcast(loaded.tensors if loaded is not None else None)
+        return checkpoints.Checkpoint(tensors=tensors, metadata=metadata)
+
+    def _then_barrier(write, path) -> None:
+        error = None
+        try:
+            write(path)
+        except Exception as problem:  # noqa: BLE001 - reported on every rank below
+            error = f"{type(problem).__name__}: {problem}"
+        errors = _comm.allgather(error) if _comm is not None else [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise TrainerError(f"writing {path} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+    return DataParallelTrainer
+
+
+def _sequential(options):
+    import onnxruntime
+
+    options = options if options is not None else onnxruntime.SessionOptions()
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    return options
+
+
+def __getattr__(name: str):
+    if name == "DataParallelTrainer":  # defined on first use: normgrad.train is not imported before
+        return globals().setdefault(name, _data_parallel_trainer_class())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def barrier() -> None:
