@@ -108,15 +108,6 @@ def test_mpi_module_without_init_is_one_process():
 # ----------------------------------------------------------------------- exported graphs
 
 
-def resnet_block_dynamic_batch() -> onnx.ModelProto:
-    model = examples.resnet_block()
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
-    del model.graph.value_info[:]
-    for output in model.graph.output:
-        output.type.tensor_type.ClearField("shape")
-    return onnx.shape_inference.infer_shapes(model)
-
-
 def _outputs(model, feeds, backend):
     options = normgrad.session_options("cpp") if backend == "cpp" else ort.SessionOptions()
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -127,7 +118,7 @@ def _outputs(model, feeds, backend):
 def test_data_parallel_graph_on_one_process_is_the_plain_graph(backend):
     if backend == "cpp" and not cpp_available():
         pytest.skip("C++ library not built")
-    model = resnet_block_dynamic_batch()
+    model = examples.resnet_block(batch="N")
     plain = build_training_graph(model, loss="mse")
     parallel = build_training_graph(model, loss="mse", data_parallel=True, sync_batch_norm=True)
     ops = [n.op_type for n in parallel.graph.node if n.domain == normgrad.DOMAIN]
@@ -153,7 +144,7 @@ def test_buckets_split_by_size_and_dtype():
 
 
 def test_step_graph_keeps_the_all_reduces():
-    training = build_training_graph(resnet_block_dynamic_batch(), loss="mse", data_parallel=True, sync_batch_norm=True)
+    training = build_training_graph(examples.resnet_block(batch="N"), loss="mse", data_parallel=True, sync_batch_norm=True)
     step, _ = build_step_graph(training, "sgd", momentum=0.9)
     assert sum(n.op_type == "AllReduce" for n in step.graph.node) == 7
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,42 +15,33 @@ import time
 import pytest
 
 from conftest import cpp_available
+from normgrad import mpi
 
 pytest.importorskip("mpi4py")
 WORKER = pathlib.Path(__file__).with_name("mpi_worker.py")
 TIMEOUT = 240  # seconds for any one job; the failure tests must end far sooner (FAILURE_BOUND)
 FAILURE_BOUND = 60
-
-
-def mpirun_command():
-    """``mpirun`` beside this Python (the "mpi" extra's Open MPI), else on PATH; None if absent."""
-    beside = pathlib.Path(sys.executable).parent / "mpirun"
-    found = str(beside) if beside.is_file() else shutil.which("mpirun")
-    if found is None:
-        return None
-    version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
-    open_mpi = "Open MPI" in version or "OpenRTE" in version or "prte" in version.lower()
-    # Open MPI: allow more ranks than cores, and forward the variables the worker reads
-    return [found, "--oversubscribe", "-x", "NORMGRAD_MPI_EXIT_WAIT"] if open_mpi else [found]
-
-
-MPIRUN = mpirun_command()
+RANKS = 2
+MPIRUN = mpi.mpirun_command(RANKS, forward=["NORMGRAD_MPI_EXIT_WAIT"])
 pytestmark = [
     pytest.mark.skipif(MPIRUN is None, reason="mpirun not found"),
     pytest.mark.skipif(not cpp_available(), reason="the AllReduce kernel is in the C++ library"),
 ]
 
 
-def run_job(*args: str, ranks: int = 2, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NORMGRAD_MPI_EXIT_WAIT="3", PYTHONUNBUFFERED="1")
-    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers: Open MPI refuses root otherwise
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = MPIRUN + ["-n", str(ranks), sys.executable, str(WORKER), *args]
+def run_job(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = mpi.mpirun_environment(NORMGRAD_MPI_EXIT_WAIT="3", PYTHONUNBUFFERED="1")
+    command = MPIRUN + [sys.executable, str(WORKER), *args]
+    # its own process group, so that a job that overruns is ended whole (mpirun and its ranks)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           errors="replace", start_new_session=True)
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
-                              errors="replace", start_new_session=True)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"{' '.join(args)}: no result within {timeout} s (hang?)\n{expired.stdout}\n{expired.stderr}")
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        pytest.fail(f"{' '.join(args)}: no result within {timeout} s (hang?)\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
 def test_all_reduce_on_two_ranks():

@@ -12,8 +12,11 @@ each job takes 1 warm-up step, then 5 timed steps (a step's time is the slowest 
 Printed: the median step time over all rounds and the range of the per-round medians; the
 share of the step spent in communication, from onnxruntime's profiler (3 more steps in a
 profiled session on every rank: the AllReduce nodes' time over the model_run time, mean over
-the ranks; it includes waiting for the slower rank, which is part of what synchronization
-costs); and the speed-up over one rank.
+the ranks, which includes waiting for the slower rank, part of what synchronization costs;
+``(least)`` is the smallest rank's share); ``exchange alone``: the same AllReduces (sizes and
+order of the step graph's) in a graph of their own, every rank starting together after a
+barrier, median of 20: the cost of the exchange without waiting for a slower rank; and the
+speed-up over one rank.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,15 +36,6 @@ import numpy as np
 __all__ = ["run_section"]
 
 TIMED_STEPS, PROFILED_STEPS = 5, 3
-
-
-def _mpirun() -> Optional[List[str]]:
-    beside = pathlib.Path(sys.executable).parent / "mpirun"
-    found = str(beside) if beside.is_file() else shutil.which("mpirun")
-    if found is None:
-        return None
-    version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
-    return [found, "--oversubscribe"] if "Open MPI" in version or "prte" in version.lower() else [found]
 
 
 def _worker(shape: List[int], threads: int) -> None:
@@ -115,33 +107,69 @@ def _worker(shape: List[int], threads: int) -> None:
                   and e.get("args", {}).get("op_name") == "AllReduce" and e["ts"] >= start]
     share = sum(all_reduce) / max(1, sum(e["dur"] for e in runs[1:]))
     shares = comm.allgather(share)
+    exchange = _exchange_alone(step_model, threads)
     if mpi.rank() == 0:
         calls = len(all_reduce) // PROFILED_STEPS
         print("RESULT " + json.dumps({"ranks": ranks, "times": step_times, "comm_share": statistics.mean(shares),
+                                      "comm_share_min": min(shares), "exchange": exchange,
                                       "all_reduces_per_step": calls}), flush=True)
+
+
+def _exchange_alone(step_model, threads: int, repeat: int = 20) -> float:
+    """Seconds per step of the step graph's AllReduces alone (same sizes, same order, in one
+    graph, every rank starting together): the exchange without the wait for a slower rank."""
+    import onnx
+    import onnx.helper as oh
+    import onnxruntime
+
+    from normgrad import mpi
+    from normgrad.ops import IR_VERSION, ONNX_OPSET
+
+    inferred = onnx.shape_inference.infer_shapes(step_model, data_prop=True)
+    types = {v.name: v.type for v in list(inferred.graph.value_info) + list(inferred.graph.input)}
+    nodes, inputs, feeds = [], [], {}
+    for k, node in enumerate(n for n in step_model.graph.node if n.op_type == "AllReduce"):
+        dims = [d.dim_value for d in types[node.input[0]].tensor_type.shape.dim]
+        name = f"v{k}"
+        inputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims))
+        nodes.append(oh.make_node("AllReduce", [name], [f"s{k}"], domain="normgrad"))
+        feeds[name] = np.ones(dims, np.float32)
+    outputs = [oh.make_tensor_value_info(n.output[0], onnx.TensorProto.FLOAT, None) for n in nodes]
+    model = oh.make_model(oh.make_graph(nodes, "exchange", inputs, outputs), ir_version=IR_VERSION,
+                          opset_imports=[oh.make_opsetid("", ONNX_OPSET), oh.make_opsetid("normgrad", 1)])
+    options = mpi.session_options()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session.run(None, feeds)
+    times = []
+    for _ in range(repeat):
+        mpi.barrier()
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(max(per_rank) for per_rank in zip(*mpi.comm().allgather(times)))
 
 
 def run_section(shape: List[int], total_threads: int, rounds: int, out) -> int:
     """Launches the jobs, prints the section; returns 0, or 1 when a job failed."""
-    mpirun = _mpirun()
+    from normgrad import mpi
+
     title = (f"\nData parallelism on MPI: ResNet basic block SGD step (--data-parallel --sync-batch-norm), "
              f"global batch x {list(shape)}, {total_threads} threads split between the ranks, {rounds} rounds")
     print(title, file=out)
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        mpirun = None
-    if mpirun is None:
+        mpi4py = None
+    if mpi4py is None or mpi.mpirun_command(1) is None:
         print("  skipped: needs mpi4py and mpirun (pip install \"normgrad[mpi]\")", file=out)
         return 0
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = mpi.mpirun_environment(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     results: Dict[int, List[dict]] = {1: [], 2: []}
     for _ in range(rounds):
         for ranks in results:
             threads = max(1, total_threads // ranks)
-            command = mpirun + ["-n", str(ranks), sys.executable, "-m", "normgrad.tools.bench_mpi", "--worker",
+            command = mpi.mpirun_command(ranks) + [sys.executable, "-m", "normgrad.tools.bench_mpi", "--worker",
                                 "--shape", *map(str, shape), "--threads", str(threads)]
             job = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, errors="replace")
             lines = [line for line in job.stdout.splitlines() if line.startswith("RESULT ")]
@@ -154,14 +182,18 @@ def run_section(shape: List[int], total_threads: int, rounds: int, out) -> int:
             results[ranks].append(json.loads(lines[-1][len("RESULT "):]))
     one = statistics.median(t for r in results[1] for t in r["times"])
     print(f"  {'ranks':>5}{'batch/rank':>12}{'threads/rank':>14}{'step median':>13}{'round medians':>22}"
-          f"{'comm share':>12}{'all-reduces':>13}{'speed-up':>10}", file=out)
+          f"{'comm share':>12}{'(least)':>9}{'exchange alone':>16}{'all-reduces':>13}{'speed-up':>10}", file=out)
     for ranks, rows in results.items():
         median = statistics.median(t for r in rows for t in r["times"])
         per_round = [statistics.median(r["times"]) for r in rows]
         share = statistics.median(r["comm_share"] for r in rows)
+        least = statistics.median(r["comm_share_min"] for r in rows)
+        exchange = statistics.median(r["exchange"] for r in rows)
         span = f"{min(per_round) * 1e3:.1f}-{max(per_round) * 1e3:.1f} ms"
         print(f"  {ranks:>5}{shape[0] // ranks:>12}{max(1, total_threads // ranks):>14}{median * 1e3:>10.1f} ms"
-              f"{span:>22}{share:>11.1%}{rows[0]['all_reduces_per_step']:>13}{one / median:>9.2f}x", file=out)
+              f"{span:>22}{share:>11.1%}{least:>9.1%}{exchange * 1e3:>13.2f} ms"
+              f"{rows[0]['all_reduces_per_step']:>13}{one / median:>9.2f}x",
+              file=out)
     return 0
 
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -51,6 +51,8 @@ __all__ = [
     "barrier",
     "trainer",
     "DataParallelTrainer",
+    "mpirun_command",
+    "mpirun_environment",
 ]
 
 _comm = None  # the communicator of init(), None before
@@ -378,6 +380,39 @@ def __getattr__(name: str):
     if name == "DataParallelTrainer":  # defined on first use: normgrad.train is not imported before
         return globals().setdefault(name, _data_parallel_trainer_class())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def mpirun_command(ranks: int, forward: Sequence[str] = ()) -> Optional[List[str]]:
+    """The command prefix that launches ``ranks`` processes: the ``mpirun`` beside this Python
+    (the "mpi" extra's Open MPI) or else on PATH, with Open MPI's ``--oversubscribe`` (more
+    ranks than cores) and ``-x VAR`` for each environment variable in ``forward``; None when
+    there is no mpirun. Used by ``normgrad bench --mpi`` and the tests."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    beside = pathlib.Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.is_file() else shutil.which("mpirun")
+    if found is None:
+        return None
+    version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
+    command = [found]
+    if "Open MPI" in version or "prte" in version.lower():
+        command.append("--oversubscribe")
+        for name in forward:
+            command += ["-x", name]
+    return command + ["-n", str(ranks)]
+
+
+def mpirun_environment(**variables: str) -> Dict[str, str]:
+    """This process's environment plus ``variables``, and, when running as root (containers),
+    the two variables without which Open MPI refuses to start."""
+    import os
+
+    env = dict(os.environ, **variables)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
 
 
 def barrier() -> None:
