@@ -5,10 +5,13 @@ and Open MPI; a system MPI with its own mpi4py works too). In the script::
 
     from normgrad import mpi
     mpi.init()                                    # MPI up, AllReduce kernels configured,
-                                                  # any uncaught exception aborts the job
-    state = mpi.broadcast(state)                  # rank 0's initial weights everywhere
-    x_local = mpi.shard(x_global)                 # this rank's part of the global batch
-    session = ort.InferenceSession(path, mpi.session_options())
+                                                  # a failing rank ends the job
+    trainer = mpi.DataParallelTrainer("net_step.onnx", "net_step.ckpt", lr=0.1)
+    loss = trainer.step(mpi.shard(x), mpi.shard(labels))   # this rank's part of the global batch
+
+or, with sessions of your own: ``mpi.broadcast(state)`` (rank 0's initial weights
+everywhere) and ``onnxruntime.InferenceSession(path, mpi.session_options())``. The step
+graph comes from ``normgrad export ... --data-parallel --sync-batch-norm``.
 
 mpi4py is imported lazily (by :func:`init` and the functions that need a communicator), so
 ``import normgrad`` never needs MPI. Without :func:`init` every function here behaves as a
