@@ -29,6 +29,7 @@ mpi4py itself loaded, the communicator's and ``MPI_BYTE``'s handles and the hand
 from __future__ import annotations
 
 import ctypes
+import json
 import sys
 import threading
 import time
@@ -300,6 +301,11 @@ def _data_parallel_trainer_class():
                 options["kernels"] = "cpp"
             options["session_options"] = _sequential(options.get("session_options"))
             self._checked = False
+            parallel = json.loads(metadata.get("normgrad.data_parallel", "{}"))
+            # without synchronized BatchNorm each rank's running statistics follow its own
+            # batches (as in torch DDP without SyncBatchNorm); rank 0's are the ones saved
+            self._per_rank = set() if parallel.get("sync_batch_norm") else set(
+                json.loads(metadata.get("normgrad.running_statistics", "[]")))
             super().__init__(model, _from_rank_0(checkpoint), **options)
 
         def broadcast_state(self, tensors):
@@ -326,11 +332,14 @@ def _data_parallel_trainer_class():
             return loss
 
         def check_in_sync(self) -> None:
-            """Raises TrainerError on every rank unless all ranks hold bitwise the same state."""
+            """Raises TrainerError on every rank unless all ranks hold bitwise the same state
+            (running statistics excepted without synchronized BatchNorm)."""
             import hashlib
 
             digest = hashlib.sha256()
             for name, value in sorted(self.state_dict().items()):
+                if name in self._per_rank:
+                    continue
                 digest.update(name.encode())
                 digest.update(np.ascontiguousarray(value).tobytes())
             digests = _comm.allgather(digest.hexdigest()) if _comm is not None else [digest.hexdigest()]
