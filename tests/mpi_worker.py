@@ -121,7 +121,7 @@ def _truth_gradients(model, params: dict, x: np.ndarray, labels: np.ndarray):
     y = torch.relu(bn(F.conv2d(hidden, p["w2"], padding=1), 2) + xt)
     loss = ((y - torch.tensor(labels, dtype=torch.float64)) ** 2).mean()
     loss.backward()
-    return float(loss), {name: p[name].grad.numpy() for name in params}
+    return float(loss.detach()), {name: p[name].grad.numpy() for name in params}
 
 
 def _relative_error(actual, expected) -> float:
