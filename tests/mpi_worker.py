@@ -71,6 +71,13 @@ def check_allreduce() -> None:
     for name, value in root.items():
         assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
         assert _bits(got[name]) == _bits(value), f"broadcast {name}"
+    try:
+        mpi.shard(np.arange(mpi.size() + 1))
+    except ValueError as error:
+        assert f"{mpi.size() + 1} samples along axis 0 cannot be split evenly over {mpi.size()} ranks" in str(error)
+    else:
+        raise AssertionError("shard split an uneven batch")
+    np.testing.assert_array_equal(mpi.shard(np.arange(2 * mpi.size())), [2 * mpi.rank(), 2 * mpi.rank() + 1])
     if mpi.rank() == 0:
         print(f"allreduce ok on {mpi.size()} ranks")
 
@@ -224,7 +231,7 @@ def check_trainer(folder: str) -> None:
 
     from normgrad import checkpoint
     from normgrad.graphs import build_step_graph, build_training_graph
-    from normgrad.train import Trainer
+    from normgrad.train import Trainer, TrainerError
 
     comm, ranks = mpi.comm(), mpi.size()
     folder = pathlib.Path(folder)
@@ -232,6 +239,14 @@ def check_trainer(folder: str) -> None:
     parallel, initial = build_step_graph(build_training_graph(model, loss="mse", data_parallel=True,
                                                               sync_batch_norm=True), "sgd", momentum=MOMENTUM)
     single, _ = build_step_graph(build_training_graph(model, loss="mse"), "sgd", momentum=MOMENTUM)
+    for graph, options, refusal in ((single, {}, "does not average gradients over them"),
+                                    (parallel, {"kernels": None}, "needs normgrad's C++ kernels")):
+        try:
+            mpi.DataParallelTrainer(graph, initial, **options)
+        except TrainerError as error:
+            assert refusal in str(error), error
+        else:
+            raise AssertionError(f"DataParallelTrainer accepted {options or 'a graph without --data-parallel'}")
     # every rank but 0 starts from other weights: the trainer must replace them with rank 0's
     mine = {name: value + np.float32(mpi.rank()) for name, value in initial.items()}
     trainer = mpi.DataParallelTrainer(parallel, mine, lr=LR)
