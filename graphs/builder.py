@@ -17,6 +17,7 @@ from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
+from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
@@ -68,6 +69,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
+    rewrites.split_sequences(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
@@ -286,6 +288,7 @@ def build_training_graph(
     data_parallel: bool = False,
     sync_batch_norm: bool = False,
     bucket_bytes: int = data_parallel_rules.DEFAULT_BUCKET_BYTES,
+    portable: bool = False,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -316,6 +319,11 @@ def build_training_graph(
         sync_batch_norm: synchronized BatchNorm with normgrad's AllReduce (shorthand for
             ``batch_norm_all_reduce=normgrad.graphs.data_parallel.all_reduce``).
         bucket_bytes: the largest all-reduce of ``data_parallel``, in bytes.
+        portable: rewrite the graph so that every execution provider runs it correctly
+            (:func:`normgrad.graphs.portable.make_portable`): trainable weights become pure
+            inputs (no initializer; their initial values are the forward model's
+            initializers, or call ``make_portable`` on the non-portable graph to get them),
+            inputs nothing reads are dropped.
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -459,4 +467,6 @@ def build_training_graph(
         result.opset_import.extend(kept)
     result.ir_version = IR_VERSION
     onnx.checker.check_model(result, full_check=True)
+    if portable:
+        result, _ = make_portable(result)
     return result

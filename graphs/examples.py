@@ -27,6 +27,7 @@ __all__ = [
     "unet_block_torchscript",
     "style_transfer_block",
     "digits_cnn",
+    "mlp_with_loss",
 ]
 
 FLOAT = onnx.TensorProto.FLOAT
@@ -125,6 +126,19 @@ def mlp(classes: int = 3) -> onnx.ModelProto:
         oh.make_node("Add", ["z", "b2"], ["y"]),
     ]
     return model(nodes, {"x": ("N", 5)}, ["y"], params)
+
+
+def mlp_with_loss(loss_name: str = "total") -> onnx.ModelProto:
+    """:func:`mlp` (batch 4) computing its own loss: outputs ``y`` and the scalar
+    ``loss_name`` = mean((y - target)^2) against a ``target`` input [4, 3]."""
+    forward = mlp()
+    nodes = list(forward.graph.node) + [
+        oh.make_node("Sub", ["y", "target"], ["d"]),
+        oh.make_node("Mul", ["d", "d"], ["d2"]),
+        oh.make_node("ReduceMean", ["d2"], [loss_name], keepdims=0),
+    ]
+    params = {t.name: onh.to_array(t) for t in forward.graph.initializer}
+    return model(nodes, {"x": (4, 5), "target": (4, 3)}, ["y", loss_name], params)
 
 
 def _affine(seed: int, channels: int, name: str) -> Dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import subgraph_captures
 from normgrad.ops._common import IR_VERSION
 
@@ -345,14 +346,19 @@ def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
     return kind, options
 
 
-def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+def build_step_graph(
+    training: onnx.ModelProto, kind: str, portable: bool = False, **options
+) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
     with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
     ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
     inputs (no initializer); so do the running statistics of every training-mode
     BatchNormalization (initializers read as inputs 3 and 4), whose ``NAME.next`` outputs are
     torch's train-mode update (:func:`running_statistics`). The returned dict holds every
-    state input's initial value, for :func:`normgrad.checkpoint.save`.
+    state input's initial value, for :func:`normgrad.checkpoint.save`. ``portable``: rewrite
+    the step graph so that every execution provider runs it correctly
+    (:func:`normgrad.graphs.portable.make_portable`); ``training`` is the ordinary
+    (non-portable) training graph.
 
     Raises:
         ValueError: a training graph without a loss, a non-float32 trainable weight, or a
@@ -412,4 +418,6 @@ def build_step_graph(training: onnx.ModelProto, kind: str, **options) -> Tuple[o
         for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
             initial[name] = np.zeros(initial[n].shape, np.float32)
     initial.update({s: numpy_helper.to_array(initializers[s]).copy() for s in statistics})
+    if portable:
+        model, _ = make_portable(model)
     return model, initial

@@ -2,7 +2,6 @@
 
 import numpy as np
 import onnx.helper as oh
-import onnx.numpy_helper as onh
 import onnxruntime as ort
 import pytest
 
@@ -164,24 +163,12 @@ def test_bad_loss_options():
         build_training_graph(examples.mlp(), loss="smooth_l1", loss_options={"beta": -1.0})
 
 
-def _self_loss_model(loss_name="total"):
-    """The MLP plus its own mean squared error against a 'target' input, as output ``loss_name``."""
-    forward = examples.mlp()
-    nodes = list(forward.graph.node) + [
-        oh.make_node("Sub", ["y", "target"], ["d"]),
-        oh.make_node("Mul", ["d", "d"], ["d2"]),
-        oh.make_node("ReduceMean", ["d2"], [loss_name], keepdims=0),
-    ]
-    weights = {t.name: onh.to_array(t) for t in forward.graph.initializer}
-    return examples.model(nodes, {"x": (4, 5), "target": (4, 3)}, ["y", loss_name], weights)
-
-
 @pytest.mark.parametrize("loss_name", ["total", "loss"])
 def test_loss_output_gradients_equal_the_mse_loss(loss_name):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((4, 5)).astype(np.float32)
     target = rng.standard_normal((4, 3)).astype(np.float32)
-    own = build_training_graph(_self_loss_model(loss_name), loss_output=loss_name)
+    own = build_training_graph(examples.mlp_with_loss(loss_name), loss_output=loss_name)
     assert "labels" not in {i.name for i in own.graph.input}
     session = ort.InferenceSession(own.SerializeToString(), providers=["CPUExecutionProvider"])
     names = ["loss", "w1_grad", "b1_grad", "w2_grad", "b2_grad"]
@@ -194,7 +181,7 @@ def test_loss_output_gradients_equal_the_mse_loss(loss_name):
 
 
 def test_bad_loss_output():
-    model = _self_loss_model()
+    model = examples.mlp_with_loss()
     with pytest.raises(ValueError, match="'nope' is not an output"):
         build_training_graph(model, loss_output="nope")
     with pytest.raises(ValueError, match=r"'y' must be a scalar \(shape \[\]\); its shape is \[4, 3\]"):

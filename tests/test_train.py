@@ -242,8 +242,11 @@ def test_save_load_round_trip_is_bitwise(resnet_step, tmp_path):
     other = Trainer(step_path, start)
     other.load(tmp_path / "a.ckpt")
     assert other.step_count == 3
-    before, after = trainer.state_dict(), other.state_dict()
-    assert all(before[n].tobytes() == after[n].tobytes() for n in before)
+    from_proto = Trainer(step_path, onnx.load(str(tmp_path / "a.ckpt")))  # the checkpoint as a ModelProto
+    assert from_proto.step_count == 3
+    before = trainer.state_dict()
+    for loaded in (other.state_dict(), from_proto.state_dict()):
+        assert all(before[n].tobytes() == loaded[n].tobytes() for n in before)
 
 
 def test_split_graphs_are_bitwise_the_step_graph(resnet_step):
@@ -334,8 +337,12 @@ def test_bad_batches_and_options(resnet_step):
         trainer.step(x, x=x)
     with pytest.raises(TrainerError, match="batch input 'labels' must be float32"):
         trainer.step(x, np.zeros((2, 4, 5, 5), np.int64))
-    with pytest.raises(TrainerError, match="divisible by 3"):
+    with pytest.raises(TrainerError, match=r"'x' needs a first axis divisible by 3; got shape \[2, 4, 5, 5\]"):
         Trainer(step, initial, accumulation=3).step(x, x)
+    with pytest.raises(TrainerError, match=r"'x' has shape \[3, 4, 5, 5\]; the step graph takes \[2, 4, 5, 5\]"):
+        trainer.step(np.zeros((3, 4, 5, 5), np.float32), x)
+    with pytest.raises(TrainerError, match=r"'x' \(each of the 2 micro-batches\) has shape \[1, 4, 5, 5\]"):
+        Trainer(step, initial, accumulation=2).step(x, x)
     with pytest.raises(TrainerError, match="accumulation must be"):
         Trainer(step, initial, accumulation=0)
     with pytest.raises(TrainerError, match="not a step graph"):
@@ -356,12 +363,7 @@ def test_schedules():
 
 def test_loss_output_model_trains_and_serves_its_other_output(tmp_path):
     """A forward that computes its own loss: the step graph seeds it; the inference model serves y."""
-    oh = onnx.helper
-    forward = examples.mlp()
-    nodes = list(forward.graph.node) + [oh.make_node("Sub", ["y", "target"], ["d"]), oh.make_node("Mul", ["d", "d"], ["d2"]),
-                                        oh.make_node("ReduceMean", ["d2"], ["total"], keepdims=0)]
-    weights = {t.name: onnx.numpy_helper.to_array(t) for t in forward.graph.initializer}
-    own = examples.model(nodes, {"x": (4, 5), "target": (4, 3)}, ["y", "total"], weights)
+    own = examples.mlp_with_loss()
     step, initial = build_step_graph(build_training_graph(own, loss_output="total"), "sgd")
     reference, reference_initial = build_step_graph(build_training_graph(examples.mlp(), loss="mse"), "sgd")
     a, b = Trainer(step, initial, lr=0.1), Trainer(reference, reference_initial, lr=0.1)
@@ -389,3 +391,46 @@ def test_digits_demo_reaches_95_percent(tmp_path, capsys):
     assert not [n for n in inference.graph.node if n.domain not in ("", "ai.onnx")]
     images, labels, test_images, test_labels = train_tool.load_digits(0)
     assert abs(train_tool.accuracy(inference, test_images, test_labels) * 100 - accuracy) < 0.05
+
+
+def test_function_bodies_and_kernels_train_alike():
+    """kernels=None runs the function bodies the step graph carries instead of the C++ kernels.
+    (SGD: Adam would amplify the rounding noise of b1's gradient, 0 up to rounding before BatchNorm.)"""
+    step, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "sgd", momentum=0.9)
+    bodies, native = Trainer(step, initial, lr=0.01, kernels=None), Trainer(step, initial, lr=0.01)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        x, t = rng.standard_normal((2, 2, 4, 5, 5)).astype(np.float32)
+        assert bodies.step(x, t) == pytest.approx(native.step(x, t), rel=1e-5)
+    a, b = bodies.state_dict(), native.state_dict()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5 * max(1.0, np.abs(b[name]).max()))
+
+
+def test_inference_model_drops_dropout():
+    """Training-mode Dropout in the forward: the inference model is deterministic and equals
+    the network without it, with the trained weights."""
+    params = {t.name: onnx.numpy_helper.to_array(t) for t in examples.mlp().graph.initializer}
+    oh = onnx.helper
+    nodes = [
+        oh.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+        oh.make_node("Tanh", ["h"], ["a"]),
+        oh.make_node("Constant", [], ["ratio"], value=onnx.numpy_helper.from_array(np.array(0.3, np.float32))),
+        oh.make_node("Constant", [], ["training"], value=onnx.numpy_helper.from_array(np.array(True))),
+        oh.make_node("Dropout", ["a", "ratio", "training"], ["dropped"]),
+        oh.make_node("MatMul", ["dropped", "w2"], ["z"]),
+        oh.make_node("Add", ["z", "b2"], ["y"]),
+    ]
+    forward = examples.model(nodes, {"x": ("N", 5)}, ["y"], params)
+    step, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "sgd", momentum=0.9)
+    trainer = Trainer(step, initial, lr=0.1)
+    rng = np.random.default_rng(9)
+    for _ in range(3):
+        trainer.step(rng.standard_normal((6, 5)).astype(np.float32), rng.integers(0, 3, 6))
+    inference = trainer.inference_model()
+    assert "Dropout" not in {n.op_type for n in inference.graph.node}
+    w = trainer.state_dict()
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    expected = np.tanh(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+    session = ort.InferenceSession(inference.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--optimizer sgd|adam|adamw ...]
+"""``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]
 [--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
 its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
@@ -35,6 +35,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--loss-output", metavar="NAME",
                         help="the model's scalar output NAME is already its loss (instead of --loss)")
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
+    parser.add_argument("--portable", action="store_true",
+                        help="a graph every execution provider runs correctly (OpenVINO included): weights as pure "
+                             "inputs, their initial values in the checkpoint (--checkpoint)")
     parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
@@ -47,7 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parallel.add_argument("--bucket-mb", type=float, default=25.0, help="largest gradient all-reduce, MiB (default 25)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
-    step.add_argument("--checkpoint", help="where to write the initial state (default: OUTPUT with .ckpt for .onnx)")
+    step.add_argument("--checkpoint", help="where to write the initial state (--optimizer) or weights (--portable); "
+                                           "default: OUTPUT with .ckpt for .onnx")
     step.add_argument("--momentum", type=float, default=0.0)
     step.add_argument("--dampening", type=float, default=0.0)
     step.add_argument("--nesterov", action="store_true")
@@ -90,18 +94,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         loss_options=loss_options, loss_output=args.loss_output,
                                         data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
                                         bucket_bytes=int(args.bucket_mb * 1024 * 1024))
+        initial = None
+        if args.optimizer or args.portable:
+            refuse_same_file(args.model, checkpoint_path, "checkpoint")
         if args.optimizer:
-            from normgrad import checkpoint
             from normgrad.graphs import build_step_graph
 
-            refuse_same_file(args.model, checkpoint_path, "checkpoint")
             options = dict(weight_decay=args.weight_decay if args.weight_decay is not None else
                            (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm)
             if args.optimizer == "sgd":
                 options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
             else:
                 options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
-            training, initial = build_step_graph(training, args.optimizer, **options)
+            training, initial = build_step_graph(training, args.optimizer, portable=args.portable, **options)
+        elif args.portable:
+            from normgrad.graphs.portable import make_portable
+
+            training, initial = make_portable(training)
+        if initial is not None:
+            from normgrad import checkpoint
+
             checkpoint.save(checkpoint_path, initial)
         save_model_atomic(training, args.output)
     except OSError as error:
@@ -115,7 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in {checkpoint_path}")
         return 0
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
-    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs")
+    weights = f"; initial weights in {checkpoint_path}" if args.portable else ""
+    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs{weights}")
     return 0
 
 

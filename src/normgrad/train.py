@@ -101,8 +101,9 @@ class Trainer:
         step_model: the step graph (path or ``ModelProto``) written by ``normgrad export
             --optimizer`` or :func:`normgrad.graphs.build_step_graph`.
         checkpoint: its state: a checkpoint path (``.ckpt`` beside the step graph, or one
-            :meth:`save` wrote), a :class:`normgrad.checkpoint.Checkpoint`, or ``{name: array}``
-            (the initial state ``build_step_graph`` returns).
+            :meth:`save` wrote), the checkpoint's ``ModelProto``, a
+            :class:`normgrad.checkpoint.Checkpoint`, or ``{name: array}`` (the initial state
+            ``build_step_graph`` returns).
         lr: a float, or a schedule ``f(step) -> lr`` of the 1-based optimizer step.
         accumulation: micro-batches per optimizer step: :meth:`step` splits its batch along
             axis 0 into this many equal parts and averages their gradients.
@@ -121,7 +122,7 @@ class Trainer:
     def __init__(
         self,
         step_model: Union[PathLike, onnx.ModelProto],
-        checkpoint: Union[PathLike, checkpoints.Checkpoint, Mapping[str, np.ndarray]],
+        checkpoint: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint, Mapping[str, np.ndarray]],
         *,
         lr: Union[float, Schedule] = 1e-3,
         accumulation: int = 1,
@@ -222,7 +223,7 @@ class Trainer:
             ckpt = checkpoints.Checkpoint(tensors={k: np.asarray(v) for k, v in source.items()}, metadata={})
         else:
             try:
-                ckpt = checkpoints.load(source)
+                ckpt = checkpoints.from_proto(source) if isinstance(source, onnx.ModelProto) else checkpoints.load(source)
             except checkpoints.CheckpointError as error:
                 raise TrainerError(str(error)) from None
         try:
@@ -255,7 +256,7 @@ class Trainer:
         if self.is_saving_rank:
             checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step)})
 
-    def load(self, path: Union[PathLike, checkpoints.Checkpoint]) -> None:
+    def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
         """Replaces the state and step count with a checkpoint's.
 
         Raises:
@@ -307,6 +308,15 @@ class Trainer:
             if value.dtype != dtype and value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
                 raise TrainerError(f"batch input {name!r} must be {dtype} (or the same kind); got {value.dtype}")
             feeds[name] = np.ascontiguousarray(value, dtype)
+            if self.accumulation > 1 and (value.ndim == 0 or value.shape[0] % self.accumulation):
+                raise TrainerError(f"with accumulation {self.accumulation}, batch input {name!r} needs a first axis "
+                                   f"divisible by {self.accumulation}; got shape {list(value.shape)}")
+            fed = (value.shape[0] // self.accumulation,) + value.shape[1:] if self.accumulation > 1 else value.shape
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[name].type.tensor_type.shape.dim]
+            if len(dims) != len(fed) or any(d is not None and d != f for d, f in zip(dims, fed)):
+                micro = f" (each of the {self.accumulation} micro-batches)" if self.accumulation > 1 else ""
+                wanted = [d if d is not None else "any" for d in dims]
+                raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
         return feeds
 
     def step(self, *batch, **named) -> float:
@@ -328,10 +338,6 @@ class Trainer:
 
     def _accumulate(self, feeds: Dict[str, np.ndarray]) -> float:
         k = self.accumulation
-        sizes = {name: value.shape[0] if value.ndim else None for name, value in feeds.items()}
-        if any(size is None or size % k for size in sizes.values()):
-            raise TrainerError(f"with accumulation {k}, every batch input needs a first axis divisible by {k}; "
-                               f"got {', '.join(f'{n}: {s}' for n, s in sizes.items())}")
         scale = np.array(1.0 / k, np.float32)
         losses = []
         for i in range(k):
