@@ -158,3 +158,18 @@ def test_inline_cannot_be_data_parallel(tmp_path):
                              "--inline", "--data-parallel"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "--inline writes AllReduce as its function body" in result.stderr.strip().splitlines()[-1]
+
+
+def test_cli_writes_a_data_parallel_step_graph(tmp_path):
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.resnet_block(batch="N"), path)
+    out = tmp_path / "step.onnx"
+    result = subprocess.run([sys.executable, "-m", "normgrad.tools.cli", "export", str(path), "-o", str(out), "--loss", "mse",
+                             "--optimizer", "sgd", "--data-parallel", "--sync-batch-norm", "--bucket-mb", "0.0001"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    step = onnx.load(out)
+    meta = json.loads({p.key: p.value for p in step.metadata_props}[data_parallel.METADATA])
+    # 0.0001 MiB = 104 bytes: w1 and w2 (576 bytes each) get buckets of their own, the rest share
+    assert [b["members"] for b in meta["buckets"]] == [["w1"], ["w2"], ["b1", "s1", "t1", "s2", "t2", "loss"]]
+    assert sum(n.op_type == "AllReduce" for n in step.graph.node) == 3 + 3 * 2
