@@ -149,7 +149,7 @@ def test_step_graph_keeps_the_all_reduces():
     assert sum(n.op_type == "AllReduce" for n in step.graph.node) == 7
 
 
-def test_inline_cannot_be_data_parallel(tmp_path):
+def test_usage_errors_of_the_data_parallel_options(tmp_path):
     with pytest.raises(ValueError, match="inline=True writes AllReduce as its function body"):
         build_training_graph(examples.resnet_block(), loss="mse", inline=True, sync_batch_norm=True)
     path = tmp_path / "block.onnx"
@@ -158,6 +158,11 @@ def test_inline_cannot_be_data_parallel(tmp_path):
                              "--inline", "--data-parallel"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "--inline writes AllReduce as its function body" in result.stderr.strip().splitlines()[-1]
+    for extra, message in ((["--bucket-mb", "1"], "--bucket-mb needs --data-parallel"),
+                           (["--data-parallel", "--bucket-mb", "0"], "--bucket-mb must be a positive number; got 0.0")):
+        result = subprocess.run([sys.executable, "-m", "normgrad.tools.cli", "export", str(path), "-o",
+                                 str(tmp_path / "out.onnx"), *extra], capture_output=True, text=True)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_cli_writes_a_data_parallel_step_graph(tmp_path):

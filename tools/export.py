@@ -21,6 +21,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
     from normgrad.graphs.builder import frozen_parameters
+    from normgrad.graphs.data_parallel import DEFAULT_BUCKET_BYTES
     from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
@@ -47,7 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           help="average parameter gradients and the loss over the ranks (bucketed AllReduce)")
     parallel.add_argument("--sync-batch-norm", action="store_true",
                           help="training-mode BatchNorm statistics and backward sums over the global batch")
-    parallel.add_argument("--bucket-mb", type=float, default=25.0, help="largest gradient all-reduce, MiB (default 25)")
+    parallel.add_argument("--bucket-mb", type=float, default=None,
+                          help="with --data-parallel: largest gradient all-reduce, MiB (default 25)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
     step.add_argument("--checkpoint", help="where to write the initial state (--optimizer) or weights (--portable); "
@@ -79,8 +81,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.inline and (args.data_parallel or args.sync_batch_norm):
         parser.error("--inline writes AllReduce as its function body (the identity): it cannot be combined with "
                      "--data-parallel or --sync-batch-norm")
-    if not args.bucket_mb > 0:
+    if args.bucket_mb is not None and not args.data_parallel:
+        parser.error("--bucket-mb needs --data-parallel")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
         parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
+    bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
@@ -93,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
                                         loss_options=loss_options, loss_output=args.loss_output,
                                         data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                        bucket_bytes=int(args.bucket_mb * 1024 * 1024))
+                                        bucket_bytes=bucket_bytes)
         initial = None
         if args.optimizer or args.portable:
             refuse_same_file(args.model, checkpoint_path, "checkpoint")
