@@ -413,22 +413,17 @@ def build_training_graph(
 
     ctx.scope("grad/outputs")
     values = {name: ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name) for name, _ in wanted}
-    parallel_metadata = {}
+    buckets = []
     if data_parallel:
         trainable = {info.name for info in trainable_inputs}
         members = [data_parallel_rules.static_member(ctx, name, values[name]) for name, _ in wanted if name in trainable]
         if loss is not None:
             members.append(data_parallel_rules.static_member(ctx, loss_name, appended.loss, float_outputs[0].name, []))
-        averaged = data_parallel_rules.average_over_ranks(ctx, members, bucket_bytes)
+        averaged, buckets = data_parallel_rules.average_over_ranks(ctx, members, bucket_bytes)
         values.update((name, averaged[name]) for name in trainable)
         if loss is not None:
             ctx.op("Identity", averaged[loss_name], outputs=[loss_name])
-        buckets = data_parallel_rules.describe(data_parallel_rules.plan_buckets(members, bucket_bytes))
-        parallel_metadata[data_parallel_rules.METADATA] = json.dumps(
-            {"buckets": buckets, "sync_batch_norm": batch_norm_all_reduce is not None}
-        )
-    elif batch_norm_all_reduce is not None:
-        parallel_metadata[data_parallel_rules.METADATA] = json.dumps({"buckets": [], "sync_batch_norm": True})
+    parallel_metadata = data_parallel_rules.metadata(data_parallel, batch_norm_all_reduce is not None, buckets)
     gradients: Dict[str, str] = {}
     for (name, type_proto), grad_name in zip(wanted, grad_names):
         ctx.op("Identity", values[name], outputs=[grad_name])

@@ -16,7 +16,8 @@ synchronized BatchNorm.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+import json
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -25,11 +26,13 @@ import onnx.numpy_helper as onh
 from normgrad.graphs.context import GradientContext
 from normgrad.ops import DOMAIN
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "METADATA", "Member", "all_reduce", "average_over_ranks", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "METADATA", "Member", "all_reduce", "average_over_ranks", "metadata",
+           "plan_buckets", "static_member"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 METADATA = "normgrad.data_parallel"
-"""Model metadata key: JSON {"buckets": [[value, ...], ...], "sync_batch_norm": bool}."""
+"""Model metadata key: JSON {"data_parallel": bool, "sync_batch_norm": bool, "buckets":
+[{"elem_type", "elements", "members"}, ...]}."""
 
 
 def all_reduce(ctx: GradientContext, value: str) -> str:
@@ -72,14 +75,12 @@ def plan_buckets(members: Sequence[Member], bucket_bytes: int = DEFAULT_BUCKET_B
 
 def average_over_ranks(
     ctx: GradientContext, members: Sequence[Member], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Dict[str, str]:
-    """Emits the bucketed all-reduces; returns {member key: the name of its mean over the ranks}.
-
-    Raises:
-        ValueError: a member without a static shape.
-    """
+) -> Tuple[Dict[str, str], List[List[Member]]]:
+    """Emits the bucketed all-reduces; returns {member key: the name of its mean over the
+    ranks} and the buckets."""
     averaged: Dict[str, str] = {}
-    for bucket in plan_buckets(members, bucket_bytes):
+    buckets = plan_buckets(members, bucket_bytes)
+    for bucket in buckets:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(bucket[0].elem_type)
         flat = [ctx.op("Reshape", m.value, ctx.ints([-1])) for m in bucket]
         one = ctx.op("Constant", value=onh.from_array(np.ones(1, dtype)))
@@ -89,12 +90,15 @@ def average_over_ranks(
         pieces = ctx.op("Split", mean, ctx.ints([m.size for m in bucket] + [1]), axis=0, outputs=len(bucket) + 1)
         for member, piece in zip(bucket, pieces):
             averaged[member.key] = ctx.op("Reshape", piece, ctx.ints(member.shape))
-    return averaged
+    return averaged, buckets
 
 
-def describe(buckets: Sequence[Sequence[Member]]) -> List[dict]:
-    """The buckets for the model metadata: element type, element count and members of each."""
-    return [
+def metadata(data_parallel: bool, sync_batch_norm: bool, buckets: Sequence[Sequence[Member]] = ()) -> Dict[str, str]:
+    """The model metadata entry (none when neither option is on): both flags, and for each
+    bucket its element type, element count and members."""
+    if not (data_parallel or sync_batch_norm):
+        return {}
+    described = [
         {
             "elem_type": onnx.TensorProto.DataType.Name(bucket[0].elem_type).lower(),
             "elements": sum(m.size for m in bucket),
@@ -102,6 +106,8 @@ def describe(buckets: Sequence[Sequence[Member]]) -> List[dict]:
         }
         for bucket in buckets
     ]
+    entry = {"data_parallel": data_parallel, "sync_batch_norm": sync_batch_norm, "buckets": described}
+    return {METADATA: json.dumps(entry)}
 
 
 def static_member(ctx: GradientContext, key: str, value: str, like: Optional[str] = None, shape=None) -> Member:

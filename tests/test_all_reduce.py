@@ -125,7 +125,7 @@ def test_data_parallel_graph_on_one_process_is_the_plain_graph(backend):
     # one bucket for every gradient and the loss, 3 per BatchNorm (sum+count, squares, backward sums)
     assert ops.count("AllReduce") == 1 + 3 * 2
     meta = json.loads({p.key: p.value for p in parallel.metadata_props}[data_parallel.METADATA])
-    assert meta["sync_batch_norm"] and len(meta["buckets"]) == 1
+    assert meta["data_parallel"] and meta["sync_batch_norm"] and len(meta["buckets"]) == 1
     assert meta["buckets"][0]["members"] == ["w1", "w2", "b1", "s1", "t1", "s2", "t2", "loss"]
     rng = np.random.default_rng(0)
     feeds = {"x": rng.normal(size=(4, 4, 5, 5)).astype(np.float32), "labels": rng.normal(size=(4, 4, 5, 5)).astype(np.float32)}
@@ -133,6 +133,15 @@ def test_data_parallel_graph_on_one_process_is_the_plain_graph(backend):
     assert list(got) == list(expected)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_sync_batch_norm_alone_averages_no_gradient():
+    training = build_training_graph(examples.resnet_block(batch="N"), loss="mse", sync_batch_norm=True)
+    meta = json.loads({p.key: p.value for p in training.metadata_props}[data_parallel.METADATA])
+    assert meta == {"data_parallel": False, "sync_batch_norm": True, "buckets": []}
+    assert sum(n.op_type == "AllReduce" for n in training.graph.node) == 3 * 2
+    plain = build_training_graph(examples.resnet_block(batch="N"), loss="mse")
+    assert data_parallel.METADATA not in {p.key for p in plain.metadata_props}
 
 
 def test_buckets_split_by_size_and_dtype():

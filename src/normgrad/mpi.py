@@ -291,8 +291,9 @@ def _data_parallel_trainer_class():
                 init()
             model = step_model if isinstance(step_model, onnx.ModelProto) else onnx.load(str(step_model))
             metadata = {entry.key: entry.value for entry in model.metadata_props}
+            parallel = json.loads(metadata.get("normgrad.data_parallel", "{}"))
             if size() > 1:
-                if "normgrad.data_parallel" not in metadata:
+                if not parallel.get("data_parallel"):
                     raise TrainerError(f"{size()} ranks but the step graph does not average gradients over them: "
                                        "export it with --data-parallel (and --sync-batch-norm for BatchNorm)")
                 if options.get("kernels", "auto") is None:
@@ -301,7 +302,6 @@ def _data_parallel_trainer_class():
                 options["kernels"] = "cpp"
             options["session_options"] = _sequential(options.get("session_options"))
             self._checked = False
-            parallel = json.loads(metadata.get("normgrad.data_parallel", "{}"))
             # without synchronized BatchNorm each rank's running statistics follow its own
             # batches (as in torch DDP without SyncBatchNorm); rank 0's are the ones saved
             self._per_rank = set() if parallel.get("sync_batch_norm") else set(
