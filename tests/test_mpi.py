@@ -83,3 +83,12 @@ def test_a_failing_rank_ends_the_job(mode, names_it):
     assert result.returncode != 0, output
     assert re.search(names_it, output), output
     assert elapsed < FAILURE_BOUND
+
+
+def test_bench_mpi_prints_both_rank_counts():
+    """``normgrad bench --mpi --quick`` (one round): a row for 1 and for 2 ranks; no timing asserted."""
+    result = subprocess.run([sys.executable, "-m", "normgrad.tools.cli", "bench", "--mpi", "--quick", "--repeat", "1"],
+                            capture_output=True, text=True, timeout=TIMEOUT, env=mpi.mpirun_environment())
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s+[12]\s+\d+\s+\d+\s+[\d.]+ ms", line)]
+    assert [row[:3] for row in rows] == [["1", "4", "2"], ["2", "2", "1"]], result.stdout
