@@ -219,7 +219,11 @@ def check_training(mode: str) -> None:
     bad = {name: error for name, error in worst.items() if not error <= TOLERANCE_OF_SCALE}
     assert not bad, f"{mode}: errors above {TOLERANCE_OF_SCALE} of scale: {bad}"
     if mpi.rank() == 0:
+        import hashlib
+
+        digest = hashlib.sha256(everyone[0]).hexdigest()[:16]
         print(f"train {mode} ok on {ranks} ranks: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+        print(f"state digest {digest}")
 
 
 def check_trainer(folder: str) -> None:

@@ -53,11 +53,16 @@ def test_all_reduce_on_two_ranks():
 @pytest.mark.parametrize("mode", ["sync", "local"])
 def test_two_ranks_train_as_one_process(mode):
     """sync: 2 ranks x batch 2 with SyncBatchNorm = 1 process x batch 4 (loss, gradients and
-    weights after 3 SGD steps within 1e-5 of their scale, also against float64 torch);
+    weights after 3 SGD steps within 1e-5 of their scale, also against float64 torch), and
+    bitwise the same weights in a second job;
     local: per-rank BatchNorm with averaged gradients = torch DDP's semantics."""
     result = run_job("train", mode)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"train {mode} ok on 2 ranks" in result.stdout, result.stdout + result.stderr
+    if mode == "sync":  # run to run: a second job ends with bitwise the same weights
+        again = run_job("train", mode)
+        digests = [re.search(r"state digest (\w+)", r.stdout) for r in (result, again)]
+        assert all(digests) and digests[0].group(1) == digests[1].group(1), again.stdout + again.stderr
 
 
 def test_data_parallel_trainer_trains_as_one_process(tmp_path):
