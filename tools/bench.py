@@ -571,6 +571,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from normgrad.tools import bench_mpi
 
         resnet_shape = list(args.resnet_shape or ((4, 8, 16, 16) if args.quick else (16, 64, 56, 56)))
+        if args.repeat is not None and args.repeat < 1:
+            parser.error(f"--repeat must be >= 1; got {args.repeat}")
         if resnet_shape[0] % 2 or min(resnet_shape) < 1:
             parser.error(f"--mpi splits the batch over 2 ranks: --resnet-shape needs an even N >= 2; got {resnet_shape}")
         return bench_mpi.run_section(resnet_shape, args.threads, args.repeat or 3, sys.stdout)
