@@ -34,6 +34,8 @@ struct KernelBase {
 extern const OpDescriptor kBatchNormReduceBackward;
 extern const OpDescriptor kBatchNormElemtBackward;
 extern const OpDescriptor kGroupNormalizationGrad;
+extern const OpDescriptor kLayerNormalizationGrad;
+extern const OpDescriptor kRMSNormalizationGrad;
 extern const OpDescriptor kAllReduce;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
