@@ -19,6 +19,8 @@ from normgrad.graphs.patterns import _declarative
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+import _torch_models  # noqa: E402  (DecomposedLayerNorm, shared with the model-family tests)
+
 
 def _distinct_parameters(module, seed=0):
     """Distinct random values for every parameter, so that no exporter can merge two of them."""
@@ -117,19 +119,6 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
     _assert_gradients_match(results, initializers, module, {"x": xt.grad.numpy()})
 
 
-class _DecomposedLayerNorm(nn.Module):
-    """nn.LayerNorm written out (ReduceMean, Sub, Mul, Sqrt, Div, ...), as older code and
-    exporters write it: differentiated as one LayerNormalizationGrad by the chain pattern."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.weight, self.bias, self.eps = norm.weight, norm.bias, norm.eps
-
-    def forward(self, x):
-        centred = x - x.mean(-1, keepdim=True)
-        return centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
-
-
 class _Outputs(nn.Module):
     """A transformers model called with one keyword input, returning the named outputs."""
 
@@ -154,7 +143,7 @@ def _tiny_bert(layer_norm):
         for name, child in list(bert.named_modules()):
             for attribute, sub in list(child.named_children()):
                 if isinstance(sub, nn.LayerNorm):
-                    setattr(child, attribute, _DecomposedLayerNorm(sub))
+                    setattr(child, attribute, _torch_models.DecomposedLayerNorm(sub))
     return _Outputs(bert, "input_ids", ("last_hidden_state", "pooler_output"))
 
 

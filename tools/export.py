@@ -6,6 +6,7 @@ its step graph (gradients + one optimizer step) and a checkpoint of the initial 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from normgrad._files import refuse_same_file, save_model_atomic
@@ -23,6 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from normgrad.graphs.builder import frozen_parameters
     from normgrad.graphs.data_parallel import DEFAULT_BUCKET_BYTES
     from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
+    from normgrad.graphs.torch_exports import TorchExportWarning
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="forward ONNX model")
@@ -95,10 +97,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
-        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
-                                        loss_options=loss_options, loss_output=args.loss_output,
-                                        data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                        bucket_bytes=bucket_bytes)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TorchExportWarning)
+            training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
+                                            loss_options=loss_options, loss_output=args.loss_output,
+                                            data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
+                                            bucket_bytes=bucket_bytes)
+        for warning in caught:
+            if issubclass(warning.category, TorchExportWarning):
+                print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
+            else:
+                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
         initial = None
         if args.optimizer or args.portable:
             refuse_same_file(args.model, checkpoint_path, "checkpoint")
