@@ -14,6 +14,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
+from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
@@ -295,6 +296,9 @@ def build_training_graph(
     loss_options: Optional[Mapping[str, object]] = None,
     loss_output: Optional[str] = None,
     batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
+    data_parallel: bool = False,
+    sync_batch_norm: bool = False,
+    bucket_bytes: int = data_parallel_rules.DEFAULT_BUCKET_BYTES,
     portable: bool = False,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
@@ -322,6 +326,12 @@ def build_training_graph(
         batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
             statistics and backward sums go through this all-reduce (see
             :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
+        data_parallel: average the gradients of the trainable initializers and the loss over
+            the MPI ranks (normgrad AllReduce, bucketed: :mod:`normgrad.graphs.data_parallel`);
+            the gradients of graph inputs stay this rank's.
+        sync_batch_norm: synchronized BatchNorm with normgrad's AllReduce (shorthand for
+            ``batch_norm_all_reduce=normgrad.graphs.data_parallel.all_reduce``).
+        bucket_bytes: the largest all-reduce of ``data_parallel``, in bytes.
         portable: rewrite the graph so that every execution provider runs it correctly
             (:func:`normgrad.graphs.portable.make_portable`): trainable weights become pure
             inputs (no initializer; their initial values are the forward model's
@@ -345,6 +355,11 @@ def build_training_graph(
         TorchExportWarning: trainable initializers that look like constants torch folded, or
             that torch's TorchScript exporter merged several tensors into.
     """
+    if inline and (data_parallel or sync_batch_norm or batch_norm_all_reduce):
+        raise ValueError("inline=True writes AllReduce as its function body, the identity: it cannot be combined "
+                         "with data_parallel or sync_batch_norm")
+    if sync_batch_norm:
+        batch_norm_all_reduce = batch_norm_all_reduce or data_parallel_rules.all_reduce
     check_graph_structure(model.graph)
     torch_exports.check_forward_model(model)
     frozen = set(frozen) | _not_torch_parameters(model)
@@ -405,7 +420,8 @@ def build_training_graph(
             raise ValueError("the model already has a value named 'labels'")
         extra_inputs.append(appended.labels)
         loss_name = ctx.reserve("loss")
-        ctx.op("Identity", appended.loss, outputs=[loss_name])
+        if not data_parallel:  # else the mean over the ranks, below
+            ctx.op("Identity", appended.loss, outputs=[loss_name])
         extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
         seeds = {float_outputs[0].name: appended.grad}
     elif loss_output is not None:
@@ -425,10 +441,21 @@ def build_training_graph(
     grads = _backward(graph, ctx, seeds)
 
     ctx.scope("grad/outputs")
+    values = {name: ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name) for name, _ in wanted}
+    buckets = []
+    if data_parallel:
+        trainable = {info.name for info in trainable_inputs}
+        members = [data_parallel_rules.static_member(ctx, name, values[name]) for name, _ in wanted if name in trainable]
+        if loss is not None:
+            members.append(data_parallel_rules.static_member(ctx, loss_name, appended.loss, float_outputs[0].name, []))
+        averaged, buckets = data_parallel_rules.average_over_ranks(ctx, members, bucket_bytes)
+        values.update((name, averaged[name]) for name in trainable)
+        if loss is not None:
+            ctx.op("Identity", averaged[loss_name], outputs=[loss_name])
+    parallel_metadata = data_parallel_rules.metadata(data_parallel, batch_norm_all_reduce is not None, buckets)
     gradients: Dict[str, str] = {}
     for (name, type_proto), grad_name in zip(wanted, grad_names):
-        value = ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name)
-        ctx.op("Identity", value, outputs=[grad_name])
+        ctx.op("Identity", values[name], outputs=[grad_name])
         gradients[grad_name] = name
         extra_outputs.append(_value_info(grad_name, type_proto))
 
@@ -449,6 +476,7 @@ def build_training_graph(
         METADATA_LOSS: json.dumps(
             {"kind": loss, "output": float_outputs[0].name, **({"options": dict(loss_options)} if loss_options else {})}
             if loss else {"kind": "output", "output": loss_output} if loss_output else None),
+        **parallel_metadata,
     }
     if running_statistics:
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)

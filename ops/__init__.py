@@ -9,6 +9,7 @@ from __future__ import annotations
 import onnx.defs
 
 from normgrad.ops import (
+    all_reduce,
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
     group_normalization_grad,
@@ -27,13 +28,15 @@ OPERATORS = {
         group_normalization_grad,
         layer_normalization_grad,
         rms_normalization_grad,
+        all_reduce,
     )
 }
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
 ``validate``, ``reference``, ``schema`` and ``function_body``; optionally OUTPUT_FLAGS
 ({output: the flag attribute enabling it}) and ONES_IF_OMITTED ({optional input: (input,
 axis) whose shape the ones it equals when omitted have}), which
-``normgrad.prepare_for_python_kernels`` reads."""
+``normgrad.prepare_for_python_kernels`` reads; optionally ``python_kernel`` (what the
+float32 Python kernel runs instead of ``reference``)."""
 
 
 def operator(op_type: str):

@@ -147,10 +147,10 @@ def attribute_int(ctx, name: str, default: int) -> int:
     return attr.i
 
 
-def make_schema(op_type: str, doc: str, inputs, outputs, type_docs, infer, attributes=()):
+def make_schema(op_type: str, doc: str, inputs, outputs, type_docs, infer, attributes=(), types=FLOAT_TYPES):
     """An ``OpSchema`` of the normgrad domain: deterministic, with type constraints T and U
-    over :data:`FLOAT_TYPES` (``type_docs`` says what each covers) and ``infer`` as its
-    type and shape inference."""
+    over ``types`` (default :data:`FLOAT_TYPES`; ``type_docs`` says what each covers) and
+    ``infer`` as its type and shape inference."""
     from onnx.defs import OpSchema
 
     op_schema = OpSchema(
@@ -160,7 +160,7 @@ def make_schema(op_type: str, doc: str, inputs, outputs, type_docs, infer, attri
         doc,
         inputs=list(inputs),
         outputs=list(outputs),
-        type_constraints=[(name, list(FLOAT_TYPES), text) for name, text in type_docs.items()],
+        type_constraints=[(name, list(types), text) for name, text in type_docs.items()],
         attributes=list(attributes),
         node_determinism=OpSchema.NodeDeterminism.Deterministic,
     )

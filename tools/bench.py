@@ -50,6 +50,9 @@ weights). Before timing, one call of each is checked against ``cpp``: the larges
 ``|a - b| / max|b|`` over ``y`` and every gradient must be at most 1e-3 (the exit status is 1
 otherwise); that first call is the one ``mem`` measures. With ``cpp`` a profiled extra session
 (``enable_profiling``) reports the share of the node time spent in normgrad's nodes.
+
+``normgrad bench --mpi`` prints only the data-parallel section instead: the same block's
+training step on 1 and 2 MPI ranks with the same global batch (``normgrad.tools.bench_mpi``).
 """
 
 from __future__ import annotations
@@ -625,7 +628,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="LayerNorm/RMSNorm gradient shapes (default 8192x768 4096x4096; --quick 64x96)")
     parser.add_argument("--resnet-shape", type=int, nargs=4, default=None, metavar=("N", "C", "H", "W"),
                         help="ResNet basic block input (default 16 64 56 56; --quick 2 8 8 8)")
+    parser.add_argument("--mpi", action="store_true",
+                        help="only the data-parallel section: the ResNet block step on 1 and 2 MPI ranks (launches mpirun)")
     args = parser.parse_args(argv)
+    if args.mpi:
+        from normgrad.tools import bench_mpi
+
+        resnet_shape = list(args.resnet_shape or ((4, 8, 16, 16) if args.quick else (16, 64, 56, 56)))
+        if args.repeat is not None and args.repeat < 1:
+            parser.error(f"--repeat must be >= 1; got {args.repeat}")
+        if resnet_shape[0] % 2 or min(resnet_shape) < 1:
+            parser.error(f"--mpi splits the batch over 2 ranks: --resnet-shape needs an even N >= 2; got {resnet_shape}")
+        return bench_mpi.run_section(resnet_shape, args.threads, args.repeat or 3, sys.stdout)
     # torch's OpenMP workers spin after each call by default and would steal the cores
     # from whatever runs next in the interleaved rounds; let them sleep instead.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

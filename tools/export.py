@@ -1,4 +1,5 @@
-"""``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]``:
+"""``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]
+[--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
 its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
 
@@ -21,6 +22,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
     from normgrad.graphs.builder import frozen_parameters
+    from normgrad.graphs.data_parallel import DEFAULT_BUCKET_BYTES
     from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
     from normgrad.graphs.torch_exports import TorchExportWarning
 
@@ -43,6 +45,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
                         help="train only these initializers (repeatable; fnmatch globs)")
+    parallel = parser.add_argument_group("data parallelism over MPI ranks (run the graph under mpirun; see normgrad.mpi)")
+    parallel.add_argument("--data-parallel", action="store_true",
+                          help="average parameter gradients and the loss over the ranks (bucketed AllReduce)")
+    parallel.add_argument("--sync-batch-norm", action="store_true",
+                          help="training-mode BatchNorm statistics and backward sums over the global batch")
+    parallel.add_argument("--bucket-mb", type=float, default=None,
+                          help="with --data-parallel: largest gradient all-reduce, MiB (default 25)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
     step.add_argument("--checkpoint", help="where to write the initial state (--optimizer) or weights (--portable); "
@@ -71,6 +80,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if name not in LOSS_OPTIONS.get(args.loss, ()):
             parser.error(f"--{name.replace('_', '-')} is an option of "
                          f"{' '.join(k for k, v in LOSS_OPTIONS.items() if name in v)} (--loss {args.loss})")
+    if args.inline and (args.data_parallel or args.sync_batch_norm):
+        parser.error("--inline writes AllReduce as its function body (the identity): it cannot be combined with "
+                     "--data-parallel or --sync-batch-norm")
+    if args.bucket_mb is not None and not args.data_parallel:
+        parser.error("--bucket-mb needs --data-parallel")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
+        parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
+    bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
@@ -83,7 +100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TorchExportWarning)
             training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
-                                            loss_options=loss_options, loss_output=args.loss_output)
+                                            loss_options=loss_options, loss_output=args.loss_output,
+                                            data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
+                                            bucket_bytes=bucket_bytes)
         for warning in caught:
             if issubclass(warning.category, TorchExportWarning):
                 print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)

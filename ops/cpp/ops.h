@@ -16,7 +16,8 @@ struct OpDescriptor {
   const char* input_optional;   // one '0' or '1' per input
   const char* output_classes;   // one 'T' or 'U' per output
   const char* output_optional;  // one '0' or '1' per output
-  // Which (T, U) pairs get a typed kernel: 'a' = all nine, 'f' = U in {T, float}.
+  // Which (T, U) pairs get a typed kernel: 'a' = all nine, 'f' = U in {T, float};
+  // 'd' = T alone, over float, float16, bfloat16 and double.
   char type_pairs;
   // The input whose element type the outputs have (for the catch-all variants).
   int anchor;
@@ -35,6 +36,7 @@ extern const OpDescriptor kBatchNormElemtBackward;
 extern const OpDescriptor kGroupNormalizationGrad;
 extern const OpDescriptor kLayerNormalizationGrad;
 extern const OpDescriptor kRMSNormalizationGrad;
+extern const OpDescriptor kAllReduce;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

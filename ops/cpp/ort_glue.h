@@ -77,6 +77,8 @@ struct Input {
 // Reads input `index` (absent when the node omits it or names it ""). Checks the element
 // type is float/float16/bfloat16 and the size fits in memory arithmetic.
 Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char* name);
+// The same without the element-type check (`dtype` is then meaningless; read `onnx_type`).
+Input get_input_any_type(OrtKernelContext* ctx, size_t index, const char* op, const char* name);
 
 // Whether the node names output `index`.
 bool has_output(OrtKernelContext* ctx, size_t index);

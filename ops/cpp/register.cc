@@ -39,7 +39,7 @@ const char* dtype_name(ONNXTensorElementDataType t) {
   }
 }
 
-Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char* name) {
+Input get_input_any_type(OrtKernelContext* ctx, size_t index, const char* op, const char* name) {
   Input in;
   size_t count = 0;
   check(g_api->KernelContext_GetInputCount(ctx, &count));
@@ -61,22 +61,27 @@ Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char*
   }
   g_api->ReleaseTensorTypeAndShapeInfo(info);
   check(st);
-  if (!to_dtype(in.onnx_type, &in.dtype)) {
-    fail(std::string(op) + ": input '" + name + "' must be float32, float16 or bfloat16; got " +
-         dtype_name(in.onnx_type));
-  }
   size_t size = 1;
   for (int64_t d : in.shape) {
     if (d < 0) fail(std::string(op) + ": input '" + name + "' has a negative dimension " + shape_str(in.shape));
     size = checked_mul(size, static_cast<size_t>(d), op, name);
   }
-  checked_mul(size, 4, op, name);
+  checked_mul(size, 8, op, name);
   in.size = size;
   void* data = nullptr;
   check(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &data));
   if (data == nullptr && size != 0) fail(std::string(op) + ": input '" + name + "' has no data");
   in.data = data;
   in.present = true;
+  return in;
+}
+
+Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char* name) {
+  Input in = get_input_any_type(ctx, index, op, name);
+  if (in.present && !to_dtype(in.onnx_type, &in.dtype)) {
+    fail(std::string(op) + ": input '" + name + "' must be float32, float16 or bfloat16; got " +
+         dtype_name(in.onnx_type));
+  }
   return in;
 }
 
@@ -250,7 +255,17 @@ struct OpVariant : OrtCustomOp {
 std::vector<OpVariant*>* build_ops() {
   auto* ops = new std::vector<OpVariant*>();
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
-                                &kLayerNormalizationGrad, &kRMSNormalizationGrad}) {
+                                &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce}) {
+    if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
+      for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                     ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE}) {
+        ops->push_back(new OpVariant(d, t, t));
+      }
+      auto* v = new OpVariant(d, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
+      v->any = true;
+      ops->push_back(v);
+      continue;
+    }
     for (int t = 0; t < kNumDTypes; ++t) {
       for (int u = 0; u < kNumDTypes; ++u) {
         if (d->type_pairs == 'f' && u != t && u != kF32) continue;

@@ -1,0 +1,498 @@
+"""Data-parallel training across processes on MPI: the one place normgrad talks to MPI.
+
+Launch with ``mpirun -n N python train.py`` (``pip install "normgrad[mpi]"`` brings mpi4py
+and Open MPI; a system MPI with its own mpi4py works too). In the script::
+
+    from normgrad import mpi
+    mpi.init()                                    # MPI up, AllReduce kernels configured,
+                                                  # a failing rank ends the job
+    trainer = mpi.DataParallelTrainer("net_step.onnx", "net_step.ckpt", lr=0.1)
+    loss = trainer.step(mpi.shard(x), mpi.shard(labels))   # this rank's part of the global batch
+
+or, with sessions of your own: ``mpi.broadcast(state)`` (rank 0's initial weights
+everywhere) and ``onnxruntime.InferenceSession(path, mpi.session_options())``. The step
+graph comes from ``normgrad export ... --data-parallel --sync-batch-norm``.
+
+mpi4py is imported lazily (by :func:`init` and the functions that need a communicator), so
+``import normgrad`` never needs MPI. Without :func:`init` every function here behaves as a
+single process of rank 0: :func:`size` is 1, :func:`broadcast` and :func:`allreduce_array`
+return their input, and the AllReduce operator is the identity.
+
+How the C++ kernel reaches MPI: the library is built without MPI (no header, no link), so
+one wheel works with or without it and with any MPI. :func:`init` hands it the addresses
+of ``MPI_Alltoallv``, ``MPI_Allgatherv`` and ``MPI_Error_string`` in the MPI library
+mpi4py itself loaded, the communicator's and ``MPI_BYTE``'s handles and the handle width
+(pointers in Open MPI, ints in MPICH), through the library's exported
+``normgrad_mpi_configure``. The kernel and mpi4py then share one MPI, whichever it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import threading
+import time
+import traceback
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "MPIUnavailableError",
+    "available",
+    "init",
+    "initialized",
+    "comm",
+    "rank",
+    "size",
+    "configure_library",
+    "session_options",
+    "broadcast",
+    "shard",
+    "allreduce_array",
+    "abort_on_error",
+    "barrier",
+    "trainer",
+    "DataParallelTrainer",
+    "mpirun_command",
+    "mpirun_environment",
+]
+
+_comm = None  # the communicator of init(), None before
+_exit_comm = None  # a duplicate of it, for the exit barrier of abort_on_error (no clash with _comm's collectives)
+
+
+class MPIUnavailableError(RuntimeError):
+    """mpi4py (or the MPI library under it) cannot be loaded."""
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise MPIUnavailableError(
+            f"normgrad.mpi needs mpi4py and an MPI library ({error}); install them with "
+            "`pip install \"normgrad[mpi]\"` (mpi4py and Open MPI) or use your system's MPI and mpi4py"
+        ) from None
+    return MPI
+
+
+def available() -> bool:
+    """Whether mpi4py and an MPI library can be loaded (importing it initialises MPI)."""
+    try:
+        _mpi()
+    except (MPIUnavailableError, RuntimeError, OSError):
+        return False
+    return True
+
+
+def init(communicator=None, abort: bool = True, library: bool = True):
+    """Starts MPI (through mpi4py) and makes ``communicator`` (default ``COMM_WORLD``) the one
+    normgrad uses: :func:`rank`, :func:`size`, :func:`broadcast`, :func:`shard` and the
+    AllReduce kernels. Calling it again switches the communicator.
+
+    Args:
+        communicator: an ``mpi4py.MPI.Comm``; None for ``COMM_WORLD``.
+        abort: install :func:`abort_on_error` (an uncaught exception on any rank ends the job).
+        library: configure the C++ library's AllReduce kernel (skipped, with no error, when
+            normgrad was installed without its C++ library).
+
+    Returns:
+        The communicator.
+
+    Raises:
+        MPIUnavailableError: mpi4py or MPI cannot be loaded.
+    """
+    global _comm, _exit_comm
+    MPI = _mpi()
+    _comm = MPI.COMM_WORLD if communicator is None else communicator
+    _exit_comm = _comm.Dup()
+    if abort:
+        abort_on_error()
+    if library:
+        try:
+            configure_library(_comm)
+        except FileNotFoundError:
+            pass
+    return _comm
+
+
+def initialized() -> bool:
+    """Whether :func:`init` has run in this process."""
+    return _comm is not None
+
+
+def comm():
+    """The communicator of :func:`init`, or None."""
+    return _comm
+
+
+def rank() -> int:
+    """This process's rank in the communicator (0 without :func:`init`)."""
+    return _comm.Get_rank() if _comm is not None else 0
+
+
+def size() -> int:
+    """The number of ranks (1 without :func:`init`)."""
+    return _comm.Get_size() if _comm is not None else 1
+
+
+def _library():
+    import normgrad
+
+    return ctypes.CDLL(normgrad.library_path())
+
+
+def configure_library(communicator) -> None:
+    """Points the C++ library's AllReduce kernel at ``communicator`` (an ``mpi4py.MPI.Comm``,
+    or None to make it the identity again).
+
+    Raises:
+        FileNotFoundError: normgrad's C++ library is not installed.
+        RuntimeError: the library refused the configuration.
+    """
+    library = _library()
+    configure = library.normgrad_mpi_configure
+    configure.restype = ctypes.c_int
+    configure.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    if communicator is None:
+        status = configure(0, None, None, None, 0, 0, 0, 1)
+    else:
+        MPI = _mpi()
+        handle_size = MPI._sizeof(MPI.Comm)
+        if MPI._sizeof(MPI.Datatype) != handle_size:
+            raise RuntimeError("this MPI's communicator and datatype handles differ in width; normgrad supports "
+                               "pointer handles (Open MPI) and int handles (MPICH)")
+        mpi_library = ctypes.CDLL(MPI.__file__)  # symbol lookup reaches the libmpi it links
+        address = lambda name: ctypes.cast(getattr(mpi_library, name), ctypes.c_void_p).value
+        status = configure(handle_size, address("MPI_Alltoallv"), address("MPI_Allgatherv"), address("MPI_Error_string"),
+                           MPI._handleof(communicator), MPI._handleof(MPI.BYTE), communicator.Get_rank(),
+                           communicator.Get_size())
+    if status != 0:
+        raise RuntimeError("normgrad's C++ library refused the MPI configuration")
+
+
+def configured_size() -> int:
+    """How many ranks the C++ AllReduce kernel sums over (1: the identity)."""
+    library = _library()
+    library.normgrad_mpi_size.restype = ctypes.c_int
+    return library.normgrad_mpi_size()
+
+
+def session_options(backend: str = "cpp", options=None):
+    """``normgrad.session_options(backend)`` for graphs with AllReduce nodes: sequential
+    execution, so every rank runs the collectives in the same (graph) order."""
+    import normgrad
+
+    return _sequential(normgrad.session_options(backend, options))
+
+
+def broadcast(arrays: Optional[Mapping[str, np.ndarray]], root: int = 0) -> Dict[str, np.ndarray]:
+    """Rank ``root``'s arrays on every rank (names, shapes, dtypes and values), e.g. the
+    initial weights, so that every rank starts from the same state. A rank other than the
+    root may pass None to receive whatever the root sends. Without :func:`init`: a copy of
+    ``arrays``.
+
+    Raises:
+        ValueError: a rank's names differ from the root's (the ranks run different models).
+    """
+    if _comm is None or size() == 1:
+        return {name: np.array(value) for name, value in (arrays or {}).items()}
+    is_root = rank() == root
+    if is_root and arrays is None:
+        raise ValueError("normgrad.mpi.broadcast: the root rank must pass the arrays")
+    layout = None if arrays is None else [(name, np.asarray(v).dtype, np.asarray(v).shape) for name, v in arrays.items()]
+    root_layout = _comm.bcast(layout, root=root)
+    mismatch = layout is not None and [n for n, _, _ in layout] != [n for n, _, _ in root_layout]
+    if any(_comm.allgather(mismatch)):
+        names, root_names = {n for n, _, _ in layout or []}, {n for n, _, _ in root_layout}
+        example = sorted(names ^ root_names)[:3] or "a different order"
+        raise ValueError(f"normgrad.mpi.broadcast: the ranks pass other tensors than rank {root} (e.g. {example})")
+    result = {}
+    for name, dtype, shape in root_layout:
+        buffer = np.array(arrays[name], order="C") if is_root else np.empty(shape, dtype)
+        _comm.Bcast(buffer.reshape(-1).view(np.uint8), root=root)
+        result[name] = buffer
+    return result
+
+
+def shard(data: np.ndarray, axis: int = 0) -> np.ndarray:
+    """This rank's contiguous part of ``data`` along ``axis`` (rank r of N gets the r-th of N
+    equal parts), e.g. its share of a global batch. Without :func:`init`: ``data``.
+
+    Raises:
+        ValueError: the axis length is not a multiple of the number of ranks (unequal parts
+            would weight the ranks' samples unequally in the averaged gradient).
+    """
+    data = np.asarray(data)
+    ranks = size()
+    length = data.shape[axis]
+    if length % ranks:
+        raise ValueError(
+            f"normgrad.mpi.shard: {length} samples along axis {axis} cannot be split evenly over {ranks} ranks"
+        )
+    part = length // ranks
+    return np.take(data, np.arange(rank() * part, (rank() + 1) * part), axis=axis)
+
+
+def allreduce_array(array: np.ndarray) -> np.ndarray:
+    """The sum of ``array`` over the ranks, through mpi4py (what the Python kernel of
+    AllReduce runs): rank-order float64 sum rounded once, as the C++ kernel. Without
+    :func:`init` or with one rank: a copy of ``array``."""
+    array = np.asarray(array)
+    if _comm is None or size() == 1:
+        return array.copy()
+    parts = _comm.allgather(array)
+    total = np.zeros(array.shape, np.float64)
+    for part in parts:
+        total += part.astype(np.float64)
+    return total.astype(array.dtype)
+
+
+def trainer(step_model, checkpoint, **options):
+    """A :class:`normgrad.train.Trainer` for ``mpirun`` (see :class:`DataParallelTrainer`)."""
+    return __getattr__("DataParallelTrainer")(step_model, checkpoint, **options)
+
+
+def _data_parallel_trainer_class():
+    import onnx
+
+    from normgrad import checkpoint as checkpoints
+    from normgrad.train import Trainer, TrainerError
+
+    class DataParallelTrainer(Trainer):
+        """:class:`normgrad.train.Trainer` under ``mpirun``, for a step graph exported with
+        ``--data-parallel`` (and usually ``--sync-batch-norm``), whose AllReduce nodes average
+        the gradients: every rank applies the same optimizer step to the same weights.
+
+        * :func:`init` is called if it has not been;
+        * the checkpoint is read on rank 0 only and broadcast, so every rank starts from rank
+          0's state (weights, optimizer tensors, running statistics, step count);
+        * :meth:`save` and :meth:`export_inference_model` write on rank 0 only and return on
+          every rank once the file is in place;
+        * normgrad's C++ kernels are required with more than one rank (the function body of
+          AllReduce is the identity: ranks would silently drift apart), and sessions run their
+          nodes sequentially, so the collectives come in graph order on every rank;
+        * after the first step, the ranks compare a digest of their state
+          (:meth:`check_in_sync`) and fail if it differs.
+
+        Each rank passes :meth:`step` its own shard of the global batch (:func:`shard`).
+        Same arguments as :class:`normgrad.train.Trainer`.
+
+        Raises:
+            TrainerError: more than one rank and a step graph without ``--data-parallel``,
+                or ``kernels=None``.
+        """
+
+        def __init__(self, step_model, checkpoint, **options):
+            if not initialized():
+                init()
+            model = step_model if isinstance(step_model, onnx.ModelProto) else onnx.load(str(step_model))
+            metadata = {entry.key: entry.value for entry in model.metadata_props}
+            parallel = json.loads(metadata.get("normgrad.data_parallel", "{}"))
+            if size() > 1:
+                if not parallel.get("data_parallel"):
+                    raise TrainerError(f"{size()} ranks but the step graph does not average gradients over them: "
+                                       "export it with --data-parallel (and --sync-batch-norm for BatchNorm)")
+                if options.get("kernels", "auto") is None:
+                    raise TrainerError("data-parallel training needs normgrad's C++ kernels (kernels='cpp'): "
+                                       "AllReduce's function body is the identity")
+                options["kernels"] = "cpp"
+            options["session_options"] = _sequential(options.get("session_options"))
+            self._checked = False
+            # without synchronized BatchNorm each rank's running statistics follow its own
+            # batches (as in torch DDP without SyncBatchNorm); rank 0's are the ones saved
+            self._per_rank = set() if parallel.get("sync_batch_norm") else set(
+                json.loads(metadata.get("normgrad.running_statistics", "[]")))
+            super().__init__(model, _from_rank_0(checkpoint), **options)
+
+        def broadcast_state(self, tensors):
+            return broadcast(tensors)
+
+        @property
+        def is_saving_rank(self) -> bool:
+            return rank() == 0
+
+        def load(self, path) -> None:
+            super().load(_from_rank_0(path))
+
+        def save(self, path) -> None:
+            _then_barrier(super().save, path)
+
+        def export_inference_model(self, path) -> None:
+            _then_barrier(super().export_inference_model, path)
+
+        def step(self, *batch, **named) -> float:
+            loss = super().step(*batch, **named)
+            if not self._checked:
+                self.check_in_sync()
+                self._checked = True
+            return loss
+
+        def check_in_sync(self) -> None:
+            """Raises TrainerError on every rank unless all ranks hold bitwise the same state
+            (running statistics excepted without synchronized BatchNorm)."""
+            import hashlib
+
+            digest = hashlib.sha256()
+            for name, value in sorted(self.state_dict().items()):
+                if name in self._per_rank:
+                    continue
+                digest.update(name.encode())
+                digest.update(np.ascontiguousarray(value).tobytes())
+            digests = _comm.allgather(digest.hexdigest()) if _comm is not None else [digest.hexdigest()]
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            if differ:
+                raise TrainerError(f"ranks {differ} hold other weights than rank 0 after a step: the gradients were "
+                                   "not averaged (a step graph without --data-parallel, or AllReduce run as its "
+                                   "function body instead of normgrad's kernel)")
+
+    def _from_rank_0(source):
+        """A checkpoint given as a path, read on rank 0 and broadcast (other sources as given)."""
+        if isinstance(source, (checkpoints.Checkpoint, Mapping)) or _comm is None or size() == 1:
+            return source
+        loaded, error = None, None
+        if rank() == 0:
+            try:
+                loaded = checkpoints.load(source)
+            except checkpoints.CheckpointError as problem:
+                error = str(problem)
+        error = _comm.bcast(error, root=0)
+        if error is not None:
+            raise TrainerError(f"{error} (read on rank 0)")
+        metadata = _comm.bcast(loaded.metadata if loaded is not None else None, root=0)
+        tensors = broadcast(loaded.tensors if loaded is not None else None)
+        return checkpoints.Checkpoint(tensors=tensors, metadata=metadata)
+
+    def _then_barrier(write, path) -> None:
+        error = None
+        try:
+            write(path)
+        except Exception as problem:  # noqa: BLE001 - reported on every rank below
+            error = f"{type(problem).__name__}: {problem}"
+        errors = _comm.allgather(error) if _comm is not None else [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise TrainerError(f"writing {path} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+    return DataParallelTrainer
+
+
+def _sequential(options):
+    import onnxruntime
+
+    options = options if options is not None else onnxruntime.SessionOptions()
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    return options
+
+
+def __getattr__(name: str):
+    if name == "DataParallelTrainer":  # defined on first use: normgrad.train is not imported before
+        return globals().setdefault(name, _data_parallel_trainer_class())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def mpirun_command(ranks: int, forward: Sequence[str] = ()) -> Optional[List[str]]:
+    """The command prefix that launches ``ranks`` processes: the ``mpirun`` beside this Python
+    (the "mpi" extra's Open MPI) or else on PATH, with Open MPI's ``--oversubscribe`` (more
+    ranks than cores) and ``-x VAR`` for each environment variable in ``forward``; None when
+    there is no mpirun. Used by ``normgrad bench --mpi`` and the tests."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    beside = pathlib.Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.is_file() else shutil.which("mpirun")
+    if found is None:
+        return None
+    version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
+    command = [found]
+    if "Open MPI" in version or "prte" in version.lower():
+        command.append("--oversubscribe")
+        for name in forward:
+            command += ["-x", name]
+    return command + ["-n", str(ranks)]
+
+
+def mpirun_environment(**variables: str) -> Dict[str, str]:
+    """This process's environment plus ``variables``, and, when running as root (containers),
+    the two variables without which Open MPI refuses to start."""
+    import os
+
+    env = dict(os.environ, **variables)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def barrier() -> None:
+    """Waits for every rank (nothing without :func:`init`)."""
+    if _comm is not None:
+        _comm.Barrier()
+
+
+_hook_installed = False
+EXIT_WAIT_SECONDS = 120.0
+"""How long a rank that leaves the program waits at exit for the others to leave too before
+aborting the job (``NORMGRAD_MPI_EXIT_WAIT`` overrides it)."""
+
+
+def _abort(message: str, code: int = 1) -> None:
+    sys.stderr.write(f"normgrad.mpi: rank {rank()} of {size()} {message}; aborting the job\n")
+    sys.stderr.flush()
+    if _comm is not None and size() > 1:
+        _comm.Abort(code)
+
+
+def abort_on_error() -> None:
+    """Makes a rank that fails end the whole job within a bounded time, with a message
+    naming the rank, instead of the other ranks waiting forever in their next collective:
+
+    * an uncaught exception (main thread or another thread): the traceback, then ``MPI_Abort``;
+    * ``sys.exit`` with a non-zero status: ``MPI_Abort`` with that status;
+    * leaving the program in any other way while other ranks still run: the rank waits at exit
+      (in a non-blocking barrier) up to ``NORMGRAD_MPI_EXIT_WAIT`` seconds (default 120) for
+      the others, then aborts;
+    * a rank killed by a signal is reported and ended by mpirun itself.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    import atexit
+    import os
+
+    previous_hook, previous_exit = sys.excepthook, sys.exit
+
+    def report_and_abort(kind, value, tb) -> None:
+        try:
+            sys.stderr.write("".join(traceback.format_exception(kind, value, tb)))
+        finally:
+            _abort(f"raised {kind.__name__}: {value}")
+            previous_hook(kind, value, tb)
+
+    def exit_and_abort(status=None):
+        if status not in (None, 0):
+            _abort(f"called sys.exit({status!r})", status if isinstance(status, int) else 1)
+        previous_exit(status)
+
+    def wait_for_the_others() -> None:
+        if _exit_comm is None or size() == 1:
+            return
+        wait = float(os.environ.get("NORMGRAD_MPI_EXIT_WAIT", EXIT_WAIT_SECONDS))
+        try:
+            request = _exit_comm.Ibarrier()
+            deadline = time.monotonic() + wait
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    _abort(f"left the program while other ranks still run (waited {wait:g} s for them at exit)")
+                time.sleep(0.01)
+        except Exception as error:  # noqa: BLE001 - any failure here must still end the job
+            _abort(f"failed at exit ({error})")
+
+    sys.excepthook = report_and_abort
+    threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
+    sys.exit = exit_and_abort
+    atexit.register(wait_for_the_others)

@@ -1,0 +1,99 @@
+"""Data-parallel training on 2 MPI ranks (loopback), launched with mpirun from here: each test
+runs tests/mpi_worker.py under ``mpirun -n 2`` with a timeout, so no MPI test can hang the
+suite. Skipped when mpi4py or mpirun is missing (``pip install "normgrad[mpi]"``)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import cpp_available
+from normgrad import mpi
+
+pytest.importorskip("mpi4py")
+WORKER = pathlib.Path(__file__).with_name("mpi_worker.py")
+TIMEOUT = 240  # seconds for any one job; the failure tests must end far sooner (FAILURE_BOUND)
+FAILURE_BOUND = 60
+RANKS = 2
+MPIRUN = mpi.mpirun_command(RANKS, forward=["NORMGRAD_MPI_EXIT_WAIT"])
+pytestmark = [
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun not found"),
+    pytest.mark.skipif(not cpp_available(), reason="the AllReduce kernel is in the C++ library"),
+]
+
+
+def run_job(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = mpi.mpirun_environment(NORMGRAD_MPI_EXIT_WAIT="3", PYTHONUNBUFFERED="1")
+    command = MPIRUN + [sys.executable, str(WORKER), *args]
+    # its own process group, so that a job that overruns is ended whole (mpirun and its ranks)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           errors="replace", start_new_session=True)
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        pytest.fail(f"{' '.join(args)}: no result within {timeout} s (hang?)\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
+
+
+def test_all_reduce_on_two_ranks():
+    result = run_job("allreduce")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "allreduce ok on 2 ranks" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["sync", "local"])
+def test_two_ranks_train_as_one_process(mode):
+    """sync: 2 ranks x batch 2 with SyncBatchNorm = 1 process x batch 4 (loss, gradients and
+    weights after 3 SGD steps within 1e-5 of their scale, also against float64 torch), and
+    bitwise the same weights in a second job;
+    local: per-rank BatchNorm with averaged gradients = torch DDP's semantics."""
+    result = run_job("train", mode)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"train {mode} ok on 2 ranks" in result.stdout, result.stdout + result.stderr
+    if mode == "sync":  # run to run: a second job ends with bitwise the same weights
+        again = run_job("train", mode)
+        digests = [re.search(r"state digest (\w+)", r.stdout) for r in (result, again)]
+        assert all(digests) and digests[0].group(1) == digests[1].group(1), again.stdout + again.stderr
+
+
+def test_data_parallel_trainer_trains_as_one_process(tmp_path):
+    """mpi.DataParallelTrainer on 2 ranks x batch 2 = Trainer on 1 process x batch 4: losses and
+    the whole state (weights, momentum, running statistics) after 3 steps; rank 0's initial
+    weights win over the others'; rank 0's checkpoint is complete when save() returns."""
+    result = run_job("trainer", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "trainer ok on 2 ranks" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("mode, names_it", [
+    ("raise", r"normgrad\.mpi: rank 1 of 2 raised RuntimeError: deliberate failure"),
+    ("exit", r"normgrad\.mpi: rank 1 of 2 called sys\.exit\(3\)"),
+    ("leave", r"normgrad\.mpi: rank 1 of 2 left the program while other ranks still run"),
+    ("die", r"rank 1 with PID \d+ on node \S+ exited on\s+signal 9"),
+])
+def test_a_failing_rank_ends_the_job(mode, names_it):
+    start = time.monotonic()
+    result = run_job(mode, "1", timeout=FAILURE_BOUND)
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert re.search(names_it, output), output
+    assert elapsed < FAILURE_BOUND
+
+
+def test_bench_mpi_prints_both_rank_counts():
+    """``normgrad bench --mpi --quick`` (one round): a row for 1 and for 2 ranks; no timing asserted."""
+    result = subprocess.run([sys.executable, "-m", "normgrad.tools.cli", "bench", "--mpi", "--quick", "--repeat", "1"],
+                            capture_output=True, text=True, timeout=TIMEOUT, env=mpi.mpirun_environment())
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s+[12]\s+\d+\s+\d+\s+[\d.]+ ms", line)]
+    assert [row[:3] for row in rows] == [["1", "4", "2"], ["2", "2", "1"]], result.stdout
