@@ -52,6 +52,7 @@ class GradientContext:
             self._used.update(node.input)
             self._used.update(node.output)
             self._used.add(node.name)
+        self._gradient_of: Dict[str, str] = {}
         self._scope = "grad"
         self._counter = 0
 
@@ -179,8 +180,60 @@ class GradientContext:
         """The sum of ``values`` (itself if there is one)."""
         return values[0] if len(values) == 1 else self.op("Sum", *values)
 
-    def reduce(self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool) -> str:
-        """A Reduce* node over ``axes`` (None: all axes), written for the context's opset."""
+    def gradient_of(self, grad: str, forward: str) -> str:
+        """Records that backward value ``grad`` is the gradient of forward value ``forward``
+        (so it has that value's shape); returns ``grad``."""
+        self._gradient_of.setdefault(grad, forward)
+        return grad
+
+    def reduce(
+        self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool, rank: Optional[int] = None
+    ) -> str:
+        """A Reduce* node over ``axes`` (None: all axes), written for the context's opset.
+
+        ReduceSum and ReduceMean whose axes are neither one leading nor one trailing run
+        (e.g. [0, 2, 3] of NCHW, or a middle axis) are written as stages that each reduce
+        a leading or a trailing run: onnxruntime's CPU kernels for a reduced-kept-reduced
+        or kept-reduced-kept layout split the sum by thread count when the kept extent is
+        smaller than the thread count, so the float result would change in its last bits
+        with ``intra_op_num_threads``. A leading run is reduced first (each output a column
+        sum taken row by row), then a trailing run (each output the sum of one contiguous
+        row); other axes are reduced together with a size-1 axis put in front, a layout of
+        four or more runs, which onnxruntime's general kernel sums output by output, each
+        on one thread in order (a Transpose to the end would be folded back into the
+        reduction by onnxruntime's graph optimizer). Needs the rank of ``value``:
+        ``rank``, else its known shape (a forward value, or a gradient recorded by
+        :meth:`gradient_of`); without it one node is written.
+        """
+        if axes is None or not axes:
+            return self._reduce_node(op_type, value, axes, keepdims)
+        if rank is None:
+            shape = self.shape(value)
+            if shape is None and value in self._gradient_of:
+                shape = self.shape(self._gradient_of[value])
+            rank = None if shape is None else len(shape)
+        if op_type not in ("ReduceSum", "ReduceMean") or rank is None:
+            return self._reduce_node(op_type, value, axes, keepdims)
+        axes = sorted({a % rank for a in axes})
+        leading = 0
+        while leading < len(axes) and axes[leading] == leading:
+            leading += 1
+        rest = axes[leading:]
+        trailing = rest == list(range(rank - len(rest), rank))
+        if not rest or (not leading and trailing):  # one run: a single deterministic node
+            return self._reduce_node(op_type, value, axes, keepdims)
+        result = value
+        if leading:
+            result = self._reduce_node(op_type, result, axes[:leading], keepdims=True)
+        if trailing:
+            result = self._reduce_node(op_type, result, rest, keepdims=True)
+        else:  # a leading size-1 axis reduced too makes four or more runs: the general kernel
+            lifted = self.unsqueeze(result, [0])
+            summed = self._reduce_node(op_type, lifted, [0] + [a + 1 for a in rest], keepdims=True)
+            result = self.op("Squeeze", summed, self.ints([0]))
+        return result if keepdims else self.op("Squeeze", result, self.ints(axes))
+
+    def _reduce_node(self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool) -> str:
         if axes is None:
             return self.op(op_type, value, keepdims=int(keepdims))
         axes_as_input = op_type == "ReduceSum" or self.opset >= 18
@@ -216,7 +269,7 @@ class GradientContext:
                     decided = False  # could be 1 at run time
             if decided:
                 if axes:
-                    grad = self.reduce("ReduceSum", grad, axes, keepdims=True)
+                    grad = self.reduce("ReduceSum", grad, axes, keepdims=True, rank=len(out_shape))
                 if lead:
                     grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=False)
                 return grad

@@ -62,8 +62,8 @@ def weights(seed: int, **shapes: Sequence[int]) -> Dict[str, np.ndarray]:
     return {name: (rng.standard_normal(shape) * 0.5).astype(np.float32) for name, shape in shapes.items()}
 
 
-def resnet_block(channels: int = 4, training: int = 1, opset: int = 15) -> onnx.ModelProto:
-    """ResNet basic block: Conv-BN-ReLU-Conv-BN + skip, ReLU."""
+def resnet_block(channels: int = 4, training: int = 1, opset: int = 15, batch: int = 2, size: int = 5) -> onnx.ModelProto:
+    """ResNet basic block: Conv-BN-ReLU-Conv-BN + skip, ReLU; input [batch, channels, size, size]."""
     params = weights(1, w1=(channels, channels, 3, 3), w2=(channels, channels, 3, 3), b1=(channels,))
     for i in (1, 2):
         rng = np.random.default_rng(10 + i)
@@ -82,7 +82,7 @@ def resnet_block(channels: int = 4, training: int = 1, opset: int = 15) -> onnx.
         oh.make_node("Add", ["n2", "x"], ["sum"]),
         oh.make_node("Relu", ["sum"], ["y"]),
     ]
-    return model(nodes, {"x": (2, channels, 5, 5)}, ["y"], params, opset=opset)
+    return model(nodes, {"x": (batch, channels, size, size)}, ["y"], params, opset=opset)
 
 
 def group_norm_block(channels: int = 4, groups: int = 2, opset: int = 21) -> onnx.ModelProto:

@@ -213,7 +213,10 @@ def schema() -> OpSchema:
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
     """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
 
-    Outputs a node does not name are pruned by the runtime.
+    Outputs a node does not name are pruned by the runtime. dgamma/dbeta sum the batch
+    axis first and the other broadcast axes after it: one ReduceSum over both (e.g. axes
+    [0, 3] of [N, G, C/G, S]) would hit onnxruntime's reduced-kept-reduced kernel, whose
+    float sums change with the thread count when fewer channels than threads are kept.
     """
     return onnx.parser.parse_function(
         f"""
@@ -259,12 +262,22 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             padded = Shape (gamma_padded)
             one = Constant <value_int = 1> ()
             is_broadcast = Equal (padded, one)
-            axes_2d = NonZero (is_broadcast)
-            axes = Reshape (axes_2d, last)
+            first = Constant <value_ints = [0]> ()
+            second = Constant <value_ints = [1]> ()
+            past_rank = Constant <value_ints = [9]> ()
+            batch_flag = Slice (is_broadcast, first, second)
+            batch_2d = NonZero (batch_flag)
+            batch_axes = Reshape (batch_2d, last)
+            rest_flags = Slice (is_broadcast, second, past_rank)
+            rest_2d = NonZero (rest_flags)
+            rest_from_1 = Reshape (rest_2d, last)
+            rest_axes = Add (rest_from_1, second)
             x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)
             dy_x_hat = Mul (dyf, x_hat_full)
-            dgamma_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dy_x_hat, axes)
-            dbeta_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dyf, axes)
+            dgamma_batch = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dy_x_hat, batch_axes)
+            dgamma_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dgamma_batch, rest_axes)
+            dbeta_batch = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dyf, batch_axes)
+            dbeta_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dbeta_batch, rest_axes)
             dgamma_f = Reshape <allowzero = 1> (dgamma_kept, gamma_shape)
             dbeta_f = Reshape <allowzero = 1> (dbeta_kept, gamma_shape)
             dgamma = CastLike (dgamma_f, gamma)
