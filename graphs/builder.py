@@ -15,7 +15,7 @@ import onnx.shape_inference
 import normgrad
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, lookup
+from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
@@ -101,9 +101,11 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return inferred
 
 
-def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) -> Tuple[Set[str], List[onnx.NodeProto]]:
+def _active(
+    graph: onnx.GraphProto, types: GradientContext, frozen: Set[str], stopped: Set[str]
+) -> Tuple[Set[str], List[onnx.NodeProto]]:
     """Values reachable from a float input or non-frozen initializer through differentiable
-    edges, and the nodes without a rule that such a value enters."""
+    edges (never through ``stopped`` values), and the nodes without a rule that such a value enters."""
     active = {i.name for i in graph.input if _is_float(i.type)}
     active |= {t.name for t in graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
     unsupported: List[onnx.NodeProto] = []
@@ -116,7 +118,7 @@ def _active(graph: onnx.GraphProto, types: GradientContext, frozen: Set[str]) ->
             continue
         if any(node.input[i] in active for i in rule.differentiable_inputs(types, node)):
             outputs = (node.output[i] for i in rule.differentiable_outputs(node))
-            active.update(name for name in outputs if _maybe_float(types.type_of(name)))
+            active.update(name for name in outputs if _maybe_float(types.type_of(name)) and name not in stopped)
     return active, unsupported
 
 
@@ -226,7 +228,11 @@ def frozen_parameters(
 
 
 def build_training_graph(
-    model: onnx.ModelProto, loss: Optional[str] = None, inline: bool = False, frozen: Iterable[str] = ()
+    model: onnx.ModelProto,
+    loss: Optional[str] = None,
+    inline: bool = False,
+    frozen: Iterable[str] = (),
+    batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -244,6 +250,9 @@ def build_training_graph(
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
             plain initializers), e.g. from :func:`frozen_parameters`.
+        batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
+            statistics and backward sums go through this all-reduce (see
+            :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -259,8 +268,10 @@ def build_training_graph(
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
+    batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
+    stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}
     types = GradientContext(graph, opset, set())
-    active, unsupported = _active(graph, types, set(frozen))
+    active, unsupported = _active(graph, types, set(frozen), stopped)
     for output in graph.output:  # the graph outputs with the best type known
         if not _has_shape(output.type) and _has_shape(types.type_of(output.name)):
             output.type.CopyFrom(types.type_of(output.name))
@@ -273,6 +284,7 @@ def build_training_graph(
     seeded = [float_outputs[0].name] if loss is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     ctx = GradientContext(graph, opset, needs)
+    ctx.batch_statistics = batch_statistics
 
     input_names = {i.name for i in graph.input}
     wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]

@@ -52,9 +52,12 @@ class GradientContext:
             self._used.update(node.input)
             self._used.update(node.output)
             self._used.add(node.name)
-        self._gradient_of: Dict[str, str] = {}
+        self._emitted_ranks: Dict[str, int] = {}
+        self._constant_lengths: Dict[str, int] = {}
         self._scope = "grad"
         self._counter = 0
+        self.batch_statistics: Dict[str, "BatchStatistics"] = {}
+        """{Y of a training-mode BatchNormalization: its forward statistics}, set by the builder."""
 
     # ----------------------------------------------------------------- forward graph facts
     def needs_grad(self, name: str) -> bool:
@@ -151,7 +154,38 @@ class GradientContext:
             **attrs,
         )
         self.nodes.append(node)
+        self._record_rank(node)
         return names[0] if len(names) == 1 else names
+
+    def _record_rank(self, node: onnx.NodeProto) -> None:
+        """Notes the rank of an emitted node's output where it follows from its inputs."""
+        out, op_type = node.output[0], node.op_type
+        if node.domain or not out:
+            return
+        if op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            dims = list(node.attribute[0].t.dims)
+            self._emitted_ranks[out] = len(dims)
+            if len(dims) == 1:
+                self._constant_lengths[out] = dims[0]
+        elif op_type in _RANK_OF_BROADCAST:
+            ranks = [self.known_rank(name) for name in node.input if name]
+            if ranks and None not in ranks:
+                self._emitted_ranks[out] = max(ranks)
+        elif op_type == "Reshape" and node.input[1] in self._constant_lengths:
+            self._emitted_ranks[out] = self._constant_lengths[node.input[1]]
+        elif op_type in ("Unsqueeze", "Squeeze") and len(node.input) > 1 and node.input[1] in self._constant_lengths:
+            rank = self.known_rank(node.input[0])
+            if rank is not None:
+                change = self._constant_lengths[node.input[1]]
+                self._emitted_ranks[out] = rank + change if op_type == "Unsqueeze" else rank - change
+
+    def known_rank(self, name: str) -> Optional[int]:
+        """The rank of ``name`` if known: a forward value's, a recorded gradient's
+        (:meth:`gradient_of`), or an emitted value's that follows from its inputs."""
+        shape = self.shape(name)
+        if shape is not None:
+            return len(shape)
+        return self._emitted_ranks.get(name)
 
     def ints(self, values: Iterable[int]) -> str:
         """An int64 1-D Constant."""
@@ -182,8 +216,10 @@ class GradientContext:
 
     def gradient_of(self, grad: str, forward: str) -> str:
         """Records that backward value ``grad`` is the gradient of forward value ``forward``
-        (so it has that value's shape); returns ``grad``."""
-        self._gradient_of.setdefault(grad, forward)
+        (so it has that value's rank); returns ``grad``."""
+        rank = self.known_rank(forward)
+        if rank is not None and self.known_rank(grad) is None:
+            self._emitted_ranks[grad] = rank
         return grad
 
     def reduce(
@@ -202,16 +238,11 @@ class GradientContext:
         four or more runs, which onnxruntime's general kernel sums output by output, each
         on one thread in order (a Transpose to the end would be folded back into the
         reduction by onnxruntime's graph optimizer). Needs the rank of ``value``:
-        ``rank``, else its known shape (a forward value, or a gradient recorded by
-        :meth:`gradient_of`); without it one node is written.
+        ``rank``, else :meth:`known_rank`; without it one node is written.
         """
         if axes is None or not axes:
             return self._reduce_node(op_type, value, axes, keepdims)
-        if rank is None:
-            shape = self.shape(value)
-            if shape is None and value in self._gradient_of:
-                shape = self.shape(self._gradient_of[value])
-            rank = None if shape is None else len(shape)
+        rank = self.known_rank(value) if rank is None else rank
         if op_type not in ("ReduceSum", "ReduceMean") or rank is None:
             return self._reduce_node(op_type, value, axes, keepdims)
         axes = sorted({a % rank for a in axes})
@@ -304,6 +335,14 @@ class GradientContext:
         if not node.output[index]:
             node.output[index] = self.reserve(f"{node.name or node.op_type}/{hint}")
         return node.output[index]
+
+
+_RANK_OF_BROADCAST = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "Neg", "Abs", "Exp", "Log", "Sqrt",
+    "Reciprocal", "Tanh", "Sigmoid", "Relu", "Erf", "Sin", "Cos", "Cast", "CastLike", "Identity", "Equal", "Greater",
+    "Less", "Not", "And", "Or",
+})
+"""Operators whose output rank is the largest rank of their inputs (NumPy broadcasting)."""
 
 
 def _constant_value(node: onnx.NodeProto) -> Optional[np.ndarray]:

@@ -1,24 +1,147 @@
 """BatchNormalization (opsets 9-15 semantics after conversion; training_mode 0 and 1).
 
-Training mode: the batch statistics are recomputed in the graph, normgrad
-``BatchNormReduceBackward`` gives the per-channel sums and the scale/bias gradients, and
-``BatchNormElemtBackward`` gives dx. Eval mode: the running statistics are constants, so
-dx = dy * scale / sqrt(running_var + eps) and the reduce op gives the scale/bias
-gradients. The running statistics (inputs 3 and 4, outputs 1 and 2) get no gradient.
+Training mode is rewritten before differentiation (:func:`make_batch_statistics_explicit`):
+the batch statistics are computed once, in the forward, and the layer becomes a
+BatchNormalization in inference mode fed with them. So
+
+* the backward reuses the forward's mean and 1/std instead of recomputing them;
+* every execution provider can run the forward (several refuse ``training_mode=1``);
+* the running statistics are updated as torch's train mode does (momentum, unbiased
+  variance for ``running_var``), whereas ONNX's ``training_mode=1`` outputs use the biased one;
+* synchronized BatchNorm only needs an all-reduce at three points (``all_reduce``).
+
+Backward, training mode: normgrad ``BatchNormReduceBackward`` gives the per-channel sums and
+the scale/bias gradients, ``BatchNormElemtBackward`` gives dx. Eval mode: the running
+statistics are constants, so dx = dy * scale / sqrt(running_var + eps) and the reduce op
+gives the scale/bias gradients. The running statistics get no gradient.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+import dataclasses
+from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import onnx
+import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.graphs.rules._norm import as_float32, float32_scalar, statistics
+from normgrad.graphs.rules._norm import as_float32, float32_scalar
 from normgrad.ops import DOMAIN
 
-__all__ = ["batch_norm_gradient"]
+__all__ = ["AllReduce", "BatchStatistics", "batch_norm_gradient", "make_batch_statistics_explicit"]
+
+AllReduce = Callable[[GradientContext, str], str]
+"""``all_reduce(ctx, value) -> name``: emits nodes summing float32 ``value`` over the ranks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStatistics:
+    """What the forward of one training-mode BatchNormalization computed, for its backward.
+
+    Attributes:
+        mean: float32 [C] batch mean.
+        invstd: float32 [C] 1 / sqrt(batch variance + epsilon).
+        all_reduce: the all-reduce the statistics went through (None: this process's batch).
+        count_ratio: float32 scalar, local count / global count (None without all-reduce).
+        running_outputs: the updated running statistics it outputs; no gradient flows
+            through them (they are state, not functions of the parameters to optimize).
+    """
+
+    mean: str
+    invstd: str
+    all_reduce: Optional[AllReduce] = None
+    count_ratio: Optional[str] = None
+    running_outputs: Tuple[str, ...] = ()
+
+
+def _is_training(node: onnx.NodeProto) -> bool:
+    return node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and bool(attr(node, "training_mode", 0))
+
+
+def make_batch_statistics_explicit(
+    graph: onnx.GraphProto, opset: int, all_reduce: Optional[AllReduce] = None
+) -> Dict[str, BatchStatistics]:
+    """Rewrites every training-mode BatchNormalization of ``graph`` (in place) as batch
+    statistics plus a BatchNormalization in inference mode.
+
+    Per channel, over the batch and spatial axes: sum(x) and the count (all-reduced
+    together when ``all_reduce`` is given), mean, sum((x - mean)^2) (all-reduced), the
+    biased variance. The node's running-statistics outputs, where named, become torch's
+    train-mode update: momentum * running + (1 - momentum) * batch, with the unbiased
+    variance (count / (count - 1)) for ``running_var``.
+
+    Returns:
+        {the layer's output Y: its :class:`BatchStatistics`}, for the gradient rule.
+    """
+    writer = GradientContext(graph, opset, set())
+    rewritten: List[onnx.NodeProto] = []
+    found: Dict[str, BatchStatistics] = {}
+    for node in graph.node:
+        if not _is_training(node):
+            rewritten.append(node)
+            continue
+        writer.nodes = []
+        writer.scope(f"batch_norm/{node.name or node.output[0]}")
+        found[node.output[0]] = _explicit_statistics(writer, node, all_reduce)
+        rewritten.extend(writer.nodes)
+    del graph.node[:]
+    graph.node.extend(rewritten)
+    return found
+
+
+def _explicit_statistics(ctx: GradientContext, node: onnx.NodeProto, all_reduce: Optional[AllReduce]) -> BatchStatistics:
+    x, scale, bias, running_mean, running_var = node.input[:5]
+    epsilon = attr(node, "epsilon", 1e-5)
+    momentum = attr(node, "momentum", 0.9)
+    axes = [0] + list(range(2, ctx.rank(x, node)))
+    x32 = as_float32(ctx, x, x)
+    shape = ctx.shape_of(x)
+    channels = ctx.op("Gather", shape, ctx.op("Constant", value=onh.from_array(np.asarray(1, np.int64))))
+    count = ctx.op("Cast", ctx.op("Div", ctx.op("ReduceProd", shape, keepdims=0), channels), to=onnx.TensorProto.FLOAT)
+    total = ctx.reduce("ReduceSum", x32, axes, keepdims=False)
+    ratio = None
+    if all_reduce is None:
+        global_count = count
+    else:
+        packed = all_reduce(ctx, ctx.op("Concat", total, ctx.unsqueeze(count, [0]), axis=0))
+        total = ctx.op("Slice", packed, ctx.ints([0]), ctx.ints([-1]))
+        global_count = ctx.op("Squeeze", ctx.op("Slice", packed, ctx.ints([-1]), ctx.ints([np.iinfo(np.int64).max])))
+        ratio = ctx.op("Div", count, global_count)
+    mean = ctx.op("Div", total, global_count)
+    per_channel = ctx.ints([1, -1] + [1] * (len(axes) - 1))
+    centred = ctx.op("Sub", x32, ctx.op("Reshape", mean, per_channel))
+    squares = ctx.reduce("ReduceSum", ctx.op("Mul", centred, centred), axes, keepdims=False)
+    if all_reduce is not None:
+        squares = all_reduce(ctx, squares)
+    var = ctx.op("Div", squares, global_count)
+    invstd = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", var, float32_scalar(ctx, epsilon))))
+    ctx.op(
+        "BatchNormalization",
+        x,
+        scale,
+        bias,
+        ctx.op("CastLike", mean, running_mean),
+        ctx.op("CastLike", var, running_var),
+        outputs=[node.output[0]],
+        epsilon=epsilon,
+        training_mode=0,
+    )
+    outputs = list(node.output) + ["", ""]
+    if outputs[1]:
+        _running_update(ctx, running_mean, mean, momentum, outputs[1])
+    if outputs[2]:
+        unbiased = ctx.op("Mul", var, ctx.op("Div", global_count, ctx.op("Max", ctx.op("Sub", global_count, float32_scalar(ctx, 1.0)), float32_scalar(ctx, 1.0))))
+        _running_update(ctx, running_var, unbiased, momentum, outputs[2])
+    return BatchStatistics(mean, invstd, all_reduce, ratio, tuple(name for name in outputs[1:3] if name))
+
+
+def _running_update(ctx: GradientContext, running: str, batch: str, momentum: float, output: str) -> None:
+    """``output`` = momentum * running + (1 - momentum) * batch, in the running value's type."""
+    kept = ctx.op("Mul", running, ctx.scalar(momentum, running))
+    new = ctx.op("Mul", ctx.op("CastLike", batch, running), ctx.scalar(1.0 - momentum, running))
+    ctx.op("Add", kept, new, outputs=[output])
 
 
 @register("BatchNormalization", inputs=(0, 1, 2), outputs=(0,))
@@ -26,12 +149,15 @@ def batch_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
     """Gradients of X, scale and B."""
     x, scale, bias, running_mean, running_var = node.input[:5]
     epsilon = attr(node, "epsilon", 1e-5)
-    training = bool(attr(node, "training_mode", 0))
+    stats = ctx.batch_statistics.get(node.output[0])
+    training = stats is not None
+    if not training and attr(node, "training_mode", 0):
+        raise AssertionError(f"training-mode BatchNormalization '{node.name}' was not rewritten before differentiation")
     rank = ctx.rank(x, node)
     want_x, want_scale, want_bias = ctx.needs_grad(x), ctx.needs_grad(scale), ctx.needs_grad(bias)
     x32, dy32, scale32 = as_float32(ctx, x, x), as_float32(ctx, grads[0], x), as_float32(ctx, scale, scale)
     if training:
-        mean, invstd = statistics(ctx, x32, [0] + list(range(2, rank)), epsilon)
+        mean, invstd = stats.mean, stats.invstd
     else:
         mean = as_float32(ctx, running_mean, running_mean)
         var = as_float32(ctx, running_var, running_var)
@@ -59,7 +185,16 @@ def batch_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
     result: List[Optional[str]] = [None] * len(node.input)
     if want_x:
         if training:
-            dx = ctx.op("BatchNormElemtBackward", dy32, x32, mean, invstd, scale32, outputs[0], outputs[1], domain=DOMAIN)
+            sum_dy, sum_dy_xmu = outputs[0], outputs[1]
+            if stats.all_reduce is not None:
+                # scale and bias gradients stay local (data parallelism averages them);
+                # dx needs the sums over the global batch, divided by the global count,
+                # and BatchNormElemtBackward divides by the local one
+                packed = stats.all_reduce(ctx, ctx.op("Concat", sum_dy, sum_dy_xmu, axis=0))
+                pair = ctx.op("Reshape", ctx.op("Mul", packed, stats.count_ratio), ctx.ints([2, -1]))
+                zero, one = (ctx.op("Constant", value=onh.from_array(np.asarray(i, np.int64))) for i in (0, 1))
+                sum_dy, sum_dy_xmu = ctx.op("Gather", pair, zero), ctx.op("Gather", pair, one)
+            dx = ctx.op("BatchNormElemtBackward", dy32, x32, mean, invstd, scale32, sum_dy, sum_dy_xmu, domain=DOMAIN)
         else:
             per_channel = ctx.ints([1, -1] + [1] * (rank - 2))
             dx = ctx.op("Mul", dy32, ctx.op("Reshape", ctx.op("Mul", scale32, invstd), per_channel))
