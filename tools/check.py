@@ -506,6 +506,7 @@ class _HeldForward:
         graph_inputs = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
         self.probes = [name for name in probes if name not in graph_inputs]
         self.bounds = {name: np.asarray(values[name], np.float64) for name in probes if name in graph_inputs}
+        self.held = [_decision(node, values) for node in self.masked]  # the float32 run's
         self.model = _forward_model(model, self.outputs + self.probes, nodes=holder.nodes, extra_inputs=holder.inputs)
         self.names = {i.name for i in self.model.graph.input}
         self.held_feeds = holder.feeds
@@ -625,7 +626,7 @@ def check_gradients(
     initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
     forward = _HeldForward(model, {**initializers, **feeds, **run}, nodes, float_typed)
     feeds64 = _float64_feeds(feeds, set(feeds))
-    _, held = forward.base(feeds64)
+    forward.base(feeds64)
     rng = np.random.default_rng(seed + 1)
     measured = []
     for grad_name, wrt in gradients.items():
@@ -640,7 +641,7 @@ def check_gradients(
             minus, decisions_minus = forward.perturbed(wrt, base - h * v)
             numeric.append((plus - minus) / (2 * h))
             analytic.append(float(np.sum(g * v)))
-            flipped = max(flipped, _flipped(decisions_plus, held), _flipped(decisions_minus, held))
+            flipped = max(flipped, _flipped(decisions_plus, forward.held), _flipped(decisions_minus, forward.held))
         typical = float(np.linalg.norm(g))  # the size of <g, v> for a standard normal v
         measured.append((grad_name, wrt, analytic, numeric, typical, h, flipped))
     floor = 1e-3 * max([m[4] for m in measured] + [1e-30])
