@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import onnx
 import onnx.helper as oh
@@ -16,10 +16,12 @@ import normgrad
 from normgrad.graphs import losses, patterns, rewrites
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
+from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.ops import DOMAIN, IR_VERSION
 
-__all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS"]
+__all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS",
+           "METADATA_BATCH_NORM"]
 
 MIN_OPSET = 15
 """The lowest default-domain opset of a training graph (normgrad function bodies need it)."""
@@ -28,8 +30,13 @@ METADATA_SEEDS = "normgrad.seeds"
 """Model metadata key: JSON {forward output: its seed-gradient input}."""
 METADATA_GRADIENTS = "normgrad.gradients"
 """Model metadata key: JSON {gradient output: the input or initializer it is the gradient of}."""
+METADATA_BATCH_NORM = "normgrad.batch_norm"
+"""Model metadata key: JSON list, per training-mode BatchNormalization, of {"output": its Y,
+"running_mean", "running_var": its inputs 3 and 4, "running_mean_next", "running_var_next":
+the values holding their train-mode update}."""
 METADATA_LOSS = "normgrad.loss"
-"""Model metadata key: JSON {"kind": loss name, "output": the output it applies to}, or null."""
+"""Model metadata key: JSON {"kind": loss name (``"output"`` for ``loss_output``), "output":
+the output it applies to, "options": the loss options, when any}, or null."""
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -61,6 +68,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
+    rewrites.split_sequences(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
@@ -207,6 +215,47 @@ def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
     return info
 
 
+def _name_running_outputs(graph: onnx.GraphProto) -> List[Dict[str, str]]:
+    """Names the running-statistics outputs (1 and 2) of every training-mode
+    BatchNormalization where absent, so that the graph computes their update, and lists
+    them (:data:`METADATA_BATCH_NORM`)."""
+    taken = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    found = []
+    for node in graph.node:
+        training = any(a.name == "training_mode" and a.i for a in node.attribute)
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or not training:
+            continue
+        while len(node.output) < 3:
+            node.output.append("")
+        for index in (1, 2):
+            if not node.output[index]:
+                name, k = f"{node.input[index + 2]}.updated", 1
+                while name in taken:
+                    k += 1
+                    name = f"{node.input[index + 2]}.updated{k}"
+                taken.add(name)
+                node.output[index] = name
+        found.append({"output": node.output[0], "running_mean": node.input[3], "running_var": node.input[4],
+                      "running_mean_next": node.output[1], "running_var_next": node.output[2]})
+    return found
+
+
+def _loss_output(graph: onnx.GraphProto, float_outputs: List[onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
+    """The graph output ``name``, checked to be a differentiable float scalar."""
+    found = [o for o in graph.output if o.name == name]
+    if not found:
+        raise ValueError(f"loss output {name!r} is not an output of the model "
+                         f"(outputs: {', '.join(o.name for o in graph.output)})")
+    if found[0] not in float_outputs:
+        raise ValueError(f"loss output {_describe_output(found[0])} is not a float tensor that depends on a float "
+                         "input or trainable initializer")
+    shape = found[0].type.tensor_type.shape if _has_shape(found[0].type) else None
+    if shape is None or len(shape.dim) != 0:
+        dims = "unknown" if shape is None else [d.dim_value or d.dim_param or "?" for d in shape.dim]
+        raise ValueError(f"loss output {name!r} must be a scalar (shape []); its shape is {dims}")
+    return found[0]
+
+
 def frozen_parameters(
     model: onnx.ModelProto, freeze: Sequence[str] = (), trainable: Optional[Sequence[str]] = None
 ) -> Set[str]:
@@ -232,7 +281,10 @@ def build_training_graph(
     loss: Optional[str] = None,
     inline: bool = False,
     frozen: Iterable[str] = (),
+    loss_options: Optional[Mapping[str, object]] = None,
+    loss_output: Optional[str] = None,
     batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
+    portable: bool = False,
 ) -> onnx.ModelProto:
     """Appends the reverse-mode gradient of ``model`` to it.
 
@@ -245,7 +297,11 @@ def build_training_graph(
 
     Args:
         model: the forward model (default-domain ops; local functions are inlined).
-        loss: None, ``"mse"`` or ``"cross_entropy"``: a loss of the first output.
+        loss: None or a name in :data:`normgrad.graphs.losses.LOSSES`: a loss of the first output.
+        loss_options: the loss's options (torch's names, :data:`normgrad.graphs.losses.LOSS_OPTIONS`):
+            ``label_smoothing``, ``ignore_index`` (cross_entropy), ``beta`` (smooth_l1).
+        loss_output: instead of ``loss``, the name of a scalar float output the forward
+            model already computes as its loss (seeded with gradient 1; no ``labels`` input).
         inline: write standard ops only (the normgrad function bodies inlined) instead of
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
@@ -253,6 +309,11 @@ def build_training_graph(
         batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
             statistics and backward sums go through this all-reduce (see
             :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
+        portable: rewrite the graph so that every execution provider runs it correctly
+            (:func:`normgrad.graphs.portable.make_portable`): trainable weights become pure
+            inputs (no initializer; their initial values are the forward model's
+            initializers, or call ``make_portable`` on the non-portable graph to get them),
+            inputs nothing reads are dropped.
 
     Returns:
         A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
@@ -260,7 +321,8 @@ def build_training_graph(
 
     Raises:
         UnsupportedOperatorError: a gradient must flow through an operator (or a variant of one) without a rule.
-        ValueError: unknown loss, an opset the version converter cannot raise, no
+        ValueError: unknown loss or loss option, a ``loss_output`` that is not a
+            differentiable scalar output, an opset the version converter cannot raise, no
             differentiable output, or a malformed graph (a value produced twice, nodes out
             of topological order, a cycle).
     """
@@ -268,6 +330,7 @@ def build_training_graph(
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
+    running_statistics = _name_running_outputs(graph)
     batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
     stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}
     types = GradientContext(graph, opset, set())
@@ -281,7 +344,13 @@ def build_training_graph(
             "no output of the model is differentiable: none is a float tensor that depends on a float input "
             f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})"
         )
-    seeded = [float_outputs[0].name] if loss is not None else [o.name for o in float_outputs]
+    if loss_output is not None:
+        if loss is not None:
+            raise ValueError("give either a loss or a loss output, not both")
+        float_outputs = [_loss_output(graph, float_outputs, loss_output)]
+    if loss_options and loss is None:
+        raise ValueError("loss options need a loss")
+    seeded = [float_outputs[0].name] if loss is not None or loss_output is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
@@ -302,7 +371,7 @@ def build_training_graph(
     extra_outputs: List[onnx.ValueInfoProto] = []
     if loss is not None:
         ctx.scope("loss")
-        appended = losses.append_loss(ctx, loss, float_outputs[0])
+        appended = losses.append_loss(ctx, loss, float_outputs[0], loss_options)
         if ctx.reserve(appended.labels.name) != appended.labels.name:
             raise ValueError("the model already has a value named 'labels'")
         extra_inputs.append(appended.labels)
@@ -310,6 +379,14 @@ def build_training_graph(
         ctx.op("Identity", appended.loss, outputs=[loss_name])
         extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
         seeds = {float_outputs[0].name: appended.grad}
+    elif loss_output is not None:
+        ctx.scope("loss")
+        seeds = {loss_output: ctx.scalar(1.0, loss_output)}
+        if loss_output != "loss":
+            if ctx.reserve("loss") != "loss":
+                raise ValueError("the model already has a value named 'loss' besides its loss output")
+            ctx.op("Identity", loss_output, outputs=["loss"])
+            extra_outputs.append(_value_info("loss", float_outputs[0].type))
     else:
         seeds = {}
         for output in float_outputs:
@@ -340,8 +417,12 @@ def build_training_graph(
     metadata = {
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
-        METADATA_LOSS: json.dumps({"kind": loss, "output": float_outputs[0].name} if loss else None),
+        METADATA_LOSS: json.dumps(
+            {"kind": loss, "output": float_outputs[0].name, **({"options": dict(loss_options)} if loss_options else {})}
+            if loss else {"kind": "output", "output": loss_output} if loss_output else None),
     }
+    if running_statistics:
+        metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     result = normgrad.add_functions(result)
@@ -353,4 +434,6 @@ def build_training_graph(
         result.opset_import.extend(kept)
     result.ir_version = IR_VERSION
     onnx.checker.check_model(result, full_check=True)
+    if portable:
+        result, _ = make_portable(result)
     return result

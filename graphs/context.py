@@ -19,6 +19,16 @@ FLOAT_ELEM_TYPES = frozenset(
 Dim = Union[int, str, None]
 
 
+def reserve_name(used: Set[str], name: str) -> str:
+    """``name``, or ``name`` with the first numeric suffix not in ``used``; added to ``used``."""
+    candidate, k = name, 0
+    while candidate in used:
+        k += 1
+        candidate = f"{name}_{k}"
+    used.add(candidate)
+    return candidate
+
+
 class GradientContext:
     """Type information about the forward graph plus a writer for backward nodes.
 
@@ -47,6 +57,7 @@ class GradientContext:
                 value = _constant_value(node)
                 if value is not None:
                     self._constants[node.output[0]] = value
+        self._producers = {name: node for node in graph.node for name in node.output if name}
         self._used: Set[str] = set(self._types)
         for node in graph.node:
             self._used.update(node.input)
@@ -107,6 +118,10 @@ class GradientContext:
         output, or an initializer that is not also a graph input (and so cannot be fed)."""
         return self._constants.get(name)
 
+    def producer(self, name: str) -> Optional[onnx.NodeProto]:
+        """The forward node whose output is ``name`` (None for graph inputs and initializers)."""
+        return self._producers.get(name)
+
     def type_of(self, name: str) -> Optional[onnx.TypeProto]:
         """The TypeProto of forward value ``name``."""
         return self._types.get(name)
@@ -128,12 +143,7 @@ class GradientContext:
 
     def reserve(self, name: str) -> str:
         """Reserves ``name`` (or ``name`` with a numeric suffix, if taken) and returns it."""
-        candidate, k = name, 0
-        while candidate in self._used:
-            k += 1
-            candidate = f"{name}_{k}"
-        self._used.add(candidate)
-        return candidate
+        return reserve_name(self._used, name)
 
     def op(self, op_type: str, *inputs: Optional[str], outputs: int = 1, domain: str = "", **attrs):
         """Emits one node and returns its output name (or the list of them if ``outputs > 1``).

@@ -27,6 +27,8 @@ __all__ = [
     "unet_block_torchscript",
     "style_transfer_block",
     "resnet18",
+    "digits_cnn",
+    "mlp_with_loss",
 ]
 
 FLOAT = onnx.TensorProto.FLOAT
@@ -124,6 +126,19 @@ def mlp(classes: int = 3) -> onnx.ModelProto:
         oh.make_node("Add", ["z", "b2"], ["y"]),
     ]
     return model(nodes, {"x": ("N", 5)}, ["y"], params)
+
+
+def mlp_with_loss(loss_name: str = "total") -> onnx.ModelProto:
+    """:func:`mlp` (batch 4) computing its own loss: outputs ``y`` and the scalar
+    ``loss_name`` = mean((y - target)^2) against a ``target`` input [4, 3]."""
+    forward = mlp()
+    nodes = list(forward.graph.node) + [
+        oh.make_node("Sub", ["y", "target"], ["d"]),
+        oh.make_node("Mul", ["d", "d"], ["d2"]),
+        oh.make_node("ReduceMean", ["d2"], [loss_name], keepdims=0),
+    ]
+    params = {t.name: onh.to_array(t) for t in forward.graph.initializer}
+    return model(nodes, {"x": (4, 5), "target": (4, 3)}, ["y", loss_name], params)
 
 
 def _affine(seed: int, channels: int, name: str) -> Dict[str, np.ndarray]:
@@ -239,3 +254,41 @@ def resnet18(batch: int = 2, size: int = 32, classes: int = 10, widths: Sequence
         oh.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["y"], transB=1),
     ]
     return model(nodes, {"x": (batch, 3, size, size)}, ["y"], params, opset=15, name="resnet18")
+
+
+def digits_cnn(classes: int = 10, width: int = 16, seed: int = 0) -> onnx.ModelProto:
+    """A small CNN for 8x8 one-channel images (scikit-learn's digits): two blocks of
+    Conv 3x3 -> BatchNormalization (training mode) -> Relu -> MaxPool 2x2, then Flatten ->
+    Gemm to ``classes`` logits. Input ``x`` [N, 1, 8, 8], output ``logits`` [N, classes];
+    weights drawn as torch's defaults (uniform, bound 1/sqrt(fan_in)); BatchNorm scale 1,
+    bias 0, running mean 0, running var 1, torch's momentum 0.1 (ONNX momentum 0.9)."""
+    rng = np.random.default_rng(seed)
+    uniform = lambda fan_in, *shape: rng.uniform(-1, 1, shape).astype(np.float32) / np.float32(np.sqrt(fan_in))  # noqa: E731
+    params: Dict[str, np.ndarray] = {}
+    nodes = []
+    source, channels = "x", 1
+    for block, out_channels in ((1, width), (2, 2 * width)):
+        fan_in = channels * 9
+        params[f"conv{block}.weight"] = uniform(fan_in, out_channels, channels, 3, 3)
+        params[f"conv{block}.bias"] = uniform(fan_in, out_channels)
+        params[f"bn{block}.weight"] = np.ones(out_channels, np.float32)
+        params[f"bn{block}.bias"] = np.zeros(out_channels, np.float32)
+        params[f"bn{block}.running_mean"] = np.zeros(out_channels, np.float32)
+        params[f"bn{block}.running_var"] = np.ones(out_channels, np.float32)
+        names = [f"bn{block}.{n}" for n in ("weight", "bias", "running_mean", "running_var")]
+        nodes += [
+            oh.make_node("Conv", [source, f"conv{block}.weight", f"conv{block}.bias"], [f"conv{block}"], pads=[1, 1, 1, 1]),
+            oh.make_node("BatchNormalization", [f"conv{block}"] + names, [f"bn{block}", f"bn{block}.mean_update", f"bn{block}.var_update"],
+                         epsilon=1e-5, momentum=0.9, training_mode=1),
+            oh.make_node("Relu", [f"bn{block}"], [f"relu{block}"]),
+            oh.make_node("MaxPool", [f"relu{block}"], [f"pool{block}"], kernel_shape=[2, 2], strides=[2, 2]),
+        ]
+        source, channels = f"pool{block}", out_channels
+    features = channels * 2 * 2
+    params["fc.weight"] = uniform(features, classes, features)
+    params["fc.bias"] = uniform(features, classes)
+    nodes += [
+        oh.make_node("Flatten", [source], ["features"], axis=1),
+        oh.make_node("Gemm", ["features", "fc.weight", "fc.bias"], ["logits"], transB=1),
+    ]
+    return model(nodes, {"x": ("N", 1, 8, 8)}, ["logits"], params, opset=17, name="digits_cnn")

@@ -7,7 +7,7 @@ in closed form (the loss nodes themselves are never differentiated).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict
+from typing import Callable, Dict, Mapping, Optional
 
 import numpy as np
 import onnx
@@ -16,7 +16,7 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext
 
-__all__ = ["LOSSES", "LossNodes", "append_loss"]
+__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "append_loss"]
 
 
 @dataclasses.dataclass
@@ -42,17 +42,50 @@ def _mse(ctx: GradientContext, output: str, labels: str) -> tuple:
     return loss, ctx.op("Mul", diff, scale)
 
 
-def _cross_entropy(ctx: GradientContext, output: str, labels: str) -> tuple:
-    """mean over samples of -log_softmax(y, axis=1)[labels]; d/dy = (softmax(y) - onehot) / count."""
+def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothing: float = 0.0,
+                   ignore_index: Optional[int] = None) -> tuple:
+    """torch's ``cross_entropy`` with class-index labels, ``reduction="mean"``: over the
+    samples whose label is not ``ignore_index`` (all when None), the mean of
+    (1 - ls)(-log_softmax(y)[label]) + ls/C (-sum_c log_softmax(y)_c);
+    d/dy = (softmax(y) - (1 - ls) onehot - ls/C) / count on those samples, 0 on the others."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     log_probs = ctx.op("LogSoftmax", output, axis=1)
-    picked = ctx.op("GatherElements", log_probs, ctx.unsqueeze(labels, [1]), axis=1)
-    loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
-    values = ctx.op("CastLike", ctx.op("Constant", value=onh.from_array(np.array([0.0, 1.0], np.float32))), output)
-    # depth as a scalar: onnx's ReferenceEvaluator rejects the [1]-shaped form the spec allows.
-    depth = ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0]))
-    onehot = ctx.op("OneHot", labels, depth, values, axis=1)
-    count = ctx.op("CastLike", ctx.op("Size", labels), output)
-    return loss, ctx.op("Div", ctx.op("Sub", ctx.op("Softmax", output, axis=1), onehot), count)
+
+    def onehot_of(indices: str) -> tuple:
+        values = ctx.op("CastLike", ctx.op("Constant", value=onh.from_array(np.array([0.0, 1.0], np.float32))), output)
+        # depth as a scalar: onnx's ReferenceEvaluator rejects the [1]-shaped form the spec allows.
+        depth = ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0]))
+        return ctx.op("OneHot", indices, depth, values, axis=1), depth
+
+    if ignore_index is None and label_smoothing == 0.0:
+        picked = ctx.op("GatherElements", log_probs, ctx.unsqueeze(labels, [1]), axis=1)
+        loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
+        onehot, _ = onehot_of(labels)
+        count = ctx.op("CastLike", ctx.op("Size", labels), output)
+        return loss, ctx.op("Div", ctx.op("Sub", ctx.op("Softmax", output, axis=1), onehot), count)
+    if ignore_index is None:
+        safe, valid = labels, None
+        count = ctx.op("CastLike", ctx.op("Size", labels), output)
+    else:
+        ignored = ctx.op("Equal", labels, ctx.op("Constant", value=onh.from_array(np.array(ignore_index, np.int64))))
+        safe = ctx.op("Where", ignored, ctx.op("Constant", value=onh.from_array(np.array(0, np.int64))), labels)
+        valid = ctx.op("CastLike", ctx.op("Not", ignored), output)
+        count = ctx.reduce("ReduceSum", valid, None, keepdims=False)
+    masked = (lambda value: value) if valid is None else (lambda value: ctx.op("Mul", value, valid))
+    onehot, depth = onehot_of(safe)
+    picked = ctx.op("Squeeze", ctx.op("GatherElements", log_probs, ctx.unsqueeze(safe, [1]), axis=1), ctx.ints([1]))
+    nll_sum = ctx.reduce("ReduceSum", masked(picked), None, keepdims=False)
+    smoothing_per_class = ctx.op("Div", ctx.scalar(label_smoothing, output), ctx.op("CastLike", depth, output))
+    total = ctx.op("Mul", nll_sum, ctx.scalar(1.0 - label_smoothing, output))
+    if label_smoothing:
+        class_sum = ctx.reduce("ReduceSum", masked(ctx.reduce("ReduceSum", log_probs, [1], keepdims=False)), None,
+                               keepdims=False)
+        total = ctx.op("Add", total, ctx.op("Mul", class_sum, smoothing_per_class))
+    loss = ctx.op("Neg", ctx.op("Div", total, count))
+    target = ctx.op("Add", ctx.op("Mul", onehot, ctx.scalar(1.0 - label_smoothing, output)), smoothing_per_class)
+    grad = ctx.op("Div", ctx.op("Sub", ctx.op("Softmax", output, axis=1), target), count)
+    return loss, grad if valid is None else ctx.op("Mul", grad, ctx.unsqueeze(valid, [1]))
 
 
 def _mean_and_scale(ctx: GradientContext, values: str, output: str) -> tuple:
@@ -76,16 +109,21 @@ def _l1(ctx: GradientContext, output: str, labels: str) -> tuple:
     return loss, ctx.op("Mul", ctx.op("Sign", diff), scale)
 
 
-def _smooth_l1(ctx: GradientContext, output: str, labels: str) -> tuple:
-    """torch's smooth_l1_loss with beta 1: mean(0.5 d^2 where |d| < 1 else |d| - 0.5);
-    d/dy = clip(d, -1, 1) / size(y)."""
+def _smooth_l1(ctx: GradientContext, output: str, labels: str, beta: float = 1.0) -> tuple:
+    """torch's smooth_l1_loss: mean(0.5 d^2 / beta where |d| < beta else |d| - 0.5 beta)
+    (l1 at beta 0); d/dy = clip(d / beta, -1, 1) / size(y)."""
+    if not beta >= 0:
+        raise ValueError(f"smooth_l1 beta must be >= 0, got {beta!r}")
+    if beta == 0:
+        return _l1(ctx, output, labels)
     diff = ctx.op("Sub", output, labels)
     size = ctx.op("Abs", diff)
-    values = ctx.op("Where", ctx.op("Less", size, ctx.scalar(1.0, output)),
-                    ctx.op("Mul", ctx.op("Mul", diff, diff), ctx.scalar(0.5, output)),
-                    ctx.op("Sub", size, ctx.scalar(0.5, output)))
+    beta_value = ctx.scalar(beta, output)
+    values = ctx.op("Where", ctx.op("Less", size, beta_value),
+                    ctx.op("Div", ctx.op("Mul", ctx.op("Mul", diff, diff), ctx.scalar(0.5, output)), beta_value),
+                    ctx.op("Sub", size, ctx.scalar(0.5 * beta, output)))
     loss, scale = _mean_and_scale(ctx, values, output)
-    clipped = ctx.op("Clip", diff, ctx.scalar(-1.0, output), ctx.scalar(1.0, output))
+    clipped = ctx.op("Clip", ctx.op("Div", diff, beta_value), ctx.scalar(-1.0, output), ctx.scalar(1.0, output))
     return loss, ctx.op("Mul", clipped, scale)
 
 
@@ -96,7 +134,10 @@ LOSSES: Dict[str, Callable] = {
     "l1": _l1,
     "smooth_l1": _smooth_l1,
 }
-"""Loss name -> ``fn(ctx, output, labels) -> (loss, grad)``."""
+"""Loss name -> ``fn(ctx, output, labels, **options) -> (loss, grad)``."""
+
+LOSS_OPTIONS: Dict[str, tuple] = {"cross_entropy": ("label_smoothing", "ignore_index"), "smooth_l1": ("beta",)}
+"""The keyword options each loss takes (torch's names)."""
 
 
 def labels_info(kind: str, output: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
@@ -110,14 +151,20 @@ def labels_info(kind: str, output: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     return oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, dims[:1] + dims[2:])
 
 
-def append_loss(ctx: GradientContext, kind: str, output: onnx.ValueInfoProto) -> LossNodes:
-    """Emits the ``kind`` loss of forward ``output`` through ``ctx``.
+def append_loss(ctx: GradientContext, kind: str, output: onnx.ValueInfoProto,
+                options: Optional[Mapping[str, object]] = None) -> LossNodes:
+    """Emits the ``kind`` loss of forward ``output`` through ``ctx``, with ``options`` (see :data:`LOSS_OPTIONS`).
 
     Raises:
-        ValueError: unknown loss.
+        ValueError: unknown loss, an option the loss does not take, or a value torch would refuse.
     """
     if kind not in LOSSES:
         raise ValueError(f"unknown loss {kind!r}; choose one of {sorted(LOSSES)}")
+    options = dict(options or {})
+    for name in options:
+        if name not in LOSS_OPTIONS.get(kind, ()):
+            takes = ", ".join(LOSS_OPTIONS.get(kind, ())) or "no options"
+            raise ValueError(f"loss {kind} has no option {name!r} (it takes {takes})")
     labels = labels_info(kind, output)
-    loss, grad = LOSSES[kind](ctx, output.name, labels.name)
+    loss, grad = LOSSES[kind](ctx, output.name, labels.name, **options)
     return LossNodes(labels, loss, grad)

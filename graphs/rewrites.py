@@ -9,6 +9,15 @@ would produce a wrong or rejected model.
   rejects it, and the converter turns it into GroupNormalization-21 (per channel) without
   expanding scale and bias. We expand them in the graph (Reshape/Expand, which the
   gradient flows back through) and convert to opset 21.
+* Upsample (opsets 7-9) and Resize-10 become Resize-11+ without the coordinate mode they
+  had: the converter leaves the new default half_pixel, which changes what linear
+  computes. We set onnxruntime's semantics: asymmetric coordinates, and for nearest
+  floor (upsampling; Upsample allows no other) or ceil (a Resize-10 that downsamples).
+* SplitToSequence read only by SequenceAt at constant positions (torch's dynamo exporter
+  writes it for torch.split/chunk) is a Split whose outputs are those positions: rewritten
+  so, since a gradient cannot flow through sequence values.
+* The converter keeps Pad-2's ``value`` attribute on reflect/edge Pads, which Pad-11 rejects;
+  it means nothing there and is dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import onnx.version_converter
 from normgrad.graphs.context import attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError
 
-__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset"]
+__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -99,6 +108,43 @@ def _expand_group_norm_18(graph: onnx.GraphProto) -> None:
     graph.node.extend(nodes)
 
 
+def _constant_values(graph: onnx.GraphProto, name: str):
+    for init in graph.initializer:
+        if init.name == name:
+            return onh.to_array(init)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name and node.attribute and node.attribute[0].name == "value":
+            return onh.to_array(node.attribute[0].t)
+    return None
+
+
+def _legacy_resize_modes(graph: onnx.GraphProto, opset: int) -> dict:
+    """{output of each Upsample / pre-11 Resize: the nearest_mode onnxruntime gives it};
+    drops Pad-2's meaningless ``value`` of non-constant modes.
+
+    Raises:
+        UnsupportedOperatorError: a nearest Resize-10 whose scales are not constant or both
+            up- and downsample (onnxruntime rounds each way differently; Resize-11 cannot).
+    """
+    modes = {}
+    for node in graph.node:
+        if node.op_type == "Pad" and attr(node, "mode", "constant") != "constant":
+            for attribute in [a for a in node.attribute if a.name == "value"]:
+                node.attribute.remove(attribute)
+        if node.op_type == "Upsample" or (node.op_type == "Resize" and opset < 11):
+            rounding = "floor"
+            if node.op_type == "Resize" and attr(node, "mode", "nearest") == "nearest":
+                scales = _constant_values(graph, node.input[1])
+                if scales is None or (np.any(scales < 1) and np.any(scales > 1)):
+                    raise UnsupportedOperatorError(
+                        f"{describe(node)}: an opset-10 nearest Resize needs constant scales that all up- or all "
+                        "downsample (onnxruntime rounds each way differently); re-export with opset 11 or newer"
+                    )
+                rounding = "ceil" if np.any(scales < 1) else "floor"
+            modes[node.output[0]] = rounding
+    return modes
+
+
 def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.ModelProto:
     """``model`` (default-domain ``opset``) converted to at least opset ``needed``.
 
@@ -115,6 +161,7 @@ def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.Model
     if opset >= needed:
         return model
     training = _batch_norm_training_outputs(graph) if opset < 14 else set()
+    resize_modes = _legacy_resize_modes(graph, opset) if opset < 11 else {}
     try:
         converted = onnx.version_converter.convert_version(model, needed)
     except Exception as error:  # the converter raises bare RuntimeErrors
@@ -125,4 +172,80 @@ def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.Model
                 if attr.name == "training_mode":
                     node.attribute.remove(attr)
             node.attribute.append(oh.make_attribute("training_mode", 1))
+        if node.op_type == "Resize" and node.output[0] in resize_modes:
+            for attr_ in [a for a in node.attribute if a.name in ("coordinate_transformation_mode", "nearest_mode")]:
+                node.attribute.remove(attr_)
+            node.attribute.extend([
+                oh.make_attribute("coordinate_transformation_mode", "asymmetric"),
+                oh.make_attribute("nearest_mode", resize_modes[node.output[0]]),
+            ])
     return converted
+
+
+def _split_sizes(graph: onnx.GraphProto, node: onnx.NodeProto, dims: dict):
+    """The piece sizes of SplitToSequence ``node``, or None where the graph does not fix them."""
+    split = _constant_values(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    if split is not None and split.ndim == 1:
+        return [int(v) for v in split]
+    dim = dims.get(node.input[0])
+    if dim is None:
+        return None
+    step = 1 if split is None else int(split)
+    return [min(step, dim - start) for start in range(0, dim, step)]
+
+
+def split_sequences(model: onnx.ModelProto) -> None:
+    """Rewrites, in place, each SplitToSequence that only SequenceAt nodes with constant
+    positions read into a Split (plus a Squeeze per piece when ``keepdims=0`` without split)."""
+    graph = model.graph
+    if not any(node.op_type == "SplitToSequence" for node in graph.node):
+        return
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    readers: dict = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    replaced = {}  # id(node) -> the nodes written in its place
+    for node in graph.node:
+        if node.op_type != "SplitToSequence" or node.output[0] in outputs:
+            continue
+        users = readers.get(node.output[0], [])
+        positions = [_constant_values(graph, user.input[1]) if user.op_type == "SequenceAt" else None for user in users]
+        if not users or any(p is None for p in positions):
+            continue
+        axis = attr(node, "axis", 0)
+        dims = {}
+        for info in list(inferred.input) + list(inferred.value_info):
+            shape = info.type.tensor_type.shape.dim
+            if info.name == node.input[0] and shape and shape[axis].HasField("dim_value"):
+                dims[info.name] = shape[axis].dim_value
+        sizes = _split_sizes(graph, node, dims)
+        if sizes is None:
+            continue
+        tag = _unique(graph, f"{node.name or 'SplitToSequence'}/piece")
+        pieces = [f"{tag}_{k}" for k in range(len(sizes))]
+        split_name = f"{tag}_sizes"
+        split_inputs = [node.input[0], split_name] if opset >= 13 else [node.input[0]]
+        split_attrs = {} if opset >= 13 else {"split": sizes}
+        replaced[id(node)] = [
+            oh.make_node("Constant", [], [split_name], value=onh.from_array(np.asarray(sizes, np.int64))),
+            oh.make_node("Split", split_inputs, pieces, name=tag, axis=axis, **split_attrs),
+        ]
+        squeeze = not attr(node, "keepdims", 1) and not (len(node.input) > 1 and node.input[1])
+        for k, (user, position) in enumerate(zip(users, positions)):
+            piece = pieces[int(position) % len(sizes)]
+            if squeeze:
+                axes = f"{tag}_axes_{k}"
+                replaced[id(user)] = [
+                    oh.make_node("Constant", [], [axes], value=onh.from_array(np.asarray([axis], np.int64))),
+                    oh.make_node("Squeeze", [piece, axes], [user.output[0]]),
+                ]
+            else:
+                replaced[id(user)] = [oh.make_node("Identity", [piece], [user.output[0]])]
+    if not replaced:
+        return
+    kept = [new for node in graph.node for new in replaced.get(id(node), [node])]
+    del graph.node[:]
+    graph.node.extend(kept)

@@ -655,7 +655,45 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  {name:<16}{result['median'] * 1e6:10.1f}us", file=out)
     cpp, ident = results["cpp"]["median"], results["Identity node"]["median"]
     print(f"  overhead over Identity: {(cpp - ident) * 1e6:.1f}us", file=out)
+
+    for width in (16,) if args.quick else (16, 128):
+        _print_step_table(width, threads, max(repeat, 9), out)
     return status
+
+
+def _print_step_table(width: int, threads: int, repeat: int, out) -> None:
+    """One AdamW step of the digits CNN (batch 32): ``normgrad.train.Trainer`` (state in
+    ping-pong OrtValues through IOBinding) against ``session.run`` of the same step graph
+    with the state fed from NumPy and the outputs copied back, as a hand-written loop does."""
+    import json
+
+    import onnxruntime
+
+    import normgrad
+    from normgrad.graphs import build_step_graph, build_training_graph, examples
+    from normgrad.train import Trainer
+
+    step, initial = build_step_graph(build_training_graph(examples.digits_cnn(width=width), loss="cross_entropy"), "adamw")
+    rng = np.random.default_rng(1)
+    x, labels = rng.standard_normal((32, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 32)
+    trainer = Trainer(step, initial, lr=1e-3, session_options=_session_options(threads))
+    session = onnxruntime.InferenceSession(step.SerializeToString(), normgrad.session_options("cpp", _session_options(threads)),
+                                           providers=["CPUExecutionProvider"])
+    next_of = json.loads({p.key: p.value for p in step.metadata_props}["normgrad.state"])
+    names = [o.name for o in session.get_outputs()]
+    state = dict(initial)
+
+    def numpy_loop():
+        feeds = {**state, "x": x, "labels": labels, "lr": np.array(1e-3, np.float32), "step": np.array(1, np.float32)}
+        outputs = dict(zip(names, session.run(None, feeds)))
+        state.update({name: outputs[next_of[name]] for name in state})
+
+    results = _time({"Trainer.step": lambda: trainer.step(x, labels), "run + NumPy": numpy_loop}, repeat)
+    megabytes = sum(v.nbytes for v in initial.values()) / 1e6
+    print(f"\nTraining step: digits CNN width {width} ({megabytes:.1f} MB of state), batch 32, AdamW", file=out)
+    for name, result in results.items():
+        print(f"  {name:<16}{result['median'] * 1e3:10.3f}ms  (range {min(result['times']) * 1e3:.3f}-"
+              f"{max(result['times']) * 1e3:.3f})", file=out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``normgrad`` command: ``normgrad {demo,bench,export,check,corpus} ...``."""
+"""The ``normgrad`` command: ``normgrad {demo,bench,export,check,corpus,train} ...``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ COMMANDS = {
     "export": ("normgrad.tools.export", "turn a forward ONNX model into a training graph"),
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
     "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
+    "train": ("normgrad.tools.train", "train a small CNN on scikit-learn's digits in onnxruntime (the train extra)"),
 }
 
 

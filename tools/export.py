@@ -1,4 +1,4 @@
-"""``normgrad export IN.onnx -o OUT.onnx [--loss mse|cross_entropy] [--inline] [--optimizer sgd|adam|adamw ...]``:
+"""``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
 its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
 
@@ -20,20 +20,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
     from normgrad.graphs.builder import frozen_parameters
-    from normgrad.graphs.losses import LOSSES
+    from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="forward ONNX model")
     parser.add_argument("-o", "--output", required=True, help="where to write the training graph (not the input)")
     parser.add_argument("--loss", choices=sorted(LOSSES), help="append a loss of the first output (adds a 'labels' input)")
+    parser.add_argument("--label-smoothing", type=float, default=None, metavar="EPS",
+                        help="cross_entropy: torch's label_smoothing (0..1)")
+    parser.add_argument("--ignore-index", type=int, default=None, metavar="CLASS",
+                        help="cross_entropy: samples with this label get no loss or gradient (torch's ignore_index, e.g. -100)")
+    parser.add_argument("--beta", type=float, default=None, help="smooth_l1: torch's beta (default 1)")
+    parser.add_argument("--loss-output", metavar="NAME",
+                        help="the model's scalar output NAME is already its loss (instead of --loss)")
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
+    parser.add_argument("--portable", action="store_true",
+                        help="a graph every execution provider runs correctly (OpenVINO included): weights as pure "
+                             "inputs, their initial values in the checkpoint (--checkpoint)")
     parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
                         help="train only these initializers (repeatable; fnmatch globs)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
-    step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss)")
-    step.add_argument("--checkpoint", help="where to write the initial state (default: OUTPUT with .ckpt for .onnx)")
+    step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
+    step.add_argument("--checkpoint", help="where to write the initial state (--optimizer) or weights (--portable); "
+                                           "default: OUTPUT with .ckpt for .onnx")
     step.add_argument("--momentum", type=float, default=0.0)
     step.add_argument("--dampening", type=float, default=0.0)
     step.add_argument("--nesterov", action="store_true")
@@ -43,8 +54,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--amsgrad", action="store_true")
     step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
     args = parser.parse_args(argv)
-    if args.optimizer and not args.loss:
-        parser.error("--optimizer needs --loss")
+    if args.optimizer and not (args.loss or args.loss_output):
+        parser.error("--optimizer needs --loss or --loss-output")
+    if args.loss and args.loss_output:
+        parser.error("give --loss or --loss-output, not both")
+    loss_options = {name: value for name, value in (("label_smoothing", args.label_smoothing),
+                                                    ("ignore_index", args.ignore_index), ("beta", args.beta))
+                    if value is not None}
+    if args.label_smoothing is not None and not 0.0 <= args.label_smoothing <= 1.0:
+        parser.error(f"--label-smoothing must be in [0, 1]; got {args.label_smoothing}")
+    if args.beta is not None and not args.beta >= 0:
+        parser.error(f"--beta must be >= 0; got {args.beta}")
+    for name in loss_options:
+        if name not in LOSS_OPTIONS.get(args.loss, ()):
+            parser.error(f"--{name.replace('_', '-')} is an option of "
+                         f"{' '.join(k for k, v in LOSS_OPTIONS.items() if name in v)} (--loss {args.loss})")
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
@@ -54,19 +78,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
-        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen)
+        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
+                                        loss_options=loss_options, loss_output=args.loss_output)
+        initial = None
+        if args.optimizer or args.portable:
+            refuse_same_file(args.model, checkpoint_path, "checkpoint")
         if args.optimizer:
-            from normgrad import checkpoint
             from normgrad.graphs import build_step_graph
 
-            refuse_same_file(args.model, checkpoint_path, "checkpoint")
             options = dict(weight_decay=args.weight_decay if args.weight_decay is not None else
                            (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm)
             if args.optimizer == "sgd":
                 options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
             else:
                 options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
-            training, initial = build_step_graph(training, args.optimizer, **options)
+            training, initial = build_step_graph(training, args.optimizer, portable=args.portable, **options)
+        elif args.portable:
+            from normgrad.graphs.portable import make_portable
+
+            training, initial = make_portable(training)
+        if initial is not None:
+            from normgrad import checkpoint
+
             checkpoint.save(checkpoint_path, initial)
         save_model_atomic(training, args.output)
     except OSError as error:
@@ -80,7 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in {checkpoint_path}")
         return 0
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
-    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs")
+    weights = f"; initial weights in {checkpoint_path}" if args.portable else ""
+    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs{weights}")
     return 0
 
 

@@ -116,8 +116,11 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     group_norm,
     matmul,
     non_differentiable,
+    pad,
     pool,
     reduce,
+    resize,
     select,
     shape,
+    slice,
 )

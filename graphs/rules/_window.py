@@ -1,4 +1,5 @@
-"""Shared geometry of sliding-window ops (Conv, AveragePool, MaxPool): pads and sizes."""
+"""Shared geometry of sliding-window ops (Conv, ConvTranspose, AveragePool): pads and sizes,
+static or known only at run time, and the transposed window that gives dy back the input's size."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import onnx
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError
 
-__all__ = ["Window", "window_of"]
+__all__ = ["Window", "window_of", "transposed_window"]
 
 
 @dataclasses.dataclass
@@ -21,8 +22,8 @@ class Window:
         kernel: kernel size per spatial dim.
         strides, dilations: per spatial dim.
         pads: begin pads followed by end pads (auto_pad resolved).
-        in_sizes: spatial input sizes (static).
-        out_sizes: spatial output sizes.
+        in_sizes: spatial input sizes; None when only the run time knows them.
+        out_sizes: spatial output sizes; None likewise.
         output_padding: what ConvTranspose must add at the end to give back ``in_sizes``.
     """
 
@@ -30,8 +31,8 @@ class Window:
     strides: List[int]
     dilations: List[int]
     pads: List[int]
-    in_sizes: List[int]
-    out_sizes: List[int]
+    in_sizes: Optional[List[int]]
+    out_sizes: Optional[List[int]]
 
     @property
     def output_padding(self) -> List[int]:
@@ -45,27 +46,33 @@ class Window:
 
 
 def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[int]] = None) -> Window:
-    """The geometry of ``node``, whose input 0 must have static spatial dims.
+    """The geometry of ``node``; its input's spatial dims may be symbolic.
 
     Args:
         kernel: the kernel size when the node has no ``kernel_shape`` attribute (Conv).
 
     Raises:
-        UnsupportedOperatorError: spatial dims unknown, or ceil_mode changes the output size.
+        UnsupportedOperatorError: the input's rank is unknown, ceil_mode changes the output
+            size (or may, at sizes only the run time knows), or auto_pad SAME_* at such sizes.
     """
     shape = ctx.shape(node.input[0])
-    if shape is None or not all(isinstance(d, int) for d in shape[2:]):
-        raise UnsupportedOperatorError(
-            f"{describe(node)}: the gradient needs static spatial dims of input '{node.input[0]}'; got {shape}"
-        )
-    in_sizes = list(shape[2:])
-    r = len(in_sizes)
+    if shape is None:
+        raise UnsupportedOperatorError(f"{describe(node)}: the rank of input '{node.input[0]}' is unknown")
+    r = len(shape) - 2
+    static = all(isinstance(d, int) for d in shape[2:])
+    in_sizes = list(shape[2:]) if static else None
     kernel = list(attr(node, "kernel_shape", kernel or []))
     if len(kernel) != r:
         raise UnsupportedOperatorError(f"{describe(node)}: kernel shape unknown")
     strides = list(attr(node, "strides", [1] * r))
     dilations = list(attr(node, "dilations", [1] * r))
     auto_pad = attr(node, "auto_pad", "NOTSET")
+    if not static and (auto_pad in ("SAME_UPPER", "SAME_LOWER") or attr(node, "ceil_mode", 0)):
+        what = f"auto_pad={auto_pad}" if auto_pad.startswith("SAME") else "ceil_mode=1"
+        raise UnsupportedOperatorError(
+            f"{describe(node)}: {what} needs static spatial dims of input '{node.input[0]}' for the gradient; "
+            f"got {shape} (export with explicit pads, or a fixed image size)"
+        )
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         pads = [0] * (2 * r)
         for i in range(r):
@@ -77,6 +84,8 @@ def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[
         pads = [0] * (2 * r)
     else:
         pads = list(attr(node, "pads", [0] * (2 * r)))
+    if not static:
+        return Window(kernel, strides, dilations, pads, None, None)
     out_sizes = []
     for i in range(r):
         span = in_sizes[i] + pads[i] + pads[r + i] - (kernel[i] - 1) * dilations[i] - 1
@@ -88,3 +97,20 @@ def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[
     if out_shape is not None and all(isinstance(d, int) for d in out_shape[2:]):
         out_sizes = list(out_shape[2:])
     return Window(kernel, strides, dilations, pads, in_sizes, out_sizes)
+
+
+def transposed_window(ctx: GradientContext, dy: str, weights: str, x: str, window: Window, group: int = 1) -> str:
+    """ConvTranspose of ``dy`` with ``weights`` over ``window``, sized like ``x`` (Conv's dx).
+
+    With static sizes, output_padding restores x's size. Otherwise the end pads are left
+    uncropped and one Pad with run-time amounts crops or zero-fills the end to x's size
+    (zero-filling with output_padding alone would be wrong: with end pads, the elements
+    past the cropped size are not zero).
+    """
+    geometry = dict(strides=window.strides, dilations=window.dilations, kernel_shape=window.kernel, group=group)
+    if window.in_sizes is not None:
+        return ctx.op("ConvTranspose", dy, weights, pads=window.pads, output_padding=window.output_padding, **geometry)
+    r = len(window.kernel)
+    full = ctx.op("ConvTranspose", dy, weights, pads=window.pads[:r] + [0] * r, **geometry)
+    missing = ctx.op("Sub", ctx.shape_of(x, start=2), ctx.shape_of(full, start=2))
+    return ctx.op("Pad", full, ctx.op("Concat", ctx.ints([0] * (r + 4)), missing, axis=0))

@@ -1,4 +1,4 @@
-"""Gather and GatherElements: the gradient is a scatter-add of dy into zeros of the data's shape.
+"""Gather, GatherND and GatherElements: the gradient is a scatter-add of dy into zeros of the data's shape.
 
 Indices may be negative (normalized first) and repeat (repeats accumulate: ``reduction="add"``,
 opset 16, in an order independent of the thread count); Gather's indices may be scalars.
@@ -11,11 +11,12 @@ from typing import List, Optional
 
 import numpy as np
 import onnx
+import onnx.numpy_helper as onh
 
-from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.context import GradientContext, attr, describe
+from normgrad.graphs.rules import UnsupportedOperatorError, register
 
-__all__ = ["gather_gradient", "gather_elements_gradient"]
+__all__ = ["gather_gradient", "gather_nd_gradient", "gather_elements_gradient"]
 
 
 def _non_negative(ctx: GradientContext, indices: str, data: str, axis: int) -> str:
@@ -28,6 +29,17 @@ def _non_negative(ctx: GradientContext, indices: str, data: str, axis: int) -> s
 
 def _zeros(ctx: GradientContext, like: str, shape: str) -> str:
     return ctx.op("Expand", ctx.scalar(0.0, like), shape)
+
+
+def _scatter_add_rows(ctx: GradientContext, data: str, rank: int, axis: int, flat: str, dy: str) -> str:
+    """Zeros shaped like ``data`` (of ``rank``) plus ``dy`` scatter-added along ``axis`` at the
+    1-D non-negative ``flat`` indices; dy has data's axes with ``axis`` replaced by any index axes."""
+    dy_shape = ctx.op("Concat", ctx.shape_of(data, end=axis), ctx.ints([-1]), ctx.shape_of(data, start=axis + 1), axis=0)
+    dy = ctx.op("Reshape", dy, dy_shape)
+    along_axis = [1] * axis + [-1] + [1] * (rank - axis - 1)
+    indices = ctx.op("Expand", ctx.op("Reshape", flat, ctx.ints(along_axis)), ctx.shape_of(dy))
+    zeros = _zeros(ctx, data, ctx.shape_of(data))
+    return ctx.op("ScatterElements", zeros, indices, dy, axis=axis, reduction="add")
 
 
 @register("Gather", min_opset=16)
@@ -43,12 +55,29 @@ def gather_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
     rank = ctx.rank(data, node)
     axis = attr(node, "axis", 0) % rank
     flat = ctx.op("Reshape", _non_negative(ctx, node.input[1], data, axis), ctx.ints([-1]))
-    dy_shape = ctx.op("Concat", ctx.shape_of(data, end=axis), ctx.ints([-1]), ctx.shape_of(data, start=axis + 1), axis=0)
-    dy = ctx.op("Reshape", dy, dy_shape)
-    along_axis = [1] * axis + [-1] + [1] * (rank - axis - 1)
-    indices = ctx.op("Expand", ctx.op("Reshape", flat, ctx.ints(along_axis)), ctx.shape_of(dy))
-    zeros = _zeros(ctx, data, ctx.shape_of(data))
-    return [ctx.op("ScatterElements", zeros, indices, dy, axis=axis, reduction="add")]
+    return [_scatter_add_rows(ctx, data, rank, axis, flat, dy)]
+
+
+@register("GatherND", min_opset=16)
+def gather_nd_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """GatherND (batch_dims 0) with k-tuples of indices is a Gather along axis 0 of the data
+    viewed as [d0 * ... * d(k-1), rest...] with flat row numbers; its gradient is that
+    Gather's, reshaped back. (Not ScatterND: see :func:`gather_gradient`.)"""
+    data, indices, dy = node.input[0], node.input[1], grads[0]
+    rank, index_shape = ctx.rank(data, node), ctx.shape(indices)
+    if attr(node, "batch_dims", 0) or index_shape is None or not isinstance(index_shape[-1], int):
+        raise UnsupportedOperatorError(
+            f"{describe(node)}: GatherND needs batch_dims 0 and a static last dim of its indices for the gradient")
+    k = index_shape[-1]
+    flat = None
+    for j in range(k):
+        component = ctx.op("Gather", indices, ctx.op("Constant", value=onh.from_array(np.asarray(j, np.int64))), axis=-1)
+        component = _non_negative(ctx, component, data, j)
+        flat = component if flat is None else ctx.op(
+            "Add", ctx.op("Mul", flat, ctx.op("Reshape", ctx.shape_of(data, start=j, end=j + 1), ctx.ints([]))), component)
+    rows = ctx.op("Reshape", data, ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(data, start=k), axis=0))
+    grad = _scatter_add_rows(ctx, rows, rank - k + 1, 0, ctx.op("Reshape", flat, ctx.ints([-1])), dy)
+    return [ctx.reshape_like(grad, data)]
 
 
 @register("GatherElements", min_opset=16)

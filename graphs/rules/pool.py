@@ -15,7 +15,8 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
-from normgrad.graphs.rules._window import window_of
+from normgrad.graphs.rules._scatter import scatter_to_positions
+from normgrad.graphs.rules._window import transposed_window, window_of
 
 __all__ = ["average_pool_gradient", "max_pool_gradient"]
 
@@ -26,24 +27,18 @@ def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
     x, dy = node.input[0], grads[0]
     window = window_of(ctx, node)
     geometry = dict(strides=window.strides, dilations=window.dilations, pads=window.pads)
-    ones = ctx.op(
-        "CastLike",
-        ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, np.float32))),
-        x,
-    )
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(ctx.elem_type(x) or onnx.TensorProto.FLOAT)
+    ones = ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, dtype)))
     if attr(node, "count_include_pad", 0) or not any(window.pads):
         dy = ctx.op("Div", dy, ctx.scalar(float(np.prod(window.kernel)), x))
     else:
-        plane = ctx.op(
-            "ConstantOfShape",
-            ctx.ints([1, 1] + window.in_sizes),
-            value=onh.from_array(np.ones(1, np.float32)),
-        )
-        counts = ctx.op("Conv", ctx.op("CastLike", plane, x), ones, **geometry)
+        plane_shape = ctx.op("Concat", ctx.ints([1, 1]), ctx.shape_of(x, start=2), axis=0)
+        plane = ctx.op("ConstantOfShape", plane_shape, value=onh.from_array(np.ones(1, dtype)))
+        counts = ctx.op("Conv", plane, ones, **geometry)
         dy = ctx.op("Div", dy, counts)
     channels = ctx.op("Concat", ctx.ints([-1, 1]), ctx.shape_of(dy, start=2), axis=0)
     planes = ctx.op("Reshape", dy, channels)
-    dx = ctx.op("ConvTranspose", planes, ones, output_padding=window.output_padding, kernel_shape=window.kernel, **geometry)
+    dx = transposed_window(ctx, planes, ones, x, window)  # x lends only its spatial size
     return [ctx.reshape_like(dx, x)]
 
 
@@ -58,16 +53,5 @@ def max_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Op
             f"{describe(node)}: MaxPool with auto_pad SAME_* and dilations is not supported (onnxruntime's "
             "Indices output, which the gradient needs, ignores the padding there); write explicit pads"
         )
-    x = node.input[0]
     indices = ctx.ensure_output(node, 1, "indices")
-    flat = ctx.ints([-1])
-    zeros = ctx.op("Reshape", ctx.zeros_like(x), flat)
-    scattered = ctx.op(
-        "ScatterElements",
-        zeros,
-        ctx.op("Reshape", indices, flat),
-        ctx.op("Reshape", grads[0], flat),
-        axis=0,
-        reduction="add",
-    )
-    return [ctx.reshape_like(scattered, x)]
+    return [scatter_to_positions(ctx, grads[0], indices, node.input[0], "add")]

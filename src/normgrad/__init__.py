@@ -11,6 +11,9 @@ The public API:
 * :func:`library_path`: the compiled custom-op library.
 * :func:`prepare_for_python_kernels`: rewrite normgrad nodes so the Python kernels take them.
 * :func:`check_attributes`: every normgrad node's attributes against its operator.
+
+Training: :mod:`normgrad.graphs` (training and step graphs), :mod:`normgrad.train`
+(``Trainer``: step graphs run with their state in onnxruntime), :mod:`normgrad.checkpoint`.
 """
 
 from __future__ import annotations

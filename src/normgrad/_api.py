@@ -223,17 +223,14 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
     Raises:
         NormgradInputError: as :func:`check_attributes`.
     """
+    from normgrad.graphs.context import reserve_name
+
     check_attributes(model)
     model = copy.deepcopy(model)
     used = _value_names(model)
 
     def fresh(name: str) -> str:
-        candidate, k = name, 0
-        while candidate in used:
-            k += 1
-            candidate = f"{name}_{k}"
-        used.add(candidate)
-        return candidate
+        return reserve_name(used, name)
 
     def rewrite(nodes) -> None:
         rewritten = []

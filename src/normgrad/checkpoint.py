@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 from normgrad._files import PathLike, write_bytes_atomic
 from normgrad.ops._common import IR_VERSION
 
-__all__ = ["Checkpoint", "CheckpointError", "save", "load", "check_matches"]
+__all__ = ["Checkpoint", "CheckpointError", "save", "load", "from_proto", "check_matches"]
 
 _GRAPH_NAME = "normgrad_checkpoint"
 
@@ -79,16 +79,25 @@ def load(path: PathLike) -> Checkpoint:
         model.ParseFromString(data)
     except Exception:
         raise CheckpointError(f"{str(path)!r} is not a checkpoint: not an ONNX model") from None
+    return from_proto(model, repr(str(path)))
+
+
+def from_proto(model: onnx.ModelProto, where: str = "the model") -> Checkpoint:
+    """The checkpoint a ModelProto holds (what :func:`load` reads from a file).
+
+    Raises:
+        CheckpointError: ``model`` is not a normgrad checkpoint (``where`` names it in the message).
+    """
     if model.graph.name != _GRAPH_NAME or model.graph.node or model.graph.input or model.graph.output:
-        raise CheckpointError(f"{str(path)!r} is not a checkpoint: a checkpoint's graph holds only initializers")
+        raise CheckpointError(f"{where} is not a checkpoint: a checkpoint's graph holds only initializers")
     tensors: Dict[str, np.ndarray] = {}
     for tensor in model.graph.initializer:
         if tensor.name in tensors:
-            raise CheckpointError(f"checkpoint {str(path)!r} holds tensor {tensor.name!r} twice")
+            raise CheckpointError(f"checkpoint {where} holds tensor {tensor.name!r} twice")
         try:
             tensors[tensor.name] = numpy_helper.to_array(tensor)
         except Exception as error:
-            raise CheckpointError(f"checkpoint {str(path)!r}: tensor {tensor.name!r} is unreadable ({error})") from None
+            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} is unreadable ({error})") from None
     metadata = {entry.key: entry.value for entry in model.metadata_props}
     return Checkpoint(tensors=tensors, metadata=metadata)
 

@@ -1,0 +1,300 @@
+"""Portable training graphs: rewrites that let every execution provider run a training or
+step graph correctly, not only onnxruntime's CPU provider.
+
+Each rewrite keeps the graph's arithmetic and works around a defect measured on
+onnxruntime-openvino 1.24.1 (device CPU); ``tests/test_openvino_defects.py`` holds a
+minimal reproducer of each:
+
+* **weights as pure inputs**: an input that is also an initializer is frozen to its stored
+  value by OpenVINO, so fed weights were ignored. The initializer goes; its value is
+  returned (for a checkpoint).
+* **no constant weight shared by a ConvTranspose**: a constant square weight [C, C, k, k]
+  read by both a Conv and a ConvTranspose gives a wrong ConvTranspose. Each ConvTranspose
+  gets its own copy of a constant weight another node also reads.
+* **OneHot as Equal + Where**: OpenVINO leaves OneHot with a run-time depth to the CPU
+  provider, and the constant-folded value it would read then leaves the OpenVINO subgraph
+  under a name onnxruntime does not find ("Output names mismatch").
+* **Size as ReduceProd(Shape)**: OpenVINO leaves Size to the CPU provider; between two
+  OpenVINO parts (the mse loss's Size of the model output) that makes the partition cyclic:
+  the session fails ("the graph is not acyclic") or, in larger graphs, the forward pass
+  falls back to the CPU provider.
+* **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
+  node but loses its output's rank, fails to compile it, and drags every neighbour onto the
+  CPU provider.
+* **unused inputs last**: with an input nothing reads before used ones, OpenVINO binds the
+  inputs by position (Sub(a, b) computed c - a). Moved behind the others, it shifts none.
+* **no training-mode BatchNormalization**: OpenVINO refuses ``training_mode=1`` at
+  compile time without falling back to the CPU provider; the exporter writes the batch
+  statistics explicitly, and a graph that still has such a node is refused here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Set, Tuple
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.inliner
+import onnx.numpy_helper as onh
+import onnx.shape_inference
+
+from normgrad.graphs.context import attr, describe, reserve_name
+
+__all__ = ["make_portable", "EXPANDED_OPS"]
+
+EXPANDED_OPS = ("GroupNormalization",)
+"""Default-domain function ops replaced by their ONNX function bodies."""
+_EXPAND_DOMAIN = "normgrad.portable.expand"
+
+
+class _Names:
+    """Fresh value names that collide with nothing in the graph."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.used: Set[str] = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+        for node in graph.node:
+            self.used.update(node.input)
+            self.used.update(node.output)
+            self.used.add(node.name)
+
+    def __call__(self, hint: str) -> str:
+        return reserve_name(self.used, hint)
+
+
+def _weights_as_inputs(graph: onnx.GraphProto) -> Dict[str, np.ndarray]:
+    """Drops every initializer that is also a graph input; returns their values."""
+    inputs = {i.name for i in graph.input}
+    moved = {t.name: onh.to_array(t).copy() for t in graph.initializer if t.name in inputs}
+    kept = [t for t in graph.initializer if t.name not in inputs]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return moved
+
+
+def _refuse_training_batch_norm(graph: onnx.GraphProto) -> None:
+    for node in graph.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and attr(node, "training_mode", 0):
+            raise ValueError(
+                f"{describe(node)}: BatchNormalization with training_mode=1 is not portable (OpenVINO refuses it "
+                "at compile time); the exporter writes its batch statistics explicitly, so this graph was not "
+                "built by this version of normgrad"
+            )
+
+
+def _unshare_conv_transpose_weights(graph: onnx.GraphProto, names: _Names) -> None:
+    """Gives each ConvTranspose its own copy of a constant weight that another node reads too."""
+    initializers = {t.name: t for t in graph.initializer}
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    readers: Dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        weight = node.input[1] if node.op_type == "ConvTranspose" and len(node.input) > 1 else None
+        if weight is not None and readers.get(weight, 0) > 1 and (weight in initializers or weight in constants):
+            copy_name = names(f"{weight}/ConvTranspose_copy")
+            if weight in initializers:
+                duplicate = copy.deepcopy(initializers[weight])
+                duplicate.name = copy_name
+                graph.initializer.append(duplicate)
+            else:
+                duplicate_node = copy.deepcopy(constants[weight])
+                duplicate_node.output[0] = copy_name
+                duplicate_node.name = names(f"{constants[weight].name or 'Constant'}/copy")
+                nodes.append(duplicate_node)
+            node.input[1] = copy_name
+            readers[weight] -= 1
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _const(names: _Names, hint: str, value: np.ndarray) -> Tuple[str, onnx.NodeProto]:
+    name = names(hint)
+    return name, oh.make_node("Constant", [], [name], name=names(f"{hint}/node"), value=onh.from_array(value))
+
+
+def _onehot_nodes(node: onnx.NodeProto, rank: int, names: _Names) -> List[onnx.NodeProto]:
+    """OneHot(indices, depth, values, axis) as Where(Equal(indices, classes), on, off), with
+    negative indices counted from depth as OneHot does. No computed value is 0-d: OpenVINO
+    left a Reshape of depth to a 0-d value to the CPU provider, and constants it folded then
+    crossed the boundary (the "Output names mismatch" defect again)."""
+    indices, depth, values = node.input
+    out = node.output[0]
+    prefix = node.name or out
+    axis = attr(node, "axis", -1)
+    axis = axis + rank + 1 if axis < 0 else axis
+    shape = [1] * (rank + 1)
+    shape[axis] = -1
+    constants = {
+        "zero": np.array([0], np.int64),
+        "one": np.array([1], np.int64),
+        "classes_shape": np.array(shape, np.int64),
+        "axis": np.array([axis], np.int64),
+        "cumsum_axis": np.array(0, np.int64),  # an input, so 0-d is fine
+    }
+    names_of = {}
+    nodes = []
+    for hint, value in constants.items():
+        names_of[hint], constant = _const(names, f"{prefix}/{hint}", value)
+        nodes.append(constant)
+    zero, one = names_of["zero"], names_of["one"]
+    v = {h: names(f"{prefix}/{h}") for h in ("depth64", "depth", "ones", "counts", "range", "classes", "indices64",
+                                              "negative", "wrapped", "indices", "unsqueezed", "hits", "off", "on")}
+    make = lambda op, inputs, output, **kw: oh.make_node(op, inputs, [v[output]], name=names(f"{prefix}/{op}"), **kw)  # noqa: E731
+    return nodes + [
+        make("Cast", [depth], "depth64", to=onnx.TensorProto.INT64),
+        make("Reshape", [v["depth64"], one], "depth"),
+        make("ConstantOfShape", [v["depth"]], "ones", value=onh.from_array(np.array([1], np.int64))),
+        make("CumSum", [v["ones"], names_of["cumsum_axis"]], "counts"),
+        make("Sub", [v["counts"], one], "range"),
+        make("Reshape", [v["range"], names_of["classes_shape"]], "classes"),
+        make("Cast", [indices], "indices64", to=onnx.TensorProto.INT64),
+        make("Less", [v["indices64"], zero], "negative"),
+        make("Add", [v["indices64"], v["depth"]], "wrapped"),
+        make("Where", [v["negative"], v["wrapped"], v["indices64"]], "indices"),
+        make("Unsqueeze", [v["indices"], names_of["axis"]], "unsqueezed"),
+        make("Equal", [v["unsqueezed"], v["classes"]], "hits"),
+        make("Gather", [values, zero], "off"),
+        make("Gather", [values, one], "on"),
+        oh.make_node("Where", [v["hits"], v["on"], v["off"]], [out], name=names(f"{prefix}/Where")),
+    ]
+
+
+def _onehot_as_equal(model: onnx.ModelProto, names: _Names) -> None:
+    graph = model.graph
+    if not any(n.op_type == "OneHot" for n in graph.node):
+        return
+    types = _value_types(model)
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "OneHot" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        rank = _rank(types, node.input[0])
+        if rank is None:
+            raise ValueError(f"{describe(node)}: the rank of its indices is unknown, so it cannot be made portable")
+        nodes.extend(_onehot_nodes(node, rank, names))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _size_as_shape_product(graph: onnx.GraphProto, names: _Names) -> None:
+    """Size(v) as ReduceProd(Shape(v)): OpenVINO does not take Size, and one left to the CPU
+    provider between two OpenVINO parts makes the partition cyclic."""
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type == "Size" and node.domain in ("", "ai.onnx"):
+            prefix = node.name or node.output[0]
+            shape = names(f"{prefix}/shape")
+            nodes.append(oh.make_node("Shape", [node.input[0]], [shape], name=names(f"{prefix}/Shape")))
+            nodes.append(oh.make_node("ReduceProd", [shape], [node.output[0]], name=names(f"{prefix}/ReduceProd"),
+                                      keepdims=0))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    graph = inferred.graph
+    types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        types[info.name] = info.type
+    return types
+
+
+def _rank(types: Dict[str, onnx.TypeProto], name: str):
+    info = types.get(name)
+    if info is None or not info.tensor_type.HasField("shape"):
+        return None
+    return len(info.tensor_type.shape.dim)
+
+
+def _expand_function_ops(model: onnx.ModelProto, names: _Names) -> onnx.ModelProto:
+    """Replaces every default-domain node of :data:`EXPANDED_OPS` by the ONNX function body
+    its schema builds for its attributes and input types."""
+    graph = model.graph
+    targets = [n for n in graph.node if n.op_type in EXPANDED_OPS and n.domain in ("", "ai.onnx")]
+    if not targets:
+        return model
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    types = _value_types(model)
+    functions = []
+    for node in targets:
+        schema = onnx.defs.get_schema(node.op_type, opset)
+        input_types = [types[name].SerializeToString() if name else onnx.TypeProto().SerializeToString() for name in node.input]
+        if schema.has_context_dependent_function:
+            body = schema.get_context_dependent_function_with_opset_version(
+                schema.since_version, node.SerializeToString(), input_types
+            )
+        else:
+            body = schema.get_function_with_opset_version(schema.since_version)
+        function = onnx.FunctionProto()
+        function.ParseFromString(body if isinstance(body, bytes) else body.SerializeToString())
+        function.domain = _EXPAND_DOMAIN
+        function.name = names(f"{node.op_type}_{node.name or node.output[0]}")
+        del function.attribute[:]  # attributes were bound when the body was built
+        del function.attribute_proto[:]
+        node.domain, node.op_type = _EXPAND_DOMAIN, function.name
+        del node.attribute[:]
+        functions.append(function)
+    model.functions.extend(functions)
+    model.opset_import.append(oh.make_opsetid(_EXPAND_DOMAIN, 1))
+    model = onnx.inliner.inline_selected_functions(model, [(_EXPAND_DOMAIN, f.name) for f in functions])
+    kept_functions = [f for f in model.functions if f.domain != _EXPAND_DOMAIN]
+    del model.functions[:]
+    model.functions.extend(kept_functions)
+    kept_opsets = [o for o in model.opset_import if o.domain != _EXPAND_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(kept_opsets)
+    return model
+
+
+def _read_names(nodes) -> Set[str]:
+    """Every value the nodes (and their subgraphs, recursively) read."""
+    read: Set[str] = set()
+    for node in nodes:
+        read.update(node.input)
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                read |= _read_names(sub.node)
+                read |= {o.name for o in sub.output}
+    return read
+
+
+def _unused_inputs_last(graph: onnx.GraphProto) -> None:
+    """Moves the inputs nothing reads behind the others (names, and so feeds, unchanged)."""
+    read = _read_names(graph.node) | {o.name for o in graph.output}
+    ordered = [i for i in graph.input if i.name in read] + [i for i in graph.input if i.name not in read]
+    del graph.input[:]
+    graph.input.extend(ordered)
+
+
+def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+    """A copy of a training or step graph that every execution provider runs correctly (see
+    the module docstring for each rewrite), and the values of the initializers it turned
+    into pure inputs (the trainable weights of a training graph; none for a step graph).
+
+    The inputs keep their names, so the same feeds work; inputs nothing reads (``step`` of
+    plain SGD) move behind the others.
+
+    Raises:
+        ValueError: a BatchNormalization in training mode is left, or a OneHot whose indices
+            have an unknown rank.
+    """
+    model = copy.deepcopy(model)
+    _refuse_training_batch_norm(model.graph)
+    moved = _weights_as_inputs(model.graph)
+    model = _expand_function_ops(model, _Names(model.graph))
+    names = _Names(model.graph)
+    _onehot_as_equal(model, names)
+    _size_as_shape_product(model.graph, names)
+    _unshare_conv_transpose_weights(model.graph, names)
+    _unused_inputs_last(model.graph)
+    onnx.checker.check_model(model, full_check=True)
+    return model, moved

@@ -1,0 +1,161 @@
+"""Portable training graphs (``normgrad export --portable``, ``make_portable``) on the CPU
+provider: the same values as the graphs they come from, and the structure that lets
+OpenVINO run them (``tests/test_openvino*.py`` run them there)."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+
+from normgrad import checkpoint
+from normgrad.graphs import build_step_graph, build_training_graph, examples
+from normgrad.graphs.portable import make_portable
+from normgrad.tools import export as export_tool
+
+from _providers import CPU, run
+from test_corpus import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
+
+TRAINING_CASES = [c for c in CASES if MANIFEST[c]["kind"] == "training"]
+
+
+def _constant_values(graph: onnx.GraphProto) -> set:
+    return {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+
+
+def assert_portable(model: onnx.ModelProto) -> None:
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    assert not inputs & {t.name for t in graph.initializer}, "an input is also an initializer"
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    used = [i.name in read for i in graph.input]
+    assert used == sorted(used, reverse=True), "an unused input before a used one"
+    ops = {node.op_type for node in graph.node}
+    assert not ops & {"OneHot", "GroupNormalization"}, ops
+    assert not any(n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
+                   for n in graph.node)
+    constants = _constant_values(graph)
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for node in graph.node:
+        if node.op_type == "ConvTranspose" and node.input[1] in constants:
+            assert readers[node.input[1]] == 1, f"ConvTranspose weight {node.input[1]} is shared"
+
+
+@pytest.mark.parametrize("name", TRAINING_CASES)
+def test_portable_corpus_case_on_cpu(name):
+    model, inputs, expected = load_case(name)
+    portable, moved = make_portable(model)
+    assert_portable(portable)
+    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
+    assert moved and all(np.array_equal(moved[k], initializers[k]) for k in moved)
+    assert [o.name for o in portable.graph.output] == [o.name for o in model.graph.output]
+    actual = run(portable, inputs, CPU)
+    assert_matches(actual, expected, TOLERANCE[("training", MANIFEST[name]["dtype"])], f"portable {name}")
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1, 2])
+@pytest.mark.parametrize("index_type", [onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.FLOAT])
+def test_onehot_rewrite_equals_onehot(axis, index_type):
+    """Negative indices count from depth; out-of-range ones give all-off rows; any index type."""
+    indices = np.array([[0, 3, -1], [-4, 2, 7]]).astype(onnx.helper.tensor_dtype_to_np_dtype(index_type))
+    out_shape = [2, 3]
+    out_shape.insert(axis if axis >= 0 else 3 + axis, 4)
+    graph = oh.make_graph(
+        [oh.make_node("OneHot", ["indices", "depth", "values"], ["y"], axis=axis)], "onehot",
+        [oh.make_tensor_value_info("indices", index_type, [2, 3])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, out_shape)],
+        initializer=[onh.from_array(np.array([4.0], np.float32), "depth"),
+                     onh.from_array(np.array([-2.0, 5.0], np.float32), "values")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    model.ir_version = 10
+    portable, _ = make_portable(model)
+    assert "OneHot" not in {n.op_type for n in portable.graph.node}
+    want, got = run(model, {"indices": indices}, CPU)["y"], run(portable, {"indices": indices}, CPU)["y"]
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_conv_transpose_gets_its_own_constant_weight():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 3, 3, 3)).astype(np.float32)
+    nodes = [
+        oh.make_node("Constant", [], ["wc"], value=onh.from_array(w)),
+        oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("ConvTranspose", ["d", "w"], ["t"], pads=[1, 1, 1, 1]),
+        oh.make_node("Conv", ["x", "wc"], ["c2"], pads=[1, 1, 1, 1]),
+        oh.make_node("ConvTranspose", ["d", "wc"], ["t2"], pads=[1, 1, 1, 1]),
+    ]
+    model = examples.model(nodes, {"x": (1, 3, 5, 5), "d": (1, 3, 5, 5)}, ["c", "t", "c2", "t2"], {"w": w})
+    portable, moved = make_portable(model)
+    assert not moved
+    assert_portable(portable)
+    assert len(portable.graph.initializer) == 2
+    feeds = {n: rng.standard_normal((1, 3, 5, 5)).astype(np.float32) for n in ("x", "d")}
+    want, got = run(model, feeds, CPU), run(portable, feeds, CPU)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_unused_inputs_last():
+    model = examples.model([oh.make_node("Sub", ["a", "b"], ["y"])], {"c": (3,), "a": (3,), "b": (3,)}, ["y"])
+    portable, _ = make_portable(model)
+    assert [i.name for i in portable.graph.input] == ["a", "b", "c"]
+
+
+def test_group_normalization_expanded():
+    forward = examples.group_norm_block()
+    training = build_training_graph(forward)
+    portable = build_training_graph(forward, portable=True)
+    assert_portable(portable)
+    rng = np.random.default_rng(3)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in training.graph.input if i.name not in {t.name for t in training.graph.initializer}}
+    feeds.update({t.name: onh.to_array(t) for t in training.graph.initializer})
+    want, got = run(training, feeds, CPU), run(portable, feeds, CPU)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_training_mode_batch_norm_refused():
+    nodes = [oh.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)]
+    ones = np.ones(2, np.float32)
+    model = examples.model(nodes, {"x": (2, 2, 3)}, ["y"], {"s": ones, "b": ones, "m": ones, "v": ones})
+    with pytest.raises(ValueError, match="BatchNormalization with training_mode=1 is not portable"):
+        make_portable(model)
+
+
+def test_step_graph_portable_same_step():
+    training = build_training_graph(examples.resnet_block(), loss="mse")
+    plain, state = build_step_graph(training, "adamw", weight_decay=0.01)
+    portable, portable_state = build_step_graph(training, "adamw", portable=True, weight_decay=0.01)
+    assert_portable(portable)
+    assert portable_state.keys() == state.keys()
+    rng = np.random.default_rng(4)
+    feeds = {**state, "x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
+             "labels": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
+             "lr": np.array(0.01, np.float32), "step": np.array(1, np.float32)}
+    want, got = run(plain, feeds, CPU), run(portable, feeds, CPU)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_cli_export_portable_writes_weights(tmp_path, capsys):
+    source, target, ckpt = tmp_path / "block.onnx", tmp_path / "train.onnx", tmp_path / "train.ckpt"
+    forward = examples.style_transfer_block()
+    onnx.save(forward, source)
+    assert export_tool.main([str(source), "-o", str(target), "--loss", "mse", "--portable"]) == 0
+    assert str(ckpt) in capsys.readouterr().out
+    written = onnx.load(str(target))
+    assert_portable(written)
+    weights = checkpoint.load(ckpt).tensors
+    initializers = {t.name: onh.to_array(t) for t in forward.graph.initializer}
+    assert set(weights) == set(initializers)
+    assert all(np.array_equal(weights[k], initializers[k]) for k in weights)
+    assert export_tool.main([str(source), "-o", str(tmp_path / "step.onnx"), "--loss", "mse", "--portable",
+                             "--optimizer", "sgd"]) == 0
+    assert_portable(onnx.load(str(tmp_path / "step.onnx")))

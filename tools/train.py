@@ -1,0 +1,158 @@
+"""``normgrad train``: train a small CNN on scikit-learn's bundled digits in plain onnxruntime.
+
+The whole path of the README's walk-through, with nothing downloaded: a forward ONNX model
+built in code (:func:`normgrad.graphs.examples.digits_cnn`: Conv-BatchNorm-ReLU-MaxPool
+twice, then Gemm), its step graph (cross-entropy loss, AdamW), and
+:class:`normgrad.train.Trainer` with a cosine schedule; after each epoch the inference
+model (BatchNorm in inference mode, running statistics) is scored on held-out digits.
+Writes the step graph, the final checkpoint, the inference model and a PNG of the loss and
+accuracy curves to ``--out``. Needs the ``train`` extra (scikit-learn; tqdm and matplotlib
+are used when installed).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from normgrad.tools.cli import ArgumentParser, positive_float, positive_int
+
+__all__ = ["main", "load_digits", "accuracy"]
+
+
+def load_digits(seed: int, test_fraction: float = 0.2):
+    """scikit-learn's 1797 8x8 digits as float32 [N, 1, 8, 8] in [0, 1] and int64 labels,
+    split at random (``seed``) into train and test sets."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    data = sklearn_digits()
+    images = (data.images / 16.0).astype(np.float32)[:, None]
+    labels = data.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    test = order[: int(round(len(labels) * test_fraction))]
+    train = order[len(test):]
+    return images[train], labels[train], images[test], labels[test]
+
+
+def accuracy(model, images: np.ndarray, labels: np.ndarray) -> float:
+    """The fraction of ``images`` an inference model (ModelProto) classifies as ``labels``."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {session.get_inputs()[0].name: images})
+    return float(np.mean(logits.argmax(axis=1) == labels))
+
+
+def _plot(losses: List[float], steps_per_epoch: int, accuracies: List[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from normgrad._files import write_bytes_atomic
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3), dpi=90)
+    steps = np.arange(1, len(losses) + 1)
+    left.plot(steps, losses, color="#9ecae1", linewidth=0.8, label="step")
+    epoch_means = np.array(losses).reshape(-1, steps_per_epoch).mean(axis=1)
+    left.plot(np.arange(1, len(epoch_means) + 1) * steps_per_epoch, epoch_means, color="#08519c", marker="o",
+              markersize=3, label="epoch mean")
+    left.set(xlabel="optimizer step", ylabel="cross-entropy loss", yscale="log", title="training loss")
+    left.legend(frameon=False)
+    epochs = np.arange(1, len(accuracies) + 1)
+    right.plot(epochs, np.array(accuracies) * 100, color="#a63603", marker="o", markersize=3)
+    right.axhline(95, color="gray", linestyle=":", linewidth=1)
+    right.set(xlabel="epoch", ylabel="accuracy (%)", title="held-out accuracy (inference model)")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``normgrad train``; returns the exit code (1: scikit-learn missing or a
+    file it cannot write)."""
+    parser = ArgumentParser(prog="normgrad train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=positive_int, default=12)
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, data split and shuffling")
+    parser.add_argument("--out", default="normgrad-train", help="folder for the step graph, checkpoint, "
+                        "inference model and PNG (default ./normgrad-train)")
+    args = parser.parse_args(argv)
+    try:
+        images, labels, test_images, test_labels = load_digits(args.seed)
+    except ImportError:
+        print("normgrad train: needs scikit-learn for its bundled digits: pip install 'normgrad[train]'", file=sys.stderr)
+        return 1
+    from normgrad import train
+    from normgrad._files import save_model_atomic
+    from normgrad.graphs import build_step_graph, build_training_graph, examples
+
+    started = time.perf_counter()
+    forward = examples.digits_cnn(seed=args.seed)
+    step_model, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "adamw",
+                                           weight_decay=1e-4)
+    steps_per_epoch = len(labels) // args.batch_size
+    if steps_per_epoch < 1:
+        parser.error(f"--batch-size {args.batch_size} exceeds the {len(labels)} training images")
+    total = steps_per_epoch * args.epochs
+    trainer = train.Trainer(step_model, initial, lr=train.cosine(args.lr, total, warmup_steps=min(steps_per_epoch, total - 1)))
+    try:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total, unit="step", desc="normgrad train", leave=True)
+    except ImportError:
+        progress = None
+        print("(tqdm is not installed: one line per epoch instead of a progress bar)")
+    rng = np.random.default_rng(args.seed + 1)
+    losses: List[float] = []
+    accuracies: List[float] = []
+    for epoch in range(1, args.epochs + 1):
+        order = rng.permutation(len(labels))
+        for k in range(steps_per_epoch):
+            batch = order[k * args.batch_size:(k + 1) * args.batch_size]
+            losses.append(trainer.step(images[batch], labels[batch]))
+            if progress is not None:
+                progress.update(1)
+        accuracies.append(accuracy(trainer.inference_model(), test_images, test_labels))
+        summary: Dict[str, str] = {"epoch": str(epoch), "loss": f"{np.mean(losses[-steps_per_epoch:]):.4f}",
+                                   "test accuracy": f"{accuracies[-1]:.1%}"}
+        if progress is not None:
+            progress.set_postfix(summary)
+        else:
+            print("  ".join(f"{key} {value}" for key, value in summary.items()))
+    if progress is not None:
+        progress.close()
+    elapsed = time.perf_counter() - started
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        paths = {name: os.path.join(args.out, name) for name in
+                 ("digits_step.onnx", "digits.ckpt", "digits_inference.onnx", "digits_training.png")}
+        save_model_atomic(step_model, paths["digits_step.onnx"])
+        trainer.save(paths["digits.ckpt"])
+        trainer.export_inference_model(paths["digits_inference.onnx"])
+        try:
+            _plot(losses, steps_per_epoch, accuracies, paths["digits_training.png"])
+        except ImportError:
+            del paths["digits_training.png"]
+            print("(matplotlib is not installed: no PNG of the curves)")
+    except OSError as error:
+        print(f"normgrad train: cannot write to {args.out}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    print(f"{len(labels)} training / {len(test_labels)} test digits, {total} AdamW steps of {args.batch_size} in "
+          f"{elapsed:.1f} s: test accuracy {accuracies[-1]:.1%} (best {max(accuracies):.1%}), "
+          f"final loss {np.mean(losses[-steps_per_epoch:]):.4f}")
+    print(f"wrote {', '.join(paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
