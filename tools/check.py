@@ -268,6 +268,15 @@ def _float64_ops() -> list:
     return [FastConv]
 
 
+def _onnxruntime_runner(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]], list]:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, feeds)
+
+
 def _runner(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]], list]:
     """``onnx.reference.ReferenceEvaluator`` (exact float64 NumPy), or onnxruntime where the
     evaluator cannot run the model (onnxruntime's float64 kernels of some ops, e.g. Erf,
@@ -276,14 +285,19 @@ def _runner(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]], list]:
 
     try:
         evaluator = ReferenceEvaluator(model, new_ops=_float64_ops())
-        return lambda feeds: evaluator.run(None, feeds)
     except Exception:
-        import onnxruntime
+        return _onnxruntime_runner(model)
+    fallback: List[Callable] = []
 
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
-        session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return lambda feeds: session.run(None, feeds)
+    def run(feeds: Dict[str, np.ndarray]) -> list:
+        if not fallback:
+            try:
+                return evaluator.run(None, feeds)
+            except Exception:  # an attribute value the evaluator lacks (e.g. negative Pad pads)
+                fallback.append(_onnxruntime_runner(model))
+        return fallback[0](feeds)
+
+    return run
 
 
 def _objective(model: onnx.ModelProto) -> Tuple[List[str], Callable[[list, Dict[str, np.ndarray]], float]]:
@@ -521,13 +535,13 @@ class _HeldForward:
         feeds = {**{k: v for k, v in feeds64.items() if k in self.names}, **self.held_feeds}
         self.feeds64 = feeds64 = {**self.bounds, **feeds64}
         try:
-            evaluator = ReferenceEvaluator(self.model, new_ops=_float64_ops())
-        except Exception:  # an operator the evaluator lacks: whole runs in onnxruntime
+            computed = ReferenceEvaluator(self.model, new_ops=_float64_ops()).run(None, feeds, intermediate=True)
+        except Exception:  # something the evaluator lacks: whole runs by _runner
             self._whole = _runner(self.model)
             self.values = {**feeds64, **dict(zip(self.outputs + self.probes, self._whole(feeds)))}
         else:
             self._whole = None
-            self.values = {**feeds64, **evaluator.run(None, feeds, intermediate=True)}
+            self.values = {**feeds64, **computed}
         return self._result(self.values)
 
     def _result(self, values) -> Tuple[float, List[np.ndarray]]:
