@@ -8,12 +8,27 @@ from __future__ import annotations
 
 import onnx.defs
 
-from normgrad.ops import batch_norm_elemt_backward, batch_norm_reduce_backward, group_normalization_grad
+from normgrad.ops import (
+    batch_norm_elemt_backward,
+    batch_norm_reduce_backward,
+    group_normalization_grad,
+    layer_normalization_grad,
+    rms_normalization_grad,
+)
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "IR_VERSION", "ONNX_OPSET", "OPERATORS", "NormgradInputError", "operator"]
 
-OPERATORS = {module.OP_TYPE: module for module in (batch_norm_reduce_backward, batch_norm_elemt_backward, group_normalization_grad)}
+OPERATORS = {
+    module.OP_TYPE: module
+    for module in (
+        batch_norm_reduce_backward,
+        batch_norm_elemt_backward,
+        group_normalization_grad,
+        layer_normalization_grad,
+        rms_normalization_grad,
+    )
+}
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
 ``validate``, ``reference``, ``schema`` and ``function_body``; optionally OUTPUT_FLAGS
 ({output: the flag attribute enabling it}) and ONES_IF_OMITTED ({optional input: (input,

@@ -16,12 +16,16 @@ __all__ = [
     "FLOAT_TYPES",
     "NormgradInputError",
     "as_float_array",
+    "broadcast_error",
     "check_attribute_flag",
     "check_rank",
     "check_same_shape",
     "check_vector",
     "is_float_dtype",
     "make_schema",
+    "normalization_grad_body",
+    "sum_to_shape",
+    "sum_to_shape_body",
 ]
 
 DOMAIN = "normgrad"
@@ -169,3 +173,103 @@ def dims_compatible(a, b) -> bool:
     if len(a) != len(b):
         return False
     return all(not isinstance(p, int) or not isinstance(q, int) or p == q for p, q in zip(a, b))
+
+
+def broadcast_error(shape, target) -> str | None:
+    """Why ``shape`` does not broadcast to ``target`` by NumPy rules, or None if it does.
+
+    Dims may be ints, symbolic strings or None; only two ints can disagree."""
+    if len(shape) > len(target):
+        return f"rank {len(shape)} exceeds the rank of 'x' ({len(target)})"
+    for dim, x_dim in zip(reversed(shape), reversed(target)):
+        if isinstance(dim, int) and isinstance(x_dim, int) and dim not in (1, x_dim):
+            return f"dim {dim} is neither 1 nor the matching dim {x_dim} of 'x'"
+    return None
+
+
+def sum_to_shape(value: np.ndarray, shape) -> np.ndarray:
+    """Sums ``value`` over the axes along which an array of ``shape`` was broadcast to it."""
+    lead = value.ndim - len(shape)
+    value = value.sum(axis=tuple(range(lead)))
+    axes = tuple(i for i, dim in enumerate(shape) if dim == 1 and value.shape[i] != 1)
+    return value.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> str:
+    """Function-body lines (ONNX text) that sum float32 values of ``full_shape`` down to the
+    shape of ``param`` (which broadcasts to it), as :func:`sum_to_shape` does.
+
+    The leading broadcast axes are summed first, the others after: one ReduceSum over e.g.
+    axes [0, 3] of [N, G, C/G, S] would hit onnxruntime's reduced-kept-reduced kernel, whose
+    float sums change with the thread count when fewer elements than threads are kept.
+
+    Args:
+        param: the input whose shape and type the sums take.
+        param_float: ``param`` cast to float32.
+        full_shape: a Shape value of the broadcast shape.
+        sums: (output, full-shape float32 value) pairs; each output is cast like ``param``.
+    """
+    lines = [
+        f"sts_shape = Shape ({param})",
+        f"sts_rank = Shape ({full_shape})",
+        "sts_ones = ConstantOfShape <value = int64[1] {1}> (sts_rank)",
+        f"sts_padded_value = Expand ({param_float}, sts_ones)",
+        "sts_padded = Shape (sts_padded_value)",
+        "sts_one = Constant <value_int = 1> ()",
+        "sts_is_broadcast = Equal (sts_padded, sts_one)",
+        "sts_kept = Not (sts_is_broadcast)",
+        "sts_kept_count = Cast <to = 7> (sts_kept)",
+        "sts_zero = Constant <value_int = 0> ()",
+        "sts_kept_so_far = CumSum (sts_kept_count, sts_zero)",
+        "sts_leading = Equal (sts_kept_so_far, sts_zero)",
+        "sts_not_leading = Not (sts_leading)",
+        "sts_later = And (sts_is_broadcast, sts_not_leading)",
+        "sts_flat = Constant <value_ints = [-1]> ()",
+        "sts_leading_2d = NonZero (sts_leading)",
+        "sts_leading_axes = Reshape (sts_leading_2d, sts_flat)",
+        "sts_later_2d = NonZero (sts_later)",
+        "sts_later_axes = Reshape (sts_later_2d, sts_flat)",
+    ]
+    for output, value in sums:
+        lines += [
+            f"{output}_leading = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> ({value}, sts_leading_axes)",
+            f"{output}_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> ({output}_leading, sts_later_axes)",
+            f"{output}_float = Reshape <allowzero = 1> ({output}_kept, sts_shape)",
+            f"{output} = CastLike ({output}_float, {param})",
+        ]
+    return "\n".join(lines)
+
+
+def normalization_grad_body(rstd: str, count: str, centre: bool, param: str, param_float: str, sums) -> str:
+    """Function-body lines (ONNX text) shared by the normalization gradients. From float32
+    views ``x_hat`` and ``g`` (dy * scale) with the normalised axes merged into the last one,
+    ``rstd`` broadcasting to them and ``count`` (values per normalised group, at least 1):
+
+        dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))    (no mean(g) unless ``centre``)
+
+    reshaped to ``x_shape`` and cast like ``x``; then dy * x_hat (``dy_x_hat``) and ``dyf``
+    summed to the shape of ``param`` as :func:`sum_to_shape_body` does, for ``sums``.
+    The caller defines ``x``, ``dyf``, ``x_shape``, ``x_hat``, ``g`` and ``last`` ([-1])."""
+    lines = [
+        "g_x_hat = Mul (g, x_hat)",
+        "sum_g_x_hat = ReduceSum <keepdims = 1> (g_x_hat, last)",
+        f"mean_g_x_hat = Div (sum_g_x_hat, {count})",
+        "x_hat_term = Mul (x_hat, mean_g_x_hat)",
+    ]
+    if centre:
+        lines += [
+            "sum_g = ReduceSum <keepdims = 1> (g, last)",
+            f"mean_g = Div (sum_g, {count})",
+            "g_centred = Sub (g, mean_g)",
+            "inner = Sub (g_centred, x_hat_term)",
+        ]
+    else:
+        lines.append("inner = Sub (g, x_hat_term)")
+    lines += [
+        f"dx_view = Mul ({rstd}, inner)",
+        "dx_full = Reshape <allowzero = 1> (dx_view, x_shape)",
+        "dx = CastLike (dx_full, x)",
+        "x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)",
+        "dy_x_hat = Mul (dyf, x_hat_full)",
+    ]
+    return "\n".join(lines) + "\n" + sum_to_shape_body(param, param_float, "x_shape", sums)

@@ -62,15 +62,6 @@ class Result(NamedTuple):
     dbeta: Optional[np.ndarray]
 
 
-def _broadcast_error(gamma_shape, x_shape) -> Optional[str]:
-    if len(gamma_shape) > len(x_shape):
-        return f"rank {len(gamma_shape)} exceeds the rank of 'x' ({len(x_shape)})"
-    for g_dim, x_dim in zip(reversed(gamma_shape), reversed(x_shape)):
-        if isinstance(g_dim, int) and isinstance(x_dim, int) and g_dim not in (1, x_dim):
-            return f"dim {g_dim} is neither 1 nor the matching dim {x_dim} of 'x'"
-    return None
-
-
 def validate(x, dy, gamma, mean, rstd):
     """Checks the inputs against the contract.
 
@@ -87,7 +78,7 @@ def validate(x, dy, gamma, mean, rstd):
     gamma = _common.as_float_array(OP_TYPE, "gamma", gamma)
     if gamma.dtype != x.dtype:
         raise NormgradInputError(f"{OP_TYPE}: input 'gamma' must have the dtype of 'x' ({x.dtype}); got {gamma.dtype}")
-    problem = _broadcast_error(gamma.shape, x.shape)
+    problem = _common.broadcast_error(gamma.shape, x.shape)
     if problem:
         raise NormgradInputError(
             f"{OP_TYPE}: input 'gamma' {list(gamma.shape)} must broadcast to the shape of 'x' "
@@ -107,14 +98,6 @@ def validate(x, dy, gamma, mean, rstd):
             f"{OP_TYPE}: input 'rstd' must have the dtype of 'mean' ({stats[0].dtype}); got {stats[1].dtype}"
         )
     return x, dy, gamma, stats[0], stats[1]
-
-
-def _sum_to_shape(value: np.ndarray, shape) -> np.ndarray:
-    """Sums ``value`` over the axes along which an array of ``shape`` was broadcast to it."""
-    lead = value.ndim - len(shape)
-    value = value.sum(axis=tuple(range(lead)))
-    axes = tuple(i for i, dim in enumerate(shape) if dim == 1 and value.shape[i] != 1)
-    return value.sum(axis=axes, keepdims=True).reshape(shape)
 
 
 def _normalised(x, dy, gamma, mean, rstd):
@@ -140,8 +123,8 @@ def reference(x, dy, gamma, mean, rstd) -> Result:
     else:
         dx = g
     dy64 = dy.astype(np.float64)
-    dgamma = _sum_to_shape(dy64 * x_hat.reshape(x.shape), gamma.shape)
-    dbeta = _sum_to_shape(dy64, gamma.shape)
+    dgamma = _common.sum_to_shape(dy64 * x_hat.reshape(x.shape), gamma.shape)
+    dbeta = _common.sum_to_shape(dy64, gamma.shape)
     return Result(dx.reshape(x.shape).astype(x.dtype), dgamma.astype(x.dtype), dbeta.astype(x.dtype))
 
 
@@ -168,7 +151,7 @@ def _infer(ctx) -> None:
     gamma_type = _common.input_tensor_type(ctx, 2)
     gamma_dims = _common.known_dims(gamma_type)
     if x_dims is not None and gamma_dims is not None:
-        problem = _broadcast_error(gamma_dims, x_dims)
+        problem = _common.broadcast_error(gamma_dims, x_dims)
         if problem:
             raise NormgradInputError(f"{OP_TYPE}: input 'gamma' {gamma_dims} must broadcast to 'x' {x_dims}: {problem}")
     for index in (3, 4):
@@ -213,10 +196,7 @@ def schema() -> OpSchema:
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
     """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
 
-    Outputs a node does not name are pruned by the runtime. dgamma/dbeta sum the batch
-    axis first and the other broadcast axes after it: one ReduceSum over both (e.g. axes
-    [0, 3] of [N, G, C/G, S]) would hit onnxruntime's reduced-kept-reduced kernel, whose
-    float sums change with the thread count when fewer channels than threads are kept.
+    Outputs a node does not name are pruned by the runtime.
     """
     return onnx.parser.parse_function(
         f"""
@@ -241,47 +221,10 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             x_hat = Mul (centred, rstd3)
             g_full = Mul (dyf, gammaf)
             g = Reshape <allowzero = 1> (g_full, ngm)
-            g_x_hat = Mul (g, x_hat)
-            sum_g = ReduceSum <keepdims = 1> (g, last)
-            sum_g_x_hat = ReduceSum <keepdims = 1> (g_x_hat, last)
             m_cast = Cast <to = 1> (m)
             one_float = Constant <value_float = 1.0> ()
             m_float = Max (m_cast, one_float)
-            mean_g = Div (sum_g, m_float)
-            mean_g_x_hat = Div (sum_g_x_hat, m_float)
-            x_hat_term = Mul (x_hat, mean_g_x_hat)
-            g_centred = Sub (g, mean_g)
-            inner = Sub (g_centred, x_hat_term)
-            dx3 = Mul (rstd3, inner)
-            dx_full = Reshape <allowzero = 1> (dx3, x_shape)
-            dx = CastLike (dx_full, x)
-            gamma_shape = Shape (gamma)
-            rank = Shape (x_shape)
-            ones = ConstantOfShape <value = int64[1] {{1}}> (rank)
-            gamma_padded = Expand (gammaf, ones)
-            padded = Shape (gamma_padded)
-            one = Constant <value_int = 1> ()
-            is_broadcast = Equal (padded, one)
-            first = Constant <value_ints = [0]> ()
-            second = Constant <value_ints = [1]> ()
-            past_rank = Constant <value_ints = [9]> ()
-            batch_flag = Slice (is_broadcast, first, second)
-            batch_2d = NonZero (batch_flag)
-            batch_axes = Reshape (batch_2d, last)
-            rest_flags = Slice (is_broadcast, second, past_rank)
-            rest_2d = NonZero (rest_flags)
-            rest_from_1 = Reshape (rest_2d, last)
-            rest_axes = Add (rest_from_1, second)
-            x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)
-            dy_x_hat = Mul (dyf, x_hat_full)
-            dgamma_batch = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dy_x_hat, batch_axes)
-            dgamma_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dgamma_batch, rest_axes)
-            dbeta_batch = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dyf, batch_axes)
-            dbeta_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> (dbeta_batch, rest_axes)
-            dgamma_f = Reshape <allowzero = 1> (dgamma_kept, gamma_shape)
-            dbeta_f = Reshape <allowzero = 1> (dbeta_kept, gamma_shape)
-            dgamma = CastLike (dgamma_f, gamma)
-            dbeta = CastLike (dbeta_f, gamma)
+            {_common.normalization_grad_body("rstd3", "m_float", True, "gamma", "gammaf", [("dgamma", "dy_x_hat"), ("dbeta", "dyf")])}
         }}
         """
     )

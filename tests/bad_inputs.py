@@ -15,6 +15,8 @@ import numpy as np
 from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
+from normgrad.ops import layer_normalization_grad as lng
+from normgrad.ops import rms_normalization_grad as rmsg
 
 f32, f16 = np.float32, np.float16
 
@@ -51,6 +53,25 @@ def _elemt(**changes):
     return bne.OP_TYPE, {name: inputs[name] for name in bne.INPUTS}
 
 
+def _ln(**changes):
+    rng = np.random.default_rng(0)
+    inputs = {
+        "dy": rng.normal(size=(2, 3, 4)).astype(f32),
+        "x": rng.normal(size=(2, 3, 4)).astype(f32),
+        "scale": np.ones(4, f32),
+        "mean": np.zeros((2, 3, 1), f32),
+        "inv_std_dev": np.ones((2, 3, 1), f32),
+    }
+    inputs.update(changes)
+    return lng.OP_TYPE, inputs
+
+
+def _rms(**changes):
+    _, inputs = _ln()
+    inputs = {"dy": inputs["dy"], "x": inputs["x"], "scale": inputs["scale"], "inv_rms": inputs["inv_std_dev"], **changes}
+    return rmsg.OP_TYPE, inputs
+
+
 def _ones(*shape, dtype=f32):
     return np.ones(shape, dtype)
 
@@ -78,6 +99,19 @@ CASES = [
     ("gn-rstd-shape", _gn(rstd=_ones(2)), "rstd", False),
     ("gn-gamma-dtype", _gn(gamma=_ones(1, 3, 4, dtype=f16)), "gamma", False),
     ("gn-rstd-dtype", _gn(rstd=_ones(2, 3, dtype=f16)), "rstd", False),
+    ("ln-dy-shape", _ln(dy=_ones(2, 3, 5)), "dy", True),
+    ("ln-x-scalar", _ln(x=_ones(), dy=_ones()), "x", True),
+    ("ln-scale-not-broadcastable", _ln(scale=_ones(5)), "scale", True),
+    ("ln-scale-per-row", _ln(scale=_ones(3, 4)), "scale", False),
+    ("ln-mean-shape", _ln(mean=_ones(2, 4, 1)), "mean", True),
+    ("ln-mean-no-trailing-1", _ln(mean=_ones(2, 3)), "mean", False),
+    ("ln-inv_std_dev-shape", _ln(inv_std_dev=_ones(3, 2, 1)), "inv_std_dev", False),
+    ("ln-scale-dtype", _ln(scale=_ones(4, dtype=f16)), "scale", False),
+    ("ln-inv_std_dev-dtype", _ln(inv_std_dev=_ones(2, 3, 1, dtype=f16)), "inv_std_dev", False),
+    ("rms-dy-shape", _rms(dy=_ones(2, 4, 4)), "dy", True),
+    ("rms-scale-not-broadcastable", _rms(scale=_ones(1, 2)), "scale", True),
+    ("rms-inv_rms-shape", _rms(inv_rms=_ones(2, 1, 1)), "inv_rms", True),
+    ("rms-inv_rms-dtype", _rms(inv_rms=_ones(2, 3, 1, dtype=f16)), "inv_rms", False),
 ]
 
 

@@ -90,12 +90,15 @@ def test_demo_runs_and_agrees(capsys):
     assert cli.main(["demo", "--shape", "2", "8", "4", "4", "--groups", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "all backends agree" in out and "NO" not in out.split()
+    for op_type in ("LayerNormalizationGrad", "RMSNormalizationGrad"):
+        assert sum(line.startswith(op_type) for line in out.splitlines()) >= 10, op_type  # accuracy + timing rows
 
 
 def test_bench_quick_runs(capsys):
     assert cli.main(["bench", "--quick"]) == 0
     out = capsys.readouterr().out
-    for row in ("BatchNormReduceBackward", "GroupNormalizationGrad", "BatchNormElemtBackward", "ResNet", "floor"):
+    for row in ("BatchNormReduceBackward", "GroupNormalizationGrad", "BatchNormElemtBackward", "ResNet", "floor",
+                "LayerNormalizationGrad bfloat16", "RMSNormalizationGrad float32", "write dx"):
         assert row in out
 
 

@@ -28,6 +28,9 @@ from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import harness
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
+from normgrad.ops import layer_normalization_grad as lng
+from normgrad.ops import rms_normalization_grad as rmsg
+from normgrad.ops import _common
 from normgrad.ops._common import tensor_type
 
 try:
@@ -317,7 +320,7 @@ def check_gn(inputs, outputs=gng.OUTPUTS, threads=None, trailing_empty=False):
                 scale = terms.reshape(x.shape)
         else:
             terms = dy64 * np.abs(x_hat) if name == "dgamma" else dy64
-            scale = gng._sum_to_shape(terms, inputs["gamma"].shape) if x.size else 1.0
+            scale = _common.sum_to_shape(terms, inputs["gamma"].shape) if x.size else 1.0
         truth = _truth(inputs, name)
         assert_close(value, truth, t, scale, name)
     return actual
@@ -334,7 +337,7 @@ def _truth(inputs, name):
         return dx.reshape(x.shape)
     dy64 = dy.astype(np.float64)
     value = dy64 * x_hat.reshape(x.shape) if name == "dgamma" else dy64
-    return gng._sum_to_shape(value, gamma.shape)
+    return _common.sum_to_shape(value, gamma.shape)
 
 
 @pytest.mark.parametrize("t,u", [(t, u) for t in DTYPES for u in DTYPES if u in (t, np.dtype(np.float32))],
@@ -385,6 +388,124 @@ def test_gn_long_group_sums_do_not_drift():
     check_gn_long_group()
 
 
+# --------------------------------------------------------------------------- LayerNormalizationGrad, RMSNormalizationGrad
+
+ROW_OPS = {"layer": lng, "rms": rmsg}
+# (x shape, axis, scale shape): D below, at and around the vector width, long rows, a scale
+# broadcast over the normalised axes, leading 1s, axis 0.
+ROW_CASES = [
+    ((5, 1), -1, (1,)),
+    ((3, 7), -1, (7,)),
+    ((4, 8), -1, (8,)),
+    ((70, 9), -1, (9,)),
+    ((2, 3, 33), -1, (33,)),
+    ((37, 100), 1, (100,)),
+    ((2, 4, 5, 6), 2, (1, 6)),
+    ((2, 4, 5, 6), -3, (4, 1, 6)),
+    ((3, 769), 0, (3, 769)),
+    ((1, 2, 1, 130), -1, (1, 1, 1, 130)),
+]
+
+
+def _row_mean(value, axes):
+    """The mean over ``axes``, 0 for an empty row (no warning)."""
+    count = int(np.prod([value.shape[a] for a in axes]))
+    return value.sum(axes, keepdims=True) / max(count, 1)
+
+
+def row_inputs(kind, x_shape, axis, scale_shape, t, u, seed=0, offset=0.5):
+    rng = np.random.default_rng(seed)
+    x = _cast(rng.normal(offset, 2.0, size=x_shape), t)
+    axes = tuple(range(axis % len(x_shape), len(x_shape)))
+    x64 = x.astype(np.float64)
+    inputs = {"dy": _cast(rng.normal(size=x_shape), t), "x": x, "scale": _cast(rng.normal(1.0, 0.5, size=scale_shape), t)}
+    if kind == "layer":
+        mean = _row_mean(x64, axes)
+        inputs["mean"] = _cast(mean, u)
+        inputs["inv_std_dev"] = _cast(1 / np.sqrt(_row_mean((x64 - mean) ** 2, axes) + 1e-5), u)
+    else:
+        inputs["inv_rms"] = _cast(1 / np.sqrt(_row_mean(x64**2, axes) + 1e-5), u)
+    return inputs
+
+
+def _row_scales(kind, inputs, axis):
+    """The magnitude of each output's terms (the float32 accumulation error scales with it)."""
+    module = ROW_OPS[kind]
+    dy, x, scale, *stats = (inputs[n].astype(np.float64) for n in module.INPUTS)
+    ax = axis % x.ndim
+    axes = tuple(range(ax, x.ndim))
+    mean = stats[0] if kind == "layer" else 0.0
+    rstd = stats[-1]
+    x_hat = np.abs((x - mean) * rstd)
+    g = np.abs(dy * scale)
+    dx = rstd * (g + x_hat * _row_mean(g * x_hat, axes) + _row_mean(g, axes))
+    terms = {"dx": dx, "dscale": _common.sum_to_shape(np.abs(dy) * x_hat, scale.shape)}
+    terms["dbias"] = _common.sum_to_shape(np.abs(dy), scale.shape)
+    return terms
+
+
+def check_rows(kind, inputs, axis=-1, outputs=None, threads=None):
+    module = ROW_OPS[kind]
+    outputs = module.OUTPUTS if outputs is None else outputs
+    names = [n if n in outputs else "" for n in module.OUTPUTS]
+    while names and not names[-1]:
+        names.pop()
+    actual = run_cpp(module.OP_TYPE, [(n, inputs[n]) for n in module.INPUTS], names, {"axis": axis}, threads)
+    expected = module.reference(**inputs, axis=axis)._asdict()
+    scales = _row_scales(kind, inputs, axis)
+    assert sorted(actual) == sorted(n for n in names if n)
+    for name, value in actual.items():
+        assert_close(value, expected[name].astype(np.float64), inputs["x"].dtype, scales[name], f"{kind} {name}")
+    return actual
+
+
+@pytest.mark.parametrize("kind", ROW_OPS)
+@pytest.mark.parametrize("t,u", [(t, u) for t in DTYPES for u in DTYPES if u in (t, np.dtype(np.float32))],
+                         ids=lambda d: DTYPE_IDS[d])
+def test_rows_all_dtypes_and_shapes(kind, t, u):
+    for i, (x_shape, axis, scale_shape) in enumerate(ROW_CASES):
+        check_rows(kind, row_inputs(kind, x_shape, axis, scale_shape, t, u, seed=i), axis)
+
+
+@pytest.mark.parametrize("kind", ROW_OPS)
+@pytest.mark.parametrize("x_shape,axis", [((0, 4), -1), ((3, 0), -1), ((2, 0, 3), 1), ((0,), 0)], ids=str)
+def test_rows_empty(kind, x_shape, axis):
+    scale_shape = x_shape[axis % len(x_shape):]
+    inputs = row_inputs(kind, x_shape, axis, scale_shape, np.float32, np.float32)
+    actual = check_rows(kind, inputs, axis)
+    for name in ROW_OPS[kind].OUTPUTS[1:]:
+        np.testing.assert_array_equal(actual[name], np.zeros(scale_shape, np.float32))
+
+
+@pytest.mark.parametrize("kind", ROW_OPS)
+def test_rows_optional_outputs_every_combination(kind):
+    module = ROW_OPS[kind]
+    inputs = row_inputs(kind, (70, 45), -1, (45,), np.float16, np.float32, seed=3)
+    for bits in itertools.product((0, 1), repeat=len(module.OUTPUTS) - 1):
+        wanted = ["dx"] + [n for n, b in zip(module.OUTPUTS[1:], bits) if b]
+        check_rows(kind, inputs, outputs=wanted)
+
+
+@pytest.mark.parametrize("kind", ROW_OPS)
+def test_rows_long_rows_and_large_mean(kind):
+    """Rows of 70001 (float32 lane sums split every kSumBlock) around a mean 1000 times the
+    spread: x - mean is taken before any product, so nothing cancels."""
+    check_rows(kind, row_inputs(kind, (3, 70001), -1, (70001,), np.float32, np.float32, seed=4))
+    check_rows(kind, row_inputs(kind, (40, 64), -1, (64,), np.float32, np.float32, seed=5, offset=1000.0))
+
+
+@pytest.mark.parametrize("kind", ROW_OPS)
+@pytest.mark.parametrize("x_shape,axis,scale_shape", [((1000, 130), -1, (130,)), ((3, 5, 70001), 1, (1, 70001)),
+                                                     ((77, 3, 300), -2, (3, 300))], ids=str)
+def test_rows_bitwise_deterministic_across_threads(kind, x_shape, axis, scale_shape):
+    module = ROW_OPS[kind]
+    inputs = row_inputs(kind, x_shape, axis, scale_shape, np.float32, np.float32, seed=6)
+    feeds = [(n, inputs[n]) for n in module.INPUTS]
+    _bitwise_same_for_threads(
+        lambda threads: run_cpp(module.OP_TYPE, feeds, list(module.OUTPUTS), {"axis": axis}, threads=threads)
+    )
+
+
 # --------------------------------------------------------------------------- portable kernels
 
 _GENERIC_SCRIPT = r"""
@@ -400,6 +521,11 @@ for i, (xs, gs) in enumerate(t.GN_CASES):
     for dt in t.DTYPES:
         t.check_gn(t.gn_inputs(xs, gs, dt, dt, seed=i))
 t.check_gn_long_group()
+for kind in t.ROW_OPS:
+    for i, (xs, axis, ss) in enumerate(t.ROW_CASES):
+        for dt in t.DTYPES:
+            t.check_rows(kind, t.row_inputs(kind, xs, axis, ss, dt, np.float32, seed=i), axis)
+    t.check_rows(kind, t.row_inputs(kind, (3, 70001), -1, (70001,), np.float32, np.float32, seed=4))
 print("ok")
 """
 
@@ -434,6 +560,14 @@ def _gn_case(**changes):
     base = {"x": _f(2, 3, 4), "dy": _f(2, 3, 4), "gamma": _f(1, 3, 4), "mean": _f(2, 3), "rstd": _f(2, 3)}
     base.update(changes)
     return ("GroupNormalizationGrad", [(n, base[n]) for n in gng.INPUTS], None)
+
+
+def _row_case(kind, attributes=None, **changes):
+    module = ROW_OPS[kind]
+    base = {"dy": _f(2, 3, 4), "x": _f(2, 3, 4), "scale": _f(4), "mean": _f(2, 3, 1), "inv_std_dev": _f(2, 3, 1),
+            "inv_rms": _f(2, 3, 1)}
+    base.update(changes)
+    return (module.OP_TYPE, [(n, base[n]) for n in module.INPUTS], attributes)
 
 
 F16, F64, I32 = np.float16, np.float64, np.int32
@@ -477,6 +611,28 @@ BAD_CASES = [
     ("gn-mean-bf16-with-f16", _gn_case(**{n: _f(*s, dtype=F16) for n, s in
                                           (("x", (2, 3, 4)), ("dy", (2, 3, 4)), ("gamma", (1, 3, 4)), ("rstd", (2, 3)))},
                                        mean=_f(2, 3, dtype=ml_dtypes.bfloat16)), "'mean'"),
+    ("ln-dy-shape", _row_case("layer", dy=_f(2, 3, 5)), "'dy'"),
+    ("ln-dy-dtype", _row_case("layer", dy=_f(2, 3, 4, dtype=F16)), "'dy'"),
+    ("ln-x-scalar", _row_case("layer", x=np.float32(1).reshape(()), dy=np.float32(1).reshape(())), "'x'"),
+    ("ln-x-float64", _row_case("layer", x=_f(2, 3, 4, dtype=F64), dy=_f(2, 3, 4, dtype=F64)), "'x'"),
+    ("ln-axis-3", _row_case("layer", {"axis": 3}), "'axis'"),
+    ("ln-axis--4", _row_case("layer", {"axis": -4}), "'axis'"),
+    ("ln-axis-float", _row_case("layer", {"axis": -1.0}), "'axis'"),
+    ("ln-scale-not-broadcastable", _row_case("layer", scale=_f(5)), "'scale'"),
+    ("ln-scale-per-row", _row_case("layer", scale=_f(3, 4)), "'scale'"),
+    ("ln-scale-rank", _row_case("layer", scale=_f(1, 1, 1, 4)), "'scale'"),
+    ("ln-scale-dtype", _row_case("layer", scale=_f(4, dtype=F16)), "'scale'"),
+    ("ln-mean-no-trailing-1", _row_case("layer", mean=_f(2, 3)), "'mean'"),
+    ("ln-mean-axis-mismatch", _row_case("layer", {"axis": -2}), "'mean'"),
+    ("ln-inv_std_dev-shape", _row_case("layer", inv_std_dev=_f(3, 2, 1)), "'inv_std_dev'"),
+    ("ln-inv_std_dev-dtype", _row_case("layer", inv_std_dev=_f(2, 3, 1, dtype=F16)), "'inv_std_dev'"),
+    ("ln-mean-int", _row_case("layer", mean=_f(2, 3, 1, dtype=I32)), "'mean'"),
+    ("rms-inv_rms-shape", _row_case("rms", inv_rms=_f(2, 1, 1)), "'inv_rms'"),
+    ("rms-inv_rms-f16-with-bf16", _row_case("rms", **{n: _f(*s, dtype=ml_dtypes.bfloat16) for n, s in
+                                                     (("x", (2, 3, 4)), ("dy", (2, 3, 4)), ("scale", (4,)))},
+                                            inv_rms=_f(2, 3, 1, dtype=F16)), "'inv_rms'"),
+    ("rms-scale-shape", _row_case("rms", scale=_f(2, 3, 4)), "'scale'"),
+    ("rms-axis-5", _row_case("rms", {"axis": 5}), "'axis'"),
 ]
 
 _BAD_SCRIPT = r"""
@@ -493,7 +649,7 @@ except Exception as error:
 """
 
 OUTPUT_NAMES = {"BatchNormReduceBackward": bnr.OUTPUTS, "BatchNormElemtBackward": ("grad_input",),
-                "GroupNormalizationGrad": gng.OUTPUTS}
+                "GroupNormalizationGrad": gng.OUTPUTS, lng.OP_TYPE: lng.OUTPUTS, rmsg.OP_TYPE: rmsg.OUTPUTS}
 
 
 def test_bad_inputs_are_rejected_without_crashing():

@@ -40,6 +40,8 @@ MULTI_PROVIDERS = ["AzureExecutionProvider", "CPUExecutionProvider"]
 MANIFEST_OPS = {  # the normgrad ops of the cases used here
     "node_GroupNormalizationGrad_float32": ["GroupNormalizationGrad"],
     "train_resnet_block": ["BatchNormElemtBackward", "BatchNormReduceBackward"],
+    "node_LayerNormalizationGrad_float32": ["LayerNormalizationGrad"],
+    "node_RMSNormalizationGrad_float32": ["RMSNormalizationGrad"],
 }
 
 
@@ -83,7 +85,7 @@ def test_azure_provider_is_available():
 
 
 @needs_cpp
-@pytest.mark.parametrize("case", ["node_GroupNormalizationGrad_float32", "train_resnet_block"])
+@pytest.mark.parametrize("case", list(MANIFEST_OPS))
 def test_kernels_run_on_cpu_provider(case, tmp_path):
     model, inputs, expected = load_case(case)
     session, _ = _profiled_session(model, "cpp", tmp_path, "cpp")
@@ -98,7 +100,7 @@ def test_kernels_run_on_cpu_provider(case, tmp_path):
     assert {n.op_type for n in optimized.graph.node if n.domain == normgrad.DOMAIN} == ours
 
 
-@pytest.mark.parametrize("case", ["node_GroupNormalizationGrad_float32", "train_resnet_block"])
+@pytest.mark.parametrize("case", list(MANIFEST_OPS))
 def test_function_bodies_inline_to_standard_ops(case, tmp_path):
     model, inputs, expected = load_case(case)
     session, options = _profiled_session(_without_functions(model), "functions", tmp_path, "functions")

@@ -10,7 +10,10 @@ workers are told to sleep between calls, ``OMP_WAIT_POLICY=PASSIVE``, unless set
 * ``numpy``: the float64 NumPy reference;
 * ``torch``: torch's CPU kernels, when torch is importable
   (``aten::native_batch_norm_backward`` with output mask [False, True, True],
-  ``aten::native_group_norm_backward`` with [True, False, False]);
+  ``aten::native_group_norm_backward`` with [True, False, False],
+  ``aten::native_layer_norm_backward`` with [True, True, True] on torch's own forward
+  statistics, and for RMSNorm ``torch.autograd.grad`` of ``F.rms_norm`` (x and weight, graph
+  retained, so only the backward is timed: torch has no fused CPU RMSNorm backward);
 * ``floor``: the memory-streaming floor, the time to read the operator's input tensors once:
   ``np.add.reduce`` of their bytes viewed as int64 words, over contiguous slices, one slice
   per thread, on as many Python threads as the kernels get (NumPy releases the GIL while it
@@ -121,17 +124,29 @@ def _ort_runner(session, inputs) -> Callable[[], object]:
     return run
 
 
-def _floor_runner(arrays, threads) -> Callable[[], object]:
-    """Reads every array once: np.add.reduce over contiguous slices, `threads` at a time."""
+def _words(array) -> np.ndarray:
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return raw[: raw.size // 8 * 8].view(np.int64)  # int64 arithmetic is vectorised and memory-bound
+
+
+def _floor_runner(arrays, threads, write_like=None) -> Callable[[], object]:
+    """Reads every array once: np.add.reduce over contiguous slices, `threads` at a time.
+    With ``write_like``, reads the two arrays and writes one of their size instead:
+    np.add(a, b, out=c), slice by slice."""
     chunks = []
-    for array in arrays:
-        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        words = raw[: raw.size // 8 * 8].view(np.int64)  # summing int64 words is vectorised and memory-bound
+    if write_like is not None:
+        words = [_words(a) for a in arrays] + [_words(np.empty_like(write_like))]
+        step = max(1, -(-words[0].size // threads))
+        chunks = [tuple(w[i:i + step] for w in words) for i in range(0, words[0].size, step)]
+    for array in arrays if write_like is None else ():
+        words = _words(array)
         step = max(1, -(-words.size // threads))
         chunks += [words[i:i + step] for i in range(0, words.size, step)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
 
     def read(chunk):
+        if write_like is not None:
+            return np.add(chunk[0], chunk[1], out=chunk[2])
         return np.add.reduce(chunk)
 
     def run():
@@ -178,6 +193,43 @@ def _torch_gn(inputs, threads):
                                                              [True, False, False])
 
     return run
+
+
+def _torch_row_norm(op_type):
+    """torch's backward of LayerNorm (native_layer_norm_backward) or RMSNorm (autograd)."""
+
+    def make(inputs, threads):
+        import torch
+
+        torch.set_num_threads(threads)
+
+        def tensor(name):
+            value = inputs[name]
+            if value.dtype == BF16:
+                return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
+            return torch.from_numpy(value)
+
+        x, dy, weight = tensor("x"), tensor("dy"), tensor("scale")
+        shape = list(weight.shape)
+        if op_type == "LayerNormalizationGrad":
+            bias = torch.zeros_like(weight)
+            _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, weight, bias, 1e-5)
+
+            def run():
+                with torch.no_grad():
+                    return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
+                                                                     [True, True, True])
+
+            return run
+        x, weight = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        y = torch.nn.functional.rms_norm(x, shape, weight, 1e-5)
+
+        def run():
+            return torch.autograd.grad(y, [x, weight], dy, retain_graph=True)
+
+        return run
+
+    return make
 
 
 def _numpy_runner(module, inputs, attributes=None):
@@ -261,7 +313,7 @@ def _have_torch() -> bool:
     return True
 
 
-def _runners(op_type, inputs, outputs, threads, *, full: bool, torch_runner=None, floor_inputs=()):
+def _runners(op_type, inputs, outputs, threads, *, full: bool, torch_runner=None, floor_inputs=(), floor_writes=None):
     from normgrad.ops import operator
 
     module = operator(op_type)
@@ -278,7 +330,8 @@ def _runners(op_type, inputs, outputs, threads, *, full: bool, torch_runner=None
         runners["torch"] = torch_runner(inputs, threads)
     if full:
         runners["numpy (float64)"] = _numpy_runner(module, inputs)
-    runners["floor"] = _floor_runner([inputs[name] for name in floor_inputs], threads)
+    runners["floor"] = _floor_runner([inputs[name] for name in floor_inputs], threads,
+                                     None if floor_writes is None else inputs[floor_writes])
     return runners
 
 
@@ -559,6 +612,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="[N, C, H, W...] of the input (default 32 256 56 56; --quick 4 64 14 14)")
     parser.add_argument("--groups", type=int, default=32, help="GroupNorm groups (default 32)")
     parser.add_argument("--no-slow", action="store_true", help="skip python/functions/numpy/torch rows")
+    parser.add_argument("--rows", type=str, nargs="+", default=None, metavar="TOKENSxHIDDEN",
+                        help="LayerNorm/RMSNorm gradient shapes (default 8192x768 4096x4096; --quick 64x96)")
     parser.add_argument("--resnet-shape", type=int, nargs=4, default=None, metavar=("N", "C", "H", "W"),
                         help="ResNet basic block input (default 16 64 56 56; --quick 2 8 8 8)")
     args = parser.parse_args(argv)
@@ -626,6 +681,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         runners = _runners("GroupNormalizationGrad", gn, ["dx"], threads, full=False, floor_inputs=("x", "dy"))
         _print_table(f"GroupNormalizationGrad {t.name} (U float32), dx only", _time(runners, repeat), out)
         del runners, gn
+
+    # ---- LayerNormalizationGrad / RMSNormalizationGrad: [tokens, hidden], float32 and bfloat16
+    from normgrad.tools.demo import row_norm_case
+
+    try:
+        row_shapes = [tuple(int(v) for v in text.lower().split("x")) for text in args.rows or
+                      (["64x96"] if args.quick else ["8192x768", "4096x4096"])]
+    except ValueError:
+        parser.error(f"--rows takes TOKENSxHIDDEN shapes such as 8192x768; got {args.rows}")
+    for row_shape in row_shapes:
+        for t in (f32, BF16):
+            for op_type, outputs in (("LayerNormalizationGrad", ["dx", "dscale", "dbias"]),
+                                     ("RMSNormalizationGrad", ["dx", "dscale"])):
+                inputs = row_norm_case(op_type, row_shape, t, np.float32)
+                runners = _runners(op_type, inputs, outputs, threads, full=full, torch_runner=_torch_row_norm(op_type),
+                                   floor_inputs=("x", "dy"), floor_writes="x")
+                if t != f32:
+                    runners.pop("python", None)
+                _print_table(f"{op_type} {t.name} (U float32) x {list(row_shape)}, axis -1, {', '.join(outputs)} "
+                             f"(floor: read x + dy, write dx)", _time(runners, repeat), out)
+                del runners, inputs
 
     # ---- ResNet basic block: forward + backward, cpp / functions / torch
     resnet_shape = tuple(args.resnet_shape or ((2, 8, 8, 8) if args.quick else (16, 64, 56, 56)))

@@ -198,11 +198,25 @@ def _gn_inputs(rng, shape, gamma_shape, t, u) -> Dict[str, np.ndarray]:
     }
 
 
+def _row_norm_inputs(rng, layer_norm, shape, axis, scale_shape, t, u) -> Dict[str, np.ndarray]:
+    """LayerNormalizationGrad (``layer_norm``) or RMSNormalizationGrad inputs, statistics of x."""
+    x = rng.standard_normal(shape) * 2.0 + 0.3
+    axes = tuple(range(axis % len(shape), len(shape)))
+    values = {"dy": rng.standard_normal(shape).astype(t), "x": x.astype(t), "scale": rng.uniform(0.5, 1.5, scale_shape).astype(t)}
+    if layer_norm:
+        values["mean"] = x.mean(axes, keepdims=True).astype(u)
+        values["inv_std_dev"] = (1.0 / np.sqrt(x.var(axes, keepdims=True) + 1e-5)).astype(u)
+    else:
+        values["inv_rms"] = (1.0 / np.sqrt((x**2).mean(axes, keepdims=True) + 1e-5)).astype(u)
+    return values
+
+
 F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), _BF16
 
 
 def _node_cases() -> List[Callable[[], Case]]:
     reduce_, elemt, gn = "BatchNormReduceBackward", "BatchNormElemtBackward", "GroupNormalizationGrad"
+    ln, rms = "LayerNormalizationGrad", "RMSNormalizationGrad"
 
     def make(name, op_type, make_inputs, description, **kwargs):
         return lambda: _node_case(name, op_type, make_inputs(_rng(name)), description, **kwargs)
@@ -240,6 +254,24 @@ def _node_cases() -> List[Callable[[], Case]]:
         make("node_GroupNormalizationGrad_bfloat16", gn,
              lambda r: _gn_inputs(r, (2, 2, 3, 4, 4), (1, 2, 3, 1, 1), BF16, BF16),
              "GroupNormalizationGrad, bfloat16, rank 5, broadcast gamma; dx, dgamma, dbeta"),
+        make("node_LayerNormalizationGrad_float32", ln, lambda r: _row_norm_inputs(r, True, (3, 5, 40), -1, (40,), F32, F32),
+             "LayerNormalizationGrad, float32, [tokens, hidden] rows at axis -1; dx, dscale, dbias"),
+        make("node_LayerNormalizationGrad_float16", ln,
+             lambda r: _row_norm_inputs(r, True, (2, 6, 3, 7), 2, (3, 7), F16, F32),
+             "LayerNormalizationGrad, float16 with float32 mean/inv_std_dev (stash_type 1), axis 2; dx and dscale",
+             outputs=["dx", "dscale"], attributes={"axis": 2}),
+        make("node_LayerNormalizationGrad_bfloat16", ln,
+             lambda r: _row_norm_inputs(r, True, (4, 3, 9), -2, (1, 9), BF16, BF16),
+             "LayerNormalizationGrad, bfloat16, axis -2 with scale [1, 9] broadcast over the normalised axes; "
+             "dx and dbias", outputs=["dx", "dbias"], attributes={"axis": -2}),
+        make("node_RMSNormalizationGrad_float32", rms, lambda r: _row_norm_inputs(r, False, (3, 5, 40), -1, (40,), F32, F32),
+             "RMSNormalizationGrad, float32, [tokens, hidden] rows at axis -1; dx and dscale"),
+        make("node_RMSNormalizationGrad_float16_dx_only", rms,
+             lambda r: _row_norm_inputs(r, False, (4, 2, 11), -2, (2, 11), F16, F16),
+             "RMSNormalizationGrad, float16, axis -2; dx only", outputs=["dx"], attributes={"axis": -2}),
+        make("node_RMSNormalizationGrad_bfloat16", rms,
+             lambda r: _row_norm_inputs(r, False, (2, 7, 24), -1, (24,), BF16, F32),
+             "RMSNormalizationGrad, bfloat16 with float32 inv_rms (Llama's float32 statistics); dx and dscale"),
     ]
 
 

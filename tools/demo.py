@@ -19,6 +19,8 @@ import normgrad
 from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
+from normgrad.ops import layer_normalization_grad as lng
+from normgrad.ops import rms_normalization_grad as rmsg
 from normgrad.ops import harness, python_kernels
 
 __all__ = ["main"]
@@ -66,6 +68,24 @@ def group_norm_case(shape, groups, dtype, seed=0) -> dict:
     }
 
 
+def row_norm_case(op_type, shape, dtype, stats_dtype=np.float32, seed=0) -> dict:
+    """Inputs of LayerNormalizationGrad or RMSNormalizationGrad for x of ``shape`` (tokens x
+    hidden ...), normalised over the last axis, with the statistics of x."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    inputs = {
+        "dy": rng.standard_normal(shape, dtype=np.float32).astype(dtype),
+        "x": x.astype(dtype),
+        "scale": rng.normal(1.0, 0.5, size=shape[-1:]).astype(dtype),
+    }
+    if op_type == lng.OP_TYPE:
+        inputs["mean"] = x.mean(-1, keepdims=True).astype(stats_dtype)
+        inputs["inv_std_dev"] = (1 / np.sqrt(x.var(-1, keepdims=True) + 1e-5)).astype(stats_dtype)
+    else:
+        inputs["inv_rms"] = (1 / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)).astype(stats_dtype)
+    return inputs
+
+
 def available_backends() -> list:
     backends = ["cpp", "python", "functions", "evaluator"]
     try:
@@ -91,6 +111,8 @@ def accuracy_rows(backends) -> list:
         bnr.OP_TYPE: lambda dtype: batch_norm_case((4, 8, 5, 7), dtype),
         bne.OP_TYPE: lambda dtype: batch_norm_elemt_case((4, 8, 5, 7), dtype),
         gng.OP_TYPE: lambda dtype: group_norm_case((2, 8, 6, 5), 4, dtype),
+        lng.OP_TYPE: lambda dtype: row_norm_case(lng.OP_TYPE, (4, 9, 40), dtype),
+        rmsg.OP_TYPE: lambda dtype: row_norm_case(rmsg.OP_TYPE, (4, 9, 40), dtype),
     }
     rows = []
     for op_type, make in cases.items():
@@ -122,6 +144,11 @@ def timing_rows(backends, shape, groups, repeats) -> list:
         bne.OP_TYPE: (batch_norm_elemt_case(shape, np.float32), bne.reference),
         gng.OP_TYPE: (group_norm_case(shape, groups, np.float32), gng.reference),
     }
+    # The row normalizations on the same number of elements as [tokens, hidden] rows.
+    hidden = shape[-1] if len(shape) == 2 else 768
+    tokens = (max(1, int(np.prod(shape)) // hidden), hidden)
+    for module in (lng, rmsg):
+        cases[module.OP_TYPE] = (row_norm_case(module.OP_TYPE, tokens, np.float32), module.reference)
     for op_type, (inputs, reference) in cases.items():
         numpy_ms = 1e3 * _median_time(lambda: reference(**inputs), repeats)
         rows.append((op_type, "NumPy reference (float64)", numpy_ms))
@@ -164,7 +191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for op_type, backend, dtype, error, ok in rows:
         print(f"{op_type:<26}{backend:<11}{dtype:<10}{error:>12.2e}  {'yes' if ok else 'NO'}")
     shape = tuple(args.shape)
-    print(f"\ntimings, float32 {list(shape)} ({int(np.prod(shape)) / 1e6:.1f}M elements), median of {args.repeats}:")
+    print(f"\ntimings, float32 {list(shape)} ({int(np.prod(shape)) / 1e6:.1f}M elements; the row normalizations as "
+          f"[tokens, {shape[-1] if len(shape) == 2 else 768}]), median of {args.repeats}:")
     for op_type, what, ms in timing_rows(backends, shape, args.groups, args.repeats):
         print(f"{op_type:<26}{what:<34}{ms:>10.1f} ms")
     failed = [row for row in rows if not row[4]]

@@ -15,6 +15,12 @@ namespace normgrad {
 // Element types, indexed like the tables below.
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNumDTypes = 3 };
 
+// Per-row coefficients of rows_affine_acc.
+struct RowCoef {
+  float mean, a, b, d, rstd;
+};
+constexpr size_t kMaxRows = 4;
+
 struct KernelTable {
   const char* name;
   // out[0] += Σ dy, out[1] += Σ dy·(x − mean)            (x, dy of type t)
@@ -28,6 +34,12 @@ struct KernelTable {
   // out = a·g·dy + b·(x − mean) + d
   void (*affine_g[kNumDTypes])(const void* dy, const void* x, const void* g, void* out, size_t n, float mean,
                                float a, float b, float d);
+  // For rows = 1..kMaxRows consecutive rows of n elements (row r at element offset r·n of
+  // dy, x and out), with coefficients q[r]: out_r = q.a·g·dy_r + q.b·(x_r − q.mean) + q.d,
+  // and the float32 column sums acc_xhat[i] += Σ_r dy_r·(x_r − q.mean)·q.rstd,
+  // acc_dy[i] += Σ_r dy_r (rows summed first, in order, then added; either may be null).
+  void (*rows_affine_acc[kNumDTypes])(const void* dy, const void* x, const void* g, void* out, size_t n, size_t rows,
+                                      const struct RowCoef* q, float* acc_xhat, float* acc_dy);
 };
 
 // The sum kernels add their float32 lane partials into the double outputs every kSumBlock

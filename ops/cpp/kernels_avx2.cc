@@ -39,14 +39,16 @@ struct Io<kBF16> {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
   static void store(S* p, __m256 v) {
-    // Round to nearest even; NaNs stay (quiet) NaNs. Both candidates are < 0x10000, so
-    // packus does not saturate.
+    // Round to nearest even; NaNs stay (quiet) NaNs (a branch: they are rare, and the blend
+    // costs as much as the rounding). Both candidates are < 0x10000, so packus does not saturate.
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7fff)), 16);
-    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i r = _mm256_blendv_epi8(rounded, nan, is_nan);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7fff)), 16);
+    const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    if (__builtin_expect(_mm256_movemask_ps(is_nan) != 0, 0)) {
+      const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+      r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(is_nan));
+    }
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
@@ -203,29 +205,87 @@ void affine(const void* dy_, const void* x_, void* out_, size_t n, float mean, f
   }
 }
 
-template <int T>
-void affine_g(const void* dy_, const void* x_, const void* g_, void* out_, size_t n, float mean, float a, float b,
-              float d) {
+// 8 columns of rows_affine_acc: dx of each row stored, the rows' sums returned.
+template <int T, int kRows, bool kTail>
+inline void rows_affine8(const typename Io<T>::S* dy, const typename Io<T>::S* x, __m256 gv,
+                         typename Io<T>::S* out, size_t n, const RowCoef* q, __m256 mask, __m256* sum_xhat,
+                         __m256* sum_dy) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 dv = Io<T>::load(dy + r * n);
+    __m256 xm = _mm256_sub_ps(Io<T>::load(x + r * n), _mm256_set1_ps(q[r].mean));
+    if (kTail) xm = _mm256_and_ps(mask, xm);
+    *sum_xhat = _mm256_fmadd_ps(dv, _mm256_mul_ps(xm, _mm256_set1_ps(q[r].rstd)), *sum_xhat);
+    *sum_dy = _mm256_add_ps(*sum_dy, dv);
+    Io<T>::store(out + r * n, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(q[r].a), gv), dv,
+                                              _mm256_fmadd_ps(_mm256_set1_ps(q[r].b), xm, _mm256_set1_ps(q[r].d))));
+  }
+}
+
+template <int T, int kRows>
+void rows_affine_acc_impl(const void* dy_, const void* x_, const void* g_, void* out_, size_t n, const RowCoef* q,
+                          float* acc_xhat, float* acc_dy) {
   using S = typename Io<T>::S;
   const S* dy = static_cast<const S*>(dy_);
   const S* x = static_cast<const S*>(x_);
   const S* g = static_cast<const S*>(g_);
   S* out = static_cast<S*>(out_);
-  const __m256 m = _mm256_set1_ps(mean), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vd = _mm256_set1_ps(d);
+  // The next kRows rows follow these in memory: fetch them into cache meanwhile, so that
+  // the caller's reduction pass over them does not wait for memory.
+  const char* next_dy = reinterpret_cast<const char*>(dy + kRows * n);
+  const char* next_x = reinterpret_cast<const char*>(x + kRows * n);
+  constexpr size_t kAhead = kRows * 8 * sizeof(S);  // bytes of the next rows per 8 columns
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 ag = _mm256_mul_ps(va, Io<T>::load(g + i));
-    Io<T>::store(out + i, _mm256_fmadd_ps(ag, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd)));
+    for (size_t b = 0; b < kAhead; b += 64) {
+      _mm_prefetch(next_dy + i * kRows * sizeof(S) + b, _MM_HINT_T1);
+      _mm_prefetch(next_x + i * kRows * sizeof(S) + b, _MM_HINT_T1);
+    }
+    __m256 sx = _mm256_setzero_ps(), sd = sx;
+    rows_affine8<T, kRows, false>(dy + i, x + i, Io<T>::load(g + i), out + i, n, q, __m256(), &sx, &sd);
+    if (acc_xhat) _mm256_storeu_ps(acc_xhat + i, _mm256_add_ps(_mm256_loadu_ps(acc_xhat + i), sx));
+    if (acc_dy) _mm256_storeu_ps(acc_dy + i, _mm256_add_ps(_mm256_loadu_ps(acc_dy + i), sd));
   }
   if (i < n) {
-    S bd[8], bx[8], bg[8], bo[8];
-    pad8<T>(dy + i, n - i, bd);
-    pad8<T>(x + i, n - i, bx);
-    pad8<T>(g + i, n - i, bg);
-    __m256 ag = _mm256_mul_ps(va, Io<T>::load(bg));
-    Io<T>::store(bo, _mm256_fmadd_ps(ag, Io<T>::load(bd), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(bx), m), vd)));
-    std::memcpy(out + i, bo, (n - i) * sizeof(S));
+    // The last columns through zero-padded copies; padded lanes have dy = 0 and x − mean
+    // masked to 0 (so 0 · inf gives no NaN), and are never written back.
+    const size_t rest = n - i;
+    S bd[kRows * 8], bx[kRows * 8], bg[8], bo[kRows * 8];
+    for (int r = 0; r < kRows; ++r) {
+      pad8<T>(dy + r * n + i, rest, bd + r * 8);
+      pad8<T>(x + r * n + i, rest, bx + r * 8);
+    }
+    pad8<T>(g + i, rest, bg);
+    __m256 sx = _mm256_setzero_ps(), sd = sx;
+    rows_affine8<T, kRows, true>(bd, bx, Io<T>::load(bg), bo, 8, q, lanes_below(rest), &sx, &sd);
+    for (int r = 0; r < kRows; ++r) std::memcpy(out + r * n + i, bo + r * 8, rest * sizeof(S));
+    float lanes[8];
+    if (acc_xhat) {
+      _mm256_storeu_ps(lanes, sx);
+      for (size_t j = 0; j < rest; ++j) acc_xhat[i + j] += lanes[j];
+    }
+    if (acc_dy) {
+      _mm256_storeu_ps(lanes, sd);
+      for (size_t j = 0; j < rest; ++j) acc_dy[i + j] += lanes[j];
+    }
   }
+}
+
+template <int T>
+void rows_affine_acc(const void* dy, const void* x, const void* g, void* out, size_t n, size_t rows, const RowCoef* q,
+                     float* acc_xhat, float* acc_dy) {
+  switch (rows) {
+    case 1: return rows_affine_acc_impl<T, 1>(dy, x, g, out, n, q, acc_xhat, acc_dy);
+    case 2: return rows_affine_acc_impl<T, 2>(dy, x, g, out, n, q, acc_xhat, acc_dy);
+    case 3: return rows_affine_acc_impl<T, 3>(dy, x, g, out, n, q, acc_xhat, acc_dy);
+    default: return rows_affine_acc_impl<T, 4>(dy, x, g, out, n, q, acc_xhat, acc_dy);
+  }
+}
+
+template <int T>
+void affine_g(const void* dy, const void* x, const void* g, void* out, size_t n, float mean, float a, float b,
+              float d) {
+  const RowCoef q{mean, a, b, d, 0.0f};
+  rows_affine_acc_impl<T, 1>(dy, x, g, out, n, &q, nullptr, nullptr);
 }
 
 }  // namespace
@@ -236,6 +296,7 @@ extern const KernelTable kAvx2Kernels = {
     {sum_gdy_gdyxmu<kF32>, sum_gdy_gdyxmu<kF16>, sum_gdy_gdyxmu<kBF16>},
     {affine<kF32>, affine<kF16>, affine<kBF16>},
     {affine_g<kF32>, affine_g<kF16>, affine_g<kBF16>},
+    {rows_affine_acc<kF32>, rows_affine_acc<kF16>, rows_affine_acc<kBF16>},
 };
 
 }  // namespace normgrad

@@ -151,6 +151,23 @@ void affine_g(const void* dy, const void* x, const void* g, void* out, size_t n,
   for (size_t i = 0; i < n; ++i) st<T>(out, i, (a * ld<T>(g, i)) * ld<T>(dy, i) + (b * (ld<T>(x, i) - mean) + d));
 }
 
+template <int T>
+void rows_affine_acc(const void* dy, const void* x, const void* g, void* out, size_t n, size_t rows, const RowCoef* q,
+                     float* acc_xhat, float* acc_dy) {
+  for (size_t i = 0; i < n; ++i) {
+    const float gv = ld<T>(g, i);
+    float sum_xhat = 0.0f, sum_dy = 0.0f;
+    for (size_t r = 0; r < rows; ++r) {
+      const float dv = ld<T>(dy, r * n + i), xm = ld<T>(x, r * n + i) - q[r].mean;
+      st<T>(out, r * n + i, (q[r].a * gv) * dv + (q[r].b * xm + q[r].d));
+      sum_xhat += dv * (xm * q[r].rstd);
+      sum_dy += dv;
+    }
+    if (acc_xhat) acc_xhat[i] += sum_xhat;
+    if (acc_dy) acc_dy[i] += sum_dy;
+  }
+}
+
 }  // namespace
 
 extern const KernelTable kGenericKernels = {
@@ -159,6 +176,7 @@ extern const KernelTable kGenericKernels = {
     {sum_gdy_gdyxmu<kF32>, sum_gdy_gdyxmu<kF16>, sum_gdy_gdyxmu<kBF16>},
     {affine<kF32>, affine<kF16>, affine<kBF16>},
     {affine_g<kF32>, affine_g<kF16>, affine_g<kBF16>},
+    {rows_affine_acc<kF32>, rows_affine_acc<kF16>, rows_affine_acc<kBF16>},
 };
 
 static const KernelTable* choose_kernels() {

@@ -33,6 +33,8 @@ struct KernelBase {
 extern const OpDescriptor kBatchNormReduceBackward;
 extern const OpDescriptor kBatchNormElemtBackward;
 extern const OpDescriptor kGroupNormalizationGrad;
+extern const OpDescriptor kLayerNormalizationGrad;
+extern const OpDescriptor kRMSNormalizationGrad;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

@@ -249,7 +249,8 @@ struct OpVariant : OrtCustomOp {
 
 std::vector<OpVariant*>* build_ops() {
   auto* ops = new std::vector<OpVariant*>();
-  for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad}) {
+  for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
+                                &kLayerNormalizationGrad, &kRMSNormalizationGrad}) {
     for (int t = 0; t < kNumDTypes; ++t) {
       for (int u = 0; u < kNumDTypes; ++u) {
         if (d->type_pairs == 'f' && u != t && u != kF32) continue;
