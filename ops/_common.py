@@ -201,7 +201,10 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
 
     The leading broadcast axes are summed first, the others after: one ReduceSum over e.g.
     axes [0, 3] of [N, G, C/G, S] would hit onnxruntime's reduced-kept-reduced kernel, whose
-    float sums change with the thread count when fewer elements than threads are kept.
+    float sums change with the thread count when fewer elements than threads are kept. A
+    size-1 axis in front and one at the end, summed too, keep each axes list non-empty:
+    onnxruntime 1.19.2 reduces an empty tensor over every axis for empty axes, even with
+    ``noop_with_empty_axes``.
 
     Args:
         param: the input whose shape and type the sums take.
@@ -229,11 +232,20 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
         "sts_leading_axes = Reshape (sts_leading_2d, sts_flat)",
         "sts_later_2d = NonZero (sts_later)",
         "sts_later_axes = Reshape (sts_later_2d, sts_flat)",
+        "sts_front = Constant <value_ints = [0]> ()",
+        "sts_next = Constant <value_ints = [1]> ()",
+        "sts_end = Add (sts_rank, sts_next)",
+        "sts_lift = Concat <axis = 0> (sts_front, sts_end)",
+        "sts_leading_lifted = Add (sts_leading_axes, sts_next)",
+        "sts_first_axes = Concat <axis = 0> (sts_front, sts_leading_lifted)",
+        "sts_later_lifted = Add (sts_later_axes, sts_next)",
+        "sts_second_axes = Concat <axis = 0> (sts_later_lifted, sts_end)",
     ]
     for output, value in sums:
         lines += [
-            f"{output}_leading = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> ({value}, sts_leading_axes)",
-            f"{output}_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> ({output}_leading, sts_later_axes)",
+            f"{output}_lifted = Unsqueeze ({value}, sts_lift)",
+            f"{output}_leading = ReduceSum <keepdims = 1> ({output}_lifted, sts_first_axes)",
+            f"{output}_kept = ReduceSum <keepdims = 1> ({output}_leading, sts_second_axes)",
             f"{output}_float = Reshape <allowzero = 1> ({output}_kept, sts_shape)",
             f"{output} = CastLike ({output}_float, {param})",
         ]
