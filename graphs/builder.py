@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import warnings
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import onnx
@@ -13,7 +14,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
-from normgrad.graphs import losses, patterns, rewrites
+from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.portable import make_portable
@@ -69,6 +70,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
     rewrites.split_sequences(model)
+    rewrites.fold_integer_constants(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
@@ -276,6 +278,15 @@ def frozen_parameters(
     return frozen
 
 
+def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
+    """With metadata from :func:`normgrad.torch.export`: every float initializer that is no
+    torch parameter (buffers, constants), to be frozen."""
+    parameters = torch_exports.torch_parameters(model)
+    if parameters is None:
+        return set()
+    return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in parameters}
+
+
 def build_training_graph(
     model: onnx.ModelProto,
     loss: Optional[str] = None,
@@ -305,7 +316,9 @@ def build_training_graph(
         inline: write standard ops only (the normgrad function bodies inlined) instead of
             normgrad nodes plus their function bodies.
         frozen: initializer names that get no gradient (no gradient nodes at all; they stay
-            plain initializers), e.g. from :func:`frozen_parameters`.
+            plain initializers), e.g. from :func:`frozen_parameters`. A model written by
+            :func:`normgrad.torch.export` also freezes every float initializer its metadata
+            ``normgrad.torch_parameters`` does not list (buffers, constants).
         batch_norm_all_reduce: synchronized BatchNorm: training-mode BatchNormalization
             statistics and backward sums go through this all-reduce (see
             :func:`normgrad.graphs.rules.batch_norm.make_batch_statistics_explicit`).
@@ -325,8 +338,18 @@ def build_training_graph(
             differentiable scalar output, an opset the version converter cannot raise, no
             differentiable output, or a malformed graph (a value produced twice, nodes out
             of topological order, a cycle).
+        MisexportedModelError: (a ValueError) a torch export that cannot give torch's
+            gradients, as far as the model shows it (:mod:`normgrad.graphs.torch_exports`).
+
+    Warns:
+        TorchExportWarning: trainable initializers that look like constants torch folded, or
+            that torch's TorchScript exporter merged several tensors into.
     """
     check_graph_structure(model.graph)
+    torch_exports.check_forward_model(model)
+    frozen = set(frozen) | _not_torch_parameters(model)
+    folded_constants = torch_exports.torchscript_folded_constants(model)
+    merged_initializers = torch_exports.torchscript_merged_initializers(model)
     original_value_info = list(model.graph.value_info)
     model, opset = _prepare(model)
     graph = model.graph
@@ -352,6 +375,12 @@ def build_training_graph(
         raise ValueError("loss options need a loss")
     seeded = [float_outputs[0].name] if loss is not None or loss_output is not None else [o.name for o in float_outputs]
     needs = _needing_grad(graph, types, active, unsupported, seeded)
+    trained_folded = [name for name in folded_constants if name in needs]
+    if trained_folded:
+        warnings.warn(torch_exports.folded_constants_warning(trained_folded), torch_exports.TorchExportWarning, stacklevel=2)
+    trained_merged = {kept: names for kept, names in merged_initializers.items() if kept in needs}
+    if trained_merged:
+        warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=2)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
@@ -256,3 +257,41 @@ def test_cli_check_refuses_a_forward_model(tmp_path, capsys):
     onnx.save(mlp(), tmp_path / "mlp.onnx")
     assert check_tool.main([str(tmp_path / "mlp.onnx")]) == 1
     assert "not a training graph written by normgrad" in capsys.readouterr().err
+
+
+def _shape_arithmetic_model():
+    """x [2, 3, 4] -> Reshape to [2, 12] with the target computed as TorchScript writes
+    nn.MultiheadAttention's: Concat(Slice(Shape(x), 0, Mod(1, 3)), [-1]) -> Gather row 1 ->
+    times a float Constant 2."""
+    c = lambda name, value: oh.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.asarray(value), name))  # noqa: E731
+    nodes = [
+        c("one", np.array([1], np.int64)), c("three", np.array([3], np.int64)), c("zero", np.array([0], np.int64)),
+        c("minus_one", np.array([-1], np.int64)), c("row", np.array(1, np.int64)), c("two", np.array(2.0, np.float32)),
+        oh.make_node("Mod", ["one", "three"], ["end"]),
+        oh.make_node("Shape", ["x"], ["shape"]),
+        oh.make_node("Slice", ["shape", "zero", "end"], ["lead"]),
+        oh.make_node("Concat", ["lead", "minus_one"], ["target"], axis=0),
+        oh.make_node("Reshape", ["x", "target"], ["flat"]),
+        oh.make_node("Gather", ["flat", "row"], ["picked"], axis=0),
+        oh.make_node("Mul", ["picked", "two"], ["y"]),
+    ]
+    graph = oh.make_graph(nodes, "shape_arithmetic", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=10)
+
+
+def test_integer_shape_arithmetic_on_constants_is_folded_so_shapes_are_known():
+    """Without folding, onnx shape inference cannot follow Mod into the Slice, Reshape's
+    output has no rank, and the Gather rule cannot be written."""
+    from normgrad.graphs import rewrites
+
+    model = _shape_arithmetic_model()
+    assert not onnx.shape_inference.infer_shapes(model, data_prop=True).graph.output[0].type.tensor_type.HasField("shape")
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    rewrites.fold_integer_constants(folded)
+    ops = [n.op_type for n in folded.graph.node]
+    assert ops.count("Mod") == 0 and ops.count("Mul") == 1 and ops.count("Shape") == 1  # float and x-dependent nodes stay
+    training = build_training_graph(model)
+    assert [o.name for o in training.graph.output] == ["y", "x_grad"]
+    _assert_close(training)

@@ -1,8 +1,11 @@
 """Whole transformer-family models through torch's exporters: a classifier with nn.Dropout in
-training mode and a tiny BERT encoder (transformers), gradients against torch autograd."""
+training mode, and (transformers, tiny configs, random weights) a BERT encoder, a ViT and a
+Llama decoder block, their LayerNorm/RMSNorm gradients on normgrad's LayerNormalizationGrad /
+RMSNormalizationGrad; gradients against torch autograd."""
 
 from __future__ import annotations
 
+import collections
 import io
 
 import numpy as np
@@ -10,10 +13,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import UnsupportedOperatorError, build_training_graph, supported_op_types
+from normgrad.graphs import build_training_graph, supported_op_types
+from normgrad.graphs.patterns import _declarative
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
+
+import _torch_models  # noqa: E402  (DecomposedLayerNorm, shared with the model-family tests)
 
 
 def _distinct_parameters(module, seed=0):
@@ -21,27 +27,29 @@ def _distinct_parameters(module, seed=0):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            offset = 1.0 if name.endswith("LayerNorm.weight") or name.endswith("norm.weight") else 0.0
+            offset = 1.0 if "norm" in name.lower() and name.endswith("weight") else 0.0
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + offset)
 
 
 def _export(module, args, exporter, input_names, output_names):
-    if exporter == "torchscript":
-        buffer = io.BytesIO()
-        torch.onnx.export(module, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-                          do_constant_folding=False, input_names=input_names, output_names=output_names, opset_version=17)
-        return onnx.load_from_string(buffer.getvalue())
+    """The model as ``exporter`` writes it; a skip quoting the exporter's own error if it cannot."""
     try:
+        if exporter == "torchscript":
+            buffer = io.BytesIO()
+            torch.onnx.export(module, args, buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                              do_constant_folding=False, input_names=input_names, output_names=output_names, opset_version=17)
+            return onnx.load_from_string(buffer.getvalue())
         program = torch.onnx.export(module, args, dynamo=True, opset_version=18, input_names=input_names,
                                     output_names=output_names, optimize=False, verbose=False)
-    except Exception as error:  # the dynamo exporter needs onnxscript
-        pytest.skip(f"dynamo exporter unavailable: {type(error).__name__}: {error}")
+    except Exception as error:  # e.g. the dynamo exporter needs onnxscript
+        pytest.skip(f"the {exporter} exporter cannot export the model: {type(error).__name__}: {error}")
     return program.model_proto
 
 
-def _run_training(forward, feeds, seeds, extra_outputs=()):
-    """The training graph's outputs by name: forward outputs, gradients and ``extra_outputs``."""
-    training = build_training_graph(forward)
+def _run_training(forward, feeds, seeds, extra_outputs=(), training=None):
+    """The training graph's outputs by name (forward outputs, gradients and ``extra_outputs``)
+    and its initializer names; ``training``: the graph already built from ``forward``."""
+    training = build_training_graph(forward) if training is None else training
     for name in extra_outputs:
         training.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
@@ -111,17 +119,16 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
     _assert_gradients_match(results, initializers, module, {"x": xt.grad.numpy()})
 
 
-class _DecomposedLayerNorm(nn.Module):
-    """nn.LayerNorm written out (ReduceMean, Sub, Pow, Sqrt, Div, ...), for exports before a
-    LayerNormalization gradient rule exists."""
+class _Outputs(nn.Module):
+    """A transformers model called with one keyword input, returning the named outputs."""
 
-    def __init__(self, norm):
+    def __init__(self, model, input_name, output_names):
         super().__init__()
-        self.weight, self.bias, self.eps = norm.weight, norm.bias, norm.eps
+        self.model, self.input_name, self.output_names = model, input_name, output_names
 
-    def forward(self, x):
-        centred = x - x.mean(-1, keepdim=True)
-        return centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
+    def forward(self, inputs):
+        out = self.model(**{self.input_name: inputs})
+        return tuple(getattr(out, name) for name in self.output_names)
 
 
 def _tiny_bert(layer_norm):
@@ -136,40 +143,113 @@ def _tiny_bert(layer_norm):
         for name, child in list(bert.named_modules()):
             for attribute, sub in list(child.named_children()):
                 if isinstance(sub, nn.LayerNorm):
-                    setattr(child, attribute, _DecomposedLayerNorm(sub))
+                    setattr(child, attribute, _torch_models.DecomposedLayerNorm(sub))
+    return _Outputs(bert, "input_ids", ("last_hidden_state", "pooler_output"))
 
-    class Encoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bert = bert
 
-        def forward(self, input_ids):
-            out = self.bert(input_ids=input_ids)
-            return out.last_hidden_state, out.pooler_output
+def _tiny_vit():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return _Outputs(transformers.ViTModel(config), "pixel_values", ("last_hidden_state", "pooler_output"))
 
-    encoder = Encoder().train()
-    _distinct_parameters(encoder)
-    return encoder
+
+def _llama_config(hidden=32):
+    """Eager attention: with the default (sdpa), the TorchScript exporter cannot export
+    LlamaModel's causal mask (no symbolic for ``aten::diff``)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=16, attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+
+
+class _LlamaBlock(nn.Module):
+    """A Llama decoder layer (RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP)
+    and the final RMSNorm, on hidden states (so the input's gradient is compared too)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.models.llama import modeling_llama
+
+        config = _llama_config()
+        torch.manual_seed(0)
+        self.rotary = modeling_llama.LlamaRotaryEmbedding(config)
+        self.layer = modeling_llama.LlamaDecoderLayer(config, 0)
+        self.norm = modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden):
+        positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+        out = self.layer(hidden, attention_mask=None, position_ids=positions,
+                         position_embeddings=self.rotary(hidden, positions))
+        return self.norm(out[0] if isinstance(out, tuple) else out)
+
+
+def _check_model(module, inputs, exporter, input_name, output_names, grad_op, norms):
+    """Exports ``module`` (training mode, distinct parameter values) with ``exporter``, asserts
+    ``norms`` ``grad_op`` nodes in its training graph, and its outputs and the gradients of
+    every parameter (and of a float input) against torch autograd."""
+    module = module.train()
+    _distinct_parameters(module)
+    inputs_t = torch.tensor(inputs, requires_grad=inputs.dtype.kind == "f")
+    outputs = module(inputs_t)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    rng = np.random.default_rng(1)
+    seeds = {name: rng.standard_normal(tuple(out.shape)).astype(np.float32) for name, out in zip(output_names, outputs)}
+    torch.autograd.backward(list(outputs), [torch.tensor(seeds[name]) for name in output_names])
+    forward = _export(module, (torch.tensor(inputs),), exporter, [input_name], list(output_names))
+    training = build_training_graph(forward)
+    ops = collections.Counter(node.op_type for node in training.graph.node)
+    assert ops[grad_op] == norms, ops
+    results, initializers = _run_training(forward, {input_name: inputs}, seeds, training=training)
+    for name, out in zip(output_names, outputs):
+        np.testing.assert_allclose(results[name], out.detach().numpy(), rtol=1e-4, atol=1e-4)
+    extra = {input_name: inputs_t.grad.numpy()} if inputs_t.grad is not None else {}
+    _assert_gradients_match(results, initializers, module, extra)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("layer_norm", ["decomposed", "nn"])
 def test_tiny_bert_matches_torch(exporter, layer_norm):
     """BertModel (hidden 32, 2 layers, 2 heads, vocab 100, dropout p = 0 in training mode):
-    embedding Gathers, attention, GELU (Erf), pooler Tanh. With nn.LayerNorm the export needs
-    a LayerNormalization rule: until there is one, the error must name it as the only gap."""
-    encoder = _tiny_bert(layer_norm)
+    embedding Gathers, attention, GELU (Erf), pooler Tanh, and 5 LayerNorms, each one
+    LayerNormalizationGrad: nn.LayerNorm through the LayerNormalization rule, the written-out
+    one through the chain pattern (node by node without onnxscript)."""
     ids = np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int64)
     ids[0, :3] = 7  # a repeated token: its embedding row sums three gradients
-    forward = _export(encoder, (torch.tensor(ids),), exporter, ["input_ids"], ["hidden", "pooled"])
-    if layer_norm == "nn" and "LayerNormalization" not in supported_op_types():
-        with pytest.raises(UnsupportedOperatorError, match=r"^no gradient rule for operator LayerNormalization \(5 nodes"):
-            build_training_graph(forward)
-        pytest.skip("LayerNormalization has no gradient rule on this branch (the LayerNorm helper adds it)")
-    rng = np.random.default_rng(1)
-    seeds = {"hidden": rng.standard_normal((2, 8, 32)).astype(np.float32), "pooled": rng.standard_normal((2, 32)).astype(np.float32)}
-    results, initializers = _run_training(forward, {"input_ids": ids}, seeds)
-    hidden, pooled = encoder(torch.tensor(ids))
-    torch.autograd.backward([hidden, pooled], [torch.tensor(seeds["hidden"]), torch.tensor(seeds["pooled"])])
-    np.testing.assert_allclose(results["hidden"], hidden.detach().numpy(), rtol=1e-4, atol=1e-4)
-    _assert_gradients_match(results, initializers, encoder)
+    fused = layer_norm == "nn" or _declarative.AVAILABLE
+    _check_model(_tiny_bert(layer_norm), ids, exporter, "input_ids", ("hidden", "pooled"),
+                 "LayerNormalizationGrad", 5 if fused else 0)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_tiny_vit_matches_torch(exporter):
+    """ViTModel (32 px, patch 8, hidden 32, 2 layers, 2 heads): patch Conv, class token
+    Concat, position embeddings, 5 LayerNormalizations, pooler; the gradient of the image too."""
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    _check_model(_tiny_vit(), pixels, exporter, "pixel_values", ("hidden", "pooled"), "LayerNormalizationGrad", 5)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("whole", [False, True], ids=["block", "LlamaModel"])
+def test_llama_matches_torch(exporter, whole):
+    """A Llama decoder block (LlamaDecoderLayer + final LlamaRMSNorm; hidden 32, 2 heads, 1
+    KV head) on hidden states, and a whole one-layer LlamaModel (token embedding, causal mask)
+    on token ids: the three RMSNorms, written by both exporters as x * rsqrt(mean(x²) + eps)
+    * w with Casts to float32, each one RMSNormalizationGrad (the chain pattern)."""
+    if "Slice" not in supported_op_types():
+        pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet")
+    rng = np.random.default_rng(0)
+    if whole:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        module = _Outputs(transformers.LlamaModel(_llama_config()), "input_ids", ("last_hidden_state",))
+        inputs = rng.integers(0, 100, (2, 8)).astype(np.int64)
+    else:
+        module, inputs = _LlamaBlock(), rng.standard_normal((2, 8, 32)).astype(np.float32)
+    norms = 3 if _declarative.AVAILABLE else 0
+    _check_model(module, inputs, exporter, "input_ids" if whole else "hidden", ("y",), "RMSNormalizationGrad", norms)

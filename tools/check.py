@@ -187,7 +187,9 @@ def _to_double(graph: onnx.GraphProto) -> None:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type in _FLOAT:
                 attr.t.CopyFrom(onh.from_array(onh.to_array(attr.t).astype(np.float64), attr.t.name))
             elif attr.name in ("to", "dtype", "stash_type") and attr.type == onnx.AttributeProto.INT and attr.i in _FLOAT:
-                attr.i = onnx.TensorProto.DOUBLE
+                # onnx's reference Layer/RMSNormalization compute in X's type but refuse a stash_type other than 1
+                if not (node.op_type in ("LayerNormalization", "RMSNormalization") and attr.name == "stash_type"):
+                    attr.i = onnx.TensorProto.DOUBLE
             elif attr.name == "value_float" and node.op_type == "Constant":
                 value = attr.f
                 attr.Clear()

@@ -1,4 +1,4 @@
-"""The ``normgrad`` command: ``normgrad {demo,bench,export,check,corpus,train} ...``."""
+"""The ``normgrad`` command: ``normgrad {demo,bench,export,check,corpus,train,support-table} ...``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ COMMANDS = {
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
     "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
     "train": ("normgrad.tools.train", "train a small CNN on scikit-learn's digits in onnxruntime (the train extra)"),
+    "support-table": ("normgrad.tools.support_table", "render README's model-family and operator tables from the tests' results"),
 }
 
 

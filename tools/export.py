@@ -5,6 +5,7 @@ its step graph (gradients + one optimizer step) and a checkpoint of the initial 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from normgrad._files import refuse_same_file, save_model_atomic
@@ -21,6 +22,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from normgrad.graphs import UnsupportedOperatorError, build_training_graph
     from normgrad.graphs.builder import frozen_parameters
     from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
+    from normgrad.graphs.torch_exports import TorchExportWarning
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="forward ONNX model")
@@ -78,8 +80,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
-        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
-                                        loss_options=loss_options, loss_output=args.loss_output)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TorchExportWarning)
+            training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
+                                            loss_options=loss_options, loss_output=args.loss_output)
+        for warning in caught:
+            if issubclass(warning.category, TorchExportWarning):
+                print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
+            else:
+                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
         initial = None
         if args.optimizer or args.portable:
             refuse_same_file(args.model, checkpoint_path, "checkpoint")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -56,6 +57,9 @@ class GraphView:
             for name in _node_inputs(node):
                 self.consumers.setdefault(name, []).append(node)
         self.outputs: Set[str] = {o.name for o in graph.output}
+        self.op_types: Set[str] = {node.op_type for node in graph.node}
+        self.cache: Dict[str, object] = {}
+        """Per-graph data a matcher computes once (e.g. another view of the graph)."""
 
     def only_consumer(self, name: str, node: onnx.NodeProto) -> bool:
         """Whether ``name`` is read by ``node`` alone, once, and is not a graph output."""
@@ -66,6 +70,29 @@ class GraphView:
             and _key(readers[0]) == _key(node)
             and list(node.input).count(name) == 1
         )
+
+
+    def static_value(self, ctx: GradientContext, name: str) -> Optional[np.ndarray]:
+        """The value of ``name`` if fixed: a constant (:meth:`GradientContext.constant`), or
+        an Identity, Cast or Reshape of fixed values (as the dynamo exporter writes reduction
+        axes without constant folding)."""
+        value = ctx.constant(name)
+        if value is not None:
+            return value
+        node = self.producer.get(name)
+        if node is None or node.domain not in ("", "ai.onnx") or not node.input:
+            return None
+        operands = [self.static_value(ctx, i) if i else None for i in node.input]
+        if operands[0] is None:
+            return None
+        if node.op_type == "Identity":
+            return operands[0]
+        if node.op_type == "Cast":
+            to = next(a.i for a in node.attribute if a.name == "to")
+            return operands[0].astype(onnx.helper.tensor_dtype_to_np_dtype(to))
+        if node.op_type == "Reshape" and len(operands) == 2 and operands[1] is not None and 0 not in operands[1]:
+            return operands[0].reshape(operands[1])
+        return None
 
 
 GradientFn = Callable[[GradientContext, str], Sequence[Tuple[str, str]]]
@@ -147,4 +174,4 @@ class Matches:
 
 
 # Importing the pattern modules registers their matchers.
-from normgrad.graphs.patterns import torch_group_norm  # noqa: E402,F401
+from normgrad.graphs.patterns import layer_norm_chain, rms_norm_chain, torch_group_norm  # noqa: E402,F401

@@ -114,6 +114,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     gather,
     gemm,
     group_norm,
+    layer_norm,
     matmul,
     non_differentiable,
     pad,

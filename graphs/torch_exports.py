@@ -1,0 +1,208 @@
+"""What a forward model exported from torch says about itself, and the exports that would give
+wrong gradients.
+
+torch's exporters leave traces: the dynamo exporter writes node metadata naming the torch op
+each node came from (``pkg.torch.onnx.fx_node``, with the parameters it read as ``%p_NAME``)
+and the rewrite rule that changed it (``pkg.onnxscript.rewriter.rule_name``); the TorchScript
+exporter names constants it folds ``onnx::OP_N``. :func:`normgrad.torch.export` adds
+``normgrad.torch_parameters``. From these, :func:`check_forward_model` refuses what it can see
+would train wrongly (BatchNorm folded into a convolution, training-mode BatchNorm written in
+inference mode, parameters folded or merged into other initializers) and warns about folded
+constants trained under their own names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Dict, Iterable, List, Optional
+
+import onnx
+
+from normgrad.graphs.context import FLOAT_ELEM_TYPES
+
+__all__ = [
+    "METADATA_TORCH_PARAMETERS",
+    "MisexportedModelError",
+    "TorchExportWarning",
+    "torch_parameters",
+    "referenced_parameters",
+    "check_forward_model",
+    "torchscript_folded_constants",
+    "folded_constants_warning",
+    "torchscript_merged_initializers",
+    "merged_initializers_warning",
+]
+
+METADATA_TORCH_PARAMETERS = "normgrad.torch_parameters"
+"""Model metadata key: JSON {initializer name: torch parameter name}, written by
+:func:`normgrad.torch.export`; only these initializers are trained."""
+
+FIX = ("export with normgrad.torch.export(module, inputs, path) (pip install \"normgrad[torch]\"), which keeps "
+       "training-mode BatchNorm and every parameter as its own initializer")
+
+_FX_NODE = "pkg.torch.onnx.fx_node"
+_NAMESPACE = "pkg.torch.onnx.name_scopes"
+_REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
+_PARAMETER_TOKEN = re.compile(r"%p_([A-Za-z0-9_]+)")
+_TORCHSCRIPT_FOLDED = re.compile(r"^onnx::[A-Za-z]+_\d+$")
+
+
+class MisexportedModelError(ValueError):
+    """The forward model was exported in a way that makes its gradients differ from torch's."""
+
+
+class TorchExportWarning(UserWarning):
+    """The forward model trains, but not quite as the torch module would (see the message)."""
+
+
+def torch_parameters(model: onnx.ModelProto) -> Optional[Dict[str, str]]:
+    """``normgrad.torch_parameters`` of ``model`` ({initializer: torch name}), None if absent.
+
+    Raises:
+        MisexportedModelError: the metadata is not such a dict, or names a value that is not a
+            float initializer of the graph.
+    """
+    text = next((p.value for p in model.metadata_props if p.key == METADATA_TORCH_PARAMETERS), None)
+    if text is None:
+        return None
+    try:
+        mapping = json.loads(text)
+    except ValueError:
+        mapping = None
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise MisexportedModelError(f"metadata {METADATA_TORCH_PARAMETERS} must be a JSON object of strings; got {text[:80]!r}")
+    initializers = {t.name for t in model.graph.initializer}
+    unknown = sorted(set(mapping) - initializers)
+    if unknown:
+        raise MisexportedModelError(
+            f"metadata {METADATA_TORCH_PARAMETERS} names {', '.join(unknown[:5])}, which "
+            f"{'are not initializers' if len(unknown) > 1 else 'is not an initializer'} of the graph"
+        )
+    return mapping
+
+
+def _mangled(name: str) -> str:
+    """The name torch.export gives a parameter's placeholder, without its ``p_`` (lower case)."""
+    return re.sub(r"[^a-z0-9_]", "_", name.lower())
+
+
+def _parameter_tokens(model: onnx.ModelProto) -> Dict[str, onnx.NodeProto]:
+    """Mangled names of the torch parameters the dynamo exporter's node metadata says were
+    read, each with the first node that says so."""
+    tokens: Dict[str, onnx.NodeProto] = {}
+    for node in model.graph.node:
+        for prop in node.metadata_props:
+            if prop.key == _FX_NODE:
+                for token in _PARAMETER_TOKEN.findall(prop.value):
+                    tokens.setdefault(token.lower(), node)
+    return tokens
+
+
+def referenced_parameters(model: onnx.ModelProto, parameters: Iterable[str]) -> List[str]:
+    """Which of ``parameters`` (torch names) the dynamo exporter's node metadata says the
+    graph reads."""
+    tokens = _parameter_tokens(model)
+    return [name for name in parameters if _mangled(name) in tokens]
+
+
+def _metadata(node: onnx.NodeProto, key: str) -> str:
+    return next((p.value for p in node.metadata_props if p.key == key), "")
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def _node_name(node: onnx.NodeProto) -> str:
+    return f"{node.op_type} '{node.name or node.output[0]}'"
+
+
+def check_forward_model(model: onnx.ModelProto) -> None:
+    """Refuses a forward model whose training graph could not give torch's gradients, where
+    the model shows it.
+
+    Raises:
+        MisexportedModelError: (dynamo exporter, seen from its node metadata) BatchNorm folded
+            into a Conv/Gemm by its optimizer (``optimize=True``, the default); a torch
+            training-mode batch_norm written as BatchNormalization in inference mode (which the
+            dynamo exporter always does); torch parameters that are not initializers of their
+            own (folded into computed constants, or merged with an equal one).
+    """
+    problems: List[str] = []
+    folded = [n for n in model.graph.node if _metadata(n, _REWRITE_RULE).startswith("FuseBatchNorm")]
+    if folded:
+        problems.append(
+            f"the dynamo exporter's optimizer folded BatchNorm into {len(folded)} node(s) (first {_node_name(folded[0])}; "
+            "torch.onnx.export(dynamo=True) optimizes by default): the BatchNorm's scale and bias are no parameters "
+            "of their own and, in training mode, the batch statistics are gone"
+        )
+    inference = [
+        n for n in model.graph.node
+        if n.op_type == "BatchNormalization" and not _attribute(n, "training_mode", 0)
+        and "_native_batch_norm_legit_functional" in _metadata(n, _FX_NODE) + _metadata(n, _NAMESPACE)
+    ]
+    if inference:
+        problems.append(
+            f"{len(inference)} BatchNormalization node(s) (first {_node_name(inference[0])}) ran in training mode in torch "
+            "but are written with training_mode=0 (the dynamo exporter always writes inference mode), so their "
+            "gradients would use the running statistics"
+        )
+    initializers = {_mangled(t.name) for t in model.graph.initializer}
+    lost = {token: node for token, node in _parameter_tokens(model).items() if token not in initializers}
+    if lost:
+        token, node = next(iter(lost.items()))
+        problems.append(
+            f"{len(lost)} torch parameter(s) (first p_{token}, read by {_node_name(node)}) are not initializers of their own: "
+            "the dynamo exporter's optimizer folded them into computed constants or merged equal ones, so their "
+            "gradients would be wrong"
+        )
+    if problems:
+        raise MisexportedModelError("; ".join(problems) + f". Fix: {FIX}, or torch.onnx.export(..., dynamo=False, "
+                                    "training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)")
+
+
+def torchscript_folded_constants(model: onnx.ModelProto) -> List[str]:
+    """Float initializers named as torch's TorchScript exporter names constants it folded
+    (``onnx::Mul_41``: a parameter reshaped, transposed, ... by ``do_constant_folding=True``),
+    in a model torch wrote without :func:`normgrad.torch.export`'s metadata."""
+    if model.producer_name != "pytorch" or torch_parameters(model) is not None:
+        return []
+    return [t.name for t in model.graph.initializer if _TORCHSCRIPT_FOLDED.match(t.name) and t.data_type in FLOAT_ELEM_TYPES]
+
+
+def folded_constants_warning(names: List[str]) -> str:
+    """The warning for trainable :func:`torchscript_folded_constants`."""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"{len(names)} trainable initializer(s) ({shown}) look like constants torch's TorchScript exporter folded "
+        "from parameters (do_constant_folding=True): they are trained under those names, not as the torch "
+        f"parameters they came from; {FIX}, or torch.onnx.export(..., do_constant_folding=False)"
+    )
+
+
+def torchscript_merged_initializers(model: onnx.ModelProto) -> Dict[str, List[str]]:
+    """{float initializer: the names torch gave the values merged into it}: torch's
+    TorchScript exporter keeps one initializer for tensors it deduplicates (one shared
+    parameter, or, exporting an eval-mode model, equal values) and writes
+    ``Identity(kept) -> other name`` for the rest."""
+    if model.producer_name != "pytorch" or torch_parameters(model) is not None:
+        return {}
+    floats = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES}
+    merged: Dict[str, List[str]] = {}
+    for node in model.graph.node:
+        if node.op_type == "Identity" and node.input and node.input[0] in floats and not _TORCHSCRIPT_FOLDED.match(node.output[0]):
+            merged.setdefault(node.input[0], []).append(node.output[0])
+    return merged
+
+
+def merged_initializers_warning(merged: Dict[str, List[str]]) -> str:
+    """The warning for trainable :func:`torchscript_merged_initializers`."""
+    shown = "; ".join(f"{kept} also stands for {', '.join(names)}" for kept, names in list(merged.items())[:3])
+    return (
+        f"{len(merged)} trainable initializer(s) stand for several torch tensors ({shown}"
+        f"{'; ...' if len(merged) > 3 else ''}): torch's TorchScript exporter merged them, and each gets the sum of "
+        "their gradients. Right for one parameter shared in torch; wrong for distinct parameters merged because "
+        "their values were equal, which torch does exporting an eval-mode model: "
+        f"{FIX}, or export with the top module in training mode"
+    )

@@ -1,0 +1,337 @@
+"""normgrad.torch: export a torch module to the forward ONNX model ``normgrad export`` needs.
+
+:func:`export` chooses the exporter settings under which the training graph gives torch's
+gradients: BatchNorm and Dropout exported in the mode each module is in (training-mode
+BatchNorm keeps ``training_mode=1``), no constant folding, no merging of initializers that
+happen to be equal, no BatchNorm folded into convolutions, every parameter an initializer
+under its torch name. The model's metadata lists which initializers are torch parameters
+(``normgrad.torch_parameters``), and :func:`normgrad.graphs.build_training_graph` trains only
+those. torch is an optional dependency (``pip install "normgrad[torch]"``), imported here
+only when :func:`export` is called.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import onnx
+
+from normgrad._files import save_model_atomic
+from normgrad.graphs.torch_exports import METADATA_TORCH_PARAMETERS, referenced_parameters
+from normgrad.ops import IR_VERSION
+
+__all__ = ["export", "TorchExportError", "EXPORTERS", "OPSETS"]
+
+EXPORTERS = ("torchscript", "dynamo")
+OPSETS = {"torchscript": (12, 20), "dynamo": (18, 21)}
+"""The default-domain opsets each exporter may write here (onnxruntime 1.19.2 loads up to 21;
+training-mode BatchNorm and Dropout need 12; the dynamo exporter writes 18 and newer)."""
+DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
+
+DynamicAxes = Mapping[str, Union[Sequence[int], Mapping[int, str]]]
+
+
+class TorchExportError(ValueError):
+    """A bad argument, or a module the chosen exporter cannot export (with its own error)."""
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError(
+            f"normgrad.torch.export needs torch ({error}); install it with: pip install \"normgrad[torch]\""
+        ) from None
+    return torch
+
+
+def export(
+    module: Any,
+    example_inputs: Any,
+    path: Union[str, "os.PathLike[str]"],
+    *,
+    exporter: str = "torchscript",
+    dynamic_axes: Optional[DynamicAxes] = None,
+    input_names: Optional[Sequence[str]] = None,
+    output_names: Optional[Sequence[str]] = None,
+    opset: Optional[int] = None,
+) -> onnx.ModelProto:
+    """Exports ``module`` as a forward ONNX model from which ``normgrad export`` builds a
+    training graph with torch's gradients, writes it to ``path`` atomically and returns it.
+
+    Each module is exported in the mode it is in (``module.train()`` / ``.eval()``, per
+    submodule, as torch would run it): BatchNorm in training mode normalizes with the batch
+    statistics, Dropout in training mode draws a mask.
+
+    Args:
+        module: a ``torch.nn.Module``.
+        example_inputs: a tensor or a tuple of tensors (the positional arguments).
+        path: where to write the model (a new file, or one to replace atomically).
+        exporter: ``"torchscript"`` (``torch.onnx.export(dynamo=False)``) or ``"dynamo"``
+            (``dynamo=True``, needs onnxscript).
+        dynamic_axes: ``{input or output name: [axis, ...] or {axis: "dim name"}}``, e.g.
+            ``{"x": {0: "batch", 2: "height", 3: "width"}}``; the other axes are static.
+        input_names, output_names: ONNX names of the inputs and outputs (default ``input_0``...,
+            ``output_0``...).
+        opset: default-domain opset (torchscript 12-20, default 17; dynamo 18-21, default 18).
+
+    Returns:
+        The model written: IR version 10, metadata ``normgrad.torch_parameters`` = JSON
+        ``{initializer name: torch parameter name}`` for every parameter with
+        ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it).
+
+    Raises:
+        ImportError: torch (or, for dynamo, onnxscript) is not installed.
+        TorchExportError: a bad argument, a parameter that did not become an initializer of
+            its own, or the exporter's own error.
+        OSError: ``path`` cannot be written (it is then unchanged).
+    """
+    torch = _import_torch()
+    if not isinstance(module, torch.nn.Module):
+        raise TorchExportError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    if exporter not in EXPORTERS:
+        raise TorchExportError(f"exporter must be one of {', '.join(map(repr, EXPORTERS))}; got {exporter!r}")
+    inputs = _example_inputs(torch, example_inputs)
+    input_names = _names("input_names", input_names, "input", len(inputs))
+    opset = _opset(exporter, opset)
+    if os.path.isdir(path):
+        raise TorchExportError(f"path {os.fspath(path)!r} is a folder; name the .onnx file to write")
+    output_count = None if output_names is None else len(output_names)
+    output_names = None if output_names is None else _names("output_names", output_names, "output", output_count)
+    dynamic_axes = _dynamic_axes(dynamic_axes, inputs, input_names, output_names)
+
+    parameters = _trainable_parameters(module)
+    if exporter == "torchscript":
+        model = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
+    else:
+        model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
+    recorded = {t.name: parameters[t.name] for t in model.graph.initializer if t.name in parameters}
+    _check_parameters_kept(model, parameters, recorded, exporter)
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                        METADATA_TORCH_PARAMETERS: json.dumps(recorded)})
+    model.ir_version = IR_VERSION
+    save_model_atomic(model, path)
+    return model
+
+
+def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    for i, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            raise TorchExportError(
+                f"example_inputs[{i}] must be a torch.Tensor; got {type(value).__name__} "
+                "(pass a tensor or a tuple of tensors, the module's positional arguments)"
+            )
+    if not inputs:
+        raise TorchExportError("example_inputs is empty; pass the tensors the module's forward takes")
+    return tuple(inputs)
+
+
+def _names(argument: str, names: Optional[Sequence[str]], prefix: str, count: Optional[int]) -> List[str]:
+    if names is None:
+        return [f"{prefix}_{i}" for i in range(count or 0)]
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+        raise TorchExportError(f"{argument} must be a list of non-empty strings; got {names!r}")
+    if len(set(names)) != len(names):
+        raise TorchExportError(f"{argument} names a value twice: {list(names)!r}")
+    if count is not None and len(names) != count:
+        raise TorchExportError(f"{argument} has {len(names)} names for {count} example inputs")
+    return list(names)
+
+
+def _opset(exporter: str, opset: Optional[int]) -> int:
+    low, high = OPSETS[exporter]
+    if opset is None:
+        return DEFAULT_OPSET[exporter]
+    if isinstance(opset, bool) or not isinstance(opset, int) or not low <= opset <= high:
+        raise TorchExportError(f"opset for the {exporter} exporter must be an int in {low}..{high}; got {opset!r}")
+    return opset
+
+
+def _dynamic_axes(dynamic_axes, inputs, input_names, output_names) -> Optional[Dict[str, Dict[int, str]]]:
+    """``dynamic_axes`` checked, as ``{name: {axis: dim name}}`` with non-negative axes."""
+    if dynamic_axes is None:
+        return None
+    if not isinstance(dynamic_axes, Mapping):
+        raise TorchExportError(f"dynamic_axes must be a dict {{input or output name: axes}}; got {type(dynamic_axes).__name__}")
+    ranks = {name: value.dim() for name, value in zip(input_names, inputs)}
+    result: Dict[str, Dict[int, str]] = {}
+    for name, axes in dynamic_axes.items():
+        if name not in ranks and name not in (output_names or ()):
+            known = input_names + list(output_names or ())
+            raise TorchExportError(f"dynamic_axes names {name!r}, which is none of the input or output names {known}")
+        named = dict(axes) if isinstance(axes, Mapping) else {axis: None for axis in axes}
+        result[name] = {}
+        for axis, dim_name in named.items():
+            rank = ranks.get(name)
+            if isinstance(axis, bool) or not isinstance(axis, int) or (rank is not None and not -rank <= axis < rank):
+                raise TorchExportError(f"dynamic_axes[{name!r}] has axis {axis!r}, not an axis of a rank-{rank} tensor")
+            axis = axis % rank if rank is not None else axis
+            result[name][axis] = dim_name if isinstance(dim_name, str) and dim_name else f"{name}_dim{axis}"
+    return result
+
+
+def _trainable_parameters(module) -> Dict[str, str]:
+    """{every name of a parameter with requires_grad: its first name} (a parameter shared by
+    several modules has several names; an exporter keeps one initializer under one of them)."""
+    first: Dict[int, str] = {}
+    names: Dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            names[name] = first.setdefault(id(param), name)
+    return names
+
+
+def _check_parameters_kept(model: onnx.ModelProto, parameters: Mapping[str, str], recorded: Mapping[str, str], exporter: str) -> None:
+    """Raises when a parameter the dynamo exporter says the graph reads is not an initializer."""
+    if exporter != "dynamo":
+        return
+    kept = set(recorded.values())
+    lost = [name for name in referenced_parameters(model, parameters) if parameters[name] not in kept]
+    if lost:
+        raise TorchExportError(
+            f"the dynamo exporter did not keep torch parameter{'s' if len(lost) > 1 else ''} {', '.join(lost[:5])}"
+            f"{' ...' if len(lost) > 5 else ''} as initializers of their own; export with exporter='torchscript'"
+        )
+
+
+def _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
+    """TorchScript export: each module in its own mode (PRESERVE), nothing folded.
+
+    torch deduplicates initializers by value when the top module is in eval mode, so an
+    eval-mode module is exported inside a wrapper that reports training mode but changes
+    no submodule's mode."""
+    buffer = io.BytesIO()
+    target = module if module.training else _training_flag_wrapper(torch, module)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                target, inputs, buffer, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
+                do_constant_folding=False, export_params=True, keep_initializers_as_inputs=False,
+                input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
+            )
+    except Exception as error:  # the exporter's own error, reported as is
+        raise TorchExportError(f"torch's TorchScript exporter failed: {type(error).__name__}: {_first_line(error)}") from error
+    model = onnx.load_from_string(buffer.getvalue())
+    if target is not module:
+        _strip_prefix(model, _WRAPPED + ".")
+    return model
+
+
+def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
+    """dynamo export with ``optimize=False`` (its optimizer folds BatchNorm into convolutions,
+    merges equal initializers and constant-folds parameter transforms), training-mode
+    batch_norm written as BatchNormalization with ``training_mode=1`` (onnxscript's own
+    translation always writes inference mode), and nn.Dropout modules made out-of-place
+    for the export (the exporter leaves an in-place dropout in training mode out of the
+    graph, torch 2.13)."""
+    try:
+        import onnxscript  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"the dynamo exporter needs onnxscript ({error}); pip install onnxscript") from None
+    in_place = [m for m in module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.inplace]
+    aten = torch.ops.aten
+    table = {
+        aten._native_batch_norm_legit_functional.default: _batch_norm_training,
+        aten._native_batch_norm_legit.no_stats: _batch_norm_training_no_stats,
+    }
+    try:
+        for dropout in in_place:  # the dynamo exporter drops an in-place training-mode dropout
+            dropout.inplace = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module, inputs, dynamo=True, optimize=False, opset_version=opset, verbose=False,
+                input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes,
+                custom_translation_table=table, report=False,
+            )
+    except Exception as error:
+        raise TorchExportError(f"torch's dynamo exporter failed: {type(error).__name__}: {_first_line(error)}") from error
+    finally:
+        for dropout in in_place:
+            dropout.inplace = True
+    return program.model_proto
+
+
+def _batch_norm_training(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
+                         momentum=0.1, eps=1e-5):
+    """aten._native_batch_norm_legit_functional as one BatchNormalization in its own mode."""
+    from onnxscript import opset15 as op
+
+    channels = op.Shape(input, start=1, end=2)
+    if weight is None:
+        weight = op.Expand(op.CastLike(op.Constant(value_floats=[1.0]), input), channels)
+    if bias is None:
+        bias = op.Expand(op.CastLike(op.Constant(value_floats=[0.0]), input), channels)
+    onnx_momentum = 1.0 - (0.1 if momentum is None else momentum)
+    if not training:
+        y = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps,
+                                  momentum=onnx_momentum, training_mode=0)
+        return y, running_mean, running_var, running_mean, running_var
+    y, new_mean, new_var = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps,
+                                                 momentum=onnx_momentum, training_mode=1)
+    return y, new_mean, new_var, new_mean, new_var
+
+
+def _batch_norm_training_no_stats(input, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """aten._native_batch_norm_legit.no_stats (track_running_stats=False): training mode
+    with placeholder running statistics, whose updated values nothing reads."""
+    from onnxscript import opset15 as op
+
+    channels = op.Shape(input, start=1, end=2)
+    zeros = op.Expand(op.CastLike(op.Constant(value_floats=[0.0]), input), channels)
+    ones = op.Expand(op.CastLike(op.Constant(value_floats=[1.0]), input), channels)
+    y, _, _ = _batch_norm_training(input, weight, bias, zeros, ones, True, momentum, eps)[:3]
+    return y, zeros, ones
+
+
+_WRAPPED = "wrapped"
+
+
+def _training_flag_wrapper(torch, module):
+    """A module whose own flag says training, running ``module`` with its modes untouched."""
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, *args):
+            return getattr(self, _WRAPPED)(*args)
+
+    wrapper = Wrapper()
+    wrapper.add_module(_WRAPPED, module)
+    wrapper.training = True  # the flag alone: wrapper.train() would change every submodule
+    return wrapper
+
+
+def _strip_prefix(model: onnx.ModelProto, prefix: str) -> None:
+    """Renames initializers ``PREFIX + name`` to ``name`` everywhere in the main graph."""
+    renames = {t.name: t.name[len(prefix):] for t in model.graph.initializer if t.name.startswith(prefix)}
+    taken = {t.name for t in model.graph.initializer} | {v.name for v in model.graph.input}
+    renames = {old: new for old, new in renames.items() if new not in taken}
+    for tensor in model.graph.initializer:
+        tensor.name = renames.get(tensor.name, tensor.name)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+    for info in list(model.graph.value_info) + list(model.graph.output):
+        info.name = renames.get(info.name, info.name)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line, and its innermost cause's (where torch wraps the real one)."""
+
+    def line(exception: BaseException) -> str:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exception)).strip().splitlines()
+        return text[0] if text else type(exception).__name__
+
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is error:
+        return line(error)
+    return f"{line(error)} Caused by {type(cause).__name__}: {line(cause)}"

@@ -1,0 +1,158 @@
+"""``normgrad support-table README.md [--check]``: render README's model-family support table
+and supported-operator list from what the model-family tests measured.
+
+``tests/test_model_families.py`` records each (model, exporter) outcome in
+``graphs/model_families.json`` (``NORMGRAD_RECORD_MODEL_FAMILIES=1``) and checks it on every
+run; this command writes the tables between README's ``<!-- support-table:NAME -->`` and
+``<!-- /support-table:NAME -->`` markers. ``--check`` only says whether they are current.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from normgrad._files import write_bytes_atomic
+from normgrad.tools.cli import ArgumentParser
+
+__all__ = ["RESULTS_PATH", "load_results", "save_results", "render", "update_readme", "main"]
+
+RESULTS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "graphs", "model_families.json")
+"""Beside the graphs package (normgrad/tools and normgrad/graphs are siblings, installed or not)."""
+EXPORTER_COLUMNS = (("torchscript", "TorchScript exporter"), ("dynamo", "dynamo exporter"))
+MODEL_TITLES = {
+    "resnet18": "ResNet-18 (torchvision structure, width 8)",
+    "mobilenet_v3_small": "MobileNetV3-small (width 0.5)",
+    "efficientnet_b0": "EfficientNet-B0 (width 0.25, 1 block per stage)",
+    "densenet121": "DenseNet-121 structure (growth 8, 2 layers per block)",
+    "convnext_tiny": "ConvNeXt-tiny structure (dims 8-64, depths 1,1,2,1)",
+    "vit": "VisionTransformer (image 32, patch 8, 2 layers)",
+    "bert": "transformers BertModel (tiny config)",
+    "unet2d": "diffusers UNet2DModel (tiny config)",
+    "autoencoder_kl": "diffusers AutoencoderKL (tiny config)",
+    "dropout_classifier": "MLP classifier with nn.Dropout(0.3) in training mode",
+}
+
+
+def load_results() -> dict:
+    """The recorded outcomes: {"models": {model: {exporter: outcome}}, "versions": {...}}."""
+    path = RESULTS_PATH
+    if not os.path.exists(path):
+        return {"models": {}, "versions": {}}
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def save_results(results: dict) -> None:
+    """Writes the outcomes (with the torch and onnxscript versions that measured them)."""
+    try:
+        import onnxscript
+        import torch
+
+        results["versions"] = {"torch": torch.__version__.split("+")[0], "onnxscript": onnxscript.__version__}
+    except ImportError:
+        pass
+    text = json.dumps(results, indent=1, sort_keys=True) + "\n"
+    write_bytes_atomic(RESULTS_PATH, text.encode("utf-8"))
+
+
+def _cell(outcome: Optional[dict]) -> str:
+    if not outcome:
+        return "not measured"
+    status = outcome["status"]
+    if status == "pass":
+        return f"matches torch ({outcome['gradients']} gradients)"
+    if status == "blocked" and outcome["operators"]:
+        return "blocked: no gradient rule for " + ", ".join(outcome["operators"])
+    if status == "blocked":
+        return f"blocked: {_short(outcome['error'])}"
+    return f"export fails: {_short(outcome['error'])}"
+
+
+def _short(error: str) -> str:
+    error = error.replace("|", "\\|")
+    return f"{error[:200]}{'...' if len(error) > 200 else ''}"
+
+
+def render_models(results: dict) -> str:
+    header = "| model | " + " | ".join(title for _, title in EXPORTER_COLUMNS) + " |"
+    lines = [header, "|---" * (len(EXPORTER_COLUMNS) + 1) + "|"]
+    ordered = [m for m in MODEL_TITLES if m in results["models"]] + sorted(set(results["models"]) - set(MODEL_TITLES))
+    for model in ordered:
+        outcomes = results["models"][model]
+        cells = [_cell(outcomes.get(exporter)) for exporter, _ in EXPORTER_COLUMNS]
+        lines.append(f"| {MODEL_TITLES.get(model, model)} | " + " | ".join(cells) + " |")
+    versions = results.get("versions") or {}
+    if versions:
+        lines += ["", "Measured with " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) + "."]
+    return "\n".join(lines)
+
+
+def render_operators(results: dict) -> str:
+    from normgrad.graphs import supported_op_types
+
+    used: Dict[str, List[str]] = {}
+    for model, outcomes in sorted(results["models"].items()):
+        for outcome in outcomes.values():
+            if outcome.get("status") == "pass":
+                for op_type in outcome.get("op_types", ()):
+                    if model not in used.setdefault(op_type, []):
+                        used[op_type].append(model)
+    supported = supported_op_types()
+    differentiated = [op for op, has_gradient in supported.items() if has_gradient]
+    lines = ["| operator | in the exports of the model families that match torch |", "|---|---|"]
+    for op_type in differentiated:
+        lines.append(f"| {op_type} | {', '.join(used.get(op_type, [])) or '(rule tests only)'} |")
+    no_gradient = [op for op, has_gradient in supported.items() if not has_gradient]
+    lines += ["", f"No gradient flows through ({len(no_gradient)}): {', '.join(no_gradient)}."]
+    return "\n".join(lines)
+
+
+def render(results: Optional[dict] = None) -> Dict[str, str]:
+    """The markdown of each README section, by marker name."""
+    results = load_results() if results is None else results
+    return {"models": render_models(results), "operators": render_operators(results)}
+
+
+def update_readme(text: str, results: Optional[dict] = None) -> str:
+    """``text`` with every ``support-table`` section replaced by its rendering.
+
+    Raises:
+        ValueError: a section's markers are missing.
+    """
+    for name, body in render(results).items():
+        pattern = re.compile(rf"(<!-- support-table:{name} -->\n)(?:.*?\n)?(<!-- /support-table:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no <!-- support-table:{name} --> ... <!-- /support-table:{name} --> markers")
+        text = pattern.sub(lambda match: match.group(1) + body + "\n" + match.group(2), text)
+    return text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``normgrad support-table``; 0 written or current, 1 stale (``--check``)
+    or unreadable, 2 usage."""
+    parser = ArgumentParser(prog="normgrad support-table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("readme", help="the README to update in place (atomically)")
+    parser.add_argument("--check", action="store_true", help="only check that the tables are current")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.readme, encoding="utf-8") as file:
+            text = file.read()
+        updated = update_readme(text)
+    except (OSError, ValueError) as error:
+        print(f"normgrad support-table: {args.readme}: {error}", file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"{args.readme}: support tables {'current' if updated == text else 'stale'}")
+        return 0 if updated == text else 1
+    if updated != text:
+        write_bytes_atomic(args.readme, updated.encode("utf-8"))
+    print(f"{args.readme}: support tables {'written' if updated != text else 'already current'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
