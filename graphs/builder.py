@@ -181,7 +181,7 @@ def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str
         if match is not None:
             if matches.is_anchor(node) and grads.get(node.output[0]):
                 ctx.scope(node)
-                out_grad = ctx.sum_all(grads[node.output[0]])
+                out_grad = ctx.gradient_of(ctx.sum_all(grads[node.output[0]]), node.output[0])
                 for name, grad in match.gradient(ctx, out_grad):
                     grads.setdefault(name, []).append(grad)
             continue
@@ -195,7 +195,7 @@ def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str
         for i in rule.differentiable_outputs(node):
             if grads.get(node.output[i]):
                 ctx.scope(node)
-                out_grads[i] = ctx.sum_all(grads[node.output[i]])
+                out_grads[i] = ctx.gradient_of(ctx.sum_all(grads[node.output[i]]), node.output[i])
         if not any(out_grads):
             continue
         ctx.scope(node)

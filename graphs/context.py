@@ -63,6 +63,8 @@ class GradientContext:
             self._used.update(node.input)
             self._used.update(node.output)
             self._used.add(node.name)
+        self._emitted_ranks: Dict[str, int] = {}
+        self._constant_lengths: Dict[str, int] = {}
         self._scope = "grad"
         self._counter = 0
         self.batch_statistics: Dict[str, "BatchStatistics"] = {}
@@ -162,7 +164,38 @@ class GradientContext:
             **attrs,
         )
         self.nodes.append(node)
+        self._record_rank(node)
         return names[0] if len(names) == 1 else names
+
+    def _record_rank(self, node: onnx.NodeProto) -> None:
+        """Notes the rank of an emitted node's output where it follows from its inputs."""
+        out, op_type = node.output[0], node.op_type
+        if node.domain or not out:
+            return
+        if op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            dims = list(node.attribute[0].t.dims)
+            self._emitted_ranks[out] = len(dims)
+            if len(dims) == 1:
+                self._constant_lengths[out] = dims[0]
+        elif op_type in _RANK_OF_BROADCAST:
+            ranks = [self.known_rank(name) for name in node.input if name]
+            if ranks and None not in ranks:
+                self._emitted_ranks[out] = max(ranks)
+        elif op_type == "Reshape" and node.input[1] in self._constant_lengths:
+            self._emitted_ranks[out] = self._constant_lengths[node.input[1]]
+        elif op_type in ("Unsqueeze", "Squeeze") and len(node.input) > 1 and node.input[1] in self._constant_lengths:
+            rank = self.known_rank(node.input[0])
+            if rank is not None:
+                change = self._constant_lengths[node.input[1]]
+                self._emitted_ranks[out] = rank + change if op_type == "Unsqueeze" else rank - change
+
+    def known_rank(self, name: str) -> Optional[int]:
+        """The rank of ``name`` if known: a forward value's, a recorded gradient's
+        (:meth:`gradient_of`), or an emitted value's that follows from its inputs."""
+        shape = self.shape(name)
+        if shape is not None:
+            return len(shape)
+        return self._emitted_ranks.get(name)
 
     def ints(self, values: Iterable[int]) -> str:
         """An int64 1-D Constant."""
@@ -191,8 +224,57 @@ class GradientContext:
         """The sum of ``values`` (itself if there is one)."""
         return values[0] if len(values) == 1 else self.op("Sum", *values)
 
-    def reduce(self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool) -> str:
-        """A Reduce* node over ``axes`` (None: all axes), written for the context's opset."""
+    def gradient_of(self, grad: str, forward: str) -> str:
+        """Records that backward value ``grad`` is the gradient of forward value ``forward``
+        (so it has that value's rank); returns ``grad``."""
+        rank = self.known_rank(forward)
+        if rank is not None and self.known_rank(grad) is None:
+            self._emitted_ranks[grad] = rank
+        return grad
+
+    def reduce(
+        self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool, rank: Optional[int] = None
+    ) -> str:
+        """A Reduce* node over ``axes`` (None: all axes), written for the context's opset.
+
+        ReduceSum and ReduceMean whose axes are neither one leading nor one trailing run
+        (e.g. [0, 2, 3] of NCHW, or a middle axis) are written as stages that each reduce
+        a leading or a trailing run: onnxruntime's CPU kernels for a reduced-kept-reduced
+        or kept-reduced-kept layout split the sum by thread count when the kept extent is
+        smaller than the thread count, so the float result would change in its last bits
+        with ``intra_op_num_threads``. A leading run is reduced first (each output a column
+        sum taken row by row), then a trailing run (each output the sum of one contiguous
+        row); other axes are reduced together with a size-1 axis put in front, a layout of
+        four or more runs, which onnxruntime's general kernel sums output by output, each
+        on one thread in order (a Transpose to the end would be folded back into the
+        reduction by onnxruntime's graph optimizer). Needs the rank of ``value``:
+        ``rank``, else :meth:`known_rank`; without it one node is written.
+        """
+        if axes is None or not axes:
+            return self._reduce_node(op_type, value, axes, keepdims)
+        rank = self.known_rank(value) if rank is None else rank
+        if op_type not in ("ReduceSum", "ReduceMean") or rank is None:
+            return self._reduce_node(op_type, value, axes, keepdims)
+        axes = sorted({a % rank for a in axes})
+        leading = 0
+        while leading < len(axes) and axes[leading] == leading:
+            leading += 1
+        rest = axes[leading:]
+        trailing = rest == list(range(rank - len(rest), rank))
+        if not rest or (not leading and trailing):  # one run: a single deterministic node
+            return self._reduce_node(op_type, value, axes, keepdims)
+        result = value
+        if leading:
+            result = self._reduce_node(op_type, result, axes[:leading], keepdims=True)
+        if trailing:
+            result = self._reduce_node(op_type, result, rest, keepdims=True)
+        else:  # a leading size-1 axis reduced too makes four or more runs: the general kernel
+            lifted = self.unsqueeze(result, [0])
+            summed = self._reduce_node(op_type, lifted, [0] + [a + 1 for a in rest], keepdims=True)
+            result = self.op("Squeeze", summed, self.ints([0]))
+        return result if keepdims else self.op("Squeeze", result, self.ints(axes))
+
+    def _reduce_node(self, op_type: str, value: str, axes: Optional[Sequence[int]], keepdims: bool) -> str:
         if axes is None:
             return self.op(op_type, value, keepdims=int(keepdims))
         axes_as_input = op_type == "ReduceSum" or self.opset >= 18
@@ -228,7 +310,7 @@ class GradientContext:
                     decided = False  # could be 1 at run time
             if decided:
                 if axes:
-                    grad = self.reduce("ReduceSum", grad, axes, keepdims=True)
+                    grad = self.reduce("ReduceSum", grad, axes, keepdims=True, rank=len(out_shape))
                 if lead:
                     grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=False)
                 return grad
@@ -263,6 +345,14 @@ class GradientContext:
         if not node.output[index]:
             node.output[index] = self.reserve(f"{node.name or node.op_type}/{hint}")
         return node.output[index]
+
+
+_RANK_OF_BROADCAST = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "Neg", "Abs", "Exp", "Log", "Sqrt",
+    "Reciprocal", "Tanh", "Sigmoid", "Relu", "Erf", "Sin", "Cos", "Cast", "CastLike", "Identity", "Equal", "Greater",
+    "Less", "Not", "And", "Or",
+})
+"""Operators whose output rank is the largest rank of their inputs (NumPy broadcasting)."""
 
 
 def _constant_value(node: onnx.NodeProto) -> Optional[np.ndarray]:

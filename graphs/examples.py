@@ -26,6 +26,7 @@ __all__ = [
     "unet_block",
     "unet_block_torchscript",
     "style_transfer_block",
+    "resnet18",
     "digits_cnn",
     "mlp_with_loss",
 ]
@@ -64,8 +65,10 @@ def weights(seed: int, **shapes: Sequence[int]) -> Dict[str, np.ndarray]:
     return {name: (rng.standard_normal(shape) * 0.5).astype(np.float32) for name, shape in shapes.items()}
 
 
-def resnet_block(channels: int = 4, training: int = 1, opset: int = 15, batch: Union[int, str] = 2) -> onnx.ModelProto:
-    """ResNet basic block: Conv-BN-ReLU-Conv-BN + skip, ReLU, on x [batch, channels, 5, 5]
+def resnet_block(
+    channels: int = 4, training: int = 1, opset: int = 15, batch: Union[int, str] = 2, size: int = 5
+) -> onnx.ModelProto:
+    """ResNet basic block: Conv-BN-ReLU-Conv-BN + skip, ReLU, on x [batch, channels, size, size]
     (``batch`` a name for a dynamic batch dimension)."""
     params = weights(1, w1=(channels, channels, 3, 3), w2=(channels, channels, 3, 3), b1=(channels,))
     for i in (1, 2):
@@ -85,7 +88,7 @@ def resnet_block(channels: int = 4, training: int = 1, opset: int = 15, batch: U
         oh.make_node("Add", ["n2", "x"], ["sum"]),
         oh.make_node("Relu", ["sum"], ["y"]),
     ]
-    return model(nodes, {"x": (batch, channels, 5, 5)}, ["y"], params, opset=opset)
+    return model(nodes, {"x": (batch, channels, size, size)}, ["y"], params, opset=opset)
 
 
 def group_norm_block(channels: int = 4, groups: int = 2, opset: int = 21) -> onnx.ModelProto:
@@ -207,6 +210,53 @@ def style_transfer_block(channels: int = 4) -> onnx.ModelProto:
         oh.make_node("Add", ["n2", "x"], ["y"]),
     ]
     return model(nodes, {"x": (2, channels, 6, 6)}, ["y"], params, opset=17, name="style_transfer_block")
+
+
+def resnet18(batch: int = 2, size: int = 32, classes: int = 10, widths: Sequence[int] = (64, 128, 256, 512)) -> onnx.ModelProto:
+    """torchvision's resnet18 layout, torch-free: Conv 7x7/2-BN-ReLU-MaxPool 3x3/2, four
+    stages of two basic blocks (Conv-BN-ReLU-Conv-BN + skip, ReLU; a 1x1/2 Conv-BN on the
+    skip where the stage halves the size), GlobalAveragePool, Flatten, Gemm. Kaiming-normal
+    convolution weights, BatchNorm in training mode (opset 15); input [batch, 3, size, size]."""
+    rng = np.random.default_rng(18)
+    nodes: list = []
+    params: Dict[str, np.ndarray] = {}
+
+    def conv_bn(x: str, name: str, c_in: int, c_out: int, kernel: int, stride: int, relu: bool) -> str:
+        fan_in = c_in * kernel * kernel
+        params[f"{name}.weight"] = (rng.standard_normal((c_out, c_in, kernel, kernel)) * np.sqrt(2 / fan_in)).astype(np.float32)
+        for stat, value in (("scale", rng.uniform(0.5, 1.5, c_out)), ("bias", rng.standard_normal(c_out) * 0.1),
+                            ("mean", np.zeros(c_out)), ("var", np.ones(c_out))):
+            params[f"{name}.bn.{stat}"] = value.astype(np.float32)
+        pad = kernel // 2
+        nodes.append(oh.make_node("Conv", [x, f"{name}.weight"], [f"{name}.conv"], strides=[stride] * 2, pads=[pad] * 4))
+        nodes.append(oh.make_node(
+            "BatchNormalization", [f"{name}.conv"] + [f"{name}.bn.{s}" for s in ("scale", "bias", "mean", "var")],
+            [f"{name}.out", f"{name}.running_mean", f"{name}.running_var"], training_mode=1))
+        if not relu:
+            return f"{name}.out"
+        nodes.append(oh.make_node("Relu", [f"{name}.out"], [f"{name}.relu"]))
+        return f"{name}.relu"
+
+    x = conv_bn("x", "conv1", 3, widths[0], 7, 2, relu=True)
+    nodes.append(oh.make_node("MaxPool", [x], ["pool"], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4))
+    x, c_in = "pool", widths[0]
+    for stage, width in enumerate(widths, start=1):
+        for block in range(2):
+            name, stride = f"layer{stage}.{block}", 2 if stage > 1 and block == 0 else 1
+            h = conv_bn(x, f"{name}.conv1", c_in, width, 3, stride, relu=True)
+            h = conv_bn(h, f"{name}.conv2", width, width, 3, 1, relu=False)
+            skip = conv_bn(x, f"{name}.downsample", c_in, width, 1, stride, relu=False) if stride != 1 or c_in != width else x
+            nodes.append(oh.make_node("Add", [h, skip], [f"{name}.sum"]))
+            nodes.append(oh.make_node("Relu", [f"{name}.sum"], [f"{name}.out"]))
+            x, c_in = f"{name}.out", width
+    params["fc.weight"] = (rng.standard_normal((classes, c_in)) / np.sqrt(c_in)).astype(np.float32)
+    params["fc.bias"] = np.zeros(classes, np.float32)
+    nodes += [
+        oh.make_node("GlobalAveragePool", [x], ["gap"]),
+        oh.make_node("Flatten", ["gap"], ["flat"]),
+        oh.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["y"], transB=1),
+    ]
+    return model(nodes, {"x": (batch, 3, size, size)}, ["y"], params, opset=15, name="resnet18")
 
 
 def digits_cnn(classes: int = 10, width: int = 16, seed: int = 0) -> onnx.ModelProto:

@@ -199,6 +199,13 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
     """Function-body lines (ONNX text) that sum float32 values of ``full_shape`` down to the
     shape of ``param`` (which broadcasts to it), as :func:`sum_to_shape` does.
 
+    The leading broadcast axes are summed first, the others after: one ReduceSum over e.g.
+    axes [0, 3] of [N, G, C/G, S] would hit onnxruntime's reduced-kept-reduced kernel, whose
+    float sums change with the thread count when fewer elements than threads are kept. A
+    size-1 axis in front and one at the end, summed too, keep each axes list non-empty:
+    onnxruntime 1.19.2 reduces an empty tensor over every axis for empty axes, even with
+    ``noop_with_empty_axes``.
+
     Args:
         param: the input whose shape and type the sums take.
         param_float: ``param`` cast to float32.
@@ -213,13 +220,32 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
         "sts_padded = Shape (sts_padded_value)",
         "sts_one = Constant <value_int = 1> ()",
         "sts_is_broadcast = Equal (sts_padded, sts_one)",
-        "sts_axes_2d = NonZero (sts_is_broadcast)",
+        "sts_kept = Not (sts_is_broadcast)",
+        "sts_kept_count = Cast <to = 7> (sts_kept)",
+        "sts_zero = Constant <value_int = 0> ()",
+        "sts_kept_so_far = CumSum (sts_kept_count, sts_zero)",
+        "sts_leading = Equal (sts_kept_so_far, sts_zero)",
+        "sts_not_leading = Not (sts_leading)",
+        "sts_later = And (sts_is_broadcast, sts_not_leading)",
         "sts_flat = Constant <value_ints = [-1]> ()",
-        "sts_axes = Reshape (sts_axes_2d, sts_flat)",
+        "sts_leading_2d = NonZero (sts_leading)",
+        "sts_leading_axes = Reshape (sts_leading_2d, sts_flat)",
+        "sts_later_2d = NonZero (sts_later)",
+        "sts_later_axes = Reshape (sts_later_2d, sts_flat)",
+        "sts_front = Constant <value_ints = [0]> ()",
+        "sts_next = Constant <value_ints = [1]> ()",
+        "sts_end = Add (sts_rank, sts_next)",
+        "sts_lift = Concat <axis = 0> (sts_front, sts_end)",
+        "sts_leading_lifted = Add (sts_leading_axes, sts_next)",
+        "sts_first_axes = Concat <axis = 0> (sts_front, sts_leading_lifted)",
+        "sts_later_lifted = Add (sts_later_axes, sts_next)",
+        "sts_second_axes = Concat <axis = 0> (sts_later_lifted, sts_end)",
     ]
     for output, value in sums:
         lines += [
-            f"{output}_kept = ReduceSum <keepdims = 1, noop_with_empty_axes = 1> ({value}, sts_axes)",
+            f"{output}_lifted = Unsqueeze ({value}, sts_lift)",
+            f"{output}_leading = ReduceSum <keepdims = 1> ({output}_lifted, sts_first_axes)",
+            f"{output}_kept = ReduceSum <keepdims = 1> ({output}_leading, sts_second_axes)",
             f"{output}_float = Reshape <allowzero = 1> ({output}_kept, sts_shape)",
             f"{output} = CastLike ({output}_float, {param})",
         ]

@@ -146,7 +146,10 @@ def schema() -> OpSchema:
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
     """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
 
-    ``weight`` is never read. Outputs a node does not name are pruned by the runtime.
+    ``weight`` is never read. Outputs a node does not name are pruned by the runtime. The
+    sums over [N, C, M] run over N first, then M: one ReduceSum over axes [0, 2] would hit
+    onnxruntime's reduced-kept-reduced kernel, whose float sums change with the thread
+    count when C is smaller than it.
     """
     return onnx.parser.parse_function(
         f"""
@@ -168,9 +171,12 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             mu3 = Reshape (mu, per_channel)
             xmu = Sub (x3, mu3)
             dy_xmu = Mul (dy3, xmu)
-            axes = Constant <value_ints = [0, 2]> ()
-            sdy = ReduceSum <keepdims = 0> (dy3, axes)
-            sdy_xmu = ReduceSum <keepdims = 0> (dy_xmu, axes)
+            batch = Constant <value_ints = [0]> ()
+            along = Constant <value_ints = [1]> ()
+            sdy_cm = ReduceSum <keepdims = 0> (dy3, batch)
+            sdy = ReduceSum <keepdims = 0> (sdy_cm, along)
+            sdy_xmu_cm = ReduceSum <keepdims = 0> (dy_xmu, batch)
+            sdy_xmu = ReduceSum <keepdims = 0> (sdy_xmu_cm, along)
             gw = Mul (sdy_xmu, rstd)
             sum_dy = CastLike (sdy, mean)
             sum_dy_xmu = CastLike (sdy_xmu, mean)

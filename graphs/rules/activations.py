@@ -137,7 +137,7 @@ def softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opt
     y, dy = node.output[0], grads[0]
     axis = attr(node, "axis", -1)
     if node.op_type == "Softmax":
-        total = ctx.reduce("ReduceSum", ctx.op("Mul", dy, y), [axis], keepdims=True)
+        total = ctx.reduce("ReduceSum", ctx.op("Mul", dy, y), [axis], keepdims=True, rank=ctx.rank(y, node))
         return [ctx.op("Mul", y, ctx.op("Sub", dy, total))]
-    total = ctx.reduce("ReduceSum", dy, [axis], keepdims=True)
+    total = ctx.reduce("ReduceSum", dy, [axis], keepdims=True, rank=ctx.rank(y, node))
     return [ctx.op("Sub", dy, ctx.op("Mul", ctx.op("Exp", y), total))]

@@ -1,0 +1,101 @@
+"""Issue 13 item 10: ``normgrad check`` calls correct gradients right and wrong ones wrong.
+
+The forward is evaluated in float64 with every piecewise decision (ReLU masks, MaxPool
+winners, ...) held at the one the float32 run made, the step is picked per gradient
+(relative to the value's RMS), and a ReLU input within the step of 0 is reported as a kink
+held, not as an error. Timing is printed by the command, never asserted.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+
+from normgrad.graphs import build_training_graph, examples
+from normgrad.tools import check as check_tool
+from normgrad.tools import cli
+
+
+@pytest.fixture(scope="module")
+def small_resnet18():
+    """resnet18's layout (20 BatchNorms, 17 ReLUs, a MaxPool) at reduced widths, 64 px."""
+    return build_training_graph(examples.resnet18(batch=2, size=64, widths=(8, 16, 32, 64)))
+
+
+def _check_cli(model: onnx.ModelProto, folder, capsys, *args: str):
+    path = folder / "train.onnx"
+    onnx.save(model, path)
+    status = cli.main(["check", str(path), *args])
+    out = capsys.readouterr().out
+    lines = {line.split()[1]: line.split()[0] for line in out.splitlines() if line.startswith(("OK", "FAIL"))}
+    return status, lines, out
+
+
+def test_correct_resnet_passes_with_default_options(small_resnet18, tmp_path, capsys):
+    status, lines, out = _check_cli(small_resnet18, tmp_path, capsys)
+    assert len(lines) == 63 and set(lines.values()) == {"OK"}, out
+    assert status == 0
+    assert re.search(r"63/63 gradients within 0.001.*\(\d+\.\d s\)$", out.strip().splitlines()[-1]), out
+
+
+def test_a_corrupted_backward_node_fails(small_resnet18, tmp_path, capsys):
+    """The mask of one ReLU's gradient inverted (let through where its input is negative,
+    blocked where positive): every gradient upstream of it FAILs, every one downstream stays OK."""
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(small_resnet18)
+    relu_input = "layer3.0.conv1.out"
+    mask = next(n for n in wrong.graph.node if n.op_type == "Greater" and n.input[0] == relu_input)
+    mask.op_type = "Less"
+    status, lines, out = _check_cli(wrong, tmp_path, capsys)
+    assert status == 1
+    assert lines["layer3.0.conv1.weight_grad"] == "FAIL" and lines["conv1.weight_grad"] == "FAIL", out
+    for downstream in ("layer3.0.conv2.weight_grad", "layer4.1.conv2.weight_grad", "fc.weight_grad", "fc.bias_grad"):
+        assert lines[downstream] == "OK", out
+
+
+def test_a_gradient_off_by_one_percent_fails_alone(small_resnet18, tmp_path, capsys):
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(small_resnet18)
+    target = "layer2.0.conv1.weight_grad"
+    producer = next(n for n in wrong.graph.node if target in n.output)
+    producer.output[list(producer.output).index(target)] = target + "/exact"
+    wrong.graph.initializer.append(onh.from_array(np.asarray(1.01, np.float32), "off_by_one_percent"))
+    wrong.graph.node.append(oh.make_node("Mul", [target + "/exact", "off_by_one_percent"], [target]))
+    status, lines, out = _check_cli(wrong, tmp_path, capsys)
+    assert status == 1
+    assert [name for name, verdict in lines.items() if verdict == "FAIL"] == [target], out
+
+
+def test_relu_input_within_the_step_of_its_kink_is_held_not_failed():
+    """x has elements 1e-9 from 0, far inside the step (1e-6 x RMS): unheld central
+    differences straddle the kink and are off by half the slope there; held, they agree."""
+    forward = examples.model([oh.make_node("Relu", ["x"], ["r"]), oh.make_node("Mul", ["r", "w"], ["y"])],
+                             {"x": (4, 8)}, ["y"], {"w": np.linspace(0.5, 2.0, 32, dtype=np.float32).reshape(4, 8)})
+    training = build_training_graph(forward)
+    feeds = check_tool.random_feeds(training)
+    feeds["x"][:, :4] = np.float32(1e-9) * np.sign(feeds["x"][:, :4])
+    feeds["y_grad"] = np.ones((4, 8), np.float32)
+    checks = {c.wrt: c for c in check_tool.check_gradients(training, feeds=feeds, directions=2)}
+    assert checks["x"].error < 1e-6 and checks["x"].kinks > 0
+    assert checks["w"].error < 1e-6
+    unheld = check_tool.forward_function(training)
+    g = np.where(feeds["x"] > 0, feeds["w"], 0).astype(np.float64)
+    v = np.random.default_rng(0).standard_normal(g.shape)
+    h = 1e-6 * float(np.sqrt(np.mean(np.square(feeds["x"].astype(np.float64)))))
+    numeric = (unheld({**feeds, "x": feeds["x"] + h * v}) - unheld({**feeds, "x": feeds["x"] - h * v})) / (2 * h)
+    assert abs(numeric - np.sum(g * v)) / np.linalg.norm(g) > 1e-3  # what the old check called a FAIL
+
+
+def test_dropout_masks_are_held():
+    """A training-mode Dropout draws a new mask per run; check holds the graph's mask."""
+    forward = examples.model(
+        [oh.make_node("Dropout", ["x", "ratio", "training"], ["d"]), oh.make_node("Tanh", ["d"], ["y"])],
+        {"x": (8, 16)}, ["y"],
+        {"ratio": np.asarray(0.3, np.float32), "training": np.asarray(True)}, opset=15)
+    checks = check_tool.check_gradients(build_training_graph(forward), directions=2)
+    assert checks and max(c.error for c in checks) < 1e-5
