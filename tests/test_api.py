@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import numpy as np
 import onnx
 import onnxruntime
@@ -143,3 +144,17 @@ def test_python_ops_of_other_domains_keep_working():
         model.SerializeToString(), normgrad.session_options("python"), providers=["CPUExecutionProvider"]
     )
     np.testing.assert_array_equal(session.run(None, {"x": np.arange(3, dtype=np.float32)})[0], [0, 2, 4])
+
+
+def test_bench_train_stops_a_worker_that_does_not_answer(tmp_path, monkeypatch):
+    """A hung worker is stopped with an error after the timeout; the bench does not wait forever."""
+    from normgrad.tools import bench_train
+
+    silent = tmp_path / "silent_worker.py"
+    silent.write_text("import sys, time\nsys.stderr.write('x' * 200000)\ntime.sleep(60)\n")
+    monkeypatch.setattr(bench_train, "WORKER", str(silent))
+    monkeypatch.setattr(bench_train, "WORKER_TIMEOUT", 2.0)
+    worker = bench_train._Worker(sys.executable, "cpp", "resnet_block", {}, 1, True)
+    assert worker.error == "no answer within 2 s; worker stopped"
+    worker.close()
+    assert worker.process.poll() is not None

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -163,6 +164,10 @@ def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
     return paths
 
 
+WORKER_TIMEOUT = 600.0
+"""Seconds a worker may take to answer one command (export, warm-up or a step) before it is stopped."""
+
+
 class _Worker:
     """One variant in its own process: JSON lines over stdin/stdout."""
 
@@ -170,15 +175,24 @@ class _Worker:
         env = dict(os.environ)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         command = [python, WORKER, variant, name, json.dumps(paths), str(threads), "1" if quick else "0"]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # stderr to a file: onnxruntime's warnings could fill a pipe nobody reads and stall the worker
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                         text=True, env=env)
         self.error: Optional[str] = None
         self.ready = self._reply()
 
     def _reply(self) -> dict:
-        line = self.process.stdout.readline()
+        answered, _, _ = select.select([self.process.stdout], [], [], WORKER_TIMEOUT)
+        line = self.process.stdout.readline() if answered else ""
         if not line:
-            self.error = (self.process.stderr.read().strip().splitlines() or ["worker exited"])[-1][:160]
+            if not answered:
+                self.process.kill()
+                self.error = f"no answer within {WORKER_TIMEOUT:.0f} s; worker stopped"
+                return {}
+            self.process.wait()
+            self.stderr.seek(0)
+            self.error = (self.stderr.read().strip().splitlines() or ["worker exited"])[-1][:160]
             return {}
         reply = json.loads(line)
         if "error" in reply:
@@ -202,6 +216,7 @@ class _Worker:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        self.stderr.close()
 
 
 def _top(profile: Dict[str, float], count: int = 5) -> str:
