@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+
 import numpy as np
 import onnx
 import onnxruntime
