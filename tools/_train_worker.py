@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from normgrad.tools._bench_options import bench_session_options
+
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -28,19 +30,6 @@ def _rss_mb():
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _options(threads, profile_prefix=None):
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    if profile_prefix:
-        options.enable_profiling = True
-        options.profile_file_prefix = profile_prefix
-    return options
 
 
 def _events(path):
@@ -84,7 +73,7 @@ def _normgrad(variant, forward_path, x, labels, threads):
     training = build_training_graph(onnx.load(forward_path), loss="cross_entropy")
     step_graph, initial = build_step_graph(training, "adamw", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     kernels = "cpp" if variant == "cpp" else None
-    trainer = Trainer(step_graph, initial, lr=LR, session_options=_options(threads), kernels=kernels)
+    trainer = Trainer(step_graph, initial, lr=LR, session_options=bench_session_options(threads), kernels=kernels)
 
     def step():
         return float(trainer.step(x, labels))
@@ -95,7 +84,7 @@ def _normgrad(variant, forward_path, x, labels, threads):
         import normgrad
 
         with tempfile.TemporaryDirectory() as folder:
-            options = _options(threads, os.path.join(folder, "p"))
+            options = bench_session_options(threads, os.path.join(folder, "p"))
             if variant == "cpp":
                 normgrad.session_options("cpp", options)
             session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
@@ -151,7 +140,7 @@ def _ort_training(forward_path, x, labels, threads):
         state = CheckpointState.load_checkpoint(ckpt)
         kwargs = {}
         module = Module(os.path.join(folder, "training_model.onnx"), state, None, "cpu",
-                        session_options=_options(threads, profile_prefix), **kwargs)
+                        session_options=bench_session_options(threads, profile_prefix), **kwargs)
         optimizer = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
         optimizer.set_learning_rate(LR)
         module.train()

@@ -43,6 +43,7 @@ def _worker(shape: List[int], threads: int) -> None:
 
     from normgrad import mpi
     from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.tools._bench_options import bench_session_options
     from normgrad.tools.bench import _resnet_forward
 
     onnxruntime.set_default_logger_severity(3)
@@ -62,13 +63,7 @@ def _worker(shape: List[int], threads: int) -> None:
     model_bytes = step_model.SerializeToString()
 
     def session(profile_prefix=None):
-        options = mpi.session_options()
-        options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3
-        if profile_prefix:
-            options.enable_profiling = True
-            options.profile_file_prefix = profile_prefix
+        options = bench_session_options(threads, profile_prefix, mpi.session_options())
         return onnxruntime.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
     def stepper(sess):
