@@ -159,3 +159,20 @@ def test_bench_train_stops_a_worker_that_does_not_answer(tmp_path, monkeypatch):
     assert worker.error == "no answer within 2 s; worker stopped"
     worker.close()
     assert worker.process.poll() is not None
+
+
+def test_submodules_load_on_first_use():
+    """``normgrad.train`` and friends work after a plain ``import normgrad``; torch is not
+    imported by that import alone; an unknown name is still an AttributeError."""
+    import subprocess
+
+    code = (
+        "import sys, normgrad\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert normgrad.train.Trainer.__name__ == 'Trainer'\n"
+        "assert normgrad.checkpoint.load\n"
+        "try:\n    normgrad.no_such_thing\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "module 'normgrad' has no attribute 'no_such_thing'"

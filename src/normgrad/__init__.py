@@ -42,3 +42,16 @@ __all__ = [
     "session_options",
 ]
 __version__ = "0.1.0"
+
+_SUBMODULES = ("checkpoint", "graphs", "mpi", "ops", "tools", "torch", "train")
+
+
+def __getattr__(name: str):
+    """``normgrad.torch``, ``normgrad.train``, ... without importing them first: each is
+    imported on first use, so the optional dependencies some need (torch, mpi4py) load
+    only for those who use them."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"normgrad.{name}")
+    raise AttributeError(f"module 'normgrad' has no attribute '{name}'")
