@@ -16,3 +16,16 @@ from normgrad.graphs.examples import (  # noqa: F401
     unet_block_torchscript,
     weights,
 )
+
+
+def batch_norm_parameters(channels: int, seed: int = 0) -> dict:
+    """Scale, bias, running mean and running variance ("s", "t", "m", "v") of a BatchNormalization."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {
+        "s": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        "t": rng.standard_normal(channels).astype(np.float32),
+        "m": rng.standard_normal(channels).astype(np.float32),
+        "v": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+    }

@@ -11,19 +11,13 @@ import pytest
 
 from normgrad.graphs import build_training_graph
 
-from _graph_models import model
+from _graph_models import batch_norm_parameters, model
 
 C = 3
 
 
 def _bn_model(momentum: float = 0.9):
-    rng = np.random.default_rng(5)
-    params = {
-        "s": rng.uniform(0.5, 1.5, C).astype(np.float32),
-        "t": rng.standard_normal(C).astype(np.float32),
-        "m": rng.standard_normal(C).astype(np.float32),
-        "v": rng.uniform(0.5, 1.5, C).astype(np.float32),
-    }
+    params = batch_norm_parameters(C, seed=5)
     node = oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], ["y", "rm", "rv"], training_mode=1, momentum=momentum, epsilon=1e-3)
     return model([node], {"x": (4, C, 5, 3)}, ["y", "rm", "rv"], params, opset=15), params
 

@@ -12,7 +12,7 @@ import pytest
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph
 from normgrad.tools.check import check_gradients
 
-from _graph_models import model, weights
+from _graph_models import batch_norm_parameters, model, weights
 
 TOLERANCE = 1e-4
 
@@ -197,13 +197,7 @@ def test_unused_float_input_gets_zero_gradient():
 @pytest.mark.parametrize("shape", [(4, 3), (2, 3, 5), (2, 3, 4, 4)])
 def test_batch_norm(training_mode, shape):
     channels = shape[1]
-    rng = np.random.default_rng(0)
-    params = {
-        "s": rng.uniform(0.5, 1.5, channels).astype(np.float32),
-        "t": rng.standard_normal(channels).astype(np.float32),
-        "m": rng.standard_normal(channels).astype(np.float32),
-        "v": rng.uniform(0.5, 1.5, channels).astype(np.float32),
-    }
+    params = batch_norm_parameters(channels, seed=0)
     outputs = ["y", "running_mean", "running_var"] if training_mode else ["y"]
     nodes = [oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], outputs, training_mode=training_mode, epsilon=1e-3)]
     forward = model(nodes, {"x": shape}, ["y"], params, opset=15)
