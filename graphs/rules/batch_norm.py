@@ -43,6 +43,7 @@ class BatchStatistics:
     Attributes:
         mean: float32 [C] batch mean.
         invstd: float32 [C] 1 / sqrt(batch variance + epsilon).
+        x32: the layer's input as float32 (cast once, in the forward, when it is not).
         all_reduce: the all-reduce the statistics went through (None: this process's batch).
         count_ratio: float32 scalar, local count / global count (None without all-reduce).
         running_outputs: the updated running statistics it outputs; no gradient flows
@@ -51,6 +52,7 @@ class BatchStatistics:
 
     mean: str
     invstd: str
+    x32: str
     all_reduce: Optional[AllReduce] = None
     count_ratio: Optional[str] = None
     running_outputs: Tuple[str, ...] = ()
@@ -134,7 +136,7 @@ def _explicit_statistics(ctx: GradientContext, node: onnx.NodeProto, all_reduce:
     if outputs[2]:
         unbiased = ctx.op("Mul", var, ctx.op("Div", global_count, ctx.op("Max", ctx.op("Sub", global_count, float32_scalar(ctx, 1.0)), float32_scalar(ctx, 1.0))))
         _running_update(ctx, running_var, unbiased, momentum, outputs[2])
-    return BatchStatistics(mean, invstd, all_reduce, ratio, tuple(name for name in outputs[1:3] if name))
+    return BatchStatistics(mean, invstd, x32, all_reduce, ratio, tuple(name for name in outputs[1:3] if name))
 
 
 def _running_update(ctx: GradientContext, running: str, batch: str, momentum: float, output: str) -> None:
@@ -155,7 +157,8 @@ def batch_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
         raise AssertionError(f"training-mode BatchNormalization '{node.name}' was not rewritten before differentiation")
     rank = ctx.rank(x, node)
     want_x, want_scale, want_bias = ctx.needs_grad(x), ctx.needs_grad(scale), ctx.needs_grad(bias)
-    x32, dy32, scale32 = as_float32(ctx, x, x), as_float32(ctx, grads[0], x), as_float32(ctx, scale, scale)
+    x32 = stats.x32 if training else as_float32(ctx, x, x)
+    dy32, scale32 = as_float32(ctx, grads[0], x), as_float32(ctx, scale, scale)
     if training:
         mean, invstd = stats.mean, stats.invstd
     else:
