@@ -114,7 +114,7 @@ def _explicit_statistics(ctx: GradientContext, node: onnx.NodeProto, all_reduce:
     mean = ctx.op("Div", total, global_count)
     per_channel = ctx.ints([1, -1] + [1] * (len(axes) - 1))
     centred = ctx.op("Sub", x32, ctx.op("Reshape", mean, per_channel))
-    squares = ctx.reduce("ReduceSum", ctx.op("Mul", centred, centred), axes, keepdims=False)
+    squares = ctx.reduce("ReduceSumSquare", centred, axes, keepdims=False)
     if all_reduce is not None:
         squares = all_reduce(ctx, squares)
     var = ctx.op("Div", squares, global_count)

@@ -77,10 +77,10 @@ def reduce_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
     if op == "ReduceL2":
         zero = ctx.scalar(0.0, x)
         dy = ctx.op("Where", ctx.op("Equal", y, zero), zero, ctx.op("Div", dy, y))
+    if op == "ReduceMean":  # scaled before the broadcast: the same products, on fewer elements
+        dy = _mean_scale(ctx, dy, x, y)
     dx = reduction.back(ctx, dy)
-    if op == "ReduceMean":
-        dx = _mean_scale(ctx, dx, x, y)
-    elif op == "ReduceSumSquare":
+    if op == "ReduceSumSquare":
         dx = ctx.op("Mul", dx, ctx.op("Add", x, x))
     elif op == "ReduceL2":
         dx = ctx.op("Mul", dx, x)
@@ -97,6 +97,6 @@ def reduce_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
 def global_average_pool_gradient(
     ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]
 ) -> List[Optional[str]]:
-    """dy expanded over the spatial dims, divided by their product."""
+    """dy divided by the product of the spatial dims, expanded over them."""
     x, y = node.input[0], node.output[0]
-    return [_mean_scale(ctx, ctx.op("Expand", grads[0], ctx.shape_of(x)), x, y)]
+    return [ctx.op("Expand", _mean_scale(ctx, grads[0], x, y), ctx.shape_of(x))]
