@@ -161,6 +161,34 @@ def test_bench_train_stops_a_worker_that_does_not_answer(tmp_path, monkeypatch):
     assert worker.process.poll() is not None
 
 
+def test_bench_train_worker_runs_where_normgrad_is_not_installed(tmp_path):
+    """The ort-training column runs the worker in onnxruntime-training's own Python, which
+    has no normgrad: with normgrad unimportable, the worker gets as far as that variant's
+    own import (here onnxruntime.training, absent from this environment)."""
+    import json
+    import os
+    import subprocess
+
+    from normgrad.tools import bench_train
+
+    np.save(tmp_path / "x.npy", np.zeros((1, 1), np.float32))
+    np.save(tmp_path / "labels.npy", np.zeros(1, np.int64))
+    paths = json.dumps({"onnx": str(tmp_path / "none.onnx"), "x.npy": str(tmp_path / "x.npy"),
+                        "labels.npy": str(tmp_path / "labels.npy")})
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['normgrad'] = None  # import normgrad raises ImportError\n"
+        f"sys.argv = [{bench_train.WORKER!r}, 'ort-training', 'resnet_block', {paths!r}, '1', '1']\n"
+        f"sys.path.insert(0, {os.path.dirname(bench_train.WORKER)!r})\n"
+        f"runpy.run_path({bench_train.WORKER!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, input="end\n")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout.splitlines()[0])
+    assert "normgrad" not in reply.get("error", ""), reply
+    assert "onnxruntime.training" in reply["error"] or "rss_mb" in reply, reply
+
+
 def test_submodules_load_on_first_use():
     """``normgrad.train`` and friends work after a plain ``import normgrad``; torch is not
     imported by that import alone; an unknown name is still an AttributeError."""

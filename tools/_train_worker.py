@@ -14,7 +14,9 @@ import time
 
 import numpy as np
 
-from normgrad.tools._bench_options import bench_session_options
+# the module beside this script, not normgrad.tools._bench_options: onnxruntime-training's
+# Python has no normgrad (it cannot share an environment with a current onnxruntime)
+from _bench_options import bench_session_options  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
