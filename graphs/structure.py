@@ -6,7 +6,7 @@ from typing import Dict, List, Set
 
 import onnx
 
-__all__ = ["subgraph_captures", "check_graph_structure"]
+__all__ = ["subgraph_captures", "check_graph_structure", "updatable_in_place"]
 
 
 def _subgraphs(node: onnx.NodeProto) -> List[onnx.GraphProto]:
@@ -90,3 +90,49 @@ def _reaches(producer: Dict[str, onnx.NodeProto], start: onnx.NodeProto, target:
         seen.add(id(node))
         stack += [producer[name] for name in list(node.input) + subgraph_captures(node) if name in producer]
     return False
+
+
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
+"""Ops whose output element i reads only element i of a same-shaped input: onnxruntime runs
+them with the output in the input's buffer itself (its kernels declare MayInplace)."""
+
+
+def _static_shape(info: onnx.ValueInfoProto):
+    dims = info.type.tensor_type.shape.dim
+    return [d.dim_value for d in dims] if all(d.HasField("dim_value") for d in dims) else None
+
+
+def updatable_in_place(graph: onnx.GraphProto, value: str, next_value: str) -> bool:
+    """Whether one buffer can hold both graph input ``value`` and graph output ``next_value``
+    (the output written over the input during the run). Every node reading ``value`` must be
+    a strict ancestor of the node writing ``next_value``, so data dependencies finish every
+    read before the write starts, in any execution order or parallelism; or the writer
+    itself, if it is elementwise and ``value`` has the output's shape (element i read before
+    element i is written). CastLike's second input is its type only, not a read. Optimizer
+    moments and running statistics qualify; a weight that a backward node reads after its
+    update could run does not."""
+    producer = {name: node for node in graph.node for name in node.output if name}
+    writer = producer.get(next_value)
+    inputs = {i.name: i for i in graph.input}
+    outputs = {o.name: o for o in graph.output}
+    if writer is None or value not in inputs or next_value not in outputs or value in outputs:
+        return False
+
+    def reads(node: onnx.NodeProto) -> bool:
+        data_inputs = node.input[:1] if node.op_type == "CastLike" else node.input
+        return value in data_inputs or value in subgraph_captures(node)
+
+    readers = [node for node in graph.node if reads(node)]
+    if any(node is writer for node in readers):
+        shape = _static_shape(inputs[value])
+        if writer.op_type not in _ELEMENTWISE or shape is None or shape != _static_shape(outputs[next_value]):
+            return False
+    ancestors, stack = set(), [writer]
+    while stack:
+        node = stack.pop()
+        for name in list(node.input) + subgraph_captures(node):
+            source = producer.get(name)
+            if source is not None and id(source) not in ancestors:
+                ancestors.add(id(source))
+                stack.append(source)
+    return all(id(node) in ancestors or node is writer for node in readers)

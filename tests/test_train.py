@@ -271,6 +271,65 @@ def test_split_graphs_are_bitwise_the_step_graph(resnet_step):
     assert all(a[n].tobytes() == b[n].tobytes() for n in a)
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_in_place_state_is_bitwise_the_two_buffer_run(monkeypatch, clip):
+    """The optimizer moments, running statistics, biases and the first conv's weight (no dx
+    to compute there) share one buffer for input and output; without clipping, a weight a
+    backward node reads (the second conv's, for dx) keeps two; with clipping by the global
+    norm every update waits for every gradient, so it needs only one. Both ways give
+    bitwise the same steps, fused and split (where the optimizer graph runs after the gradient
+    graph has read every weight, so all of them are updated in place)."""
+    step, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw",
+                                     weight_decay=0.1, clip_grad_norm=clip)
+    from normgrad.graphs import structure
+
+    class Split(Trainer):
+        def reduce_gradients(self, gradients):
+            return gradients
+
+    shared = [Trainer(step, initial, lr=0.01), Split(step, initial, lr=0.01)]
+    assert {"w1", "w1.exp_avg", "w1.exp_avg_sq", "m1", "v1"} <= shared[0]._in_place
+    assert ("w2" in shared[0]._in_place) == (clip is not None)
+    assert shared[1]._in_place == set(initial)
+    monkeypatch.setattr(structure, "updatable_in_place", lambda graph, value, next_value: False)
+    separate = [Trainer(step, initial, lr=0.01), Split(step, initial, lr=0.01)]
+    assert not separate[0]._in_place
+    rng = np.random.default_rng(6)
+    for _ in range(4):
+        x, t = rng.standard_normal((2, 2, 4, 5, 5)).astype(np.float32)
+        losses = [trainer.step(x, t) for trainer in shared + separate]
+        assert len(set(losses)) == 1
+    states = [trainer.state_dict() for trainer in shared + separate]
+    assert all(state[n].tobytes() == states[0][n].tobytes() for state in states for n in states[0])
+
+
+def test_updatable_in_place_needs_every_read_before_the_write():
+    """A read after the write could run (a second reader that is no ancestor of the writer),
+    a non-elementwise writer reading the value, or a broadcast read disqualify a buffer."""
+    from onnx import helper
+
+    from normgrad.graphs.structure import updatable_in_place
+
+    def graph(nodes, shapes=None):
+        shapes = shapes or {"s": [3], "s.next": [3]}
+        return helper.make_graph(nodes, "g", [helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, shapes["s"]),
+                                              helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, [3])],
+                                 [helper.make_tensor_value_info("s.next", onnx.TensorProto.FLOAT, shapes["s.next"]),
+                                  helper.make_tensor_value_info("other", onnx.TensorProto.FLOAT, None)])
+
+    lerp = [helper.make_node("Sub", ["g", "s"], ["d"]), helper.make_node("Add", ["s", "d"], ["s.next"]),
+            helper.make_node("Neg", ["g"], ["other"])]
+    assert updatable_in_place(graph(lerp), "s", "s.next")
+    late_reader = lerp[:2] + [helper.make_node("Neg", ["s"], ["other"])]
+    assert not updatable_in_place(graph(late_reader), "s", "s.next")
+    matmul_writer = [helper.make_node("MatMul", ["s", "g"], ["s.next"]), helper.make_node("Neg", ["g"], ["other"])]
+    assert not updatable_in_place(graph(matmul_writer), "s", "s.next")
+    broadcast = [helper.make_node("Add", ["s", "g"], ["s.next"]), helper.make_node("Neg", ["g"], ["other"])]
+    assert not updatable_in_place(graph(broadcast, {"s": [1], "s.next": [3]}), "s", "s.next")
+    type_only = lerp[:2] + [helper.make_node("CastLike", ["g", "s"], ["other"])]
+    assert updatable_in_place(graph(type_only), "s", "s.next")
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda t: t.pop("w2.exp_avg"), "checkpoint has no tensor 'w2.exp_avg'"),
     (lambda t: t.__setitem__("bogus", np.zeros(3, np.float32)), "checkpoint has tensor 'bogus', which is not expected"),

@@ -4,7 +4,11 @@
 BatchNorm running statistics) kept in onnxruntime ``OrtValue`` buffers: each run binds the
 state through an IOBinding and writes the ``NAME.next`` outputs into a second buffer per
 tensor, and the two buffers swap roles after the run, so no state tensor is copied through
-NumPy between steps. Only the batch goes in and the scalar loss comes out.
+NumPy between steps. Only the batch goes in and the scalar loss comes out. A tensor whose
+readers all precede its update in the graph's data dependencies (the optimizer moments, the
+running statistics; :func:`normgrad.graphs.structure.updatable_in_place`) has one buffer,
+updated in place, as onnxruntime-training's optimizer does: AdamW's state then takes 4
+copies of the weights' size instead of 6.
 
 Learning-rate schedules are plain Python functions of the 1-based step (:func:`constant`,
 :func:`linear_warmup`, :func:`cosine`).
@@ -36,6 +40,7 @@ import onnx
 
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_model_atomic
+from normgrad.graphs import structure
 
 __all__ = ["Trainer", "TrainerError", "constant", "linear_warmup", "cosine", "STEP_METADATA"]
 
@@ -92,6 +97,8 @@ class _Part:
         self.inputs = {i.name: i for i in model.graph.input}
         self.state = {name: state[name] for name in self.inputs if name in state}
         self.outputs = {o.name: o for o in model.graph.output}
+        self.in_place = {name for name, next_value in self.state.items()
+                         if structure.updatable_in_place(model.graph, name, next_value)}
 
 
 class Trainer:
@@ -182,6 +189,10 @@ class Trainer:
                            for a, p in zip(self._accumulators, self.parameters)}
         else:
             self._step_part = _Part(onnxruntime, model, options, providers, self._state_map)
+        parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
+        # one buffer for a tensor only if every part that updates it can do so in place
+        self._in_place = {name for name in self._state_map
+                          if all(name in part.in_place for part in parts if name in part.state)}
         self._buffers: Dict[str, List] = {}
         self._current: Dict[str, int] = {}
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
@@ -234,7 +245,10 @@ class Trainer:
         if not step_text.isdigit():
             raise TrainerError(f"checkpoint metadata {STEP_METADATA} must be a step count, got {step_text!r}")
         tensors = self.broadcast_state({name: ckpt.tensors[name] for name in self._expected})
-        self._buffers = {name: [self._ortvalue(value), self._ortvalue(value)] for name, value in tensors.items()}
+        self._buffers = {}
+        for name, value in tensors.items():
+            first = self._ortvalue(value)
+            self._buffers[name] = [first, first if name in self._in_place else self._ortvalue(value)]
         self._current = {name: 0 for name in tensors}
         if self.split:
             for accumulator, zeros in self._zeros.items():
