@@ -21,9 +21,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+import normgrad
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import subgraph_captures
-from normgrad.ops._common import IR_VERSION
+from normgrad.ops._common import DOMAIN, IR_VERSION
 
 __all__ = [
     "build_optimizer_graph",
@@ -117,12 +118,17 @@ def build_optimizer_graph(
     inputs += [value_info("lr", []), value_info("step", [])]
 
     grads = {p: f"{p}_grad" for p in parameters}
+    fused = kind != "sgd" and not amsgrad  # AdamUpdate nodes, which scale the gradient themselves
+    grad_scale = param_scale = None
     if clip_grad_norm is not None:
         squares = [g.op("ReduceSumSquare", grads[p], keepdims=0) for p in parameters]
         total = g.op("Sqrt", g.op("Sum", *squares))
         coefficient = g.op("Div", g.const(clip_grad_norm), g.op("Add", total, g.const(1e-6)))
-        clamped = g.op("Min", coefficient, g.const(1.0))
-        grads = {p: g.op("Mul", grads[p], clamped) for p in parameters}
+        grad_scale = g.op("Min", coefficient, g.const(1.0))
+        if not fused:
+            grads = {p: g.op("Mul", grads[p], grad_scale) for p in parameters}
+    elif fused:
+        grad_scale = g.const(1.0)
 
     if kind != "sgd":
         # bias corrections in float64, as torch computes them (Python floats): in float32,
@@ -149,6 +155,22 @@ def build_optimizer_graph(
                 state[buffer] = new_buffer
                 grad = g.op("Add", grad, g.op("Mul", new_buffer, g.const(momentum))) if nesterov else new_buffer
             g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
+        elif not amsgrad:
+            # one fused node (its function body is the ops of the branch below, in the same
+            # order, so the result is the same bits)
+            exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
+            adamw_decay = kind == "adamw" and weight_decay != 0
+            if param_scale is None:
+                param_scale = (g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay))) if adamw_decay
+                               else g.const(1.0))
+            g.nodes.append(helper.make_node(
+                "AdamUpdate",
+                [param, grad, exp_avg, exp_avg_sq, param_scale, step_size, correction2_sqrt, grad_scale],
+                [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN,
+                beta2=float(np.float32(beta2)), one_minus_beta1=float(np.float32(1 - beta1)),
+                one_minus_beta2=float(np.float32(1 - beta2)), epsilon=float(np.float32(eps)),
+                weight_decay=0.0 if kind == "adamw" else float(np.float32(weight_decay))))
+            state[exp_avg], state[exp_avg_sq] = next_name(exp_avg), next_name(exp_avg_sq)
         else:
             if weight_decay != 0:
                 if kind == "adamw":
@@ -175,6 +197,7 @@ def build_optimizer_graph(
     graph = helper.make_graph(g.nodes, f"{kind}_step", inputs, outputs, initializer=g.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = IR_VERSION
+    model = normgrad.add_functions(model)
     hyperparameters = {"kind": kind, "lr": "input", "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
     if kind == "sgd":
         hyperparameters.update(momentum=momentum, dampening=dampening, nesterov=nesterov)
@@ -402,6 +425,7 @@ def build_step_graph(
     model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")
     model.functions.extend(training.functions)
     model.ir_version = IR_VERSION
+    model = normgrad.add_functions(model)  # the optimizer's AdamUpdate body and opset, if the training graph had none
     step_metadata = {entry.key: entry.value for entry in optimizer.metadata_props}
     state_map = json.loads(step_metadata["normgrad.state"])
     state_map.update({s: next_name(s) for s in statistics})

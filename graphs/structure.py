@@ -6,6 +6,8 @@ from typing import Dict, List, Set
 
 import onnx
 
+from normgrad.ops import DOMAIN
+
 __all__ = ["subgraph_captures", "check_graph_structure", "updatable_in_place"]
 
 
@@ -92,9 +94,11 @@ def _reaches(producer: Dict[str, onnx.NodeProto], start: onnx.NodeProto, target:
     return False
 
 
-_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
-"""Ops whose output element i reads only element i of a same-shaped input: onnxruntime runs
-them with the output in the input's buffer itself (its kernels declare MayInplace)."""
+_ELEMENTWISE = frozenset({("", "Add"), ("", "Sub"), ("", "Mul"), ("", "Div"), ("", "Max"), ("", "Min"),
+                          (DOMAIN, "AdamUpdate")})
+"""Ops whose outputs' element i reads only element i of same-shaped inputs: onnxruntime runs
+the standard ones with the output in the input's buffer itself (their kernels declare
+MayInplace); AdamUpdate's kernel and function body read an element before writing it."""
 
 
 def _static_shape(info: onnx.ValueInfoProto):
@@ -125,7 +129,7 @@ def updatable_in_place(graph: onnx.GraphProto, value: str, next_value: str) -> b
     readers = [node for node in graph.node if reads(node)]
     if any(node is writer for node in readers):
         shape = _static_shape(inputs[value])
-        if writer.op_type not in _ELEMENTWISE or shape is None or shape != _static_shape(outputs[next_value]):
+        if (writer.domain or "", writer.op_type) not in _ELEMENTWISE or shape is None or shape != _static_shape(outputs[next_value]):
             return False
     ancestors, stack = set(), [writer]
     while stack:

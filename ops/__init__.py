@@ -9,6 +9,7 @@ from __future__ import annotations
 import onnx.defs
 
 from normgrad.ops import (
+    adam_update,
     all_reduce,
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
@@ -29,6 +30,7 @@ OPERATORS = {
         layer_normalization_grad,
         rms_normalization_grad,
         all_reduce,
+        adam_update,
     )
 }
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

@@ -112,7 +112,8 @@ _KERNEL_IDS = {
         op_type=f"{DOMAIN}::{module.OP_TYPE}",
         inputs=[_FLOAT] * len(module.INPUTS),
         outputs=[_FLOAT] * len(module.OUTPUTS),
-        attrs={name: PyCustomOpDef.dt_int64 for name in module.ATTRIBUTES},
+        attrs={name: PyCustomOpDef.dt_float if isinstance(default, float) else PyCustomOpDef.dt_int64
+               for name, default in module.ATTRIBUTES.items()},
     )(_make_kernel(module))._id
     for module in OPERATORS.values()
 }

@@ -37,6 +37,7 @@ extern const OpDescriptor kGroupNormalizationGrad;
 extern const OpDescriptor kLayerNormalizationGrad;
 extern const OpDescriptor kRMSNormalizationGrad;
 extern const OpDescriptor kAllReduce;
+extern const OpDescriptor kAdamUpdate;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

@@ -98,6 +98,8 @@ int64_t attribute_int(const OrtKernelInfo* info, const char* op, const char* nam
 inline int64_t attribute_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
   return attribute_int(info, nullptr, name, fallback);
 }
+// Reads a FLOAT attribute the same way: `fallback` when unset, an error for another type.
+float attribute_float(const OrtKernelInfo* info, const char* op, const char* name, float fallback);
 
 // Runs fn(i) for i in [0, total) on the session's intra-op thread pool, or inline when
 // the whole job (`elements` elements) is too small to pay for waking threads. The caller's

@@ -123,11 +123,10 @@ const char* attribute_type(const OrtKernelInfo* info, const char* name) {
   return "";
 }
 
-int64_t attribute_int(const OrtKernelInfo* info, const char* op, const char* name, int64_t fallback) {
-  int64_t value = 0;
-  if (succeeded(g_api->KernelInfoGetAttribute_int64(info, name, &value))) return value;
-  const std::string type = attribute_type(info, name);
-  if (type.empty()) return fallback;
+namespace {
+// "<op>: attribute '<name>' must be of type <wanted>; got <type>", naming the node when op is null.
+[[noreturn]] void fail_attribute_type(const OrtKernelInfo* info, const char* op, const char* name, const char* wanted,
+                                      const std::string& type) {
   std::string where;
   if (op != nullptr) {
     where = op;
@@ -139,7 +138,27 @@ int64_t attribute_int(const OrtKernelInfo* info, const char* op, const char* nam
     }
     if (where.empty()) where = "normgrad";
   }
-  fail(where + ": attribute '" + name + "' must be of type INT; got " + type);
+  fail(where + ": attribute '" + name + "' must be of type " + wanted + "; got " + type);
+}
+}  // namespace
+
+// The attribute through the C API's typed getter; `fallback` when unset; an error for another type.
+template <class T, class Getter>
+T read_attribute(const OrtKernelInfo* info, const char* op, const char* name, T fallback, Getter get,
+                 const char* wanted) {
+  T value{};
+  if (succeeded(get(info, name, &value))) return value;
+  const std::string type = attribute_type(info, name);
+  if (type.empty()) return fallback;
+  fail_attribute_type(info, op, name, wanted, type);
+}
+
+int64_t attribute_int(const OrtKernelInfo* info, const char* op, const char* name, int64_t fallback) {
+  return read_attribute(info, op, name, fallback, g_api->KernelInfoGetAttribute_int64, "INT");
+}
+
+float attribute_float(const OrtKernelInfo* info, const char* op, const char* name, float fallback) {
+  return read_attribute(info, op, name, fallback, g_api->KernelInfoGetAttribute_float, "FLOAT");
 }
 
 NodeArgs::NodeArgs(const OrtKernelInfo* info, int num_inputs, int num_outputs) {
@@ -255,7 +274,7 @@ struct OpVariant : OrtCustomOp {
 std::vector<OpVariant*>* build_ops() {
   auto* ops = new std::vector<OpVariant*>();
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
-                                &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce}) {
+                                &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
       for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                      ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE}) {
