@@ -295,3 +295,18 @@ def test_integer_shape_arithmetic_on_constants_is_folded_so_shapes_are_known():
     training = build_training_graph(model)
     assert [o.name for o in training.graph.output] == ["y", "x_grad"]
     _assert_close(training)
+
+
+def test_batch_norm_relu_backward_is_fused():
+    """BN -> Relu (BN output read by the Relu alone): the BatchNorm backward ops take the
+    Relu's gradient and output (relu_output) and no Relu gradient is written; BN -> Add
+    keeps the plain ops. Gradients checked against finite differences on both runtimes."""
+    training = build_training_graph(resnet_block(training=1))
+    bn_ops = [n for n in training.graph.node if n.op_type in ("BatchNormReduceBackward", "BatchNormElemtBackward")]
+    masked = [n for n in bn_ops if n.input[-1] == "r1"]  # the Relu output, never its input n1
+    assert len(bn_ops) == 4 and len(masked) == 2
+    # the other BatchNorm's ops are fed the scalar 1 (no mask): one function body per op type
+    assert all(n.input[-1].endswith("relu_output_omitted") for n in bn_ops if n not in masked)
+    assert not any("n1" in n.input for n in training.graph.node if n.op_type in ("Greater", "Where", "Mul"))
+    _assert_close(training, backend="cpp")
+    _assert_close(training)
