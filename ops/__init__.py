@@ -37,8 +37,10 @@ OPERATORS = {
 ``validate``, ``reference``, ``schema`` and ``function_body``; optionally OUTPUT_FLAGS
 ({output: the flag attribute enabling it}) and ONES_IF_OMITTED ({optional input: (input,
 axis) whose shape the ones it equals when omitted have}), which
-``normgrad.prepare_for_python_kernels`` reads; optionally ``python_kernel`` (what the
-float32 Python kernel runs instead of ``reference``)."""
+``normgrad.prepare_for_python_kernels`` reads; optionally SCALAR_IF_OMITTED ({optional
+input: the scalar that means the same as omitting it}; ``function_body(opset, reads)``
+then reads those named in ``reads``), which ``normgrad.add_functions`` reads; optionally
+``python_kernel`` (what the float32 Python kernel runs instead of ``reference``)."""
 
 
 def operator(op_type: str):

@@ -9,6 +9,9 @@ Inputs:
     invstd (U): [C], 1 / sqrt(var + eps).
     weight (U, optional): [C]. Only its length is checked: like CANN and torch, the
         reductions never read it.
+    relu_output (T, optional): y of a ReLU that follows the BatchNorm, shape of ``input``
+        or a scalar; given, every dy below is (y > 0 ? grad_out : 0), exactly 0 where masked
+        (:data:`normgrad.ops._batch_norm.RELU_OUTPUT_DOC`).
 
 Attributes (int, 0 or 1, default 1):
     input_g: compute ``sum_dy`` and ``sum_dy_xmu``.
@@ -27,7 +30,7 @@ least float32 in every other implementation.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -37,16 +40,20 @@ from onnx.defs import OpSchema
 from normgrad.ops import _batch_norm, _common
 from normgrad.ops._common import NormgradInputError
 
-__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_FLAGS", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
+__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_FLAGS", "ONES_IF_OMITTED", "SCALAR_IF_OMITTED",
+           "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
 
 OP_TYPE = "BatchNormReduceBackward"
-INPUTS = ("grad_out", "input", "mean", "invstd", "weight")
+INPUTS = ("grad_out", "input", "mean", "invstd", "weight", _batch_norm.RELU_OUTPUT)
 OUTPUTS = ("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias")
 ATTRIBUTES = {"input_g": 1, "weight_g": 1, "bias_g": 1}
 OUTPUT_FLAGS = {"sum_dy": "input_g", "sum_dy_xmu": "input_g", "grad_weight": "weight_g", "grad_bias": "bias_g"}
 """The flag attribute that enables each output."""
-ONES_IF_OMITTED = {"weight": ("input", 1)}
+ONES_IF_OMITTED = {"weight": ("input", 1), _batch_norm.RELU_OUTPUT: ("input", None)}
 """Optional inputs whose omission equals ones shaped like (input, axis), as OUTPUT_SHAPE_FROM."""
+SCALAR_IF_OMITTED = {_batch_norm.RELU_OUTPUT: 1.0}
+"""Optional inputs only the function body that reads them has (``function_body(reads=...)``),
+with the scalar that means the same as omitting them (see ``normgrad.add_functions``)."""
 OUTPUT_SHAPE_FROM = {name: ("input", 1) for name in OUTPUTS}
 """Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
 
@@ -60,36 +67,38 @@ class Result(NamedTuple):
     grad_bias: Optional[np.ndarray]
 
 
-def validate(grad_out, input, mean, invstd, weight=None, *, input_g=1, weight_g=1, bias_g=1):
+def validate(grad_out, input, mean, invstd, weight=None, relu_output=None, *, input_g=1, weight_g=1, bias_g=1):
     """Checks the inputs against the contract.
 
     Returns:
-        The inputs as arrays and the flags as a dict, in the order given.
+        The inputs as arrays (None for omitted ones) and the flags as a dict, in the order given.
 
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
-    dy, x, arrays = _batch_norm.validate(OP_TYPE, grad_out, input, {"mean": mean, "invstd": invstd, "weight": weight})
+    dy, x, arrays = _batch_norm.validate(
+        OP_TYPE, grad_out, input, {"mean": mean, "invstd": invstd, "weight": weight}, relu_output
+    )
     flags = {
         name: _common.check_attribute_flag(OP_TYPE, name, value)
         for name, value in (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))
     }
-    return dy, x, arrays["mean"], arrays["invstd"], arrays.get("weight"), flags
+    return dy, x, arrays["mean"], arrays["invstd"], arrays.get("weight"), arrays.get(_batch_norm.RELU_OUTPUT), flags
 
 
-def reference(grad_out, input, mean, invstd, weight=None, *, input_g=1, weight_g=1, bias_g=1) -> Result:
+def reference(grad_out, input, mean, invstd, weight=None, relu_output=None, *, input_g=1, weight_g=1, bias_g=1) -> Result:
     """The operator in float64 NumPy: the truth every other implementation is tested against.
 
     Returns:
         A :class:`Result` in U (``mean``'s dtype); outputs whose flag is 0 are None.
     """
-    dy, x, mean, invstd, _, flags = validate(
-        grad_out, input, mean, invstd, weight, input_g=input_g, weight_g=weight_g, bias_g=bias_g
+    dy, x, mean, invstd, _, relu_output, flags = validate(
+        grad_out, input, mean, invstd, weight, relu_output, input_g=input_g, weight_g=weight_g, bias_g=bias_g
     )
     out_dtype = mean.dtype
     axes = (0,) + tuple(range(2, x.ndim))
     per_channel = (1, -1) + (1,) * (x.ndim - 2)
-    dy64 = dy.astype(np.float64)
+    dy64 = _batch_norm.relu_select(dy.astype(np.float64), relu_output)
     sum_dy = dy64.sum(axis=axes)
     xmu = x.astype(np.float64) - mean.astype(np.float64).reshape(per_channel)
     sum_dy_xmu = (dy64 * xmu).sum(axis=axes)
@@ -108,7 +117,7 @@ def _infer(ctx) -> None:
     flags = {name: _common.attribute_int(ctx, name, default) for name, default in ATTRIBUTES.items()}
     for name, value in flags.items():
         _common.check_attribute_flag(OP_TYPE, name, value)
-    _, _, channels = _batch_norm.infer(ctx, OP_TYPE, {2: "mean", 3: "invstd", 4: "weight"})
+    _, _, channels = _batch_norm.infer(ctx, OP_TYPE, {2: "mean", 3: "invstd", 4: "weight"}, 5)
     for index, name in enumerate(OUTPUTS):
         if not ctx.has_output(index):
             continue
@@ -132,6 +141,7 @@ def schema() -> OpSchema:
             param("mean", "U", "Per-channel mean, [C]."),
             param("invstd", "U", "Per-channel 1/sqrt(var + eps), [C]."),
             param("weight", "U", "Per-channel scale, [C]; only its length is checked.", param_option=optional),
+            param(_batch_norm.RELU_OUTPUT, "T", _batch_norm.RELU_OUTPUT_DOC, param_option=optional),
         ],
         outputs=[param(name, "U", f"[C]; needs {OUTPUT_FLAGS[name]} = 1.", param_option=optional) for name in OUTPUTS],
         type_docs={"T": "Element type of grad_out and input.", "U": "Element type of the per-channel tensors."},
@@ -143,21 +153,25 @@ def schema() -> OpSchema:
     )
 
 
-def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
+def function_body(opset: int = _common.ONNX_OPSET, reads: Sequence[str] = ()) -> onnx.FunctionProto:
     """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
 
-    ``weight`` is never read. Outputs a node does not name are pruned by the runtime. The
+    ``weight`` is never read. ``relu_output`` is a formal input, and read, only with
+    ``reads=("relu_output",)``: a body cannot test whether an input is present. Outputs a node does not name are pruned by the runtime. The
     sums over [N, C, M] run over N first, then M: one ReduceSum over axes [0, 2] would hit
     onnxruntime's reduced-kept-reduced kernel, whose float sums change with the thread
     count when C is smaller than it.
     """
+    masked = _batch_norm.RELU_OUTPUT in reads
+    relu_output = f", {_batch_norm.RELU_OUTPUT}" if masked else ""
+    dy = _batch_norm.relu_select_body("dy_unmasked", "dy") if masked else ""
     return onnx.parser.parse_function(
         f"""
         <domain: "{_common.DOMAIN}", opset_import: ["" : {opset}]>
         {OP_TYPE} <input_g: int = 1, weight_g: int = 1, bias_g: int = 1>
-            (grad_out, input, mean, invstd, weight) => (sum_dy, sum_dy_xmu, grad_weight, grad_bias)
+            (grad_out, input, mean, invstd, weight{relu_output}) => (sum_dy, sum_dy_xmu, grad_weight, grad_bias)
         {{
-            dy = Cast <to = 1> (grad_out)
+            {"dy_unmasked" if masked else "dy"} = Cast <to = 1> (grad_out){dy}
             x = Cast <to = 1> (input)
             mu = Cast <to = 1> (mean)
             rstd = Cast <to = 1> (invstd)

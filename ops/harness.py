@@ -86,6 +86,8 @@ def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = 
     if backend == "functions":
         model = normgrad.add_functions(model)
     else:
+        if backend == "python":  # the bridge declares every input and output required
+            model = normgrad.prepare_for_python_kernels(model)
         normgrad.session_options(backend, options)
     return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

@@ -63,3 +63,22 @@ def batch_norm_inputs(shape, t=np.float32, u=None, seed=0, offset=0.0) -> dict:
 
 def run_all(backend: str, op_type: str, inputs: dict, **kwargs) -> dict:
     return harness.run(backend, op_type, inputs, **kwargs)
+
+
+def with_relu_output(inputs: dict, seed: int = 0) -> dict:
+    """``inputs`` plus ``relu_output`` y = max(z, 0) for a random z (a third of y exactly 0),
+    with grad_out NaN or inf wherever y is 0: the fused ReLU backward must give exactly 0 there."""
+    rng = np.random.default_rng(seed)
+    dy = inputs["grad_out"]
+    y = np.maximum(rng.normal(size=dy.shape) - 0.4, 0.0).astype(dy.dtype)
+    blocked = y.astype(np.float64) <= 0
+    poison = np.where(rng.random(dy.shape) < 0.5, np.nan, np.inf)
+    return {**inputs, "grad_out": np.where(blocked, poison, dy.astype(np.float64)).astype(dy.dtype), "relu_output": y}
+
+
+def relu_masked_truth(inputs: dict) -> dict:
+    """The same inputs without ``relu_output``, grad_out masked explicitly: the definition
+    of the fused input, for the references to be checked against."""
+    y = inputs["relu_output"]
+    masked = np.where(y.astype(np.float64) > 0, inputs["grad_out"].astype(np.float64), 0.0)
+    return {**{k: v for k, v in inputs.items() if k != "relu_output"}, "grad_out": masked.astype(inputs["grad_out"].dtype)}

@@ -87,12 +87,15 @@ def test_validate_rejects(change, message):
         elemt.reference(**change(args))
 
 
+_REQUIRED = elemt.INPUTS[:7]  # all but relu_output
+
+
 def _model(rank, dtype=np.float32, channels=3):
     t = _TYPES[dtype]
     dims = ["N", channels] + [f"d{i}" for i in range(rank - 2)]
-    node = oh.make_node(elemt.OP_TYPE, list(elemt.INPUTS), ["grad_input"], domain=normgrad.DOMAIN)
-    inputs = [oh.make_tensor_value_info(name, t, dims) for name in elemt.INPUTS[:2]]
-    inputs += [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [channels]) for name in elemt.INPUTS[2:]]
+    node = oh.make_node(elemt.OP_TYPE, list(_REQUIRED), ["grad_input"], domain=normgrad.DOMAIN)
+    inputs = [oh.make_tensor_value_info(name, t, dims) for name in _REQUIRED[:2]]
+    inputs += [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [channels]) for name in _REQUIRED[2:]]
     graph = oh.make_graph([node], "elemt", inputs, [oh.make_tensor_value_info("grad_input", t, dims)])
     model = oh.make_model(
         graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(normgrad.DOMAIN, 1)], ir_version=10
@@ -130,3 +133,55 @@ def test_function_body_float16():
     (got,) = session.run(None, dict(zip(elemt.INPUTS, args)))
     assert got.dtype == np.float16
     np.testing.assert_allclose(got, elemt.reference(*args).grad_input, rtol=1e-2, atol=1e-2)
+
+
+def _masked_elemt_inputs(shape, seed=0):
+    """Elemt inputs with relu_output, the sums those of the masked grad_out."""
+    from conftest import batch_norm_inputs, relu_masked_truth, with_relu_output
+
+    inputs = with_relu_output(batch_norm_inputs(shape, seed=seed), seed=seed + 1)
+    sums = reduce_op.reference(**inputs)
+    return {**inputs, "sum_dy": sums.sum_dy, "sum_dy_xmu": sums.sum_dy_xmu}, relu_masked_truth
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (2, 3, 70), (3, 4, 9, 11)], ids=str)
+def test_relu_output_masks_grad_out(backend, shape):
+    """Every backend against the float64 truth: dx of the explicitly masked grad_out, finite
+    although grad_out is NaN/inf wherever relu_output is 0."""
+    inputs, masked = _masked_elemt_inputs(shape, seed=3)
+    truth = elemt.reference(**masked(inputs)).grad_input
+    assert np.isfinite(truth).all()
+    np.testing.assert_array_equal(elemt.reference(**inputs).grad_input, truth)
+    assert_close(harness.run(backend, elemt.OP_TYPE, inputs)["grad_input"], truth, what="grad_input")
+
+
+def test_relu_output_validation():
+    inputs, _ = _masked_elemt_inputs((2, 3, 4))
+    with pytest.raises(NormgradInputError, match="'relu_output' must have the shape of 'input'"):
+        elemt.reference(**{**inputs, "relu_output": inputs["relu_output"][:, :1]})
+
+
+def test_add_functions_feeds_a_neutral_scalar_to_nodes_without_relu_output():
+    """One body per op type: when one node gives relu_output, the body reads it, and a node
+    of the same op type without it is fed the scalar 1 (no mask), computing what it did."""
+    inputs, _ = _masked_elemt_inputs((2, 3, 5), seed=8)
+    plain = dict(zip(_REQUIRED, _bn_inputs((2, 3, 5), seed=9)))
+    nodes = [oh.make_node(elemt.OP_TYPE, list(elemt.INPUTS), ["masked"], domain=normgrad.DOMAIN),
+             oh.make_node(elemt.OP_TYPE, [f"p_{n}" for n in _REQUIRED], ["plain"], domain=normgrad.DOMAIN)]
+    feeds = {**inputs, **{f"p_{n}": v for n, v in plain.items()}}
+    graph = oh.make_graph(nodes, "two", [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(v.shape)) for n, v in feeds.items()],
+                          [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 3, 5]) for n in ("masked", "plain")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(normgrad.DOMAIN, 1)], ir_version=10)
+    with_bodies = normgrad.add_functions(model)
+    onnx.checker.check_model(with_bodies, full_check=True)
+    assert len(with_bodies.functions) == 1 and "relu_output" in with_bodies.functions[0].input
+    assert normgrad.add_functions(with_bodies) == with_bodies
+    session = ort.InferenceSession(with_bodies.SerializeToString(), providers=["CPUExecutionProvider"])
+    masked, unmasked = session.run(None, feeds)
+    assert_close(masked, elemt.reference(**inputs).grad_input, what="masked")
+    assert_close(unmasked, elemt.reference(**plain).grad_input, what="plain")
+    # without a masked node the body and the nodes are what they always were
+    alone = oh.make_model(oh.make_graph(nodes[1:], "one", graph.input[8:], graph.output[1:]),
+                          opset_imports=model.opset_import, ir_version=10)
+    assert normgrad.add_functions(alone).functions[0] == elemt.function_body(18)
+    assert list(normgrad.add_functions(alone).graph.node[0].input) == [f"p_{n}" for n in _REQUIRED]

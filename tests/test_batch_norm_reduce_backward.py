@@ -6,10 +6,10 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import assert_close, batch_norm_inputs
+from conftest import assert_close, batch_norm_inputs, relu_masked_truth, with_relu_output
 
 from normgrad.ops import batch_norm_reduce_backward as bnr
-from normgrad.ops import harness
+from normgrad.ops import NormgradInputError, harness
 
 OP = bnr.OP_TYPE
 SHAPES = [(4, 3), (2, 1, 7), (1, 5, 3, 2, 3), (3, 2, 5, 5), (1, 1, 1)]
@@ -105,3 +105,37 @@ def test_deterministic(backend):
     first, second = harness.run(backend, OP, inputs, threads=1), harness.run(backend, OP, inputs, threads=3)
     for name in bnr.OUTPUTS:
         np.testing.assert_array_equal(first[name], second[name])
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (2, 3, 70), (3, 4, 9, 11)], ids=str)
+def test_relu_output_masks_grad_out(backend, shape):
+    """Every backend against the float64 truth: grad_out masked by relu_output > 0 as a
+    select (NaN/inf grad_out where relu_output is 0 contributes exactly 0)."""
+    inputs = with_relu_output(batch_norm_inputs(shape, seed=5), seed=6)
+    truth = bnr.reference(**relu_masked_truth(inputs))
+    assert all(np.isfinite(value).all() for value in truth)
+    np.testing.assert_array_equal(bnr.reference(**inputs), truth)  # the reference's own select
+    actual = harness.run(backend, OP, inputs)
+    for name in bnr.OUTPUTS:
+        assert_close(actual[name], getattr(truth, name), what=name)
+
+
+@pytest.mark.parametrize("value", [2.0, 0.0, -1.0])
+def test_relu_output_scalar_is_one_mask_for_all(backend, value):
+    inputs = batch_norm_inputs((2, 3, 40), seed=7)
+    inputs["relu_output"] = np.float32(value)
+    expected = bnr.reference(**batch_norm_inputs((2, 3, 40), seed=7)) if value > 0 else None
+    actual = harness.run(backend, OP, inputs)
+    for name in bnr.OUTPUTS:
+        want = getattr(expected, name) if value > 0 else np.zeros(3, np.float32)
+        assert_close(actual[name], want, what=name)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x: np.ones((2, 3, 5), np.float32), "'relu_output' must have the shape of 'input' \\[2, 3, 4\\] or be a scalar"),
+    (lambda x: np.ones((2, 3, 4), np.float16), "'relu_output' must have the dtype of 'input'"),
+])
+def test_relu_output_validation(bad, message):
+    inputs = batch_norm_inputs((2, 3, 4))
+    with pytest.raises(NormgradInputError, match=message):
+        bnr.reference(**inputs, relu_output=bad(inputs["input"]))

@@ -117,3 +117,28 @@ def test_all_reduce_hook_uses_the_global_count():
     both = np.concatenate([x, np.zeros_like(x)]).astype(np.float64)
     mean = both.mean(axis=(0, 2, 3))
     np.testing.assert_allclose(out["rm"], 0.9 * _bn_model()[1]["m"] + 0.1 * mean, rtol=1e-6, atol=1e-6)
+
+
+def test_all_reduce_hook_with_fused_relu_changes_nothing():
+    """BatchNormalization -> Relu (the ReLU backward fused into the BatchNorm ops): the
+    doubling all-reduce over two identical ranks leaves every output as the local graph's."""
+    forward, _ = _bn_model()
+    relu = oh.make_node("Relu", ["y"], ["r"])
+    forward.graph.node.append(relu)
+    forward.graph.output[0].name = "r"
+    x, seed = _inputs()
+
+    def doubling(ctx, value):
+        return ctx.op("Add", value, value)
+
+    def run(training):
+        assert any(n.domain == "normgrad" and n.input[-1] == "r" for n in training.graph.node)  # fused
+        session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(None, {"x": x, "r_grad": seed})))
+
+    synced, local = run(build_training_graph(forward, batch_norm_all_reduce=doubling)), run(build_training_graph(forward))
+    for name in set(local) - {"rv"}:
+        np.testing.assert_allclose(synced[name], local[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    masked = np.where(local["r"] > 0, seed, 0).astype(np.float64)
+    np.testing.assert_allclose(local["t_grad"], masked.sum(axis=(0, 2, 3)), rtol=1e-5, atol=1e-5)

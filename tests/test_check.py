@@ -45,12 +45,18 @@ def test_correct_resnet_passes_with_default_options(small_resnet18, tmp_path, ca
 
 def test_a_corrupted_backward_node_fails(small_resnet18, tmp_path, capsys):
     """The mask of one ReLU's gradient inverted (let through where its input is negative,
-    blocked where positive): every gradient upstream of it FAILs, every one downstream stays OK."""
+    blocked where positive): every gradient upstream of it FAILs, every one downstream stays OK.
+    That ReLU follows a BatchNorm, so its mask is the BatchNorm ops' relu_output (the ReLU's
+    output); fed the negated ReLU input instead, it is inverted."""
     wrong = onnx.ModelProto()
     wrong.CopyFrom(small_resnet18)
-    relu_input = "layer3.0.conv1.out"
-    mask = next(n for n in wrong.graph.node if n.op_type == "Greater" and n.input[0] == relu_input)
-    mask.op_type = "Less"
+    relu_input, relu_output = "layer3.0.conv1.out", "layer3.0.conv1.relu"
+    masked = [n for n in wrong.graph.node if n.domain == "normgrad" and n.input[-1] == relu_output]
+    assert len(masked) == 2
+    first = min(i for i, n in enumerate(wrong.graph.node) if n.domain == "normgrad" and n.input[-1] == relu_output)
+    wrong.graph.node.insert(first, oh.make_node("Neg", [relu_input], ["inverted_mask"]))
+    for node in masked:
+        node.input[-1] = "inverted_mask"
     status, lines, out = _check_cli(wrong, tmp_path, capsys)
     assert status == 1
     assert lines["layer3.0.conv1.weight_grad"] == "FAIL" and lines["conv1.weight_grad"] == "FAIL", out

@@ -24,6 +24,7 @@ from onnx import helper
 import normgrad
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION
 from conftest import batch_norm_inputs as bn_inputs
+from conftest import relu_masked_truth, with_relu_output
 from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import harness
 from normgrad.ops import batch_norm_reduce_backward as bnr
@@ -187,7 +188,7 @@ def _bitwise_same_for_threads(run):
 @pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 2, 3)], ids=str)
 def test_bn_reduce_bitwise_deterministic_across_threads(shape):
     inputs = bn_inputs(shape, np.float32, np.float32, seed=7)
-    feeds = [(n, inputs[n]) for n in bnr.INPUTS]
+    feeds = [(n, inputs[n]) for n in bnr.INPUTS if n in inputs]
     _bitwise_same_for_threads(lambda threads: run_cpp(bnr.OP_TYPE, feeds, list(bnr.OUTPUTS), threads=threads))
 
 
@@ -257,6 +258,51 @@ def test_elemt_large_mean_and_determinism():
     inputs = elemt_inputs((8, 3, 301), np.float32, np.float32, seed=2, offset=1e3)
     check_elemt(inputs)
     _bitwise_same_for_threads(lambda threads: {"dx": check_elemt(inputs, threads)})
+
+
+# --------------------------------------------------------------------------- fused ReLU backward
+
+
+def check_relu_masked(shape, t, u, seed=0, threads=None):
+    """Both BatchNorm ops with relu_output (NaN/inf grad_out where it is 0) against the
+    float64 references of the explicitly masked grad_out; returns the C++ outputs."""
+    inputs = with_relu_output(bn_inputs(shape, t, u, seed=seed), seed=seed + 1)
+    masked = relu_masked_truth(inputs)
+    feeds = [(n, inputs[n]) for n in bnr.INPUTS]
+    sums = run_cpp(bnr.OP_TYPE, feeds, list(bnr.OUTPUTS), threads=threads)
+    expected, scale = bnr.reference(**masked)._asdict(), bn_scale(masked)
+    for name, value in sums.items():
+        assert_close(value, expected[name], u, scale[name], name)
+    elemt = {**inputs, "sum_dy": sums["sum_dy"], "sum_dy_xmu": sums["sum_dy_xmu"]}
+    dx = run_cpp(bne.OP_TYPE, [(n, elemt[n]) for n in bne.INPUTS], ["grad_input"], threads=threads)["grad_input"]
+    truth = bne.reference(**{**masked, "sum_dy": sums["sum_dy"], "sum_dy_xmu": sums["sum_dy_xmu"]}).grad_input
+    assert np.isfinite(dx.astype(np.float64)).all()
+    np.testing.assert_allclose(dx.astype(np.float64), truth.astype(np.float64), rtol=RTOL[np.dtype(t)],
+                               atol=RTOL[np.dtype(t)] * max(1.0, float(np.abs(truth.astype(np.float64)).max())))
+    return {**sums, "grad_input": dx}
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("u", DTYPES, ids=DTYPE_IDS.get)
+def test_relu_output_all_dtypes(t, u):
+    for i, shape in enumerate(BN_SHAPES):
+        check_relu_masked(shape, t, u, seed=i)
+
+
+@pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 2, 3)], ids=str)
+def test_relu_output_bitwise_deterministic_across_threads(shape):
+    _bitwise_same_for_threads(lambda threads: check_relu_masked(shape, np.float32, np.float32, seed=2, threads=threads))
+
+
+def test_relu_output_absent_is_bit_for_bit_the_unmasked_op():
+    """A relu_output of all ones, or a positive scalar, masks nothing: the same bits as none."""
+    inputs = bn_inputs((3, 4, 301), np.float32, np.float32, seed=4)
+    feeds = [(n, inputs[n]) for n in bnr.INPUTS[:5]]
+    plain = run_cpp(bnr.OP_TYPE, feeds, list(bnr.OUTPUTS))
+    for y in (np.ones((3, 4, 301), np.float32), np.float32(3.0)):
+        masked = run_cpp(bnr.OP_TYPE, feeds + [("relu_output", y)], list(bnr.OUTPUTS))
+        for name in bnr.OUTPUTS:
+            assert plain[name].tobytes() == masked[name].tobytes(), name
 
 
 # --------------------------------------------------------------------------- GroupNormalizationGrad
@@ -517,6 +563,7 @@ for i, shape in enumerate(t.BN_SHAPES[:-1]):
     for dt in t.DTYPES:
         t.check_bn_reduce(t.bn_inputs(shape, dt, np.float32, seed=i))
         t.check_elemt(t.elemt_inputs(shape, dt, dt, seed=i))
+        t.check_relu_masked(shape, dt, np.float32, seed=i)
 for i, (xs, gs) in enumerate(t.GN_CASES):
     for dt in t.DTYPES:
         t.check_gn(t.gn_inputs(xs, gs, dt, dt, seed=i))
@@ -553,7 +600,7 @@ def _bn_case(**changes):
 def _elemt_case(**changes):
     base = {"grad_out": _f(2, 3, 4), "input": _f(2, 3, 4), **{n: _f(3) for n in ELEMT_INPUTS[2:]}}
     base.update(changes)
-    return ("BatchNormElemtBackward", [(n, base[n]) for n in ELEMT_INPUTS], None)
+    return ("BatchNormElemtBackward", [(n, base[n]) for n in bne.INPUTS if base.get(n) is not None], None)
 
 
 def _gn_case(**changes):
@@ -591,6 +638,9 @@ BAD_CASES = [
     ("bn-mean-int", _bn_case(mean=_f(3, dtype=I32)), "'mean'"),
     ("bn-flag-2", ("BatchNormReduceBackward", _bn_case()[1], {"input_g": 2}), "'input_g'"),
     ("bn-flag-off-output", ("BatchNormReduceBackward", _bn_case()[1], {"bias_g": 0}), "'grad_bias'"),
+    ("bn-relu_output-shape", _bn_case(relu_output=_f(2, 3, 5)), "'relu_output' must have the shape of 'input'"),
+    ("bn-relu_output-dtype", _bn_case(relu_output=_f(2, 3, 4, dtype=F16)), "'relu_output' must have the dtype"),
+    ("elemt-relu_output-broadcast", _elemt_case(relu_output=_f(2, 1, 4)), "'relu_output'"),
     ("elemt-sum_dy-length", _elemt_case(sum_dy=_f(2)), "'sum_dy'"),
     ("elemt-weight-length", _elemt_case(weight=_f(30)), "'weight'"),
     ("elemt-sum_dy_xmu-dtype", _elemt_case(sum_dy_xmu=_f(3, dtype=F16)), "'sum_dy_xmu'"),

@@ -295,3 +295,56 @@ def test_integer_shape_arithmetic_on_constants_is_folded_so_shapes_are_known():
     training = build_training_graph(model)
     assert [o.name for o in training.graph.output] == ["y", "x_grad"]
     _assert_close(training)
+
+
+def test_batch_norm_relu_backward_is_fused():
+    """BN -> Relu (BN output read by the Relu alone): the BatchNorm backward ops take the
+    Relu's gradient and output (relu_output) and no Relu gradient is written; BN -> Add
+    keeps the plain ops. Gradients checked against finite differences on both runtimes."""
+    training = build_training_graph(resnet_block(training=1))
+    bn_ops = [n for n in training.graph.node if n.op_type in ("BatchNormReduceBackward", "BatchNormElemtBackward")]
+    masked = [n for n in bn_ops if n.input[-1] == "r1"]  # the Relu output, never its input n1
+    assert len(bn_ops) == 4 and len(masked) == 2
+    # the other BatchNorm's ops are fed the scalar 1 (no mask): one function body per op type
+    assert all(n.input[-1].endswith("relu_output_omitted") for n in bn_ops if n not in masked)
+    assert not any("n1" in n.input for n in training.graph.node if n.op_type in ("Greater", "Where", "Mul"))
+    _assert_close(training, backend="cpp")
+    _assert_close(training)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "functions"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_batch_norm_relu_gradients_float64_truth(backend, dtype):
+    """BatchNormalization (training) -> Relu in float32 and float16, fused: x, scale and bias
+    gradients against BatchNorm + ReLU backward written out in float64 NumPy."""
+    from _graph_models import model
+
+    rng = np.random.default_rng(0)
+    params = {"s": rng.uniform(0.5, 1.5, 4), "t": rng.standard_normal(4), "m": np.zeros(4), "v": np.ones(4)}
+    nodes = [oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], ["n", "rm", "rv"], training_mode=1, epsilon=1e-5),
+             oh.make_node("Relu", ["n"], ["y"])]
+    elem_type = oh.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    forward = model(nodes, {"x": (2, 4, 5, 5)}, ["y"], {k: v.astype(dtype) for k, v in params.items()}, opset=15,
+                    elem_type=elem_type)
+    training = build_training_graph(forward)
+    relu_output = {"y"} | {n.output[0] for n in training.graph.node if n.op_type == "Cast" and list(n.input) == ["y"]}
+    assert sum(n.input[-1] in relu_output for n in training.graph.node if n.domain == "normgrad") == 2  # fused
+    if backend == "cpp":
+        _options("cpp")  # skips without the library
+    session = normgrad.inference_session(training, backend=backend, providers=["CPUExecutionProvider"])
+    x = (rng.standard_normal((2, 4, 5, 5)) * 2 + 1).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x, "y_grad": dy})))
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    s, t = (params[k].astype(dtype).astype(np.float64).reshape(1, -1, 1, 1) for k in ("s", "t"))
+    invstd = 1 / np.sqrt(x64.var(axis=(0, 2, 3), keepdims=True) + 1e-5)
+    xhat = (x64 - x64.mean(axis=(0, 2, 3), keepdims=True)) * invstd
+    g = np.where(s * xhat + t > 0, dy64, 0.0)
+    truth = {"s_grad": (g * xhat).sum(axis=(0, 2, 3)), "t_grad": g.sum(axis=(0, 2, 3)),
+             "x_grad": s * invstd * (g - g.mean(axis=(0, 2, 3), keepdims=True)
+                                     - xhat * (g * xhat).mean(axis=(0, 2, 3), keepdims=True))}
+    tolerance = 1e-5 if dtype == np.float32 else 4e-3
+    for name, want in truth.items():
+        assert got[name].dtype == dtype, name
+        error = np.abs(got[name].astype(np.float64) - want).max() / np.abs(want).max()
+        assert error < tolerance, (name, error)

@@ -164,7 +164,9 @@ def _dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype) == _BF16 else np.dtype(dtype).name
 
 
-def _bn_inputs(rng, shape, t, u, weight=True, elemt=False) -> Dict[str, Optional[np.ndarray]]:
+def _bn_inputs(rng, shape, t, u, weight=True, elemt=False, relu=False) -> Dict[str, Optional[np.ndarray]]:
+    """``relu``: with relu_output (a ReLU output, exact zeros included) and grad_out NaN
+    wherever it is 0 (the fused ReLU backward must give exactly 0 there)."""
     channels = shape[1]
     x = rng.standard_normal(shape) * 1.5 + 0.7
     axes = (0,) + tuple(range(2, len(shape)))
@@ -177,10 +179,16 @@ def _bn_inputs(rng, shape, t, u, weight=True, elemt=False) -> Dict[str, Optional
         "invstd": invstd.astype(u),
         "weight": rng.uniform(0.5, 1.5, channels).astype(u) if weight else None,
     }
+    if relu:
+        y = np.maximum(rng.standard_normal(shape) - 0.3, 0.0)
+        values["relu_output"] = y.astype(t)
+        values["grad_out"] = np.where(y > 0, values["grad_out"], np.nan).astype(t)
     if elemt:
         from normgrad.ops import batch_norm_reduce_backward
 
-        sums = batch_norm_reduce_backward.reference(values["grad_out"], values["input"], values["mean"], values["invstd"])
+        sums = batch_norm_reduce_backward.reference(
+            values["grad_out"], values["input"], values["mean"], values["invstd"], relu_output=values.get("relu_output")
+        )
         values["sum_dy"] = np.asarray(sums.sum_dy).astype(u)
         values["sum_dy_xmu"] = np.asarray(sums.sum_dy_xmu).astype(u)
     return values
@@ -234,8 +242,16 @@ def _node_cases() -> List[Callable[[], Case]]:
              lambda r: _bn_inputs(r, (3, 4, 2, 3, 4), BF16, BF16, weight=False),
              "BatchNormReduceBackward, bfloat16, rank 5, weight omitted, weight_g=0: sum_dy, sum_dy_xmu, grad_bias",
              outputs=["sum_dy", "sum_dy_xmu", "grad_bias"], attributes={"weight_g": 0}),
+        make("node_BatchNormReduceBackward_float32_relu", reduce_,
+             lambda r: _bn_inputs(r, (4, 3, 5, 6), F32, F32, relu=True),
+             "BatchNormReduceBackward, float32, rank 4, fused ReLU backward: relu_output given, grad_out NaN where "
+             "it is 0; every output"),
         make("node_BatchNormElemtBackward_float32", elemt, lambda r: _bn_inputs(r, (4, 3, 5, 6), F32, F32, elemt=True),
              "BatchNormElemtBackward, float32, rank 4"),
+        make("node_BatchNormElemtBackward_float32_relu", elemt,
+             lambda r: _bn_inputs(r, (4, 3, 5, 6), F32, F32, elemt=True, relu=True),
+             "BatchNormElemtBackward, float32, rank 4, fused ReLU backward: relu_output given, grad_out NaN where "
+             "it is 0"),
         make("node_BatchNormElemtBackward_float16", elemt, lambda r: _bn_inputs(r, (4, 3, 7), F16, F32, elemt=True),
              "BatchNormElemtBackward, float16 data with float32 statistics, rank 3"),
         make("node_BatchNormElemtBackward_bfloat16", elemt,

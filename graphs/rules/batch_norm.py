@@ -14,6 +14,12 @@ Backward, training mode: normgrad ``BatchNormReduceBackward`` gives the per-chan
 the scale/bias gradients, ``BatchNormElemtBackward`` gives dx. Eval mode: the running
 statistics are constants, so dx = dy * scale / sqrt(running_var + eps) and the reduce op
 gives the scale/bias gradients. The running statistics get no gradient.
+
+Training-mode BatchNormalization → Relu (the Relu the only reader of Y) is differentiated by
+:mod:`normgrad.graphs.patterns.batch_norm_relu` through :func:`batch_norm_backward` with the
+Relu's output as the ops' ``relu_output``: the ReLU's gradient is masked inside the two ops
+instead of written (step time -1.3% in-process on the ResNet block and ResNet-18, peak RSS
+-43 and -24 MB; numbers in that module).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from normgrad.graphs.rules import register
 from normgrad.graphs.rules._norm import as_float32, float32_scalar
 from normgrad.ops import DOMAIN
 
-__all__ = ["AllReduce", "BatchStatistics", "batch_norm_gradient", "make_batch_statistics_explicit"]
+__all__ = ["AllReduce", "BatchStatistics", "batch_norm_backward", "batch_norm_gradient", "make_batch_statistics_explicit"]
 
 AllReduce = Callable[[GradientContext, str], str]
 """``all_reduce(ctx, value) -> name``: emits nodes summing float32 ``value`` over the ranks."""
@@ -149,16 +155,37 @@ def _running_update(ctx: GradientContext, running: str, batch: str, momentum: fl
 @register("BatchNormalization", inputs=(0, 1, 2), outputs=(0,))
 def batch_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """Gradients of X, scale and B."""
+    return batch_norm_backward(ctx, node, grads[0])
+
+
+def batch_norm_backward(
+    ctx: GradientContext, node: onnx.NodeProto, dy: str, relu_output: Optional[str] = None
+) -> List[Optional[str]]:
+    """Gradients of X, scale and B (None where not needed), by input index.
+
+    Args:
+        dy: the gradient of the node's output Y; with ``relu_output``, the gradient of the
+            output of the Relu that alone reads Y (training mode only).
+        relu_output: that Relu's output: the BatchNorm backward ops mask ``dy`` with it on
+            the fly (their input ``relu_output``), the Relu's own gradient is never written
+            (:mod:`normgrad.graphs.patterns.batch_norm_relu`).
+    """
     x, scale, bias, running_mean, running_var = node.input[:5]
     epsilon = attr(node, "epsilon", 1e-5)
     stats = ctx.batch_statistics.get(node.output[0])
     training = stats is not None
     if not training and attr(node, "training_mode", 0):
         raise AssertionError(f"training-mode BatchNormalization '{node.name}' was not rewritten before differentiation")
+    if relu_output is not None and not training:
+        raise AssertionError(f"the Relu mask is fused into training-mode BatchNormalization only ('{node.name}')")
     rank = ctx.rank(x, node)
     want_x, want_scale, want_bias = ctx.needs_grad(x), ctx.needs_grad(scale), ctx.needs_grad(bias)
+    result: List[Optional[str]] = [None] * len(node.input)
+    if not (want_x or want_scale or want_bias):
+        return result
     x32 = stats.x32 if training else as_float32(ctx, x, x)
-    dy32, scale32 = as_float32(ctx, grads[0], x), as_float32(ctx, scale, scale)
+    dy32, scale32 = as_float32(ctx, dy, x), as_float32(ctx, scale, scale)
+    mask = [as_float32(ctx, relu_output, relu_output)] if relu_output is not None else []
     if training:
         mean, invstd = stats.mean, stats.invstd
     else:
@@ -179,13 +206,13 @@ def batch_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
             mean,
             invstd,
             scale32,
+            *mask,
             outputs=outputs,
             domain=DOMAIN,
             input_g=int(bool(outputs[0])),
             weight_g=int(want_scale),
             bias_g=int(want_bias),
         )
-    result: List[Optional[str]] = [None] * len(node.input)
     if want_x:
         if training:
             sum_dy, sum_dy_xmu = outputs[0], outputs[1]
@@ -197,7 +224,9 @@ def batch_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
                 pair = ctx.op("Reshape", ctx.op("Mul", packed, stats.count_ratio), ctx.ints([2, -1]))
                 zero, one = (ctx.op("Constant", value=onh.from_array(np.asarray(i, np.int64))) for i in (0, 1))
                 sum_dy, sum_dy_xmu = ctx.op("Gather", pair, zero), ctx.op("Gather", pair, one)
-            dx = ctx.op("BatchNormElemtBackward", dy32, x32, mean, invstd, scale32, sum_dy, sum_dy_xmu, domain=DOMAIN)
+            dx = ctx.op(
+                "BatchNormElemtBackward", dy32, x32, mean, invstd, scale32, sum_dy, sum_dy_xmu, *mask, domain=DOMAIN
+            )
         else:
             per_channel = ctx.ints([1, -1] + [1] * (rank - 2))
             dx = ctx.op("Mul", dy32, ctx.op("Reshape", ctx.op("Mul", scale32, invstd), per_channel))

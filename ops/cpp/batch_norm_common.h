@@ -2,7 +2,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "ops.h"
 
@@ -96,5 +98,44 @@ inline const char* byte_ptr(const void* p, size_t elem, DType t) {
   return static_cast<const char*>(p) + elem * dtype_size(t);
 }
 inline char* byte_ptr(void* p, size_t elem, DType t) { return static_cast<char*>(p) + elem * dtype_size(t); }
+
+// The optional input relu_output (the fused ReLU backward; see relu_select in kernels.h):
+// absent, of input's shape, or a scalar (one y for every element). A scalar y > 0 masks
+// nothing, so it is treated as absent; any other scalar is repeated over a run.
+class ReluMask {
+ public:
+  // Checks `y` against `x`; `longest_run` bounds the runs the kernels are handed.
+  ReluMask(const char* op, const Input& y, const Input& x, size_t longest_run) : t_(x.dtype) {
+    if (!y.present) return;
+    const bool scalar = y.shape.empty();
+    if (!scalar && y.shape != x.shape) {
+      fail(std::string(op) + ": input 'relu_output' must have the shape of 'input' " + shape_str(x.shape) +
+           " or be a scalar; got " + shape_str(y.shape));
+    }
+    if (y.dtype != x.dtype) {
+      fail(std::string(op) + ": input 'relu_output' must have the dtype of 'input' (" + dtype_name(x.onnx_type) +
+           "); got " + dtype_name(y.onnx_type));
+    }
+    if (!scalar) {
+      data_ = y.data;
+      return;
+    }
+    if (load_float(y.dtype, y.data, 0) > 0.0f) return;
+    const size_t size = dtype_size(t_);
+    repeated_.resize(std::max<size_t>(longest_run, 1) * size);
+    for (size_t i = 0; i < repeated_.size(); i += size) std::memcpy(&repeated_[i], y.data, size);
+    data_ = repeated_.data();
+  }
+  // y of the run that starts at element `offset` of input; null: no mask.
+  const void* run(size_t offset) const {
+    if (data_ == nullptr || !repeated_.empty()) return data_;
+    return byte_ptr(data_, offset, t_);
+  }
+
+ private:
+  DType t_;
+  const void* data_ = nullptr;
+  std::vector<char> repeated_;
+};
 
 }  // namespace normgrad

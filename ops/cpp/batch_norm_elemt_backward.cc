@@ -1,5 +1,6 @@
 // BatchNormElemtBackward: dx = (dy − sum_dy/M − (x − mean)·invstd²·sum_dy_xmu/M)·invstd·weight,
-// one fused pass: per channel dx = a·dy + b·(x − mean) + d with coefficients in float64.
+// one fused pass: per channel dx = a·g + b·(x − mean) + d with coefficients in float64, where
+// g is dy, or with the optional relu_output y the ReLU-masked dy (relu_select, on the fly).
 #include <vector>
 
 #include "batch_norm_common.h"
@@ -23,8 +24,9 @@ struct BatchNormElemtBackward final : KernelBase {
       v[i] = get_input(ctx, 2 + i, kOp, names[i]);
       check_channel_vector(kOp, names[i], v[i], d.c, i ? &v[0] : nullptr);
     }
-    void* out = get_output(ctx, 0, x.shape);
     const RowPartition part(d);
+    const ReluMask relu(kOp, get_input(ctx, 7, kOp, "relu_output"), x, part.pieces > 1 ? part.piece : d.s);
+    void* out = get_output(ctx, 0, x.shape);
     if (part.units == 0) return;
     const DType t = x.dtype;
     const double count = static_cast<double>(d.n) * static_cast<double>(d.s);
@@ -43,8 +45,8 @@ struct BatchNormElemtBackward final : KernelBase {
     auto unit = [&](size_t u) {
       part.for_runs(d, u, [&](size_t, size_t offset, size_t len) {
         const Coef& q = coef[(offset / d.s) % d.c];
-        k.affine[t](byte_ptr(dy.data, offset, t), byte_ptr(x.data, offset, t), byte_ptr(out, offset, t), len, q.mean,
-                    q.a, q.b, q.d);
+        k.affine[t](byte_ptr(dy.data, offset, t), byte_ptr(x.data, offset, t), relu.run(offset), byte_ptr(out, offset, t),
+                    len, q.mean, q.a, q.b, q.d);
       });
     };
     parallel_for(ctx, part.units, unit, x.size);
@@ -54,7 +56,7 @@ struct BatchNormElemtBackward final : KernelBase {
 }  // namespace
 
 extern const OpDescriptor kBatchNormElemtBackward = {
-    kOp, 7, 1, "TTUUUUU", "0000000", "T", "0", 'a', 1, &create_kernel<BatchNormElemtBackward>,
+    kOp, 8, 1, "TTUUUUUT", "00000001", "T", "0", 'a', 1, &create_kernel<BatchNormElemtBackward>,
 };
 
 }  // namespace normgrad

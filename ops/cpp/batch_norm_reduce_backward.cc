@@ -1,4 +1,5 @@
-// BatchNormReduceBackward: per-channel Σdy and Σdy·(x − mean) in one streaming pass.
+// BatchNormReduceBackward: per-channel Σg and Σg·(x − mean) in one streaming pass, where g is
+// dy, or with the optional relu_output y the ReLU-masked dy (relu_select, on the fly).
 //
 // Work is split into fixed units (blocks of contiguous [n, c] rows, or pieces of long rows)
 // that do not depend on the thread count; each row sums in float32 lanes, and the rows of
@@ -21,7 +22,7 @@ struct BatchNormReduceBackward final : KernelBase {
   NodeArgs args;
   int64_t flags[3];  // input_g, weight_g, bias_g
 
-  explicit BatchNormReduceBackward(const OrtKernelInfo* info) : args(info, 5, 4) {
+  explicit BatchNormReduceBackward(const OrtKernelInfo* info) : args(info, 6, 4) {
     flags[0] = attribute_int(info, kOp, "input_g", 1);
     flags[1] = attribute_int(info, kOp, "weight_g", 1);
     flags[2] = attribute_int(info, kOp, "bias_g", 1);
@@ -65,15 +66,16 @@ struct BatchNormReduceBackward final : KernelBase {
     // Per-channel sums, each added in a fixed order.
     std::vector<double> sums(d.c * 2, 0.0);
     const KernelTable& k = kernels();
+    const RowPartition part(d);
+    const ReluMask relu(kOp, get_input(ctx, 5, kOp, "relu_output"), x, part.pieces > 1 ? part.piece : d.s);
     if (d.s >= kLongRow) {
-      // Stream contiguous rows; one partial (Σdy, Σdy·(x − μ)) per (row, piece).
-      const RowPartition part(d);
+      // Stream contiguous rows; one partial (Σg, Σg·(x − μ)) per (row, piece).
       std::vector<double> partial(part.rows * part.pieces * 2, 0.0);
       auto unit = [&](size_t u) {
         part.for_runs(d, u, [&](size_t slot, size_t offset, size_t len) {
           const size_t c = (offset / d.s) % d.c;
-          k.sum_dy_dyxmu[t](byte_ptr(dy.data, offset, t), byte_ptr(x.data, offset, t), len, vec_at(mean, c),
-                            &partial[slot * 2]);
+          k.sum_dy_dyxmu[t](byte_ptr(dy.data, offset, t), byte_ptr(x.data, offset, t), relu.run(offset), len,
+                            vec_at(mean, c), &partial[slot * 2]);
         });
       };
       parallel_for(ctx, part.units, unit, x.size);
@@ -106,9 +108,11 @@ struct BatchNormReduceBackward final : KernelBase {
         for (size_t n = n0; n < n1; ++n) {
           for (size_t c = c0; c < c1; ++c) {
             const size_t offset = (n * d.c + c) * d.s;
+            const void* y = relu.run(offset);
             float a = 0.0f, b = 0.0f;
             for (size_t i = 0; i < d.s; ++i) {
-              const float g = load_float(t, dy.data, offset + i);
+              const float dyi = load_float(t, dy.data, offset + i);
+              const float g = y != nullptr ? relu_select(dyi, load_float(t, y, i)) : dyi;
               a += g;
               b += g * (load_float(t, x.data, offset + i) - means[c]);
             }
@@ -135,7 +139,7 @@ struct BatchNormReduceBackward final : KernelBase {
 }  // namespace
 
 extern const OpDescriptor kBatchNormReduceBackward = {
-    kOp, 5, 4, "TTUUU", "00001", "UUUU", "1111", 'a', 2, &create_kernel<BatchNormReduceBackward>,
+    kOp, 6, 4, "TTUUUT", "000011", "UUUU", "1111", 'a', 2, &create_kernel<BatchNormReduceBackward>,
 };
 
 }  // namespace normgrad

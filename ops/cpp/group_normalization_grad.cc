@@ -183,7 +183,7 @@ struct GroupNormalizationGrad final : KernelBase {
         double* rs_out = dgb_from_runs ? &run_sums[task * walk.runs * 2] : nullptr;
         walk.for_runs([&](size_t ri, size_t xo, size_t go) {
           double part[2] = {0.0, 0.0};
-          k.sum_dy_dyxmu[t](dyg + xo * dtype_size(t), xg + xo * dtype_size(t), walk.run, mu, part);
+          k.sum_dy_dyxmu[t](dyg + xo * dtype_size(t), xg + xo * dtype_size(t), nullptr, walk.run, mu, part);
           const double gm = load_float(t, gamma.data, gbase + go);
           s1 += gm * part[0];
           s2 += gm * part[1];
@@ -208,7 +208,7 @@ struct GroupNormalizationGrad final : KernelBase {
       if (const_runs) {
         walk.for_runs([&](size_t, size_t xo, size_t go) {
           const float ag = a * load_float(t, gamma.data, gbase + go);
-          k.affine[t](dyg + xo * dtype_size(t), xg + xo * dtype_size(t), dxg + xo * dtype_size(t), walk.run, mu, ag, b,
+          k.affine[t](dyg + xo * dtype_size(t), xg + xo * dtype_size(t), nullptr, dxg + xo * dtype_size(t), walk.run, mu, ag, b,
                       d);
         });
       } else {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace normgrad {
 
@@ -21,16 +22,33 @@ struct RowCoef {
 };
 constexpr size_t kMaxRows = 4;
 
+// The fused ReLU backward of the BatchNorm operators (their optional input relu_output, y):
+// the gradient they read is g = dy where y > 0, else +0. A select, never a product: a NaN or
+// inf dy where y <= 0 (or y is NaN) gives 0. The AVX2 kernels do the same per lane.
+inline float relu_select(float dy, float y) { return y > 0.0f ? dy : 0.0f; }
+
+// Runs body(std::true_type()) when y (relu_output) is given, body(std::false_type()) when not:
+// the kernels' entry points pick their masked or unmasked instantiation with it.
+template <class Body>
+inline void with_relu_mask(const void* y, Body&& body) {
+  if (y != nullptr) {
+    body(std::true_type());
+  } else {
+    body(std::false_type());
+  }
+}
+
 struct KernelTable {
   const char* name;
-  // out[0] += Σ dy, out[1] += Σ dy·(x − mean)            (x, dy of type t)
-  void (*sum_dy_dyxmu[kNumDTypes])(const void* dy, const void* x, size_t n, float mean, double* out);
+  // out[0] += Σ g, out[1] += Σ g·(x − mean)              (x, dy, y of type t)
+  // g = dy, or relu_select(dy, y) when y (n elements, like dy) is not null.
+  void (*sum_dy_dyxmu[kNumDTypes])(const void* dy, const void* x, const void* y, size_t n, float mean, double* out);
   // out[0] += Σ g·dy, out[1] += Σ g·dy·(x − mean)        (x, dy, g of type t)
   void (*sum_gdy_gdyxmu[kNumDTypes])(const void* dy, const void* x, const void* g, size_t n, float mean,
                                      double* out);
-  // out = a·dy + b·(x − mean) + d
-  void (*affine[kNumDTypes])(const void* dy, const void* x, void* out, size_t n, float mean, float a, float b,
-                             float d);
+  // out = a·g + b·(x − mean) + d                         (g as in sum_dy_dyxmu)
+  void (*affine[kNumDTypes])(const void* dy, const void* x, const void* y, void* out, size_t n, float mean, float a,
+                             float b, float d);
   // out = a·g·dy + b·(x − mean) + d
   void (*affine_g[kNumDTypes])(const void* dy, const void* x, const void* g, void* out, size_t n, float mean,
                                float a, float b, float d);

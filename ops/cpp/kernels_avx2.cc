@@ -69,6 +69,14 @@ inline __m256 lanes_below(size_t n) {
       _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
+// The gradient lanes the BatchNorm kernels read: dy, or with the ReLU mask (kMasked) dy where
+// y > 0 and +0 elsewhere (an AND with the comparison: a select, as relu_select in kernels.h).
+template <int T, bool kMasked>
+inline __m256 grad_lanes(__m256 dy, const typename Io<T>::S* y, size_t i) {
+  if (!kMasked) return dy;
+  return _mm256_and_ps(_mm256_cmp_ps(Io<T>::load(y + i), _mm256_setzero_ps(), _CMP_GT_OQ), dy);
+}
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -78,18 +86,21 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int T>
-void sum_dy_dyxmu_block(const void* dy_, const void* x_, size_t n, float mean, double* out) {
+template <int T, bool kMasked>
+void sum_dy_dyxmu_block(const void* dy_, const void* x_, const void* y_, size_t n, float mean, double* out) {
   using S = typename Io<T>::S;
   const S* dy = static_cast<const S*>(dy_);
   const S* x = static_cast<const S*>(x_);
+  const S* y = static_cast<const S*>(y_);
   const __m256 m = _mm256_set1_ps(mean);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   size_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    __m256 d0 = Io<T>::load(dy + i), d1 = Io<T>::load(dy + i + 8);
-    __m256 d2 = Io<T>::load(dy + i + 16), d3 = Io<T>::load(dy + i + 24);
+    __m256 d0 = grad_lanes<T, kMasked>(Io<T>::load(dy + i), y, i);
+    __m256 d1 = grad_lanes<T, kMasked>(Io<T>::load(dy + i + 8), y, i + 8);
+    __m256 d2 = grad_lanes<T, kMasked>(Io<T>::load(dy + i + 16), y, i + 16);
+    __m256 d3 = grad_lanes<T, kMasked>(Io<T>::load(dy + i + 24), y, i + 24);
     __m256 x0 = _mm256_sub_ps(Io<T>::load(x + i), m), x1 = _mm256_sub_ps(Io<T>::load(x + i + 8), m);
     __m256 x2 = _mm256_sub_ps(Io<T>::load(x + i + 16), m), x3 = _mm256_sub_ps(Io<T>::load(x + i + 24), m);
     a0 = _mm256_add_ps(a0, d0);
@@ -102,15 +113,17 @@ void sum_dy_dyxmu_block(const void* dy_, const void* x_, size_t n, float mean, d
     b3 = _mm256_fmadd_ps(d3, x3, b3);
   }
   for (; i + 8 <= n; i += 8) {
-    __m256 d = Io<T>::load(dy + i);
+    __m256 d = grad_lanes<T, kMasked>(Io<T>::load(dy + i), y, i);
     a0 = _mm256_add_ps(a0, d);
     b0 = _mm256_fmadd_ps(d, _mm256_sub_ps(Io<T>::load(x + i), m), b0);
   }
   if (i < n) {
-    S bd[8], bx[8];
+    S bd[8], bx[8], by[8];
     pad8<T>(dy + i, n - i, bd);
     pad8<T>(x + i, n - i, bx);
-    __m256 d = Io<T>::load(bd);  // padding is dy = 0 and x - mean masked to 0: adds nothing
+    if (kMasked) pad8<T>(y + i, n - i, by);
+    // padding is dy = 0 (masked out with y = 0) and x - mean masked to 0: adds nothing
+    __m256 d = grad_lanes<T, kMasked>(Io<T>::load(bd), by, 0);
     a1 = _mm256_add_ps(a1, d);
     b1 = _mm256_fmadd_ps(d, _mm256_and_ps(lanes_below(n - i), _mm256_sub_ps(Io<T>::load(bx), m)), b1);
   }
@@ -156,13 +169,17 @@ void sum_gdy_gdyxmu_block(const void* dy_, const void* x_, const void* g_, size_
 // The kernels' entry points: the run in blocks of kSumBlock elements, each block's float32
 // partials added to `out` in double, in order.
 template <int T>
-void sum_dy_dyxmu(const void* dy, const void* x, size_t n, float mean, double* out) {
+void sum_dy_dyxmu(const void* dy, const void* x, const void* y, size_t n, float mean, double* out) {
   constexpr size_t es = T == kF32 ? 4 : 2;
   const char* d = static_cast<const char*>(dy);
   const char* v = static_cast<const char*>(x);
+  const char* m = static_cast<const char*>(y);
   for (size_t i = 0; i < n; i += kSumBlock) {
     const size_t len = n - i < kSumBlock ? n - i : kSumBlock;
-    sum_dy_dyxmu_block<T>(d + i * es, v + i * es, len, mean, out);
+    const char* run_y = m != nullptr ? m + i * es : nullptr;
+    with_relu_mask(run_y, [&](auto masked) {
+      sum_dy_dyxmu_block<T, decltype(masked)::value>(d + i * es, v + i * es, run_y, len, mean, out);
+    });
   }
 }
 
@@ -178,31 +195,42 @@ void sum_gdy_gdyxmu(const void* dy, const void* x, const void* g, size_t n, floa
   }
 }
 
-template <int T>
-void affine(const void* dy_, const void* x_, void* out_, size_t n, float mean, float a, float b, float d) {
+template <int T, bool kMasked>
+void affine_run(const void* dy_, const void* x_, const void* y_, void* out_, size_t n, float mean, float a, float b,
+                float d) {
   using S = typename Io<T>::S;
   const S* dy = static_cast<const S*>(dy_);
   const S* x = static_cast<const S*>(x_);
+  const S* y = static_cast<const S*>(y_);
   S* out = static_cast<S*>(out_);
   const __m256 m = _mm256_set1_ps(mean), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vd = _mm256_set1_ps(d);
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m256 r0 = _mm256_fmadd_ps(va, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd));
-    __m256 r1 = _mm256_fmadd_ps(va, Io<T>::load(dy + i + 8),
+    __m256 r0 = _mm256_fmadd_ps(va, grad_lanes<T, kMasked>(Io<T>::load(dy + i), y, i),
+                                _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd));
+    __m256 r1 = _mm256_fmadd_ps(va, grad_lanes<T, kMasked>(Io<T>::load(dy + i + 8), y, i + 8),
                                 _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i + 8), m), vd));
     Io<T>::store(out + i, r0);
     Io<T>::store(out + i + 8, r1);
   }
   for (; i + 8 <= n; i += 8) {
-    Io<T>::store(out + i, _mm256_fmadd_ps(va, Io<T>::load(dy + i), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd)));
+    Io<T>::store(out + i, _mm256_fmadd_ps(va, grad_lanes<T, kMasked>(Io<T>::load(dy + i), y, i),
+                                          _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(x + i), m), vd)));
   }
   if (i < n) {
-    S bd[8], bx[8], bo[8];
+    S bd[8], bx[8], by[8], bo[8];
     pad8<T>(dy + i, n - i, bd);
     pad8<T>(x + i, n - i, bx);
-    Io<T>::store(bo, _mm256_fmadd_ps(va, Io<T>::load(bd), _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(bx), m), vd)));
+    if (kMasked) pad8<T>(y + i, n - i, by);
+    Io<T>::store(bo, _mm256_fmadd_ps(va, grad_lanes<T, kMasked>(Io<T>::load(bd), by, 0),
+                                     _mm256_fmadd_ps(vb, _mm256_sub_ps(Io<T>::load(bx), m), vd)));
     std::memcpy(out + i, bo, (n - i) * sizeof(S));
   }
+}
+
+template <int T>
+void affine(const void* dy, const void* x, const void* y, void* out, size_t n, float mean, float a, float b, float d) {
+  with_relu_mask(y, [&](auto masked) { affine_run<T, decltype(masked)::value>(dy, x, y, out, n, mean, a, b, d); });
 }
 
 // 8 columns of rows_affine_acc: dx of each row stored, the rows' sums returned.

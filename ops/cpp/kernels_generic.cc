@@ -75,19 +75,25 @@ inline void st(void* p, size_t i, float v) {
   }
 }
 
-template <int T>
-void sum_dy_dyxmu_block(const void* dy, const void* x, size_t n, float mean, double* out) {
+// dy[i], or relu_select(dy[i], y[i]) with the ReLU mask (kMasked).
+template <int T, bool kMasked>
+inline float ld_grad(const void* dy, const void* y, size_t i) {
+  return kMasked ? relu_select(ld<T>(dy, i), ld<T>(y, i)) : ld<T>(dy, i);
+}
+
+template <int T, bool kMasked>
+void sum_dy_dyxmu_block(const void* dy, const void* x, const void* y, size_t n, float mean, double* out) {
   float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
     for (int k = 0; k < 4; ++k) {
-      const float d = ld<T>(dy, i + k);
+      const float d = ld_grad<T, kMasked>(dy, y, i + k);
       a[k] += d;
       b[k] += d * (ld<T>(x, i + k) - mean);
     }
   }
   for (; i < n; ++i) {
-    const float d = ld<T>(dy, i);
+    const float d = ld_grad<T, kMasked>(dy, y, i);
     a[0] += d;
     b[0] += d * (ld<T>(x, i) - mean);
   }
@@ -118,13 +124,17 @@ void sum_gdy_gdyxmu_block(const void* dy, const void* x, const void* g, size_t n
 // The kernels' entry points: the run in blocks of kSumBlock elements, each block's float32
 // partials added to `out` in double, in order.
 template <int T>
-void sum_dy_dyxmu(const void* dy, const void* x, size_t n, float mean, double* out) {
+void sum_dy_dyxmu(const void* dy, const void* x, const void* y, size_t n, float mean, double* out) {
   constexpr size_t es = T == kF32 ? 4 : 2;
   const char* d = static_cast<const char*>(dy);
   const char* v = static_cast<const char*>(x);
+  const char* m = static_cast<const char*>(y);
   for (size_t i = 0; i < n; i += kSumBlock) {
     const size_t len = n - i < kSumBlock ? n - i : kSumBlock;
-    sum_dy_dyxmu_block<T>(d + i * es, v + i * es, len, mean, out);
+    const char* run_y = m != nullptr ? m + i * es : nullptr;
+    with_relu_mask(run_y, [&](auto masked) {
+      sum_dy_dyxmu_block<T, decltype(masked)::value>(d + i * es, v + i * es, run_y, len, mean, out);
+    });
   }
 }
 
@@ -140,9 +150,15 @@ void sum_gdy_gdyxmu(const void* dy, const void* x, const void* g, size_t n, floa
   }
 }
 
+template <int T, bool kMasked>
+void affine_run(const void* dy, const void* x, const void* y, void* out, size_t n, float mean, float a, float b,
+                float d) {
+  for (size_t i = 0; i < n; ++i) st<T>(out, i, a * ld_grad<T, kMasked>(dy, y, i) + (b * (ld<T>(x, i) - mean) + d));
+}
+
 template <int T>
-void affine(const void* dy, const void* x, void* out, size_t n, float mean, float a, float b, float d) {
-  for (size_t i = 0; i < n; ++i) st<T>(out, i, a * ld<T>(dy, i) + (b * (ld<T>(x, i) - mean) + d));
+void affine(const void* dy, const void* x, const void* y, void* out, size_t n, float mean, float a, float b, float d) {
+  with_relu_mask(y, [&](auto masked) { affine_run<T, decltype(masked)::value>(dy, x, y, out, n, mean, a, b, d); });
 }
 
 template <int T>

@@ -90,12 +90,51 @@ def _normgrad_nodes(nodes):
                 yield from _normgrad_nodes(sub.node)
 
 
-def _pad_optional(node: onnx.NodeProto) -> None:
-    """Writes omitted trailing inputs/outputs as "": the same node to ONNX, but onnxruntime's
-    function inliner needs every formal parameter present."""
+def _pad_optional(node: onnx.NodeProto, inputs: Optional[int] = None) -> None:
+    """Writes omitted trailing inputs (up to ``inputs``, default every declared one) and
+    outputs as "": the same node to ONNX, but onnxruntime's function inliner needs every
+    formal parameter present."""
     module = OPERATORS[node.op_type]
-    node.input.extend([""] * (len(module.INPUTS) - len(node.input)))
+    node.input.extend([""] * ((len(module.INPUTS) if inputs is None else inputs) - len(node.input)))
     node.output.extend([""] * (len(module.OUTPUTS) - len(node.output)))
+
+
+def _given(node: onnx.NodeProto, module, name: str) -> bool:
+    index = module.INPUTS.index(name)
+    return index < len(node.input) and bool(node.input[index])
+
+
+def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
+    """The inputs of ``SCALAR_IF_OMITTED`` that some ``op_type`` node of ``model`` gives, so
+    that its function body must read them (one body serves every node of an op type, and a
+    body cannot test whether an input is present). Every ``op_type`` node omitting one of
+    them is fed its scalar, which means the same (``CastLike`` of a float32 Constant to the
+    node's ``input``, written just before the node)."""
+    module = OPERATORS[op_type]
+    scalars = getattr(module, "SCALAR_IF_OMITTED", {})
+    nodes = [node for nodes in _node_lists(model) for node in nodes if node.domain == DOMAIN and node.op_type == op_type]
+    reads = tuple(name for name in scalars if any(_given(node, module, name) for node in nodes))
+    if not reads:
+        return reads
+    for nodes in _node_lists(model):
+        rewritten = []
+        for node in nodes:
+            if node.domain == DOMAIN and node.op_type == op_type:
+                _pad_optional(node)
+                for name in reads:
+                    index = module.INPUTS.index(name)
+                    if not node.input[index]:
+                        prefix = f"{node.name or op_type}/{name}_omitted"
+                        value, cast = fresh(f"{prefix}_float"), fresh(prefix)
+                        rewritten.append(onnx.helper.make_node(
+                            "Constant", [], [value], name=fresh(value),
+                            value=onnx.numpy_helper.from_array(np.asarray(scalars[name], np.float32))))
+                        rewritten.append(onnx.helper.make_node("CastLike", [value, node.input[1]], [cast], name=fresh(cast)))
+                        node.input[index] = cast
+            rewritten.append(node)
+        del nodes[:]
+        nodes.extend(rewritten)
+    return reads
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -107,6 +146,11 @@ def _default_opset(model: onnx.ModelProto) -> int:
 
 def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` carrying the function body of every normgrad operator it uses.
+
+    One body serves every node of an op type. An optional input that a body reads only
+    when given (``SCALAR_IF_OMITTED``: the BatchNorm operators' ``relu_output``) is read
+    when any node of the model gives it; the nodes of that op type that omit it are then
+    fed the scalar that means the same as omitting it (so they compute what they did).
 
     With the bodies attached, the model runs in any onnxruntime session (no kernels
     registered) and in ``onnx.reference.ReferenceEvaluator``. Functions already attached,
@@ -125,15 +169,24 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     unknown = sorted(used - set(OPERATORS))
     if unknown:
         raise KeyError(f"{unknown} are not normgrad operators; known: {sorted(OPERATORS)}")
-    for node in nodes:
-        _pad_optional(node)
     present = {(f.domain, f.name) for f in model.functions}
     opset = _default_opset(model)
     if used and opset < 15:
         raise ValueError(f"normgrad function bodies need default-domain opset >= 15; the model imports {opset}")
-    for op_type in sorted(used):
-        if (DOMAIN, op_type) not in present:
-            model.functions.append(OPERATORS[op_type].function_body(opset))
+    from normgrad.graphs.context import reserve_name
+
+    used_names = _value_names(model)
+    bodies = {}
+    for op_type in sorted(used - {name for domain, name in present if domain == DOMAIN}):
+        reads = _body_reads(model, op_type, lambda name: reserve_name(used_names, name))
+        bodies[op_type] = OPERATORS[op_type].function_body(opset, reads) if reads else OPERATORS[op_type].function_body(opset)
+    formals = {f.name: len(f.input) for f in list(model.functions) + list(bodies.values()) if f.domain == DOMAIN}
+    for nodes in _node_lists(model):
+        for node in nodes:
+            if node.domain == DOMAIN:
+                _pad_optional(node, formals.get(node.op_type))
+    for op_type in sorted(bodies):
+        model.functions.append(bodies[op_type])
     if used and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
     return model
@@ -210,8 +263,8 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
 
     * every attribute it does not set is written with its default (``ATTRIBUTES``);
     * an omitted optional input listed in ``ONES_IF_OMITTED`` (BatchNormReduceBackward's
-      ``weight``) is fed ones, made at run time (``Shape`` + ``ConstantOfShape``) in the
-      shape the declaration names;
+      ``weight``, both BatchNorm operators' ``relu_output``) is fed ones, made at run time
+      (``Shape`` + ``ConstantOfShape``) in the shape the declaration names;
     * every omitted output gets a named placeholder (``NODE/unused_OUTPUT``) that nothing
       reads; a flag attribute (``OUTPUT_FLAGS``) that is 0 while every output it enables is
       omitted is set to 1, so the placeholders get values. The outputs the node names keep

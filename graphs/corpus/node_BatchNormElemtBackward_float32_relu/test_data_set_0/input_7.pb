@@ -1,0 +1,2 @@
+B
+sum_dy_xmuJ¸y:¿Ö&NAþÛ@

@@ -1,0 +1,1 @@
+Bgrad_weightJš®GÀ@V@Ÿ°Ş@
