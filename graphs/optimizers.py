@@ -118,17 +118,23 @@ def build_optimizer_graph(
     inputs += [value_info("lr", []), value_info("step", [])]
 
     grads = {p: f"{p}_grad" for p in parameters}
-    fused = kind != "sgd" and not amsgrad  # AdamUpdate nodes, which scale the gradient themselves
-    grad_scale = param_scale = None
+    # Adam/AdamW are AdamUpdate nodes, which scale the gradient themselves; Adam's L2 weight
+    # decay is added to the scaled gradient before, as torch does
+    fused = kind != "sgd" and not amsgrad
+    fused_scale = fused and not (kind == "adam" and weight_decay != 0)
+    grad_scale = None
     if clip_grad_norm is not None:
         squares = [g.op("ReduceSumSquare", grads[p], keepdims=0) for p in parameters]
         total = g.op("Sqrt", g.op("Sum", *squares))
         coefficient = g.op("Div", g.const(clip_grad_norm), g.op("Add", total, g.const(1e-6)))
-        grad_scale = g.op("Min", coefficient, g.const(1.0))
-        if not fused:
-            grads = {p: g.op("Mul", grads[p], grad_scale) for p in parameters}
-    elif fused:
-        grad_scale = g.const(1.0)
+        clamped = g.op("Min", coefficient, g.const(1.0))
+        if fused_scale:
+            grad_scale = clamped
+        else:
+            grads = {p: g.op("Mul", grads[p], clamped) for p in parameters}
+    param_scale = None
+    if kind == "adamw" and weight_decay != 0:
+        param_scale = g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay)))
 
     if kind != "sgd":
         # bias corrections in float64, as torch computes them (Python floats): in float32,
@@ -155,26 +161,23 @@ def build_optimizer_graph(
                 state[buffer] = new_buffer
                 grad = g.op("Add", grad, g.op("Mul", new_buffer, g.const(momentum))) if nesterov else new_buffer
             g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
-        elif not amsgrad:
-            # one fused node (its function body is the ops of the branch below, in the same
-            # order, so the result is the same bits)
+        elif fused:
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            adamw_decay = kind == "adamw" and weight_decay != 0
-            if param_scale is None:
-                param_scale = (g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay))) if adamw_decay
-                               else g.const(1.0))
+            if kind == "adam" and weight_decay != 0:
+                grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
             g.nodes.append(helper.make_node(
                 "AdamUpdate",
-                [param, grad, exp_avg, exp_avg_sq, param_scale, step_size, correction2_sqrt, grad_scale],
+                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale or "", grad_scale or ""],
                 [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN,
                 beta2=float(np.float32(beta2)), one_minus_beta1=float(np.float32(1 - beta1)),
-                one_minus_beta2=float(np.float32(1 - beta2)), epsilon=float(np.float32(eps)),
-                weight_decay=0.0 if kind == "adamw" else float(np.float32(weight_decay))))
+                one_minus_beta2=float(np.float32(1 - beta2)), epsilon=float(np.float32(eps))))
+            while not g.nodes[-1].input[-1]:
+                g.nodes[-1].input.pop()
             state[exp_avg], state[exp_avg_sq] = next_name(exp_avg), next_name(exp_avg_sq)
-        else:
+        else:  # amsgrad: the same step as separate ops, with the running maximum
             if weight_decay != 0:
                 if kind == "adamw":
-                    param = g.op("Mul", param, g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay))))
+                    param = g.op("Mul", param, param_scale)
                 else:
                     grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
@@ -183,11 +186,9 @@ def build_optimizer_graph(
             new_sq = g.op("Add", g.op("Mul", exp_avg_sq, g.const(beta2)),
                           g.op("Mul", g.op("Mul", grad, grad), g.const(1 - beta2)), output=next_name(exp_avg_sq))
             state[exp_avg], state[exp_avg_sq] = new_avg, new_sq
-            second_moment = new_sq
-            if amsgrad:
-                max_sq = f"{p}.max_exp_avg_sq"
-                second_moment = g.op("Max", max_sq, new_sq, output=next_name(max_sq))
-                state[max_sq] = second_moment
+            max_sq = f"{p}.max_exp_avg_sq"
+            second_moment = g.op("Max", max_sq, new_sq, output=next_name(max_sq))
+            state[max_sq] = second_moment
             denominator = g.op("Add", g.op("Div", g.op("Sqrt", second_moment), correction2_sqrt), g.const(eps))
             update = g.op("Mul", g.op("Div", new_avg, denominator), step_size)
             g.op("Sub", param, update, output=next_name(p))

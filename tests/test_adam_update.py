@@ -11,7 +11,7 @@ import pytest
 from conftest import cpp_available
 from normgrad.ops import NormgradInputError, adam_update, harness
 
-ATTRIBUTES = {"beta2": 0.999, "one_minus_beta1": 0.1, "one_minus_beta2": 0.001, "epsilon": 1e-8, "weight_decay": 0.0}
+ATTRIBUTES = {"beta2": 0.999, "one_minus_beta1": 0.1, "one_minus_beta2": 0.001, "epsilon": 1e-8}
 
 
 def _inputs(shape=(3, 70001), seed=0, step=3, lr=1e-2, weight_decay=0.01, grad_scale=0.5):
@@ -40,11 +40,15 @@ def test_reference_is_one_torch_adamw_step():
     np.testing.assert_allclose(result.exp_avg_sq_next, state["exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(weight_decay):
-    inputs = _inputs()
-    attributes = {**ATTRIBUTES, "weight_decay": weight_decay}
+@pytest.mark.parametrize("given", [(), ("param_scale",), ("grad_scale",), ("param_scale", "grad_scale")])
+def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given):
+    """Each subset of the optional inputs: an omitted one is no operation on every backend."""
+    inputs = {name: value for name, value in _inputs().items() if name not in adam_update.OPTIONAL or name in given}
+    attributes = ATTRIBUTES
     expected = adam_update.reference(**inputs, **attributes)
+    if "grad_scale" not in given:  # omitted is multiplying by 1
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, adam_update.reference(
+            **inputs, grad_scale=np.float32(1), **attributes)))
     backends = ["functions", "python"] + (["cpp"] if cpp_available() else [])
     results = {b: harness.run(b, adam_update.OP_TYPE, inputs, attributes=attributes) for b in backends}
     for backend, result in results.items():

@@ -18,25 +18,28 @@ constexpr const char* kOp = "AdamUpdate";
 constexpr size_t kChunk = size_t(1) << 14;  // a multiple of kBlock
 constexpr size_t kBlock = 64;
 constexpr int kInputs = 8;
-const char* const kNames[kInputs] = {"param",     "grad",      "exp_avg",          "exp_avg_sq",
-                                     "param_scale", "step_size", "correction2_sqrt", "grad_scale"};
+const char* const kNames[kInputs] = {"param",     "grad",             "exp_avg",     "exp_avg_sq",
+                                     "step_size", "correction2_sqrt", "param_scale", "grad_scale"};
+constexpr int kOptional = 6;  // param_scale and grad_scale: omitted, no multiplication at all
 
 struct AdamUpdate final : KernelBase {
-  float beta2, one_minus_beta1, one_minus_beta2, epsilon, weight_decay;
+  float beta2, one_minus_beta1, one_minus_beta2, epsilon;
 
   explicit AdamUpdate(const OrtKernelInfo* info)
       : beta2(attribute_float(info, kOp, "beta2", 0.999f)),
         one_minus_beta1(attribute_float(info, kOp, "one_minus_beta1", 0.1f)),
         one_minus_beta2(attribute_float(info, kOp, "one_minus_beta2", 0.001f)),
-        epsilon(attribute_float(info, kOp, "epsilon", 1e-8f)),
-        weight_decay(attribute_float(info, kOp, "weight_decay", 0.0f)) {}
+        epsilon(attribute_float(info, kOp, "epsilon", 1e-8f)) {}
   const char* name() const override { return kOp; }
 
   void compute(OrtKernelContext* ctx) override {
     Input in[kInputs];
     for (int i = 0; i < kInputs; ++i) {
       in[i] = get_input_any_type(ctx, i, kOp, kNames[i]);
-      if (!in[i].present) fail(std::string(kOp) + ": input '" + kNames[i] + "' is required");
+      if (!in[i].present) {
+        if (i >= kOptional) continue;
+        fail(std::string(kOp) + ": input '" + kNames[i] + "' is required");
+      }
       if (in[i].onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
         fail(std::string(kOp) + ": input '" + kNames[i] + "' must be float32; got " + dtype_name(in[i].onnx_type));
       }
@@ -52,10 +55,11 @@ struct AdamUpdate final : KernelBase {
     const float* g = static_cast<const float*>(in[1].data);
     const float* m = static_cast<const float*>(in[2].data);
     const float* v = static_cast<const float*>(in[3].data);
-    const float param_scale = *static_cast<const float*>(in[4].data);
-    const float step_size = *static_cast<const float*>(in[5].data);
-    const float correction2_sqrt = *static_cast<const float*>(in[6].data);
-    const float grad_scale = *static_cast<const float*>(in[7].data);
+    const float step_size = *static_cast<const float*>(in[4].data);
+    const float correction2_sqrt = *static_cast<const float*>(in[5].data);
+    const bool decay = in[6].present, clip = in[7].present;
+    const float param_scale = decay ? *static_cast<const float*>(in[6].data) : 1.0f;
+    const float grad_scale = clip ? *static_cast<const float*>(in[7].data) : 1.0f;
     float* p_next = static_cast<float*>(get_output(ctx, 0, in[0].shape));
     float* m_next = static_cast<float*>(get_output(ctx, 1, in[0].shape));
     float* v_next = static_cast<float*>(get_output(ctx, 2, in[0].shape));
@@ -74,11 +78,11 @@ struct AdamUpdate final : KernelBase {
         std::copy(m + begin, m + begin + len, in_m);
         std::copy(v + begin, v + begin + len, in_v);
         for (size_t i = 0; i < kBlock; ++i) {
-          const float gi = in_g[i] * grad_scale + in_p[i] * weight_decay;
+          const float gi = clip ? in_g[i] * grad_scale : in_g[i];
           const float avg_next = in_m[i] + (gi - in_m[i]) * one_minus_beta1;
           const float sq_next = in_v[i] * beta2 + (gi * gi) * one_minus_beta2;
           const float denominator = std::sqrt(sq_next) / correction2_sqrt + epsilon;
-          out_p[i] = in_p[i] * param_scale - avg_next / denominator * step_size;
+          out_p[i] = (decay ? in_p[i] * param_scale : in_p[i]) - avg_next / denominator * step_size;
           out_m[i] = avg_next;
           out_v[i] = sq_next;
         }
@@ -94,7 +98,7 @@ struct AdamUpdate final : KernelBase {
 }  // namespace
 
 extern const OpDescriptor kAdamUpdate = {
-    kOp, kInputs, 3, "TTTTTTTT", "00000000", "TTT", "000", 'd', 0, &create_kernel<AdamUpdate>,
+    kOp, kInputs, 3, "TTTTTTTT", "00000011", "TTT", "000", 'd', 0, &create_kernel<AdamUpdate>,
 };
 
 }  // namespace normgrad

@@ -95,7 +95,10 @@ def _pad_optional(node: onnx.NodeProto, inputs: Optional[int] = None) -> None:
     outputs as "": the same node to ONNX, but onnxruntime's function inliner needs every
     formal parameter present."""
     module = OPERATORS[node.op_type]
-    node.input.extend([""] * ((len(module.INPUTS) if inputs is None else inputs) - len(node.input)))
+    count = len(module.INPUTS) if inputs is None else inputs
+    node.input.extend([""] * (count - len(node.input)))
+    while len(node.input) > count and not node.input[-1]:  # an omitted input the body has no formal for
+        node.input.pop()
     node.output.extend([""] * (len(module.OUTPUTS) - len(node.output)))
 
 
@@ -120,7 +123,7 @@ def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
         rewritten = []
         for node in nodes:
             if node.domain == DOMAIN and node.op_type == op_type:
-                _pad_optional(node)
+                _pad_optional(node, max(module.INPUTS.index(name) for name in reads) + 1)
                 for name in reads:
                     index = module.INPUTS.index(name)
                     if not node.input[index]:
