@@ -23,6 +23,13 @@ minimal reproducer of each:
   CPU provider.
 * **unused inputs last**: with an input nothing reads before used ones, OpenVINO binds the
   inputs by position (Sub(a, b) computed c - a). Moved behind the others, it shifts none.
+* **CastLike of a constant folded**: OpenVINO leaves a CastLike whose input is a Constant
+  (what ``add_functions`` feeds a BatchNorm node that omits ``relu_output``, and what the
+  masked body compares with) to the CPU provider, and in the ResNet block's inlined
+  training graph that split the partition so that 197 of its 336 nodes ran on the CPU
+  provider (none with the fold; ``tests/test_openvino.py`` checks the corpus case). Each
+  becomes a Constant of the target's type when that type is known. No minimal reproducer
+  was found: in small graphs only the Cast itself stays on the CPU provider.
 * **no training-mode BatchNormalization**: OpenVINO refuses ``training_mode=1`` at
   compile time without falling back to the CPU provider; the exporter writes the batch
   statistics explicitly, and a graph that still has such a node is refused here.
@@ -255,6 +262,33 @@ def _expand_function_ops(model: onnx.ModelProto, names: _Names) -> onnx.ModelPro
     return model
 
 
+def _fold_constant_casts(model: onnx.ModelProto) -> None:
+    """Replaces CastLike(Constant, target) by a Constant of the target's element type, where
+    the target is a folded constant or shape inference knows its type."""
+    graph = model.graph
+    constants: Dict[str, np.ndarray] = {}
+    types = None
+    for index, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            constants[node.output[0]] = onh.to_array(node.attribute[0].t)
+        elif node.op_type == "CastLike" and node.input[0] in constants:
+            target = node.input[1]
+            if target in constants:
+                dtype = constants[target].dtype
+            else:
+                types = _value_types(model) if types is None else types
+                elem = types[target].tensor_type.elem_type if target in types else 0
+                if not elem:
+                    continue
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+            value = constants[node.input[0]].astype(dtype)
+            graph.node[index].CopyFrom(oh.make_node("Constant", [], [node.output[0]], name=node.name,
+                                                    value=onh.from_array(value)))
+            constants[node.output[0]] = value
+
+
 def _read_names(nodes) -> Set[str]:
     """Every value the nodes (and their subgraphs, recursively) read."""
     read: Set[str] = set()
@@ -295,6 +329,7 @@ def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np
     _onehot_as_equal(model, names)
     _size_as_shape_product(model.graph, names)
     _unshare_conv_transpose_weights(model.graph, names)
+    _fold_constant_casts(model)
     _unused_inputs_last(model.graph)
     onnx.checker.check_model(model, full_check=True)
     return model, moved

@@ -126,12 +126,12 @@ def reference(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, par
     """The operator in float64 NumPy: the truth every other implementation is tested against.
 
     Returns:
-        A :class:`Result` in float32.
+        A :class:`Result` in param's dtype (float32; float64 for float64 evaluations).
     """
     *inputs, attributes = validate(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale,
                                    grad_scale, **attributes)
     attributes = {k: float(np.float32(v)) for k, v in attributes.items()}  # the attributes are float32 in a node
-    return Result(*(out.astype(np.float32) for out in _step(np.float64, *inputs, attributes)))
+    return Result(*(out.astype(inputs[0].dtype) for out in _step(np.float64, *inputs, attributes)))
 
 
 def python_kernel(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale=None, grad_scale=None, **attributes) -> Result:

@@ -109,3 +109,18 @@ def test_attribute_of_the_wrong_type_is_named():
         harness.run_model(model, inputs, "cpp")
     with pytest.raises(NormgradInputError, match="attribute 'epsilon' must be a finite float >= 0"):
         adam_update.reference(**inputs, epsilon=float("nan"))
+
+
+def test_float64_evaluation_keeps_the_float_attributes():
+    """The corpus tool's float64 evaluator (what the OpenVINO training tests compare with)
+    runs the node by the reference with its float attributes intact."""
+    from normgrad.tools.corpus import float64_outputs
+
+    inputs = _inputs(shape=(4, 5))
+    attributes = {"beta2": 0.99, "one_minus_beta1": 0.2, "one_minus_beta2": 0.01, "epsilon": 1e-6}
+    model = harness.node_model(adam_update.OP_TYPE, inputs, attributes=attributes)
+    got = float64_outputs(model, inputs)
+    expected = adam_update.reference(**{k: v.astype(np.float64) for k, v in inputs.items()}, **attributes)
+    for name, value in zip(adam_update.OUTPUTS, expected):
+        assert got[name].dtype == np.float64
+        np.testing.assert_allclose(got[name], value, rtol=1e-12, atol=0)

@@ -301,7 +301,7 @@ def _op_class(module):
     def _run(self, *args, **_):
         values = dict(zip(module.INPUTS, args))
         kwargs = {k: values.get(k) for k in module.INPUTS}
-        attributes = {name: int(getattr(self, name, default)) for name, default in module.ATTRIBUTES.items()}
+        attributes = {name: type(default)(getattr(self, name, default)) for name, default in module.ATTRIBUTES.items()}
         result = module.reference(**kwargs, **attributes)
         return tuple(result)[: len(self.onnx_node.output)]
 
