@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Set
+from typing import Dict, List, Mapping, Set
 
 import onnx
 
-from normgrad.ops import DOMAIN
+from normgrad.ops import DOMAIN, OPERATORS
 
-__all__ = ["subgraph_captures", "check_graph_structure", "updatable_in_place"]
+__all__ = ["subgraph_captures", "check_graph_structure", "in_place_updates"]
 
 
 def _subgraphs(node: onnx.NodeProto) -> List[onnx.GraphProto]:
@@ -94,11 +94,16 @@ def _reaches(producer: Dict[str, onnx.NodeProto], start: onnx.NodeProto, target:
     return False
 
 
-_ELEMENTWISE = frozenset({("", "Add"), ("", "Sub"), ("", "Mul"), ("", "Div"), ("", "Max"), ("", "Min"),
-                          (DOMAIN, "AdamUpdate")})
-"""Ops whose outputs' element i reads only element i of same-shaped inputs: onnxruntime runs
-the standard ones with the output in the input's buffer itself (their kernels declare
-MayInplace); AdamUpdate's kernel and function body read an element before writing it."""
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
+"""Default-domain ops whose output element i reads only element i of same-shaped inputs:
+onnxruntime runs them with the output in the input's buffer itself (their kernels declare
+MayInplace). A normgrad operator says so with ``ELEMENTWISE = True`` in its module."""
+
+
+def _elementwise(node: onnx.NodeProto) -> bool:
+    if node.domain in ("", "ai.onnx"):
+        return node.op_type in _ELEMENTWISE
+    return node.domain == DOMAIN and getattr(OPERATORS.get(node.op_type), "ELEMENTWISE", False)
 
 
 def _static_shape(info: onnx.ValueInfoProto):
@@ -106,37 +111,48 @@ def _static_shape(info: onnx.ValueInfoProto):
     return [d.dim_value for d in dims] if all(d.HasField("dim_value") for d in dims) else None
 
 
-def updatable_in_place(graph: onnx.GraphProto, value: str, next_value: str) -> bool:
-    """Whether one buffer can hold both graph input ``value`` and graph output ``next_value``
-    (the output written over the input during the run). Every node reading ``value`` must be
-    a strict ancestor of the node writing ``next_value``, so data dependencies finish every
-    read before the write starts, in any execution order or parallelism; or the writer
-    itself, if it is elementwise and ``value`` has the output's shape (element i read before
-    element i is written). CastLike's second input is its type only, not a read. Optimizer
-    moments and running statistics qualify; a weight that a backward node reads after its
-    update could run does not."""
+def in_place_updates(graph: onnx.GraphProto, state: Mapping[str, str]) -> Set[str]:
+    """The graph inputs of ``state`` ({input: output holding its next value}) whose input and
+    output can share one buffer (the output written over the input during the run).
+
+    Every node reading the input must be a strict ancestor of the node writing the output,
+    so data dependencies finish every read before the write starts, in any execution order
+    or parallelism; or the writer itself, if it is elementwise and the input has the
+    output's shape (element i read before element i is written). CastLike's second input is
+    its type only, not a read. Optimizer moments and running statistics qualify; a weight
+    that a backward node reads after its update could run does not."""
     producer = {name: node for node in graph.node for name in node.output if name}
-    writer = producer.get(next_value)
     inputs = {i.name: i for i in graph.input}
     outputs = {o.name: o for o in graph.output}
-    if writer is None or value not in inputs or next_value not in outputs or value in outputs:
-        return False
+    reads: Dict[int, List[str]] = {}  # node id -> the values it reads (subgraph captures included)
+    readers: Dict[str, List[onnx.NodeProto]] = {}
+    for node in graph.node:
+        reads[id(node)] = list(node.input) + subgraph_captures(node)
+        data = (node.input[:1] if node.op_type == "CastLike" else list(node.input)) + subgraph_captures(node)
+        for name in set(data):
+            readers.setdefault(name, []).append(node)
 
-    def reads(node: onnx.NodeProto) -> bool:
-        data_inputs = node.input[:1] if node.op_type == "CastLike" else node.input
-        return value in data_inputs or value in subgraph_captures(node)
+    def ancestors(writer: onnx.NodeProto) -> Set[int]:
+        found, stack = set(), [writer]
+        while stack:
+            for name in reads[id(stack.pop())]:
+                source = producer.get(name)
+                if source is not None and id(source) not in found:
+                    found.add(id(source))
+                    stack.append(source)
+        return found
 
-    readers = [node for node in graph.node if reads(node)]
-    if any(node is writer for node in readers):
-        shape = _static_shape(inputs[value])
-        if (writer.domain or "", writer.op_type) not in _ELEMENTWISE or shape is None or shape != _static_shape(outputs[next_value]):
-            return False
-    ancestors, stack = set(), [writer]
-    while stack:
-        node = stack.pop()
-        for name in list(node.input) + subgraph_captures(node):
-            source = producer.get(name)
-            if source is not None and id(source) not in ancestors:
-                ancestors.add(id(source))
-                stack.append(source)
-    return all(id(node) in ancestors or node is writer for node in readers)
+    result = set()
+    for value, next_value in state.items():
+        writer = producer.get(next_value)
+        if writer is None or value not in inputs or next_value not in outputs or value in outputs:
+            continue
+        value_readers = readers.get(value, [])
+        if any(node is writer for node in value_readers):
+            shape = _static_shape(inputs[value])
+            if not _elementwise(writer) or shape is None or shape != _static_shape(outputs[next_value]):
+                continue
+        before = ancestors(writer)
+        if all(id(node) in before or node is writer for node in value_readers):
+            result.add(value)
+    return result

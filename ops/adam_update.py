@@ -49,7 +49,7 @@ from onnx.defs import OpSchema
 from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
-__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OPTIONAL", "SCALAR_IF_OMITTED", "ONES_IF_OMITTED",
+__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OPTIONAL", "ELEMENTWISE", "SCALAR_IF_OMITTED", "ONES_IF_OMITTED",
            "OUTPUT_SHAPE_FROM", "TYPES", "Result",
            "validate", "reference", "python_kernel", "schema", "function_body"]
 
@@ -65,6 +65,9 @@ ONES_IF_OMITTED = {name: ("step_size", None) for name in OPTIONAL}
 OUTPUT_SHAPE_FROM = {name: ("param", None) for name in OUTPUTS}
 """Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
 TYPES = ("tensor(float)",)
+ELEMENTWISE = True
+"""Each output element reads only the same element of the tensor inputs, before it is
+written: an output may share its input's buffer (``normgrad.graphs.structure.in_place_updates``)."""
 _TENSORS, _SCALARS = INPUTS[:4], INPUTS[4:]
 
 

@@ -6,7 +6,7 @@ state through an IOBinding and writes the ``NAME.next`` outputs into a second bu
 tensor, and the two buffers swap roles after the run, so no state tensor is copied through
 NumPy between steps. Only the batch goes in and the scalar loss comes out. A tensor whose
 readers all precede its update in the graph's data dependencies (the optimizer moments, the
-running statistics; :func:`normgrad.graphs.structure.updatable_in_place`) has one buffer,
+running statistics; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
 updated in place, as onnxruntime-training's optimizer does: AdamW's state then takes 4
 copies of the weights' size instead of 6.
 
@@ -97,8 +97,7 @@ class _Part:
         self.inputs = {i.name: i for i in model.graph.input}
         self.state = {name: state[name] for name in self.inputs if name in state}
         self.outputs = {o.name: o for o in model.graph.output}
-        self.in_place = {name for name, next_value in self.state.items()
-                         if structure.updatable_in_place(model.graph, name, next_value)}
+        self.in_place = structure.in_place_updates(model.graph, self.state)
 
 
 class Trainer:
