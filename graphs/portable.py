@@ -23,6 +23,8 @@ minimal reproducer of each:
   CPU provider.
 * **unused inputs last**: with an input nothing reads before used ones, OpenVINO binds the
   inputs by position (Sub(a, b) computed c - a). Moved behind the others, it shifts none.
+  An input read only by a node whose local function body ignores it (BatchNormReduceBackward's
+  ``weight``) counts as unused: onnxruntime inlines the body before OpenVINO binds.
 * **CastLike of a constant folded**: OpenVINO leaves a CastLike whose input is a Constant
   (what ``add_functions`` feeds a BatchNorm node that omits ``relu_output``, and what the
   masked body compares with) to the CPU provider, and in the ResNet block's inlined
@@ -289,21 +291,30 @@ def _fold_constant_casts(model: onnx.ModelProto) -> None:
             constants[node.output[0]] = value
 
 
-def _read_names(nodes) -> Set[str]:
-    """Every value the nodes (and their subgraphs, recursively) read."""
+def _read_names(nodes, functions: Dict[Tuple[str, str], onnx.FunctionProto]) -> Set[str]:
+    """Every value the nodes (and their subgraphs, recursively) read. A node of a local
+    function reads only the inputs its body reads: onnxruntime inlines the body before
+    OpenVINO sees the graph."""
     read: Set[str] = set()
     for node in nodes:
-        read.update(node.input)
+        body = functions.get((node.domain, node.op_type))
+        if body is None:
+            read.update(node.input)
+        else:
+            used = _read_names(body.node, functions) | set(body.output)
+            read.update(actual for actual, formal in zip(node.input, body.input) if formal in used)
         for attribute in node.attribute:
             for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-                read |= _read_names(sub.node)
+                read |= _read_names(sub.node, functions)
                 read |= {o.name for o in sub.output}
     return read
 
 
-def _unused_inputs_last(graph: onnx.GraphProto) -> None:
+def _unused_inputs_last(model: onnx.ModelProto) -> None:
     """Moves the inputs nothing reads behind the others (names, and so feeds, unchanged)."""
-    read = _read_names(graph.node) | {o.name for o in graph.output}
+    graph = model.graph
+    functions = {(f.domain, f.name): f for f in model.functions}
+    read = _read_names(graph.node, functions) | {o.name for o in graph.output}
     ordered = [i for i in graph.input if i.name in read] + [i for i in graph.input if i.name not in read]
     del graph.input[:]
     graph.input.extend(ordered)
@@ -330,6 +341,6 @@ def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np
     _size_as_shape_product(model.graph, names)
     _unshare_conv_transpose_weights(model.graph, names)
     _fold_constant_casts(model)
-    _unused_inputs_last(model.graph)
+    _unused_inputs_last(model)
     onnx.checker.check_model(model, full_check=True)
     return model, moved

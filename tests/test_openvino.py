@@ -39,23 +39,11 @@ LOSS_ON_CPU = ALLOWED_ON_CPU["train_mlp_cross_entropy"]
 BFLOAT16_ON_CPU = {"Cast", "Mul"}
 
 
-# BatchNormReduceBackward's body does not read `weight`; with `relu_output` after it,
-# OpenVINO binds the inputs by position (the unused_input_binding defect of
-# test_openvino_defects.py), so the unused input goes last, as make_portable does for graphs.
-UNUSED_BY_THE_BODY = {"node_BatchNormReduceBackward_float32_relu": "weight"}
-
-
 def run_case(name: str):
     """(outputs, nodes on CPU, counted nodes) of a corpus case on OpenVINO."""
     model, inputs, _ = load_case(name)
-    if name in UNUSED_BY_THE_BODY:
-        unused = UNUSED_BY_THE_BODY[name]
-        ordered = [i for i in model.graph.input if i.name != unused] + [i for i in model.graph.input if i.name == unused]
-        del model.graph.input[:]
-        model.graph.input.extend(ordered)
-    if MANIFEST[name]["kind"] == "training":
-        model, moved = make_portable(model)
-        assert not moved or all(np.array_equal(moved[k], inputs[k]) for k in moved)
+    model, moved = make_portable(model)
+    assert not moved or all(np.array_equal(moved[k], inputs[k]) for k in moved)
     declared = {i.name for i in model.graph.input}
     bfloat16_outputs = [o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
     if _has_bfloat16(model):

@@ -11,9 +11,11 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
+import normgrad
 from normgrad import checkpoint
 from normgrad.graphs import build_step_graph, build_training_graph, examples
 from normgrad.graphs.portable import make_portable
+from normgrad.ops import harness
 from normgrad.tools import export as export_tool
 
 from _providers import CPU, run
@@ -105,6 +107,22 @@ def test_unused_inputs_last():
     model = examples.model([oh.make_node("Sub", ["a", "b"], ["y"])], {"c": (3,), "a": (3,), "b": (3,)}, ["y"])
     portable, _ = make_portable(model)
     assert [i.name for i in portable.graph.input] == ["a", "b", "c"]
+
+
+def test_input_a_function_body_ignores_goes_last():
+    """BatchNormReduceBackward's body does not read `weight`: read by that node alone, it is
+    unused once onnxruntime inlines the body, so it moves behind the inputs after it."""
+    rng = np.random.default_rng(4)
+    inputs = {"grad_out": rng.standard_normal((2, 3, 4)).astype(np.float32),
+              "input": rng.standard_normal((2, 3, 4)).astype(np.float32),
+              "mean": np.zeros(3, np.float32), "invstd": np.ones(3, np.float32),
+              "weight": np.ones(3, np.float32), "relu_output": rng.standard_normal((2, 3, 4)).astype(np.float32)}
+    model = normgrad.add_functions(harness.node_model("BatchNormReduceBackward", inputs))
+    assert [i.name for i in model.graph.input][-2:] == ["weight", "relu_output"]
+    portable, _ = make_portable(model)
+    assert [i.name for i in portable.graph.input] == ["grad_out", "input", "mean", "invstd", "relu_output", "weight"]
+    want, got = run(model, inputs, CPU), run(portable, inputs, CPU)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_group_normalization_expanded():
