@@ -331,5 +331,6 @@ def test_export_seed_option(tmp_path):
         step = onnx.load(out)
         assert json.loads({e.key: e.value for e in step.metadata_props}[rewrites.METADATA_DROPOUT])["seed"] == (seed or 0)
         assert Trainer(step, tmp_path / f"step_{seed}.ckpt").seed == (seed or 0)
-    assert main(["export", str(tmp_path / "net.onnx"), "-o", str(tmp_path / "x.onnx"), "--loss", "mse",
-                 "--optimizer", "sgd", "--seed", "1e3"]) == 2
+    for bad in (["--optimizer", "sgd", "--seed", "1e3"], ["--optimizer", "sgd", "--seed", str(2**63)], ["--seed", "3"]):
+        assert main(["export", str(tmp_path / "net.onnx"), "-o", str(tmp_path / "x.onnx"), "--loss", "mse", *bad]) == 2
+    assert not (tmp_path / "x.onnx").exists()
