@@ -612,7 +612,7 @@ def _record_system_exits() -> None:
             super().__init__(*args)
             _exit_statuses[:] = [self.code]
 
-    SystemExit.__module__ = "builtins"
+    SystemExit.__module__, SystemExit.__qualname__ = "builtins", "SystemExit"
     builtins.SystemExit = SystemExit
 
 
