@@ -32,6 +32,7 @@ pytestmark = requires_openvino
 ALLOWED_ON_CPU = {
     # the 0-d loss: onnxruntime-openvino leaves reductions to a 0-d float tensor to the CPU provider
     "train_mlp_cross_entropy": {"ReduceMean"},
+    "train_mlp_cross_entropy_stored_weights": {"ReduceMean"},
 }
 LOSS_ON_CPU = ALLOWED_ON_CPU["train_mlp_cross_entropy"]
 # bfloat16 cases: OpenVINO's CPU device takes no bfloat16 tensors, so the Casts from and to
@@ -43,7 +44,7 @@ def run_case(name: str):
     """(outputs, nodes on CPU, counted nodes) of a corpus case on OpenVINO."""
     model, inputs, _ = load_case(name)
     model, moved = make_portable(model)
-    assert not moved or all(np.array_equal(moved[k], inputs[k]) for k in moved)
+    assert set(moved) <= set(inputs)  # the fed values, not the moved stored ones, are the case's weights
     declared = {i.name for i in model.graph.input}
     bfloat16_outputs = [o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
     if _has_bfloat16(model):
