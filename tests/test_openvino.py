@@ -22,6 +22,7 @@ from normgrad.graphs.portable import make_portable
 from normgrad.ops import harness
 from normgrad.tools.corpus import float64_outputs
 
+import _runtimes
 from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, session
 from conftest import cpp_available
 from test_corpus import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
@@ -64,6 +65,7 @@ def test_corpus_case_on_openvino(name):
     allowed = BFLOAT16_ON_CPU if info["dtype"] == "bfloat16" else ALLOWED_ON_CPU.get(name, set())
     unexplained = op_types - allowed
     assert not unexplained, f"{name}: {len(on_cpu)} of {total} nodes ran on the CPU provider: {sorted(on_cpu)}"
+    _runtimes.record("openvino-ep", f"corpus/{name}/portable", "pass")
 
 
 def _step_loop(step_model, state, batches, run_step):
@@ -129,6 +131,7 @@ def test_training_loop_on_openvino(block, loss, optimizer, options, allowed_on_c
         "the weights did not move: the loop tests nothing"
     unexplained = {op for op, _ in on_cpu} - allowed_on_cpu
     assert not unexplained, f"ran on the CPU provider: {on_cpu}"
+    _runtimes.record("openvino-ep", f"training/{block}_{loss}/{optimizer}/portable", "pass")
     print(f"{block} {loss} {optimizer}: {len(on_cpu)} of {counted_nodes(step_model)} nodes on the CPU provider: "
           f"{sorted({op for op, _ in on_cpu})}")
 
