@@ -1,5 +1,6 @@
 """Portable training graphs: rewrites that let every execution provider run a training or
-step graph correctly, not only onnxruntime's CPU provider.
+step graph correctly, not only onnxruntime's CPU provider. ``normgrad export`` makes all but
+:data:`COSTLY_REWRITES` by default (:func:`as_exported`); ``--portable`` makes them all.
 
 Each rewrite keeps the graph's arithmetic and works around a defect measured on
 onnxruntime-openvino 1.24.1 (device CPU); ``tests/test_openvino_defects.py`` holds a
@@ -51,7 +52,7 @@ import onnx.shape_inference
 
 from normgrad.graphs.context import attr, describe, reserve_name
 
-__all__ = ["make_portable", "EXPANDED_OPS"]
+__all__ = ["make_portable", "as_exported", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
 EXPANDED_OPS = ("GroupNormalization",)
 """Default-domain function ops replaced by their ONNX function bodies."""
@@ -363,3 +364,10 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = ()) -> Tuple[onn
         _unused_inputs_last(model)
     onnx.checker.check_model(model, full_check=True)
     return model, moved
+
+
+def as_exported(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+    """What ``normgrad export`` writes by default for a training or step graph: weights as
+    pure inputs and every portable rewrite but :data:`COSTLY_REWRITES`; returns the graph and
+    the moved weights' values (for :func:`normgrad.checkpoint.save`)."""
+    return make_portable(model, skip=COSTLY_REWRITES)

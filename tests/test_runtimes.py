@@ -24,7 +24,7 @@ import pytest
 
 from normgrad.graphs import build_step_graph, build_training_graph, examples
 from normgrad.graphs.inline import inline_normgrad
-from normgrad.graphs.portable import COSTLY_REWRITES, make_portable
+from normgrad.graphs.portable import as_exported
 from normgrad.tools.corpus import fed_weights
 
 import _runtimes
@@ -104,7 +104,7 @@ def _step_graph(block, loss, optimizer, options, inline):
     forward = getattr(examples, block)()
     training = build_training_graph(forward, loss=loss, inline=inline)
     step, state = build_step_graph(training, optimizer, **options)
-    step, _ = make_portable(step, skip=COSTLY_REWRITES)
+    step, _ = as_exported(step)
     weights = json.loads({p.key: p.value for p in step.metadata_props}["normgrad.gradients"]).values()
     state.update(fed_weights({k: v for k, v in state.items() if k in set(weights)}, block))
     rng = np.random.default_rng(7)

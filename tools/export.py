@@ -110,9 +110,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
             else:
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-        from normgrad.graphs.portable import COSTLY_REWRITES, make_portable
+        from normgrad.graphs.portable import as_exported, make_portable
 
-        skipped = () if args.portable else COSTLY_REWRITES
+        finish = make_portable if args.portable else as_exported
         refuse_same_file(args.model, checkpoint_path, "checkpoint")
         if args.optimizer:
             from normgrad.graphs import build_step_graph
@@ -124,9 +124,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
             training, initial = build_step_graph(training, args.optimizer, **options)
-            training, _ = make_portable(training, skip=skipped)
+            training, _ = finish(training)
         else:
-            training, initial = make_portable(training, skip=skipped)
+            training, initial = finish(training)
         from normgrad import checkpoint
 
         checkpoint.save(checkpoint_path, initial)
