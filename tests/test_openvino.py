@@ -23,7 +23,7 @@ from normgrad.ops import harness
 from normgrad.tools.corpus import float64_outputs
 
 import _runtimes
-from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, session
+from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, run, session
 from conftest import cpp_available
 from test_corpus import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
@@ -179,3 +179,35 @@ def test_inference_session_on_openvino():
         assert_matches(outputs, expected, TOLERANCE[("node", "float32")], f"{name}, backend {backend}")
         on_cpu = {op for op, _ in nodes_on_cpu(s)}
         assert ("GroupNormalizationGrad" in on_cpu) == normgrad_on_cpu, on_cpu
+
+
+TRAINING_CASES = [c for c in CASES if MANIFEST[c]["kind"] == "training"]
+
+
+@pytest.mark.parametrize("name", TRAINING_CASES)
+def test_training_case_as_stored_on_openvino(name):
+    """Each training case as stored, no make_portable: the default export form (weights pure
+    inputs) must match; a ``_stored_weights`` case (weights inputs and initializers, fed other
+    values) is recorded as it measures (OpenVINO freezes such an input to its stored value),
+    an explicit xfail where wrong."""
+    model, inputs, expected = load_case(name)
+    tolerance = TOLERANCE[("training", MANIFEST[name]["dtype"])]
+    if not name.endswith("_stored_weights"):
+        assert_matches(run(model, inputs, OPENVINO_CPU), expected, tolerance, f"{name} as stored on OpenVINO")
+        _runtimes.record("openvino-ep", f"corpus/{name}/stored", "pass")
+        return
+    try:
+        assert_matches(run(model, inputs, OPENVINO_CPU), expected, tolerance, f"{name} as stored on OpenVINO")
+    except AssertionError as error:
+        _runtimes.record("openvino-ep", f"corpus/{name}/stored", f"lacks {FED_WEIGHTS_IGNORED}")
+        pytest.xfail(f"{FED_WEIGHTS_IGNORED}: {str(error).splitlines()[1][:200]}")
+    except Exception as error:  # noqa: BLE001 (the OneHot defect, which --portable rewrites)
+        if "Output names mismatch" not in str(error):
+            raise
+        _runtimes.record("openvino-ep", f"corpus/{name}/stored", f"lacks {ONEHOT_DEFECT}")
+        pytest.xfail(ONEHOT_DEFECT)
+    _runtimes.record("openvino-ep", f"corpus/{name}/stored", "pass")
+
+
+ONEHOT_DEFECT = "OneHot with a run-time depth next to a folded constant ('Output names mismatch'; --portable rewrites it)"
+FED_WEIGHTS_IGNORED = "fed values of inputs that are also initializers (the stored value is used: wrong values)"
