@@ -6,6 +6,8 @@
   bfloat16, which gave 2e-3..7e-3 relative errors on the training cases); its own venv in
   ``.ci/run``. ``NORMGRAD_REQUIRE_OPENVINO_RUNTIME=1`` makes a missing package an error.
 * ``tract``: Sonos' tract (pip ``tract``). ``NORMGRAD_REQUIRE_TRACT=1`` likewise.
+* ``openvino-ep``: onnxruntime-openvino's OpenVINOExecutionProvider, device CPU (its own venv;
+  ``tests/test_openvino.py`` runs the corpus there, these tests only the training loops).
 
 :func:`lacks` names, before running, what a runtime lacks to run a model (or None): the
 tests expect such a model to fail there (an explicit xfail naming it) and fail if it runs.
@@ -24,13 +26,17 @@ import numpy as np
 import onnx
 import pytest
 
-RUNTIMES = ("evaluator", "openvino", "tract")
-_PACKAGES = {"evaluator": "onnx", "openvino": "openvino", "tract": "tract"}
+RUNTIMES = ("evaluator", "openvino", "tract", "openvino-ep")
+_PACKAGES = {"evaluator": "onnx", "openvino": "openvino", "tract": "tract", "openvino-ep": "onnxruntime"}
 _REQUIRED = {"openvino": "NORMGRAD_REQUIRE_OPENVINO_RUNTIME", "tract": "NORMGRAD_REQUIRE_TRACT"}
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def available(runtime: str) -> bool:
+    if runtime == "openvino-ep":  # tests/_providers.py checks NORMGRAD_REQUIRE_OPENVINO
+        import onnxruntime
+
+        return "OpenVINOExecutionProvider" in onnxruntime.get_available_providers()
     present = importlib.util.find_spec(_PACKAGES[runtime]) is not None
     variable = _REQUIRED.get(runtime)
     if variable and os.environ.get(variable) and not present:
@@ -50,7 +56,7 @@ def _elem_types(model: onnx.ModelProto):
 
 def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     """What ``runtime`` lacks to run ``model``, measured (docs/runtimes.md), or None."""
-    if runtime == "evaluator":
+    if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
         return "graph inputs that are also initializers (read as constants: the model has fewer inputs, cannot be fed)"
@@ -116,9 +122,17 @@ def _tract(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np
     return {o.name: outputs[k].to_numpy() for k, o in enumerate(model.graph.output)}
 
 
+def _openvino_ep(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    from _providers import OPENVINO_CPU
+    from _providers import run as run_on
+
+    return run_on(model, feeds, OPENVINO_CPU)
+
+
 def run(runtime: str, model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """Every output of ``model`` run by ``runtime`` on ``feeds`` (every graph input, by name)."""
-    return {"evaluator": _evaluator, "openvino": _openvino, "tract": _tract}[runtime](model, feeds)
+    return {"evaluator": _evaluator, "openvino": _openvino, "tract": _tract,
+            "openvino-ep": _openvino_ep}[runtime](model, feeds)
 
 
 def record(runtime: str, row: str, outcome: str) -> None:

@@ -60,6 +60,8 @@ def _corpus_model(name: str, form: str):
 def _corpus_params():
     params = []
     for runtime in _runtimes.RUNTIMES:
+        if runtime == "openvino-ep":
+            continue  # tests/test_openvino.py runs the corpus on the EP
         for name in CASES:
             for form in FORMS:
                 if form == "inlined" and MANIFEST[name]["kind"] != "node":
