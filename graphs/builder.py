@@ -41,6 +41,11 @@ METADATA_LOSS = "normgrad.loss"
 the output it applies to, "options": the loss options, when any}, or null."""
 
 
+METADATA_INLINE = "normgrad.inline"
+"""Model metadata key: "true" on a graph written with ``inline=True`` (standard domains only);
+a step graph built from it is inlined too."""
+
+
 def _default_opset(model: onnx.ModelProto) -> int:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
@@ -480,15 +485,15 @@ def build_training_graph(
     }
     if running_statistics:
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
+    if inline:
+        metadata[METADATA_INLINE] = "true"
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     result = normgrad.add_functions(result)
     if inline:
-        result = onnx.inliner.inline_local_functions(result)
-        del result.functions[:]
-        kept = [o for o in result.opset_import if o.domain != DOMAIN]
-        del result.opset_import[:]
-        result.opset_import.extend(kept)
+        from normgrad.graphs.inline import inline_normgrad
+
+        result = inline_normgrad(result)
     result.ir_version = IR_VERSION
     onnx.checker.check_model(result, full_check=True)
     if portable:

@@ -442,6 +442,10 @@ def build_step_graph(
     model.functions.extend(training.functions)
     model.ir_version = IR_VERSION
     model = normgrad.add_functions(model)  # the optimizer's AdamUpdate body and opset, if the training graph had none
+    if metadata.get("normgrad.inline") == "true":  # standard domains only, as the training graph
+        from normgrad.graphs.inline import inline_normgrad
+
+        model = inline_normgrad(model)
     step_metadata = {entry.key: entry.value for entry in optimizer.metadata_props}
     state_map = json.loads(step_metadata["normgrad.state"])
     state_map.update({s: next_name(s) for s in statistics})

@@ -1,5 +1,6 @@
 """Portable training graphs: rewrites that let every execution provider run a training or
-step graph correctly, not only onnxruntime's CPU provider.
+step graph correctly, not only onnxruntime's CPU provider. ``normgrad export`` makes all but
+:data:`COSTLY_REWRITES` by default (:func:`as_exported`); ``--portable`` makes them all.
 
 Each rewrite keeps the graph's arithmetic and works around a defect measured on
 onnxruntime-openvino 1.24.1 (device CPU); ``tests/test_openvino_defects.py`` holds a
@@ -40,7 +41,7 @@ minimal reproducer of each:
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 import numpy as np
 import onnx
@@ -51,7 +52,7 @@ import onnx.shape_inference
 
 from normgrad.graphs.context import attr, describe, reserve_name
 
-__all__ = ["make_portable", "EXPANDED_OPS"]
+__all__ = ["make_portable", "as_exported", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
 EXPANDED_OPS = ("GroupNormalization",)
 """Default-domain function ops replaced by their ONNX function bodies."""
@@ -320,7 +321,15 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
     graph.input.extend(ordered)
 
 
-def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+REWRITES = ("group_normalization_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
+            "constant_casts_folded", "unused_inputs_last")
+"""The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
+COSTLY_REWRITES = ("onehot_as_equal",)
+"""The rewrites that cost measurable time on onnxruntime's CPU provider
+(``python -m normgrad.tools.bench_portable``): only ``normgrad export --portable`` makes them."""
+
+
+def make_portable(model: onnx.ModelProto, skip: Sequence[str] = ()) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """A copy of a training or step graph that every execution provider runs correctly (see
     the module docstring for each rewrite), and the values of the initializers it turned
     into pure inputs (the trainable weights of a training graph; none for a step graph).
@@ -328,19 +337,37 @@ def make_portable(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np
     The inputs keep their names, so the same feeds work; inputs nothing reads (``step`` of
     plain SGD) move behind the others.
 
+    ``skip``: names from :data:`REWRITES` not to apply (weights always become inputs).
+
     Raises:
         ValueError: a BatchNormalization in training mode is left, or a OneHot whose indices
-            have an unknown rank.
+            have an unknown rank, or an unknown name in ``skip``.
     """
+    unknown = sorted(set(skip) - set(REWRITES))
+    if unknown:
+        raise ValueError(f"unknown portable rewrites {unknown}; known: {list(REWRITES)}")
     model = copy.deepcopy(model)
     _refuse_training_batch_norm(model.graph)
     moved = _weights_as_inputs(model.graph)
-    model = _expand_function_ops(model, _Names(model.graph))
+    if "group_normalization_expanded" not in skip:
+        model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)
-    _onehot_as_equal(model, names)
-    _size_as_shape_product(model.graph, names)
-    _unshare_conv_transpose_weights(model.graph, names)
-    _fold_constant_casts(model)
-    _unused_inputs_last(model)
+    if "onehot_as_equal" not in skip:
+        _onehot_as_equal(model, names)
+    if "size_as_shape_product" not in skip:
+        _size_as_shape_product(model.graph, names)
+    if "conv_transpose_own_weight" not in skip:
+        _unshare_conv_transpose_weights(model.graph, names)
+    if "constant_casts_folded" not in skip:
+        _fold_constant_casts(model)
+    if "unused_inputs_last" not in skip:
+        _unused_inputs_last(model)
     onnx.checker.check_model(model, full_check=True)
     return model, moved
+
+
+def as_exported(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+    """What ``normgrad export`` writes by default for a training or step graph: weights as
+    pure inputs and every portable rewrite but :data:`COSTLY_REWRITES`; returns the graph and
+    the moved weights' values (for :func:`normgrad.checkpoint.save`)."""
+    return make_portable(model, skip=COSTLY_REWRITES)

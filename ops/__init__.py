@@ -40,7 +40,9 @@ axis) whose shape the ones it equals when omitted have}), which
 ``normgrad.prepare_for_python_kernels`` reads; optionally SCALAR_IF_OMITTED ({optional
 input: the scalar that means the same as omitting it}; ``function_body(opset, reads)``
 then reads those named in ``reads``), which ``normgrad.add_functions`` reads; optionally
-``python_kernel`` (what the float32 Python kernel runs instead of ``reference``)."""
+``python_kernel`` (what the float32 Python kernel runs instead of ``reference``); optionally
+STATIC_SUM_AXES_OF ((x, param) input positions; ``function_body(opset, sum_axes=...)`` then
+takes reduction axes known at export, which ``normgrad.graphs.inline`` gives it)."""
 
 
 def operator(op_type: str):

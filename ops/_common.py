@@ -195,7 +195,24 @@ def sum_to_shape(value: np.ndarray, shape) -> np.ndarray:
     return value.sum(axis=axes, keepdims=True).reshape(shape)
 
 
-def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> str:
+def static_sum_axes(param_dims, x_rank):
+    """The reduction axes of :func:`sum_to_shape_body` known at export: (first, second), the
+    axes of its two ReduceSums over the value lifted by one leading axis, from ``param``'s
+    dims and ``x``'s rank; None when a dim of ``param`` is not a known int or ``param``
+    outranks ``x`` (the body then finds them at run time)."""
+    if param_dims is None or x_rank is None or len(param_dims) > x_rank:
+        return None
+    if not all(isinstance(dim, int) and dim > 0 for dim in param_dims):
+        return None
+    padded = [1] * (x_rank - len(param_dims)) + list(param_dims)
+    kept = [i for i, dim in enumerate(padded) if dim != 1]
+    first_kept = kept[0] if kept else x_rank
+    leading = [i for i in range(first_kept)]
+    later = [i for i in range(first_kept, x_rank) if padded[i] == 1]
+    return [0] + [i + 1 for i in leading], [i + 1 for i in later] + [x_rank + 1]
+
+
+def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums, sum_axes=None) -> str:
     """Function-body lines (ONNX text) that sum float32 values of ``full_shape`` down to the
     shape of ``param`` (which broadcasts to it), as :func:`sum_to_shape` does.
 
@@ -211,8 +228,33 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
         param_float: ``param`` cast to float32.
         full_shape: a Shape value of the broadcast shape.
         sums: (output, full-shape float32 value) pairs; each output is cast like ``param``.
+        sum_axes: the two ReduceSums' axes when known at export (:func:`static_sum_axes`):
+            constants replace the run-time CumSum/NonZero search (same reductions, so the
+            same bits), which runtimes that need static axes (OpenVINO, tract) take.
     """
-    lines = [
+    if sum_axes is not None:
+        first, second = sum_axes
+        lines = [
+            f"sts_shape = Shape ({param})",
+            f"sts_lift = Constant <value_ints = [0, {second[-1]}]> ()",
+            f"sts_first_axes = Constant <value_ints = {list(first)}> ()",
+            f"sts_second_axes = Constant <value_ints = {list(second)}> ()",
+        ]
+    else:
+        lines = _run_time_sum_axes_lines(param, param_float, full_shape)
+    for output, value in sums:
+        lines += [
+            f"{output}_lifted = Unsqueeze ({value}, sts_lift)",
+            f"{output}_leading = ReduceSum <keepdims = 1> ({output}_lifted, sts_first_axes)",
+            f"{output}_kept = ReduceSum <keepdims = 1> ({output}_leading, sts_second_axes)",
+            f"{output}_float = Reshape <allowzero = 1> ({output}_kept, sts_shape)",
+            f"{output} = CastLike ({output}_float, {param})",
+        ]
+    return "\n".join(lines)
+
+
+def _run_time_sum_axes_lines(param: str, param_float: str, full_shape: str):
+    return [
         f"sts_shape = Shape ({param})",
         f"sts_rank = Shape ({full_shape})",
         "sts_ones = ConstantOfShape <value = int64[1] {1}> (sts_rank)",
@@ -241,18 +283,10 @@ def sum_to_shape_body(param: str, param_float: str, full_shape: str, sums) -> st
         "sts_later_lifted = Add (sts_later_axes, sts_next)",
         "sts_second_axes = Concat <axis = 0> (sts_later_lifted, sts_end)",
     ]
-    for output, value in sums:
-        lines += [
-            f"{output}_lifted = Unsqueeze ({value}, sts_lift)",
-            f"{output}_leading = ReduceSum <keepdims = 1> ({output}_lifted, sts_first_axes)",
-            f"{output}_kept = ReduceSum <keepdims = 1> ({output}_leading, sts_second_axes)",
-            f"{output}_float = Reshape <allowzero = 1> ({output}_kept, sts_shape)",
-            f"{output} = CastLike ({output}_float, {param})",
-        ]
-    return "\n".join(lines)
 
 
-def normalization_grad_body(rstd: str, count: str, centre: bool, param: str, param_float: str, sums) -> str:
+def normalization_grad_body(rstd: str, count: str, centre: bool, param: str, param_float: str, sums,
+                            sum_axes=None) -> str:
     """Function-body lines (ONNX text) shared by the normalization gradients. From float32
     views ``x_hat`` and ``g`` (dy * scale) with the normalised axes merged into the last one,
     ``rstd`` broadcasting to them and ``count`` (values per normalised group, at least 1):
@@ -284,4 +318,4 @@ def normalization_grad_body(rstd: str, count: str, centre: bool, param: str, par
         "x_hat_full = Reshape <allowzero = 1> (x_hat, x_shape)",
         "dy_x_hat = Mul (dyf, x_hat_full)",
     ]
-    return "\n".join(lines) + "\n" + sum_to_shape_body(param, param_float, "x_shape", sums)
+    return "\n".join(lines) + "\n" + sum_to_shape_body(param, param_float, "x_shape", sums, sum_axes)

@@ -194,7 +194,12 @@ def schema(op: str, doc: str, forward: str, statistics: Mapping[str, str], outpu
     )
 
 
-def function_body(op: str, inputs: Sequence[str], outputs: Sequence[str], opset: int) -> onnx.FunctionProto:
+STATIC_SUM_AXES_OF = (1, 2)
+"""(x, scale) input positions: with scale's dims and x's rank known, ``function_body``
+takes its reduction axes as constants (``sum_axes``, :func:`_common.static_sum_axes`)."""
+
+
+def function_body(op: str, inputs: Sequence[str], outputs: Sequence[str], opset: int, sum_axes=None) -> onnx.FunctionProto:
     """The operator in standard ONNX ops (float32 arithmetic): LayerNorm's gradient when the
     inputs include ``mean``, RMSNorm's otherwise (see :func:`gradients`).
 
@@ -238,7 +243,7 @@ def function_body(op: str, inputs: Sequence[str], outputs: Sequence[str], opset:
             one_float = Constant <value_float = 1.0> ()
             d_float = Max (d_cast, one_float)
             {x_hat}
-            {_common.normalization_grad_body("rstd", "d_float", layer_norm, "scale", "scalef", sums)}
+            {_common.normalization_grad_body("rstd", "d_float", layer_norm, "scale", "scalef", sums, sum_axes)}
         }}
         """
     )

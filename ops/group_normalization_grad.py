@@ -193,8 +193,14 @@ def schema() -> OpSchema:
     )
 
 
-def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
-    """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
+STATIC_SUM_AXES_OF = (0, 2)
+"""(x, gamma) input positions: with gamma's dims and x's rank known, ``function_body``
+takes its reduction axes as constants (``sum_axes``, :func:`_common.static_sum_axes`)."""
+
+
+def function_body(opset: int = _common.ONNX_OPSET, sum_axes=None) -> onnx.FunctionProto:
+    """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel;
+    ``sum_axes``: the reduction axes to gamma's shape, when known at export.
 
     Outputs a node does not name are pruned by the runtime.
     """
@@ -224,7 +230,7 @@ def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
             m_cast = Cast <to = 1> (m)
             one_float = Constant <value_float = 1.0> ()
             m_float = Max (m_cast, one_float)
-            {_common.normalization_grad_body("rstd3", "m_float", True, "gamma", "gammaf", [("dgamma", "dy_x_hat"), ("dbeta", "dyf")])}
+            {_common.normalization_grad_body("rstd3", "m_float", True, "gamma", "gammaf", [("dgamma", "dy_x_hat"), ("dbeta", "dyf")], sum_axes)}
         }}
         """
     )

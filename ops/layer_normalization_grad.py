@@ -93,9 +93,13 @@ def schema() -> OpSchema:
     return _row_normalization.schema(OP_TYPE, __doc__, "LayerNormalization", {"mean": "Per-row mean", "inv_std_dev": "Per-row 1/sqrt(var + epsilon)"}, OUTPUTS)
 
 
-def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
-    """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel.
+STATIC_SUM_AXES_OF = _row_normalization.STATIC_SUM_AXES_OF
+
+
+def function_body(opset: int = _common.ONNX_OPSET, sum_axes=None) -> onnx.FunctionProto:
+    """The operator in standard ONNX ops (float32 arithmetic), for runtimes without a kernel;
+    ``sum_axes``: the reduction axes to scale's shape, when known at export.
 
     Outputs a node does not name are pruned by the runtime.
     """
-    return _row_normalization.function_body(OP_TYPE, INPUTS, OUTPUTS, opset)
+    return _row_normalization.function_body(OP_TYPE, INPUTS, OUTPUTS, opset, sum_axes)

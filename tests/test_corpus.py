@@ -161,6 +161,26 @@ def test_corpus_models_are_valid():
         assert has_ops != MANIFEST[name]["inline"] or MANIFEST[name]["normgrad_ops"] == [], name
 
 
+def test_training_cases_feed_weights_unlike_any_stored():
+    """Every training case feeds weights that differ from every value a graph stores for
+    them: the forward model's initializers (kept in the ``_stored_weights`` twin) and the
+    case's own initializers. A runtime that uses a stored weight instead of the fed one fails."""
+    training = [c for c in CASES if MANIFEST[c]["kind"] == "training"]
+    assert training
+    for name in training:
+        model, inputs, _ = load_case(name)
+        base = name.removesuffix("_stored_weights").removesuffix("_inline")
+        twin, _, _ = load_case(base + "_stored_weights")
+        stored = {t.name: onh.to_array(t) for t in list(twin.graph.initializer) + list(model.graph.initializer)}
+        weights = [k for k in inputs if k in {t.name for t in twin.graph.initializer}]
+        assert weights, f"{name}: no weight input"
+        for key in weights:
+            assert stored[key].shape == inputs[key].shape
+            assert not np.any(stored[key] == inputs[key]), f"{name}: fed {key} equals a stored value somewhere"
+        as_initializers = {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}
+        assert bool(as_initializers) == name.endswith("_stored_weights"), (name, sorted(as_initializers))
+
+
 def _values_match(path: str, committed: bytes, fresh: bytes) -> bool:
     """Same tensor name, dtype and shape, values within 1 unit in the last place (the
     float64 reference can round differently on a CPU with other SIMD math routines)."""

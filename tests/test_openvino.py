@@ -22,7 +22,8 @@ from normgrad.graphs.portable import make_portable
 from normgrad.ops import harness
 from normgrad.tools.corpus import float64_outputs
 
-from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, session
+import _runtimes
+from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, run, session
 from conftest import cpp_available
 from test_corpus import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
@@ -32,6 +33,7 @@ pytestmark = requires_openvino
 ALLOWED_ON_CPU = {
     # the 0-d loss: onnxruntime-openvino leaves reductions to a 0-d float tensor to the CPU provider
     "train_mlp_cross_entropy": {"ReduceMean"},
+    "train_mlp_cross_entropy_stored_weights": {"ReduceMean"},
 }
 LOSS_ON_CPU = ALLOWED_ON_CPU["train_mlp_cross_entropy"]
 # bfloat16 cases: OpenVINO's CPU device takes no bfloat16 tensors, so the Casts from and to
@@ -43,7 +45,7 @@ def run_case(name: str):
     """(outputs, nodes on CPU, counted nodes) of a corpus case on OpenVINO."""
     model, inputs, _ = load_case(name)
     model, moved = make_portable(model)
-    assert not moved or all(np.array_equal(moved[k], inputs[k]) for k in moved)
+    assert set(moved) <= set(inputs)  # the fed values, not the moved stored ones, are the case's weights
     declared = {i.name for i in model.graph.input}
     bfloat16_outputs = [o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
     if _has_bfloat16(model):
@@ -63,6 +65,7 @@ def test_corpus_case_on_openvino(name):
     allowed = BFLOAT16_ON_CPU if info["dtype"] == "bfloat16" else ALLOWED_ON_CPU.get(name, set())
     unexplained = op_types - allowed
     assert not unexplained, f"{name}: {len(on_cpu)} of {total} nodes ran on the CPU provider: {sorted(on_cpu)}"
+    _runtimes.record("openvino-ep", f"corpus/{name}/portable", "pass")
 
 
 def _step_loop(step_model, state, batches, run_step):
@@ -128,6 +131,7 @@ def test_training_loop_on_openvino(block, loss, optimizer, options, allowed_on_c
         "the weights did not move: the loop tests nothing"
     unexplained = {op for op, _ in on_cpu} - allowed_on_cpu
     assert not unexplained, f"ran on the CPU provider: {on_cpu}"
+    _runtimes.record("openvino-ep", f"training/{block}_{loss}/{optimizer}/portable", "pass")
     print(f"{block} {loss} {optimizer}: {len(on_cpu)} of {counted_nodes(step_model)} nodes on the CPU provider: "
           f"{sorted({op for op, _ in on_cpu})}")
 
@@ -175,3 +179,35 @@ def test_inference_session_on_openvino():
         assert_matches(outputs, expected, TOLERANCE[("node", "float32")], f"{name}, backend {backend}")
         on_cpu = {op for op, _ in nodes_on_cpu(s)}
         assert ("GroupNormalizationGrad" in on_cpu) == normgrad_on_cpu, on_cpu
+
+
+TRAINING_CASES = [c for c in CASES if MANIFEST[c]["kind"] == "training"]
+
+
+@pytest.mark.parametrize("name", TRAINING_CASES)
+def test_training_case_as_stored_on_openvino(name):
+    """Each training case as stored, no make_portable: the default export form (weights pure
+    inputs) must match; a ``_stored_weights`` case (weights inputs and initializers, fed other
+    values) is recorded as it measures (OpenVINO freezes such an input to its stored value),
+    an explicit xfail where wrong."""
+    model, inputs, expected = load_case(name)
+    tolerance = TOLERANCE[("training", MANIFEST[name]["dtype"])]
+    if not name.endswith("_stored_weights"):
+        assert_matches(run(model, inputs, OPENVINO_CPU), expected, tolerance, f"{name} as stored on OpenVINO")
+        _runtimes.record("openvino-ep", f"corpus/{name}/stored", "pass")
+        return
+    try:
+        assert_matches(run(model, inputs, OPENVINO_CPU), expected, tolerance, f"{name} as stored on OpenVINO")
+    except AssertionError as error:
+        _runtimes.record("openvino-ep", f"corpus/{name}/stored", f"lacks {FED_WEIGHTS_IGNORED}")
+        pytest.xfail(f"{FED_WEIGHTS_IGNORED}: {str(error).splitlines()[1][:200]}")
+    except Exception as error:  # noqa: BLE001 (the OneHot defect, which --portable rewrites)
+        if "Output names mismatch" not in str(error):
+            raise
+        _runtimes.record("openvino-ep", f"corpus/{name}/stored", f"lacks {ONEHOT_DEFECT}")
+        pytest.xfail(ONEHOT_DEFECT)
+    _runtimes.record("openvino-ep", f"corpus/{name}/stored", "pass")
+
+
+ONEHOT_DEFECT = "OneHot with a run-time depth next to a folded constant ('Output names mismatch'; --portable rewrites it)"
+FED_WEIGHTS_IGNORED = "fed values of inputs that are also initializers (the stored value is used: wrong values)"

@@ -678,6 +678,38 @@ _ORT_ERRORS = ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "No
 """onnxruntime's exception classes for a model it cannot load or run."""
 
 
+def _feeds_with_checkpoint(model: onnx.ModelProto, model_path: str, checkpoint_path: Optional[str], seed: int):
+    """:func:`random_feeds`, with the checkpoint's tensors for the inputs it names (the
+    weights ``normgrad export`` moved out of the graph). A checkpoint given but missing, or one
+    whose tensor does not fit its input, is an error."""
+    import os
+
+    from normgrad import checkpoint
+
+    feeds = random_feeds(model, seed)
+    path = checkpoint_path
+    if path is None:
+        beside = (model_path[: -len(".onnx")] if model_path.endswith(".onnx") else model_path) + ".ckpt"
+        path = beside if os.path.isfile(beside) else None
+    if path is None:
+        return feeds
+    try:
+        tensors = checkpoint.load(path).tensors
+    except checkpoint.CheckpointError as error:
+        raise CheckpointFeedError(str(error)) from None
+    for name, value in tensors.items():
+        if name in feeds:
+            if value.shape != feeds[name].shape or value.dtype != feeds[name].dtype:
+                raise CheckpointFeedError(f"{path}: tensor {name!r} is {value.dtype}{list(value.shape)}; the graph's "
+                                          f"input is {feeds[name].dtype}{list(feeds[name].shape)}")
+            feeds[name] = value
+    return feeds
+
+
+class CheckpointFeedError(ValueError):
+    """The checkpoint given to ``normgrad check`` cannot feed the graph's weights."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad check``; returns the process exit code (1 if a gradient fails)."""
     from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line, positive_float, positive_int
@@ -692,6 +724,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tolerance", type=positive_float, default=1e-3,
                         help="largest accepted relative error (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=None,
+                        help="the weights to check at (written by `normgrad export`; default: MODEL with .ckpt for "
+                             ".onnx, when that file exists; without one, weights that are pure inputs get random values)")
     args = parser.parse_args(argv)
     import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
 
@@ -705,7 +740,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import normgrad
 
             options = normgrad.session_options(args.backend)
-        checks = check_gradients(model, session_options=options, directions=args.directions, step=args.step,
+        feeds = _feeds_with_checkpoint(model, args.model, args.checkpoint, args.seed)
+        checks = check_gradients(model, feeds, session_options=options, directions=args.directions, step=args.step,
                                  seed=args.seed)
     except (CommandError, ValueError, KeyError, FileNotFoundError, onnx.checker.ValidationError) as error:
         print(f"normgrad check: {one_line(error)}", file=sys.stderr)

@@ -23,7 +23,12 @@ Cases:
   diffusion-UNet block with GroupNormalization-21 and the same block as torch's
   TorchScript exporter writes GroupNorm, a style-transfer block with InstanceNorm, an MLP
   with a cross-entropy loss; each (but the MLP, which has no normalization) also as the
-  ``_inline`` variant (standard ops only). Expected outputs: a float64 copy of the
+  ``_inline`` variant (standard ops only). The cases are written as ``normgrad export``
+  writes them (weights pure inputs, :data:`normgrad.graphs.portable.COSTLY_REWRITES` not
+  made); each fed weight differs from the forward model's value (:func:`fed_weights`), and a
+  ``_stored_weights`` variant keeps the weights as initializers too (the Python builder's
+  form) with the same feeds and expected outputs: a runtime that uses the stored value
+  instead of the fed one fails it. Expected outputs: a float64 copy of the
   training graph (every float tensor, constant and Cast target turned into float64) run by
   ``onnx.reference.ReferenceEvaluator`` with the normgrad nodes evaluated by the float64
   NumPy references (not by the function bodies, which compute in float32). An ``_inline``
@@ -329,13 +334,21 @@ def float64_outputs(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dic
     return dict(zip(names, evaluator.run(names, doubles)))
 
 
-def _training_feeds(model: onnx.ModelProto, name: str, batch: int = 4) -> Dict[str, np.ndarray]:
+def fed_weights(initial: Dict[str, np.ndarray], name: str) -> Dict[str, np.ndarray]:
+    """The weights a training case feeds: the initial values moved by a seeded 10-30 % per
+    element (sign kept), so no fed weight equals the value a graph might store for it."""
+    rng = _rng(name + "/weights")
+    return {key: (value * rng.uniform(1.1, 1.3, value.shape) + 0.05 * np.sign(value)).astype(value.dtype)
+            for key, value in initial.items()}
+
+
+def _training_feeds(model: onnx.ModelProto, name: str, weights: Dict[str, np.ndarray],
+                    batch: int = 4) -> Dict[str, np.ndarray]:
     rng = _rng(name)
-    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
     feeds = {}
     for info in model.graph.input:
-        if info.name in initializers:
-            feeds[info.name] = initializers[info.name]
+        if info.name in weights:
+            feeds[info.name] = weights[info.name]
             continue
         tensor_type = info.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else batch for d in tensor_type.shape.dim]
@@ -367,23 +380,37 @@ def _training_cases() -> List[Callable[[], List[Case]]]:
     def make(block, builder, loss, with_inline, description):
         def build() -> List[Case]:
             from normgrad.graphs import build_training_graph
+            from normgrad.graphs.portable import as_exported
 
             forward = builder()
             name = f"train_{block}"
             text = f"training graph of the {description}" + (f", loss {loss}" if loss else ", seeded output gradients")
-            model = _finish(build_training_graph(forward, loss=loss), text)
-            feeds = _training_feeds(model, name)
+            stored = build_training_graph(forward, loss=loss)
+            exported, initial = as_exported(stored)
+            weights = fed_weights(initial, name)
+            model = _finish(exported, text + "; weights are pure inputs (as exported), fed values that differ from "
+                                            "the forward model's")
+            feeds = _training_feeds(model, name, weights)
             expected64 = float64_outputs(model, feeds)
             expected = {
                 o.name: np.asarray(expected64[o.name]).astype(
                     onnx.helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
                 for o in model.graph.output
             }
-            result = [Case(name, "training", "float32", text, model, feeds, expected,
+            result = [Case(name, "training", "float32", model.doc_string, model, feeds, expected,
                            omits_optional=_omits_optional(model))]
+            stored_text = (text + "; weights both inputs and initializers (build_training_graph's in-memory form), "
+                                  "fed values that differ from the stored ones: a runtime that ignores fed weights fails")
+            stored = _finish(stored, stored_text)
+            stored_feeds = _training_feeds(stored, name, weights)
+            assert all(np.array_equal(stored_feeds[k], feeds[k]) for k in feeds)
+            assert [o.name for o in stored.graph.output] == list(expected)
+            result.append(Case(name + "_stored_weights", "training", "float32", stored_text, stored, stored_feeds,
+                               expected, omits_optional=_omits_optional(stored)))
             if with_inline:
-                inline_text = text + "; normgrad function bodies inlined (standard ops only)"
-                inline = _finish(build_training_graph(forward, loss=loss, inline=True), inline_text)
+                inline_text = text + "; normgrad function bodies inlined (standard ops only), weights pure inputs"
+                inline, _ = as_exported(build_training_graph(forward, loss=loss, inline=True))
+                inline = _finish(inline, inline_text)
                 assert [i.name for i in inline.graph.input] == list(feeds)
                 assert [o.name for o in inline.graph.output] == list(expected)
                 result.append(Case(name + "_inline", "training", "float32", inline_text, inline, feeds, expected,

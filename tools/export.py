@@ -1,7 +1,8 @@
 """``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]
 [--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
-its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
+its step graph (gradients + one optimizer step); trainable weights are pure graph inputs, their
+initial values (and the optimizer's state) in a checkpoint beside the graph."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the model's scalar output NAME is already its loss (instead of --loss)")
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
     parser.add_argument("--portable", action="store_true",
-                        help="a graph every execution provider runs correctly (OpenVINO included): weights as pure "
-                             "inputs, their initial values in the checkpoint (--checkpoint)")
+                        help="also the portable rewrites that cost time on onnxruntime's CPU provider (OneHot as "
+                             "Equal + Where), for OpenVINO; without it every other rewrite is made (weights are "
+                             "always pure inputs, their initial values in the checkpoint)")
     parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
@@ -54,8 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           help="with --data-parallel: largest gradient all-reduce, MiB (default 25)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
-    step.add_argument("--checkpoint", help="where to write the initial state (--optimizer) or weights (--portable); "
-                                           "default: OUTPUT with .ckpt for .onnx")
+    step.add_argument("--checkpoint", help="where to write the initial weights (and, with --optimizer, optimizer "
+                                           "state); default: OUTPUT with .ckpt for .onnx")
     step.add_argument("--momentum", type=float, default=0.0)
     step.add_argument("--dampening", type=float, default=0.0)
     step.add_argument("--nesterov", action="store_true")
@@ -115,9 +117,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
             else:
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-        initial = None
-        if args.optimizer or args.portable:
-            refuse_same_file(args.model, checkpoint_path, "checkpoint")
+        from normgrad.graphs.portable import as_exported, make_portable
+
+        finish = make_portable if args.portable else as_exported
+        refuse_same_file(args.model, checkpoint_path, "checkpoint")
         if args.optimizer:
             from normgrad.graphs import build_step_graph
 
@@ -127,16 +130,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
             else:
                 options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
-            training, initial = build_step_graph(training, args.optimizer, portable=args.portable,
-                                                 dropout_seed=args.seed or 0, **options)
-        elif args.portable:
-            from normgrad.graphs.portable import make_portable
+            training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0, **options)
+            training, _ = finish(training)
+        else:
+            training, initial = finish(training)
+        from normgrad import checkpoint
 
-            training, initial = make_portable(training)
-        if initial is not None:
-            from normgrad import checkpoint
-
-            checkpoint.save(checkpoint_path, initial)
+        checkpoint.save(checkpoint_path, initial)
         save_model_atomic(training, args.output)
     except OSError as error:
         print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
@@ -149,8 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in {checkpoint_path}")
         return 0
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
-    weights = f"; initial weights in {checkpoint_path}" if args.portable else ""
-    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs{weights}")
+    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs; "
+          f"initial weights in {checkpoint_path}")
     return 0
 
 

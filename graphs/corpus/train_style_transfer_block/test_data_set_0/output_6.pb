@@ -1,1 +1,1 @@
-Bin1_scale_gradJ|ê@Ú–şAºá‡ÀHÁ
+Bin1_scale_gradJsÂ@¹uB„Àè¾Á

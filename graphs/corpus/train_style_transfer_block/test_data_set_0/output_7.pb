@@ -1,1 +1,1 @@
-Bin1_bias_gradJàN/@h¡A·3Á¿ø€@
+Bin1_bias_gradJò%¾G°A72(Áè4•@

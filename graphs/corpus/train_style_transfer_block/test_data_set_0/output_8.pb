@@ -1,1 +1,1 @@
-Bin2_scale_gradJ}/ÀÆoeÁ\À‹ßA
+Bin2_scale_gradJ¦39À¾phÁÖÛø¿Jø	A

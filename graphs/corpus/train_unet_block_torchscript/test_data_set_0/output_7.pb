@@ -1,1 +1,1 @@
-Bgn_bias_gradJ ‚ã@z`º@)l >ı©A@@/B»pAÇŠB™™!@
+Bgn_bias_gradJ <Ëë@³ç@£UÀ‘µA-ókB;¼uA*„ºB”©@

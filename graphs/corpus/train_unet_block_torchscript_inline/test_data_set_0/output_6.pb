@@ -1,1 +1,1 @@
-Bgn_weight_gradJ /ŸŽA9–@¹ÿ]ÀUÄAæ>ÚAk8•AÕŸ<B {@
+Bgn_weight_gradJ â¸A/AvNÁ)7VA2¿	B(>¯ALfB÷v@

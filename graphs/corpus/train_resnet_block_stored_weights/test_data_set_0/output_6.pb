@@ -1,0 +1,1 @@
+Bt1_gradJU“=ÀFG¿ OYÀHh>

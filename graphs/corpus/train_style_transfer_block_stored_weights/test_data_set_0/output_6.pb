@@ -1,0 +1,1 @@
+Bin1_scale_gradJsÂ@¹uB„Àè¾Á

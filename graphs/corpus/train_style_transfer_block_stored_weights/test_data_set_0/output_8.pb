@@ -1,0 +1,1 @@
+Bin2_scale_gradJ¦39À¾phÁÖÛø¿Jø	A

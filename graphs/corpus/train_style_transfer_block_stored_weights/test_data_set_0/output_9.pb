@@ -1,0 +1,1 @@
+Bin2_bias_gradJbLÁŠ‘ÁS>À4iA

@@ -1,0 +1,1 @@
+Bgn_weight_gradJ â¸A/AvNÁ)7VA2¿	B(>¯ALfB÷v@

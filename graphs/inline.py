@@ -1,0 +1,133 @@
+"""``inline=True`` / ``--inline``: a graph of standard ONNX domains only.
+
+Every normgrad node is replaced by its function body, each body built for that node: the
+normalization gradients (operators with ``STATIC_SUM_AXES_OF``) get their reduction axes as
+constants where the parameter's dims and x's rank are known at export, so runtimes that need
+static reduction axes (OpenVINO's own runtime, tract) take them; the others get the shared
+body. The result has no model-local function and imports no normgrad opset.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, Optional
+
+import numpy as np
+import onnx
+import onnx.numpy_helper as onh
+import onnx.helper as oh
+import onnx.inliner
+import onnx.shape_inference
+
+import normgrad
+from normgrad.graphs.context import attr
+from normgrad.ops import DOMAIN, OPERATORS, _common
+
+__all__ = ["inline_normgrad"]
+
+_NODE_DOMAIN = "normgrad.inline.node"
+
+
+def _dims(types: Dict[str, onnx.TypeProto], name: str) -> Optional[list]:
+    info = types.get(name)
+    if info is None or not info.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in info.tensor_type.shape.dim]
+
+
+_SHAPE_OPS = {"Shape", "Size", "Constant", "ConstantOfShape", "Concat", "Gather", "Slice", "Squeeze", "Unsqueeze",
+              "Reshape", "Cast", "Add", "Sub", "Mul", "Div", "ReduceProd", "Identity", "Range", "Equal", "Where"}
+"""Default-domain ops that shape arithmetic uses, evaluated where every input is known."""
+
+
+def _known_values(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
+    """Integer values computable at export: constants and the arithmetic on the shapes of
+    values whose dims shape inference knows (what the gradient rules compute from weights'
+    shapes, e.g. GroupNorm's per-channel gamma viewed as [1, G, C/G, 1])."""
+    from onnx.reference import ReferenceEvaluator
+
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    for info in list(inferred.graph.input) + list(inferred.graph.value_info):
+        shape = info.type.tensor_type.shape
+        if info.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in shape.dim):
+            dims[info.name] = [d.dim_value for d in shape.dim]
+    known: Dict[str, np.ndarray] = {}
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _SHAPE_OPS:
+            continue
+        if node.op_type == "Shape" and node.input[0] in dims:
+            start, end = attr(node, "start", 0), attr(node, "end", None)
+            known[node.output[0]] = np.array(dims[node.input[0]][start:end], np.int64)
+            continue
+        if not all(name in known or not name for name in node.input):
+            continue
+        if node.op_type != "Constant" and not all(known[name].dtype.kind in "iub" for name in node.input if name):
+            continue
+        inputs = [name for name in node.input if name]
+        single = oh.make_model(
+            oh.make_graph([node], "fold", [oh.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(known[n].dtype),
+                                                                      list(known[n].shape)) for n in inputs],
+                          [oh.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output]),
+            opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx")])
+        try:
+            values = ReferenceEvaluator(single).run(None, {n: known[n] for n in inputs})
+        except Exception:  # noqa: BLE001 (an op the evaluator cannot fold stays unknown)
+            continue
+        for name, value in zip(node.output, values):
+            if isinstance(value, np.ndarray) and value.dtype.kind in "iub" and value.size <= 64:
+                known[name] = value
+    return known
+
+
+def _value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+    """Types with the dims shape inference finds once the shape arithmetic known at export
+    is folded (in a copy used for this only)."""
+    known = _known_values(model)
+    folded = copy.deepcopy(model)
+    nodes = [n for n in folded.graph.node if not (n.output and all(o in known for o in n.output))]
+    del folded.graph.node[:]
+    folded.graph.node.extend(nodes)
+    present = {t.name for t in folded.graph.initializer}
+    folded.graph.initializer.extend(onh.from_array(value, name) for name, value in known.items() if name not in present)
+    inferred = onnx.shape_inference.infer_shapes(folded, data_prop=True)
+    graph = inferred.graph
+    types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        types[info.name] = info.type
+    return types
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def inline_normgrad(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with every normgrad node (and every other model-local function)
+    inlined; normgrad bodies with static reduction axes where they are known."""
+    model = normgrad.add_functions(model)
+    types = _value_types(model)
+    opset = _opset(model)
+    per_node = []
+    for index, node in enumerate(model.graph.node):
+        module = OPERATORS.get(node.op_type) if node.domain == DOMAIN else None
+        positions = getattr(module, "STATIC_SUM_AXES_OF", None)
+        if positions is None or max(positions) >= len(node.input) or not all(node.input[p] for p in positions):
+            continue
+        x_dims, param_dims = _dims(types, node.input[positions[0]]), _dims(types, node.input[positions[1]])
+        sum_axes = _common.static_sum_axes(param_dims, None if x_dims is None else len(x_dims))
+        if sum_axes is None:
+            continue
+        body = module.function_body(opset, sum_axes=sum_axes)
+        body.domain, body.name = _NODE_DOMAIN, f"{node.op_type}_{index}"
+        node.domain, node.op_type = _NODE_DOMAIN, body.name
+        per_node.append(body)
+    if per_node:
+        model.functions.extend(per_node)
+        model.opset_import.append(oh.make_opsetid(_NODE_DOMAIN, 1))
+    model = onnx.inliner.inline_local_functions(model)
+    del model.functions[:]
+    kept = [o for o in model.opset_import if o.domain not in (DOMAIN, _NODE_DOMAIN)]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return model

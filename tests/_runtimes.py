@@ -1,0 +1,150 @@
+"""ONNX runtimes other than onnxruntime, behind one call: ``run(runtime, model, feeds)``.
+
+* ``evaluator``: ``onnx.reference.ReferenceEvaluator`` (always there).
+* ``openvino``: OpenVINO's own runtime (pip ``openvino``: ``Core().read_model``, device CPU,
+  ``INFERENCE_PRECISION_HINT`` f32: on a CPU with bfloat16 instructions the default is
+  bfloat16, which gave 2e-3..7e-3 relative errors on the training cases); its own venv in
+  ``.ci/run``. ``NORMGRAD_REQUIRE_OPENVINO_RUNTIME=1`` makes a missing package an error.
+* ``tract``: Sonos' tract (pip ``tract``). ``NORMGRAD_REQUIRE_TRACT=1`` likewise.
+* ``openvino-ep``: onnxruntime-openvino's OpenVINOExecutionProvider, device CPU (its own venv;
+  ``tests/test_openvino.py`` runs the corpus there, these tests only the training loops).
+
+:func:`lacks` names, before running, what a runtime lacks to run a model (or None): the
+tests expect such a model to fail there (an explicit xfail naming it) and fail if it runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import tempfile
+from typing import Dict, Optional
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+
+RUNTIMES = ("evaluator", "openvino", "tract", "openvino-ep")
+_PACKAGES = {"evaluator": "onnx", "openvino": "openvino", "tract": "tract", "openvino-ep": "onnxruntime"}
+_REQUIRED = {"openvino": "NORMGRAD_REQUIRE_OPENVINO_RUNTIME", "tract": "NORMGRAD_REQUIRE_TRACT"}
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def available(runtime: str) -> bool:
+    if runtime == "openvino-ep":  # tests/_providers.py checks NORMGRAD_REQUIRE_OPENVINO
+        import onnxruntime
+
+        return "OpenVINOExecutionProvider" in onnxruntime.get_available_providers()
+    present = importlib.util.find_spec(_PACKAGES[runtime]) is not None
+    variable = _REQUIRED.get(runtime)
+    if variable and os.environ.get(variable) and not present:
+        raise RuntimeError(f"{variable} is set but the package {_PACKAGES[runtime]!r} is not installed")
+    return present
+
+
+def requires(runtime: str):
+    return pytest.mark.skipif(not available(runtime), reason=f"{_PACKAGES[runtime]} is not installed "
+                                                              "(.ci/run installs it; see docs/runtimes.md)")
+
+
+def _elem_types(model: onnx.ModelProto):
+    values = list(model.graph.input) + list(model.graph.output)
+    return {v.type.tensor_type.elem_type for v in values}
+
+
+def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
+    """What ``runtime`` lacks to run ``model``, measured (docs/runtimes.md), or None."""
+    if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
+        return None
+    if runtime == "openvino" and _inputs_also_initializers(model):
+        return "graph inputs that are also initializers (read as constants: the model has fewer inputs, cannot be fed)"
+    if runtime == "tract" and _inputs_also_initializers(model):
+        return "graph inputs that are also initializers (tract 0.23.9 aborts the process: not run)"
+    if model.functions:
+        ops = sorted({f"{f.domain}:{f.name}" for f in model.functions})
+        return f"model-local functions ({', '.join(ops)}): export with --inline"
+    if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
+        return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
+    if runtime == "tract":
+        if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
+            return "bfloat16 tensors"
+        constants = {t.name for t in model.graph.initializer} | {n.output[0] for n in model.graph.node
+                                                                  if n.op_type == "Constant"}
+        for node in model.graph.node:
+            if node.op_type == "BatchNormalization" and any(name not in constants for name in node.input[1:5]):
+                return "BatchNormalization fed computed batch statistics ('Params are not const')"
+    return None
+
+
+def _inputs_also_initializers(model: onnx.ModelProto) -> bool:
+    return bool({i.name for i in model.graph.input} & {t.name for t in model.graph.initializer})
+
+
+def _evaluator(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    from onnx.reference import ReferenceEvaluator
+
+    names = [o.name for o in model.graph.output]
+    return dict(zip(names, ReferenceEvaluator(model).run(names, feeds)))
+
+
+def _openvino(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    import openvino
+
+    core = openvino.Core()
+    with tempfile.TemporaryDirectory(prefix="normgrad-openvino-") as folder:
+        path = pathlib.Path(folder) / "model.onnx"
+        onnx.save(model, str(path))
+        compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    inputs = [feeds[i.name] for i in model.graph.input]
+    result = compiled(inputs)
+    return {o.name: np.asarray(result[compiled.outputs[k]]) for k, o in enumerate(model.graph.output)}
+
+
+_TRACT_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64",
+                np.dtype(np.int64): "i64", np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool"}
+
+
+def _tract(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    import tract
+
+    if _inputs_also_initializers(model):  # measured: a Rust panic that aborts the whole process
+        raise RuntimeError("not run: tract aborts the process on a graph input that is also an initializer")
+    with tempfile.TemporaryDirectory(prefix="normgrad-tract-") as folder:
+        path = pathlib.Path(folder) / "model.onnx"
+        onnx.save(model, str(path))
+        loaded = tract.onnx().load(str(path))
+    inputs = [feeds[i.name] for i in model.graph.input]
+    for k, value in enumerate(inputs):
+        loaded.set_input_fact(k, ",".join([str(d) for d in value.shape] + [_TRACT_TYPES[value.dtype]]))
+    outputs = loaded.into_model().into_runnable().run(inputs)
+    return {o.name: outputs[k].to_numpy() for k, o in enumerate(model.graph.output)}
+
+
+def _openvino_ep(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    from _providers import OPENVINO_CPU
+    from _providers import run as run_on
+
+    return run_on(model, feeds, OPENVINO_CPU)
+
+
+def run(runtime: str, model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Every output of ``model`` run by ``runtime`` on ``feeds`` (every graph input, by name)."""
+    return {"evaluator": _evaluator, "openvino": _openvino, "tract": _tract,
+            "openvino-ep": _openvino_ep}[runtime](model, feeds)
+
+
+def record(runtime: str, row: str, outcome: str) -> None:
+    """Checks ``outcome`` against the one recorded in graphs/runtime_support.json (a recorded
+    pass that became anything else fails); records it with NORMGRAD_RECORD_RUNTIMES=1."""
+    from normgrad.tools import runtime_table
+
+    results = runtime_table.load_results()
+    if runtime_table.recording():
+        results.setdefault(runtime, {})[row] = outcome
+        runtime_table.save_results(results)
+        return
+    recorded = results.get(runtime, {}).get(row)
+    if recorded is not None and recorded == "pass":
+        assert outcome == "pass", f"{runtime}, {row}: recorded {recorded!r}, now {outcome!r}"

@@ -1,0 +1,289 @@
+"""The corpus and 5-step training loops on ONNX runtimes other than onnxruntime
+(``tests/_runtimes.py``): onnx's ReferenceEvaluator, OpenVINO's own runtime, tract.
+
+Corpus: every case as stored and, for single-node cases, inlined by normgrad
+(:func:`normgrad.graphs.inline.inline_normgrad`: standard ops, static reduction axes),
+against the corpus's float64 expected values. Training: step graphs as ``normgrad export``
+writes them (weights pure inputs, fed each step; ``--inline`` and not), 5 steps of SGD with
+momentum and of AdamW, against the same 5 steps run by onnxruntime's CPU provider.
+
+A model a runtime lacks something for (:func:`_runtimes.lacks`) must fail there: an explicit
+xfail naming what it lacks; if it runs, the test fails (update ``lacks``). Every outcome is
+checked against ``graphs/runtime_support.json`` and, with ``NORMGRAD_RECORD_RUNTIMES=1``,
+recorded there; ``normgrad.tools.runtime_table`` renders docs/runtimes.md from it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from normgrad.graphs import build_step_graph, build_training_graph, examples
+from normgrad.graphs.inline import inline_normgrad
+from normgrad.graphs.portable import as_exported
+from normgrad.tools.corpus import fed_weights
+
+import _runtimes
+from _providers import max_relative_error
+from test_corpus import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
+
+FORMS = ("stored", "inlined")
+
+
+def _expect(runtime: str, row: str, model: onnx.ModelProto, attempt) -> None:
+    """Runs ``attempt`` (which asserts the values) where the runtime lacks nothing, or
+    expects it to fail and xfails naming what the runtime lacks."""
+    missing = _runtimes.lacks(runtime, model)
+    if missing is None:
+        attempt()
+        _runtimes.record(runtime, row, "pass")
+        return
+    try:
+        attempt()
+    except Exception as error:  # noqa: BLE001 (any failure of the runtime is the expected one)
+        _runtimes.record(runtime, row, f"lacks {missing}")
+        pytest.xfail(f"{runtime} lacks {missing}: {str(error).splitlines()[0][:200] if str(error) else type(error).__name__}")
+    pytest.fail(f"{runtime} ran {row} although it was expected to lack {missing}: update _runtimes.lacks")
+
+
+def _corpus_model(name: str, form: str):
+    model, inputs, expected = load_case(name)
+    if form == "inlined":
+        model = inline_normgrad(model)
+    return model, inputs, expected
+
+
+def _corpus_params():
+    params = []
+    for runtime in _runtimes.RUNTIMES:
+        if runtime == "openvino-ep":
+            continue  # tests/test_openvino.py runs the corpus on the EP
+        for name in CASES:
+            for form in FORMS:
+                if form == "inlined" and MANIFEST[name]["kind"] != "node":
+                    continue  # training cases have their own _inline twin
+                params.append(pytest.param(runtime, name, form, marks=_runtimes.requires(runtime)))
+    return params
+
+
+@pytest.mark.parametrize("runtime, name, form", _corpus_params())
+def test_corpus_case(runtime, name, form):
+    model, inputs, expected = _corpus_model(name, form)
+    info = MANIFEST[name]
+
+    def attempt():
+        actual = _runtimes.run(runtime, model, inputs)
+        assert_matches(actual, expected, TOLERANCE[(info["kind"], info["dtype"])], f"{name} ({form}) on {runtime}")
+
+    _expect(runtime, f"corpus/{name}/{form}", model, attempt)
+
+
+def test_inlined_bodies_have_static_axes():
+    """Inlined, no corpus case computes a reduction axis at run time (CumSum/NonZero)."""
+    for name in CASES:
+        model = inline_normgrad(load_case(name)[0]) if MANIFEST[name]["kind"] == "node" else load_case(name)[0]
+        if MANIFEST[name]["kind"] == "node" or MANIFEST[name]["inline"]:
+            assert not model.functions and not {o.domain for o in model.opset_import} - {"", "ai.onnx"}, name
+            assert not {n.op_type for n in model.graph.node} & {"CumSum", "NonZero"}, name
+
+
+LOOPS = [
+    ("unet_block", "mse", "sgd", dict(momentum=0.9)),
+    ("style_transfer_block", "mse", "sgd", dict(momentum=0.9, nesterov=True)),
+    ("resnet_block", "mse", "sgd", dict(momentum=0.9)),
+    # AdamW where no gradient is ~0 (a conv bias before a normalization has a zero gradient,
+    # which Adam turns into steps of size lr made of rounding noise)
+    ("mlp", "cross_entropy", "adamw", dict(weight_decay=0.01)),
+]
+
+
+def _step_graph(block, loss, optimizer, options, inline):
+    """(step graph as ``normgrad export`` writes it, initial state with fed weights, batches)."""
+    forward = getattr(examples, block)()
+    training = build_training_graph(forward, loss=loss, inline=inline)
+    step, state = build_step_graph(training, optimizer, **options)
+    step, _ = as_exported(step)
+    weights = json.loads({p.key: p.value for p in step.metadata_props}["normgrad.gradients"]).values()
+    state.update(fed_weights({k: v for k, v in state.items() if k in set(weights)}, block))
+    rng = np.random.default_rng(7)
+    x = forward.graph.input[0]
+    x_shape = [d.dim_value or 4 for d in x.type.tensor_type.shape.dim]
+    y_shape = [d.dim_value or 4 for d in forward.graph.output[0].type.tensor_type.shape.dim]
+    batches = []
+    for _ in range(5):
+        labels = (rng.integers(0, y_shape[1], [x_shape[0]] + y_shape[2:]).astype(np.int64) if loss == "cross_entropy"
+                  else rng.standard_normal(x_shape).astype(np.float32))  # the conv blocks keep x's shape
+        batches.append({x.name: rng.standard_normal(x_shape).astype(np.float32), "labels": labels})
+    return step, state, batches
+
+
+def _loop(step, state, batches, run):
+    meta = {p.key: json.loads(p.value) for p in step.metadata_props if p.key == "normgrad.state"}["normgrad.state"]
+    losses = []
+    for k, batch in enumerate(batches, start=1):
+        feeds = {**state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32)}
+        out = run({i.name: feeds[i.name] for i in step.graph.input})
+        losses.append(out["loss"])
+        state = {name: out[meta[name]] for name in state}
+    return losses, state
+
+
+def _onnxruntime(step):
+    import normgrad
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(normgrad.add_functions(step).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return lambda feeds: dict(zip(names, session.run(None, feeds)))
+
+
+def _loop_params():
+    return [pytest.param(runtime, *loop, inline, marks=_runtimes.requires(runtime))
+            for runtime in _runtimes.RUNTIMES for loop in LOOPS for inline in (False, True)]
+
+
+@pytest.mark.parametrize("runtime, block, loss, optimizer, options, inline", _loop_params())
+def test_training_loop(runtime, block, loss, optimizer, options, inline):
+    """5 steps, weights (fed, unlike any stored value) and optimizer state fed back each
+    step, against the same loop on onnxruntime's CPU provider."""
+    step, state, batches = _step_graph(block, loss, optimizer, options, inline)
+    assert not {i.name for i in step.graph.input} & {t.name for t in step.graph.initializer}
+    assert not inline or not step.functions
+
+    def attempt():
+        losses, final = _loop(step, state, batches, lambda feeds: _runtimes.run(runtime, step, feeds))
+        want_losses, want = _loop(step, state, batches, _onnxruntime(step))
+        for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
+            assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}: {got} != {expected}"
+        for name, expected in want.items():
+            assert max_relative_error(final[name], expected) <= 1e-4, name
+        moved = max(max_relative_error(final[name], state[name]) for name in state)
+        assert moved > 1e-3, "the state did not move: the loop tests nothing"
+
+    _expect(runtime, f"training/{block}/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
+
+
+def _onnxruntime_outputs(model, feeds):
+    import normgrad
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(normgrad.add_functions(model).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, {k: v for k, v in feeds.items()
+                                                                               if k in wanted})))
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if MANIFEST[c]["kind"] == "node" and MANIFEST[c]["dtype"] != "bfloat16"])
+def test_static_axes_bodies_are_bitwise_the_shared_ones(name):
+    """On onnxruntime, a node inlined with its static-axes body gives bitwise what the shared
+    body (run-time axes) gives."""
+    model, inputs, _ = load_case(name)
+    want, got = _onnxruntime_outputs(model, inputs), _onnxruntime_outputs(inline_normgrad(model), inputs)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and np.array_equal(got[key], value, equal_nan=True), key
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_inline_step_graph_is_standard_domains_only(optimizer):
+    """--inline step graphs: no normgrad node, function or opset, AdamUpdate included."""
+    training = build_training_graph(examples.unet_block(), loss="mse", inline=True)
+    step, _ = build_step_graph(training, optimizer)
+    assert not step.functions
+    assert {n.domain for n in step.graph.node} <= {""}
+    assert {o.domain for o in step.opset_import} <= {"", "ai.onnx"}
+    assert not {n.op_type for n in step.graph.node} & {"CumSum", "NonZero"}
+
+
+def test_export_default_weights_are_pure_inputs(tmp_path):
+    """normgrad export with defaults: no weight is an initializer, the checkpoint beside holds
+    the forward model's values, and normgrad check uses them."""
+    import onnx.numpy_helper as onh
+
+    from normgrad import checkpoint
+    from normgrad.tools import check as check_tool
+    from normgrad.tools import export as export_tool
+
+    forward = examples.unet_block()
+    onnx.save(forward, tmp_path / "block.onnx")
+    assert export_tool.main([str(tmp_path / "block.onnx"), "-o", str(tmp_path / "train.onnx"), "--loss", "mse"]) == 0
+    written = onnx.load(str(tmp_path / "train.onnx"))
+    assert not {i.name for i in written.graph.input} & {t.name for t in written.graph.initializer}
+    stored = checkpoint.load(tmp_path / "train.ckpt").tensors
+    initializers = {t.name: onh.to_array(t) for t in forward.graph.initializer}
+    assert set(stored) == set(initializers) and all(np.array_equal(stored[k], initializers[k]) for k in stored)
+    feeds = check_tool._feeds_with_checkpoint(written, str(tmp_path / "train.onnx"), None, 0)
+    assert all(np.array_equal(feeds[k], stored[k]) for k in stored)
+    assert check_tool.main([str(tmp_path / "train.onnx")]) == 0
+    assert check_tool.main([str(tmp_path / "train.onnx"), "--checkpoint", str(tmp_path / "missing.ckpt")]) == 1
+
+
+TORCH_OPTIMIZERS = {
+    "sgd": (["--optimizer", "sgd", "--momentum", "0.9"], lambda torch, params: torch.optim.SGD(params, lr=0.05, momentum=0.9)),
+    "adamw": (["--optimizer", "adamw", "--weight-decay", "0.01"],
+              lambda torch, params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)),
+}
+
+
+def _torch_params():
+    return [pytest.param(runtime, optimizer, inline, marks=[] if runtime == "onnxruntime" else _runtimes.requires(runtime))
+            for runtime in ("onnxruntime",) + _runtimes.RUNTIMES for optimizer in TORCH_OPTIMIZERS
+            for inline in (False, True)]
+
+
+@pytest.mark.parametrize("runtime, optimizer, inline", _torch_params())
+def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
+    """A torch model (Conv without bias: Adam would turn its ~0 gradient into noise; GroupNorm,
+    SiLU, Linear) exported with normgrad.torch.export and
+    `normgrad export` defaults (plus --inline): 5 steps on the runtime, weights read from the
+    checkpoint and fed back each step, match torch.optim's 5 steps."""
+    torch = pytest.importorskip("torch")
+    from normgrad import checkpoint
+    from normgrad.torch import export as torch_export
+    from normgrad.tools import export as export_tool
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.GroupNorm(2, 4), torch.nn.SiLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 3))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    forward = torch_export(net, torch.randn(4, 3, 5, 5), tmp_path / "net.onnx", input_names=["x"], output_names=["y"])
+    flags, make_optimizer = TORCH_OPTIMIZERS[optimizer]
+    argv = [str(tmp_path / "net.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "cross_entropy"] + flags
+    assert export_tool.main(argv + (["--inline"] if inline else [])) == 0
+    step = onnx.load(str(tmp_path / "step.onnx"))
+    state = dict(checkpoint.load(tmp_path / "step.ckpt").tensors)
+    names = json.loads({p.key: p.value for p in forward.metadata_props}["normgrad.torch_parameters"])
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.standard_normal((4, 3, 5, 5)).astype(np.float32),
+                "labels": rng.integers(0, 3, 4).astype(np.int64)} for _ in range(5)]
+    parameters = dict(net.named_parameters())
+    torch_optimizer = make_optimizer(torch, list(parameters.values()))
+    want_losses = []
+    for batch in batches:
+        torch_optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(torch.from_numpy(batch["x"])), torch.from_numpy(batch["labels"]))
+        loss.backward()
+        torch_optimizer.step()
+        want_losses.append(loss.item())
+    run = _onnxruntime(step) if runtime == "onnxruntime" else (lambda feeds: _runtimes.run(runtime, step, feeds))
+
+    def attempt():
+        losses, final = _loop(step, state, batches, run)
+        for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
+            assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}: {got} != {expected}"
+        for onnx_name, torch_name in names.items():
+            assert max_relative_error(final[onnx_name], parameters[torch_name].detach().numpy()) <= 1e-4, torch_name
+
+    if runtime == "onnxruntime":
+        attempt()
+    else:
+        _expect(runtime, f"training/torch_conv_groupnorm/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
