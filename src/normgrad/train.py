@@ -82,6 +82,25 @@ def cosine(lr: float, total_steps: int, warmup_steps: int = 0, min_lr: float = 0
     return schedule
 
 
+def _load_step_graph(path: PathLike) -> onnx.ModelProto:
+    try:
+        return onnx.load(os.fspath(path))
+    except OSError as error:
+        raise TrainerError(f"cannot read the step graph {os.fspath(path)!r}: {error.strerror or error}") from None
+    except Exception as error:  # protobuf's DecodeError and what a cut file raises
+        raise TrainerError(f"{os.fspath(path)!r} is not an ONNX model (corrupt or truncated: {error})") from None
+
+
+def _metadata_json(metadata: Mapping[str, str], key: str, kind: type):
+    try:
+        value = json.loads(metadata[key])
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        raise TrainerError(f"corrupt step graph: metadata {key} must be a JSON {kind.__name__}; got {metadata[key][:80]!r}")
+    return value
+
+
 def _np_dtype(info: onnx.ValueInfoProto) -> np.dtype:
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
 
@@ -92,12 +111,36 @@ class _Part:
     ``state`` maps state inputs to the outputs holding their next value."""
 
     def __init__(self, ort, model: onnx.ModelProto, options, providers, state: Mapping[str, str]):
-        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-        self.binding = self.session.io_binding()
         self.inputs = {i.name: i for i in model.graph.input}
         self.state = {name: state[name] for name in self.inputs if name in state}
         self.outputs = {o.name: o for o in model.graph.output}
-        self.in_place = structure.in_place_updates(model.graph, self.state)
+        self.session, running = _session_and_running_graph(ort, model, options, providers)
+        self.binding = self.session.io_binding()
+        self.in_place = structure.in_place_updates(running.graph, self.state) if running is not None else set()
+
+
+def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
+    """An onnxruntime session of ``model`` and the graph it runs (after onnxruntime's graph
+    optimizations at ``options``' level and its partitioning), which onnxruntime writes out
+    while it creates the session. The graph is None where onnxruntime cannot write it (a
+    provider that compiles nodes): then nothing is updated in place."""
+    import tempfile
+
+    saved_path, saved_severity = options.optimized_model_filepath, options.log_severity_level
+    with tempfile.TemporaryDirectory(prefix="normgrad-trainer-") as folder:
+        path = os.path.join(folder, "running.onnx")
+        options.optimized_model_filepath = path
+        options.log_severity_level = max(saved_severity, 3)  # the warning that an optimized ALL-level graph is machine-specific
+        try:
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+            running = onnx.load(path, load_external_data=False)
+        except Exception:
+            session, running = None, None
+        finally:
+            options.optimized_model_filepath, options.log_severity_level = saved_path, saved_severity
+    if session is None:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    return session, running
 
 
 class Trainer:
@@ -143,7 +186,7 @@ class Trainer:
         from normgrad.graphs import optimizers
 
         self._ort = onnxruntime
-        model = step_model if isinstance(step_model, onnx.ModelProto) else onnx.load(os.fspath(step_model))
+        model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
         metadata = {e.key: e.value for e in model.metadata_props}
         missing = [k for k in ("normgrad.state", "normgrad.parameters", "normgrad.data_inputs", "normgrad.optimizer")
                    if k not in metadata]
@@ -157,10 +200,20 @@ class Trainer:
         self.schedule: Schedule = lr if callable(lr) else constant(lr)
         self.accumulation = accumulation
         self.step_model = model
-        self._state_map: Dict[str, str] = json.loads(metadata["normgrad.state"])
-        self.parameters: List[str] = json.loads(metadata["normgrad.parameters"])
-        self.data_inputs: List[str] = json.loads(metadata["normgrad.data_inputs"])
+        self._state_map: Dict[str, str] = _metadata_json(metadata, "normgrad.state", dict)
+        self.parameters: List[str] = _metadata_json(metadata, "normgrad.parameters", list)
+        self.data_inputs: List[str] = _metadata_json(metadata, "normgrad.data_inputs", list)
+        self._loss_metadata = _metadata_json(metadata, "normgrad.loss", dict) if "normgrad.loss" in metadata else {}
         inputs = {i.name: i for i in model.graph.input}
+        outputs = {o.name for o in model.graph.output}
+        for name, next_value in self._state_map.items():
+            if not isinstance(name, str) or name not in inputs or next_value not in outputs:
+                raise TrainerError(f"corrupt step graph: metadata normgrad.state names {name!r} -> {next_value!r}, "
+                                   "which is not one of its inputs and outputs")
+        for name in self.data_inputs + self.parameters:
+            if not isinstance(name, str) or name not in inputs:
+                raise TrainerError(f"corrupt step graph: its metadata names {name!r}, which is not one of its inputs")
+        self._classes = self._class_count()
         self._expected = {name: (_np_dtype(inputs[name]), tuple(d.dim_value for d in inputs[name].type.tensor_type.shape.dim))
                           for name in self._state_map}
         self._device = (device, device_id)
@@ -176,8 +229,11 @@ class Trainer:
                     raise
         self.split = accumulation > 1 or type(self).reduce_gradients is not Trainer.reduce_gradients
         if self.split:
-            gradient = optimizers.build_gradient_graph(model)
-            kind, hyper = optimizers.optimizer_options(model)
+            try:
+                gradient = optimizers.build_gradient_graph(model)
+                kind, hyper = optimizers.optimizer_options(model)
+            except (ValueError, KeyError, TypeError) as error:
+                raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
             shapes = {p: list(self._expected[p][1]) for p in self.parameters}
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
@@ -241,7 +297,7 @@ class Trainer:
         except checkpoints.CheckpointError as error:
             raise TrainerError(f"{error} (checked against the step graph's state)") from None
         step_text = ckpt.metadata.get(STEP_METADATA, "0")
-        if not step_text.isdigit():
+        if not (step_text.isascii() and step_text.isdigit()):
             raise TrainerError(f"checkpoint metadata {STEP_METADATA} must be a step count, got {step_text!r}")
         tensors = self.broadcast_state({name: ckpt.tensors[name] for name in self._expected})
         self._buffers = {}
@@ -330,7 +386,55 @@ class Trainer:
                 micro = f" (each of the {self.accumulation} micro-batches)" if self.accumulation > 1 else ""
                 wanted = [d if d is not None else "any" for d in dims]
                 raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
+        self._check_batch(feeds)
         return feeds
+
+    def _check_batch(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Refuses, before anything runs, an empty batch, inputs that disagree on a dimension
+        the step graph names alike (``batch``), and cross_entropy labels outside 0..C-1
+        (other than the loss's ignore_index)."""
+        inputs = {i.name: i for i in self.step_model.graph.input}
+        symbols: Dict[str, Tuple[str, int, int]] = {}
+        for name, value in feeds.items():
+            if value.size == 0:
+                raise TrainerError(f"batch input {name!r} is empty (shape {list(value.shape)}); a step needs at least one sample")
+            for axis, dim in enumerate(inputs[name].type.tensor_type.shape.dim):
+                if dim.HasField("dim_param") and dim.dim_param and axis < value.ndim:
+                    first = symbols.setdefault(dim.dim_param, (name, axis, value.shape[axis]))
+                    if first[2] != value.shape[axis]:
+                        raise TrainerError(
+                            f"batch input {name!r} has {value.shape[axis]} along axis {axis} and {first[0]!r} "
+                            f"{first[2]} along axis {first[1]}; the step graph names both {dim.dim_param!r}, so they must agree")
+        loss = self._loss_metadata
+        if loss.get("kind") != "cross_entropy" or "labels" not in feeds:
+            return
+        labels = feeds["labels"]
+        ignore_index = (loss.get("options") or {}).get("ignore_index")
+        valid = labels >= 0 if ignore_index is None else (labels >= 0) | (labels == ignore_index)
+        if self._classes is not None:
+            valid &= (labels < self._classes) | (labels == ignore_index if ignore_index is not None else False)
+        if not valid.all():
+            bad = labels[~valid].flat[0]
+            allowed = f"0..{self._classes - 1}" if self._classes is not None else "non-negative"
+            also = f" or the ignore_index {ignore_index}" if ignore_index is not None else ""
+            raise TrainerError(f"batch input 'labels' holds {bad}; cross_entropy labels must be class indices {allowed}{also}")
+
+    def _class_count(self) -> Optional[int]:
+        """C of a cross_entropy loss: axis 1 of its forward output, where the step graph knows it."""
+        if self._loss_metadata.get("kind") != "cross_entropy":
+            return None
+        output = self._loss_metadata.get("output")
+        graph = self.step_model.graph
+        if not any(info.name == output for info in graph.value_info):
+            try:
+                graph = onnx.shape_inference.infer_shapes(self.step_model).graph
+            except Exception:  # a graph onnx cannot infer: labels are checked against 0 only
+                return None
+        for info in list(graph.value_info) + list(graph.output):
+            if info.name == output:
+                dims = info.type.tensor_type.shape.dim
+                return dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
+        return None
 
     def step(self, *batch, **named) -> float:
         """One optimizer step on a batch (the step graph's data inputs, positionally in
@@ -338,7 +442,7 @@ class Trainer:
         mean of the micro-batch losses)."""
         feeds = self._batch(batch, named)
         step = self._step + 1
-        scalars = {"lr": np.array(self.schedule(step), np.float32), "step": np.array(step, np.float32)}
+        scalars = {"lr": self._learning_rate(step), "step": np.array(step, np.float32)}
         if not self.split:
             loss = self._run(self._step_part, {**feeds, **scalars})
         else:
@@ -348,6 +452,19 @@ class Trainer:
             self._run(self._optimizer, {**scalars, **{f"{p}_grad": gradients[p] for p in self.parameters}})
         self._step = step
         return loss
+
+    def _learning_rate(self, step: int) -> np.ndarray:
+        """The schedule's lr for ``step`` as float32, refused unless a finite number >= 0."""
+        value = self.schedule(step)
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        if ok:
+            with np.errstate(over="ignore"):
+                lr = np.array(value, np.float32)
+            ok = bool(np.isfinite(lr)) and math.isfinite(float(value)) and value >= 0
+        if not ok:
+            raise TrainerError(f"the lr schedule returned {value!r} for step {step}; a learning rate must be a "
+                               "finite number >= 0 that float32 holds")
+        return lr
 
     def _accumulate(self, feeds: Dict[str, np.ndarray]) -> float:
         k = self.accumulation
