@@ -94,7 +94,7 @@ def _reaches(producer: Dict[str, onnx.NodeProto], start: onnx.NodeProto, target:
     return False
 
 
-_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Where"})
 """Default-domain ops whose output element i reads only element i of same-shaped inputs:
 onnxruntime runs them with the output in the input's buffer itself (their kernels declare
 MayInplace). A normgrad operator says so with ``ELEMENTWISE = True`` in its module."""

@@ -207,3 +207,77 @@ def test_non_ascii_digit_step_count_is_a_trainer_error():
 
     with pytest.raises(TrainerError, match="must be a step count"):
         Trainer(step, checkpoint.Checkpoint(tensors=initial, metadata={"normgrad.step": "\u00b2"}))
+
+
+# -- 19.2: transactional steps ---------------------------------------------------------------------
+
+def test_non_finite_loss_raises_and_keeps_the_state():
+    step, initial = _step(kind="adamw")
+    trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+    trainer.step(**_mse_batch(1))
+    before = _snapshot(trainer)
+    bad = _mse_batch(2)
+    bad["x"][1, 2, 3] = np.nan
+    with pytest.raises(TrainerError, match="step 2: the loss \\(nan\\) or a gradient is not finite; the state is unchanged"):
+        trainer.step(**bad)
+    assert _snapshot(trainer) == before and trainer.skipped_steps == 1
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_non_finite_steps_can_be_skipped(accumulation):
+    """nonfinite='skip': the step is not taken (state, step count, schedule position kept),
+    and the next finite step is exactly the step a trainer that never saw the bad batch takes."""
+    step, initial = _step(kind="adamw")
+    skipping = Trainer(step, initial, lr=0.01, accumulation=accumulation, nonfinite="skip", session_options=_options())
+    clean = Trainer(step, initial, lr=0.01, accumulation=accumulation, session_options=_options())
+    bad = _mse_batch(2)
+    bad["labels"][0, 0, 0] = np.inf
+    assert not np.isfinite(skipping.step(**bad))
+    assert skipping.step_count == 0 and skipping.skipped_steps == 1
+    assert _snapshot(skipping)[0] == _snapshot(clean)[0]
+    assert skipping.step(**_mse_batch(3)) == clean.step(**_mse_batch(3))
+    assert _snapshot(skipping) == _snapshot(clean)
+
+
+def _resnet_block_step():
+    from normgrad.graphs import examples
+
+    return build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw", clip_grad_norm=1.0)
+
+
+def test_a_step_that_raises_after_the_gradient_graph_ran_restores_the_running_statistics():
+    """Split (accumulating) trainer: the gradient graph has updated the BatchNorm running
+    statistics when the gradient reduction raises; the state is restored bitwise."""
+    step, initial = _resnet_block_step()
+
+    class Failing(Trainer):
+        fail = False
+
+        def reduce_gradients(self, gradients):
+            if self.fail:
+                raise RuntimeError("a rank left")
+            return gradients
+
+    trainer = Failing(step, initial, lr=0.01, accumulation=2, session_options=_options())
+    rng = np.random.default_rng(4)
+    batch = lambda: rng.standard_normal((4, 4, 5, 5)).astype(np.float32)
+    trainer.step(batch(), batch())
+    before = _snapshot(trainer)
+    trainer.fail = True
+    with pytest.raises(RuntimeError, match="a rank left"):
+        trainer.step(batch(), batch())
+    assert _snapshot(trainer) == before
+
+
+def test_gated_updates_are_bitwise_the_step_graph_and_all_in_place():
+    """The finiteness gate (every state update waits for the loss and every gradient) changes
+    no finite value, and makes every state tensor safe to update in place."""
+    step, initial = _resnet_block_step()
+    trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+    assert trainer._in_place == set(initial)
+    rng = np.random.default_rng(4)
+    batch = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
+             "labels": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
+    trainer.step(**batch)
+    expected = _session_step(step, initial, batch, 0.01, 1, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    assert all(trainer.state_dict()[name].tobytes() == expected[name].tobytes() for name in expected)

@@ -30,6 +30,7 @@ overrides, each a no-op here:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -80,6 +81,52 @@ def cosine(lr: float, total_steps: int, warmup_steps: int = 0, min_lr: float = 0
         return float(min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * done)))
 
     return schedule
+
+
+APPLIED = "normgrad.applied"
+"""Boolean output the trainer adds to the graphs it runs: whether the step's updates were
+written (the loss and every gradient finite) or every state tensor kept its value."""
+
+
+def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradients: Sequence[str],
+                        loss: Optional[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose every state update (``NAME.next``) is
+    Where(finite, update, NAME), finite = loss + sum of every gradient's sum is finite (a NaN
+    or inf anywhere reaches it; the sum overflows only past 3e38), and output :data:`APPLIED`.
+    Every write then waits for the loss and every gradient: a failing forward or backward node
+    writes nothing, and every reader of a weight precedes its update (so it may be in place)."""
+    from onnx import helper
+
+    gated = copy.deepcopy(model)
+    graph = gated.graph
+    produced = {name for node in graph.node for name in node.output}
+    terms = [loss] if loss else []
+    nodes = []
+    if loss and loss not in produced and loss not in {i.name for i in graph.input}:
+        graph.input.append(helper.make_tensor_value_info(loss, onnx.TensorProto.FLOAT, []))
+    for gradient in gradients:
+        if gradient in produced or gradient in {i.name for i in graph.input}:
+            nodes.append(helper.make_node("ReduceSum", [gradient], [f"{gradient}.gate_sum"], keepdims=0))
+            terms.append(f"{gradient}.gate_sum")
+    nodes.append(helper.make_node("Sum", terms, ["normgrad.gate_total"]))
+    nodes.append(helper.make_node("Sub", ["normgrad.gate_total", "normgrad.gate_total"], ["normgrad.gate_zero"]))
+    nodes.append(helper.make_node("Equal", ["normgrad.gate_zero", "normgrad.gate_zero"], [APPLIED]))  # NaN != NaN
+    renamed = {next_value: f"{next_value}.ungated" for next_value in state.values() if next_value in produced}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            node.input[index] = renamed.get(name, name)
+        for index, name in enumerate(node.output):
+            node.output[index] = renamed.get(name, name)
+    for value, next_value in state.items():
+        if next_value in renamed:
+            nodes.append(helper.make_node("Where", [APPLIED, renamed[next_value], value], [next_value]))
+    graph.node.extend(nodes)
+    graph.output.append(helper.make_tensor_value_info(APPLIED, onnx.TensorProto.BOOL, []))
+    return gated
+
+
+_SPLIT_LOSS = "normgrad.loss"
+"""Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
 
 
 def _load_step_graph(path: PathLike) -> onnx.ModelProto:
@@ -180,6 +227,7 @@ class Trainer:
         kernels: Optional[str] = "auto",
         device: str = "cpu",
         device_id: int = 0,
+        nonfinite: str = "raise",
     ):
         import onnxruntime
 
@@ -197,6 +245,10 @@ class Trainer:
             raise TrainerError(f"accumulation must be an integer >= 1, got {accumulation!r}")
         if kernels not in ("auto", "cpp", None):
             raise TrainerError(f"kernels must be 'auto', 'cpp' or None, got {kernels!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise TrainerError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.schedule: Schedule = lr if callable(lr) else constant(lr)
         self.accumulation = accumulation
         self.step_model = model
@@ -238,12 +290,14 @@ class Trainer:
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
-            self._optimizer = _Part(onnxruntime, optimizer, options, providers, self._state_map)
+            gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
+            self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
             self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
         else:
-            self._step_part = _Part(onnxruntime, model, options, providers, self._state_map)
+            gated = _gate_state_updates(model, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
+            self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
         parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
         self._in_place = {name for name in self._state_map
@@ -251,6 +305,7 @@ class Trainer:
         self._buffers: Dict[str, List] = {}
         self._current: Dict[str, int] = {}
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
+        self._applied = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
         self._set_state(checkpoint)
 
     # -- hooks for data-parallel subclasses -------------------------------------------------
@@ -352,6 +407,8 @@ class Trainer:
             binding.bind_ortvalue_output(next_value, self._buffers[name][1 - self._current[name]])
         if "loss" in part.outputs:
             binding.bind_ortvalue_output("loss", self._loss)
+        if APPLIED in part.outputs:
+            binding.bind_ortvalue_output(APPLIED, self._applied)
         part.session.run_with_iobinding(binding)
         for name in part.state:
             self._current[name] = 1 - self._current[name]
@@ -446,12 +503,36 @@ class Trainer:
         if not self.split:
             loss = self._run(self._step_part, {**feeds, **scalars})
         else:
+            loss = self._split_step(feeds, scalars)
+        if not bool(self._applied.numpy()):
+            self.skipped_steps += 1
+            if self.nonfinite == "raise":
+                raise TrainerError(f"step {step}: the loss ({loss}) or a gradient is not finite; the state is unchanged "
+                                   "(Trainer(..., nonfinite='skip') skips such steps)")
+            return loss
+        self._step = step
+        return loss
+
+    def _split_step(self, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray]) -> float:
+        """Gradient graph per micro-batch, then the optimizer graph; the gradient graph's own
+        state (running statistics) is restored when the step raises or is not applied."""
+        kept = {name: self._value(name).numpy().copy() for name in self._gradient.state if name not in self._zeros}
+        try:
             loss = self._accumulate(feeds)
             gradients = {p: self._value(a) for p, a in zip(self.parameters, self._accumulators)}
             gradients = self.reduce_gradients(gradients)
-            self._run(self._optimizer, {**scalars, **{f"{p}_grad": gradients[p] for p in self.parameters}})
-        self._step = step
+            self._run(self._optimizer, {**scalars, _SPLIT_LOSS: np.array(loss, np.float32),
+                                        **{f"{p}_grad": gradients[p] for p in self.parameters}})
+        except BaseException:
+            self._restore(kept)
+            raise
+        if not bool(self._applied.numpy()):
+            self._restore(kept)
         return loss
+
+    def _restore(self, kept: Mapping[str, np.ndarray]) -> None:
+        for name, value in kept.items():
+            self._value(name).update_inplace(value)
 
     def _learning_rate(self, step: int) -> np.ndarray:
         """The schedule's lr for ``step`` as float32, refused unless a finite number >= 0."""
