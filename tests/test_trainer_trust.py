@@ -101,13 +101,13 @@ def test_aliasing_ops_count_as_reads():
         return helper.make_graph([shape] + nodes, "g", [value_info("s", [3]), value_info("g", [3])],
                                  [value_info("s.next", [3]), value_info("other", [3])])
 
-    update = helper.make_node("Add", ["s", "g"], ["s.next"])
-    late_view_reader = [helper.make_node("Reshape", ["s", "shape"], ["view"]),
-                        helper.make_node("Identity", ["view"], ["view2"]), update,
-                        helper.make_node("Neg", ["view2"], ["other"])]
+    views = [helper.make_node("Reshape", ["s", "shape"], ["view"]), helper.make_node("Identity", ["view"], ["view2"])]
+    update = [helper.make_node("Sub", ["view2", "g"], ["d"]), helper.make_node("Add", ["s", "d"], ["s.next"])]
+    # the Reshape node precedes the write, but Neg reads its output (s's buffer) at any time
+    late_view_reader = views + update + [helper.make_node("Neg", ["view2"], ["other"])]
     assert in_place_updates(graph(late_view_reader), {"s": "s.next"}) == set()
-    early_view_reader = late_view_reader[:2] + [helper.make_node("Neg", ["view2"], ["other"]),
-                                                helper.make_node("Add", ["s", "other"], ["s.next"])]
+    early_view_reader = views + [helper.make_node("Neg", ["view2"], ["other"]),
+                                 helper.make_node("Add", ["s", "other"], ["s.next"])]
     assert in_place_updates(graph(early_view_reader), {"s": "s.next"}) == {"s"}
 
 
