@@ -163,7 +163,7 @@ def test_empty_batch_is_refused():
 
 # -- 24.5: learning rates --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), 1e39, -0.1, "0.1", True])
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), 1e39, 10**400, -0.1, "0.1", True])
 def test_bad_learning_rates_are_refused_before_the_step(value):
     step, initial = _step()
     trainer = Trainer(step, initial, lr=lambda step: value, session_options=_options())

@@ -539,9 +539,12 @@ class Trainer:
         value = self.schedule(step)
         ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
         if ok:
-            with np.errstate(over="ignore"):
-                lr = np.array(value, np.float32)
-            ok = bool(np.isfinite(lr)) and math.isfinite(float(value)) and value >= 0
+            try:
+                with np.errstate(over="ignore"):
+                    lr = np.array(value, np.float32)
+                ok = bool(np.isfinite(lr)) and math.isfinite(float(value)) and value >= 0
+            except OverflowError:  # an int beyond float64
+                ok = False
         if not ok:
             raise TrainerError(f"the lr schedule returned {value!r} for step {step}; a learning rate must be a "
                                "finite number >= 0 that float32 holds")
