@@ -5,10 +5,13 @@ BatchNorm running statistics) kept in onnxruntime ``OrtValue`` buffers: each run
 state through an IOBinding and writes the ``NAME.next`` outputs into a second buffer per
 tensor, and the two buffers swap roles after the run, so no state tensor is copied through
 NumPy between steps. Only the batch goes in and the scalar loss comes out. A tensor whose
-readers all precede its update in the graph's data dependencies (the optimizer moments, the
-running statistics; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
-updated in place, as onnxruntime-training's optimizer does: AdamW's state then takes 4
-copies of the weights' size instead of 6.
+readers all precede its update in the data dependencies of the graph onnxruntime runs (after
+its graph optimizations; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
+updated in place, as onnxruntime-training's optimizer does. Every update waits for the loss
+and every gradient and is applied only when they are finite (:func:`_gate_state_updates`),
+so every tensor qualifies: AdamW's state takes 3 copies of the weights' size instead of 6.
+A step that raises, or meets a non-finite loss or gradient, leaves the state and the step
+count as they were (docs/training-trust.md).
 
 Learning-rate schedules are plain Python functions of the 1-based step (:func:`constant`,
 :func:`linear_warmup`, :func:`cosine`).
@@ -209,10 +212,14 @@ class Trainer:
             (function bodies otherwise), ``"cpp"`` requires them, ``None`` registers none
             (the step graph's function bodies run).
         device: where the state buffers live (``"cpu"``, or e.g. ``"cuda"`` with ``device_id``).
+        nonfinite: what a step whose loss or a gradient is NaN or infinite does (its updates
+            are never written): ``"raise"`` a :class:`TrainerError`, or ``"skip"`` it (the
+            step count stays; :attr:`skipped_steps` counts such steps).
 
     Raises:
-        TrainerError: not a step graph; a checkpoint with a missing, extra or mis-shaped
-            tensor (the error names it); a bad option.
+        TrainerError: not a step graph (or a corrupt one: unreadable, malformed metadata);
+            a checkpoint with a missing, extra or mis-shaped tensor (the error names it); a
+            bad option.
     """
 
     def __init__(
@@ -496,7 +503,14 @@ class Trainer:
     def step(self, *batch, **named) -> float:
         """One optimizer step on a batch (the step graph's data inputs, positionally in
         ``trainer.data_inputs`` order or by name); returns its loss (with accumulation, the
-        mean of the micro-batch losses)."""
+        mean of the micro-batch losses).
+
+        Raises:
+            TrainerError: a batch the step graph cannot take (names, dtypes, shapes, an empty
+                batch, cross_entropy labels outside 0..C-1 or the ignore_index), a learning
+                rate that is not a finite number >= 0, or (``nonfinite="raise"``) a
+                non-finite loss or gradient. The state and step count are then unchanged,
+                as they are when onnxruntime raises during the step."""
         feeds = self._batch(batch, named)
         step = self._step + 1
         scalars = {"lr": self._learning_rate(step), "step": np.array(step, np.float32)}
