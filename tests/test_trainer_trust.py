@@ -281,3 +281,32 @@ def test_gated_updates_are_bitwise_the_step_graph_and_all_in_place():
     trainer.step(**batch)
     expected = _session_step(step, initial, batch, 0.01, 1, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     assert all(trainer.state_dict()[name].tobytes() == expected[name].tobytes() for name in expected)
+
+
+def test_a_step_onnxruntime_fails_midway_writes_nothing():
+    """BatchNorm (running statistics updated in place) before a Reshape that fails for a batch
+    of 4 (16 values into rows of 3): onnxruntime raises after the statistics' update could
+    run; the state stays bitwise as it was."""
+    rng = np.random.default_rng(0)
+    initializers = {"scale": rng.uniform(0.5, 1.5, 4), "bias": rng.standard_normal(4) * 0.1, "mean": np.zeros(4),
+                    "var": np.ones(4), "w": rng.standard_normal((4, 4)) * 0.5}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"], ["n", "mean_out", "var_out"],
+                              training_mode=1),
+             helper.make_node("Constant", [], ["rows_of_3"], value=numpy_helper.from_array(np.array([-1, 3], np.int64))),
+             helper.make_node("Constant", [], ["rows_of_4"], value=numpy_helper.from_array(np.array([-1, 4], np.int64))),
+             helper.make_node("Reshape", ["n", "rows_of_3"], ["r"]), helper.make_node("Relu", ["r"], ["a"]),
+             helper.make_node("Reshape", ["a", "rows_of_4"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    model.ir_version = IR_VERSION
+    step, initial = build_step_graph(build_training_graph(model, loss="mse"), "adamw")
+    assert {"mean", "var"} <= set(initial)
+    trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+    trainer.step(rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32))
+    before = _snapshot(trainer)
+    with pytest.raises(Exception, match="Reshape|reshape"):
+        trainer.step(rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32))
+    assert _snapshot(trainer) == before
