@@ -128,7 +128,7 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     return gated
 
 
-_SPLIT_LOSS = "normgrad.loss"
+_SPLIT_LOSS = "normgrad.step_loss"
 """Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
 
 
