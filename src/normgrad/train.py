@@ -303,7 +303,8 @@ class Trainer:
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
         else:
-            gated = _gate_state_updates(model, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
+            loss = "loss" if any(o.name == "loss" for o in model.graph.output) else None
+            gated = _gate_state_updates(model, self._state_map, [f"{p}_grad" for p in self.parameters], loss)
             self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
         parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
