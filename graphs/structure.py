@@ -8,7 +8,7 @@ import onnx
 
 from normgrad.ops import DOMAIN, OPERATORS
 
-__all__ = ["subgraph_captures", "check_graph_structure", "in_place_updates"]
+__all__ = ["subgraph_captures", "check_graph_structure", "in_place_updates", "ALIASING"]
 
 
 def _subgraphs(node: onnx.NodeProto) -> List[onnx.GraphProto]:
@@ -94,7 +94,7 @@ def _reaches(producer: Dict[str, onnx.NodeProto], start: onnx.NodeProto, target:
     return False
 
 
-_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Where"})
 """Default-domain ops whose output element i reads only element i of same-shaped inputs:
 onnxruntime runs them with the output in the input's buffer itself (their kernels declare
 MayInplace). A normgrad operator says so with ``ELEMENTWISE = True`` in its module."""
@@ -104,6 +104,32 @@ def _elementwise(node: onnx.NodeProto) -> bool:
     if node.domain in ("", "ai.onnx"):
         return node.op_type in _ELEMENTWISE
     return node.domain == DOMAIN and getattr(OPERATORS.get(node.op_type), "ELEMENTWISE", False)
+
+
+ALIASING = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Dropout", "Optional",
+                      "OptionalGetElement", "ExpandDims", "InPlaceAccumulator", "Yield"})
+"""Ops (default and com.microsoft domains) whose output 0 onnxruntime may place in input 0's
+own buffer: their kernels declare ``Alias(0, 0)`` (CPU or another provider). Reading such an
+output reads the input. (Kernels that declare ``MayInplace`` never reuse a graph input's
+buffer: the planner counts one more use for every graph input.)"""
+
+
+def _aliases(graph: onnx.GraphProto) -> Dict[str, List[str]]:
+    """{value: every value that may share its buffer through a chain of :data:`ALIASING` nodes}."""
+    direct: Dict[str, List[str]] = {}
+    for node in graph.node:
+        if node.op_type in ALIASING and node.domain in ("", "ai.onnx", "com.microsoft") and node.input and node.output[0]:
+            direct.setdefault(node.input[0], []).append(node.output[0])
+    closure: Dict[str, List[str]] = {}
+    for value in direct:
+        found, stack = [], list(direct[value])
+        while stack:
+            name = stack.pop()
+            if name not in found:
+                found.append(name)
+                stack += direct.get(name, [])
+        closure[value] = found
+    return closure
 
 
 def _static_shape(info: onnx.ValueInfoProto):
@@ -118,9 +144,16 @@ def in_place_updates(graph: onnx.GraphProto, state: Mapping[str, str]) -> Set[st
     Every node reading the input must be a strict ancestor of the node writing the output,
     so data dependencies finish every read before the write starts, in any execution order
     or parallelism; or the writer itself, if it is elementwise and the input has the
-    output's shape (element i read before element i is written). CastLike's second input is
-    its type only, not a read. Optimizer moments and running statistics qualify; a weight
-    that a backward node reads after its update could run does not."""
+    output's shape (element i read before element i is written). A node reading a value
+    that may share the input's buffer (:data:`ALIASING`: Reshape(W), Identity(Reshape(W))...)
+    reads the input. CastLike's second input is its type only, not a read. Optimizer moments
+    and running statistics qualify; a weight that a backward node reads after its update
+    could run does not.
+
+    The rule holds for the graph that runs: onnxruntime rewrites a graph before running it
+    (a Transpose pair removed lets a backward MatMul read W itself), so give the graph
+    onnxruntime wrote out for the session (``SessionOptions.optimized_model_filepath``), as
+    :class:`normgrad.train.Trainer` does."""
     producer = {name: node for node in graph.node for name in node.output if name}
     inputs = {i.name: i for i in graph.input}
     outputs = {o.name: o for o in graph.output}
@@ -131,6 +164,7 @@ def in_place_updates(graph: onnx.GraphProto, state: Mapping[str, str]) -> Set[st
         data = (node.input[:1] if node.op_type == "CastLike" else list(node.input)) + subgraph_captures(node)
         for name in set(data):
             readers.setdefault(name, []).append(node)
+    aliases = _aliases(graph)
 
     def ancestors(writer: onnx.NodeProto) -> Set[int]:
         found, stack = set(), [writer]
@@ -147,8 +181,11 @@ def in_place_updates(graph: onnx.GraphProto, state: Mapping[str, str]) -> Set[st
         writer = producer.get(next_value)
         if writer is None or value not in inputs or next_value not in outputs or value in outputs:
             continue
-        value_readers = readers.get(value, [])
-        if any(node is writer for node in value_readers):
+        alias_readers = [node for name in aliases.get(value, ()) for node in readers.get(name, [])]
+        if any(node is writer for node in alias_readers):  # a view's element i need not be the input's
+            continue
+        value_readers = readers.get(value, []) + alias_readers
+        if any(node is writer for node in readers.get(value, [])):
             shape = _static_shape(inputs[value])
             if not _elementwise(writer) or shape is None or shape != _static_shape(outputs[next_value]):
                 continue

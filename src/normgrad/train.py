@@ -5,10 +5,13 @@ BatchNorm running statistics) kept in onnxruntime ``OrtValue`` buffers: each run
 state through an IOBinding and writes the ``NAME.next`` outputs into a second buffer per
 tensor, and the two buffers swap roles after the run, so no state tensor is copied through
 NumPy between steps. Only the batch goes in and the scalar loss comes out. A tensor whose
-readers all precede its update in the graph's data dependencies (the optimizer moments, the
-running statistics; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
-updated in place, as onnxruntime-training's optimizer does: AdamW's state then takes 4
-copies of the weights' size instead of 6.
+readers all precede its update in the data dependencies of the graph onnxruntime runs (after
+its graph optimizations; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
+updated in place, as onnxruntime-training's optimizer does. Every update waits for the loss
+and every gradient and is applied only when they are finite (:func:`_gate_state_updates`),
+so every tensor qualifies: AdamW's state takes 3 copies of the weights' size instead of 6.
+A step that raises, or meets a non-finite loss or gradient, leaves the state and the step
+count as they were (docs/training-trust.md).
 
 Learning-rate schedules are plain Python functions of the 1-based step (:func:`constant`,
 :func:`linear_warmup`, :func:`cosine`).
@@ -30,6 +33,7 @@ overrides, each a no-op here:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -84,6 +88,71 @@ def cosine(lr: float, total_steps: int, warmup_steps: int = 0, min_lr: float = 0
     return schedule
 
 
+APPLIED = "normgrad.applied"
+"""Boolean output the trainer adds to the graphs it runs: whether the step's updates were
+written (the loss and every gradient finite) or every state tensor kept its value."""
+
+
+def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradients: Sequence[str],
+                        loss: Optional[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose every state update (``NAME.next``) is
+    Where(finite, update, NAME), finite = loss + sum of every gradient's sum is finite (a NaN
+    or inf anywhere reaches it; the sum overflows only past 3e38), and output :data:`APPLIED`.
+    Every write then waits for the loss and every gradient: a failing forward or backward node
+    writes nothing, and every reader of a weight precedes its update (so it may be in place)."""
+    from onnx import helper
+
+    gated = copy.deepcopy(model)
+    graph = gated.graph
+    produced = {name for node in graph.node for name in node.output}
+    terms = [loss] if loss else []
+    nodes = []
+    if loss and loss not in produced and loss not in {i.name for i in graph.input}:
+        graph.input.append(helper.make_tensor_value_info(loss, onnx.TensorProto.FLOAT, []))
+    for gradient in gradients:
+        if gradient in produced or gradient in {i.name for i in graph.input}:
+            nodes.append(helper.make_node("ReduceSum", [gradient], [f"{gradient}.gate_sum"], keepdims=0))
+            terms.append(f"{gradient}.gate_sum")
+    nodes.append(helper.make_node("Sum", terms, ["normgrad.gate_total"]))
+    nodes.append(helper.make_node("Sub", ["normgrad.gate_total", "normgrad.gate_total"], ["normgrad.gate_zero"]))
+    nodes.append(helper.make_node("Equal", ["normgrad.gate_zero", "normgrad.gate_zero"], [APPLIED]))  # NaN != NaN
+    renamed = {next_value: f"{next_value}.ungated" for next_value in state.values() if next_value in produced}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            node.input[index] = renamed.get(name, name)
+        for index, name in enumerate(node.output):
+            node.output[index] = renamed.get(name, name)
+    for value, next_value in state.items():
+        if next_value in renamed:
+            nodes.append(helper.make_node("Where", [APPLIED, renamed[next_value], value], [next_value]))
+    graph.node.extend(nodes)
+    graph.output.append(helper.make_tensor_value_info(APPLIED, onnx.TensorProto.BOOL, []))
+    return gated
+
+
+_SPLIT_LOSS = "normgrad.step_loss"
+"""Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
+
+
+def _load_step_graph(path: PathLike) -> onnx.ModelProto:
+    try:
+        return onnx.load(os.fspath(path))
+    except OSError as error:
+        raise TrainerError(f"cannot read the step graph {os.fspath(path)!r}: {error.strerror or error}") from None
+    except Exception as error:  # protobuf's DecodeError and what a cut file raises
+        raise TrainerError(f"{os.fspath(path)!r} is not an ONNX model (corrupt or truncated: {error})") from None
+
+
+def _metadata_json(metadata: Mapping[str, str], key: str, kind: type):
+    try:
+        value = json.loads(metadata[key])
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        raise TrainerError(f"corrupt step graph: metadata {key} must be a JSON {kind.__name__}; got {metadata[key][:80]!r}")
+    return value
+
+
 def _np_dtype(info: onnx.ValueInfoProto) -> np.dtype:
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
 
@@ -94,12 +163,36 @@ class _Part:
     ``state`` maps state inputs to the outputs holding their next value."""
 
     def __init__(self, ort, model: onnx.ModelProto, options, providers, state: Mapping[str, str]):
-        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-        self.binding = self.session.io_binding()
         self.inputs = {i.name: i for i in model.graph.input}
         self.state = {name: state[name] for name in self.inputs if name in state}
         self.outputs = {o.name: o for o in model.graph.output}
-        self.in_place = structure.in_place_updates(model.graph, self.state)
+        self.session, running = _session_and_running_graph(ort, model, options, providers)
+        self.binding = self.session.io_binding()
+        self.in_place = structure.in_place_updates(running.graph, self.state) if running is not None else set()
+
+
+def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
+    """An onnxruntime session of ``model`` and the graph it runs (after onnxruntime's graph
+    optimizations at ``options``' level and its partitioning), which onnxruntime writes out
+    while it creates the session. The graph is None where onnxruntime cannot write it (a
+    provider that compiles nodes): then nothing is updated in place."""
+    import tempfile
+
+    saved_path, saved_severity = options.optimized_model_filepath, options.log_severity_level
+    with tempfile.TemporaryDirectory(prefix="normgrad-trainer-") as folder:
+        path = os.path.join(folder, "running.onnx")
+        options.optimized_model_filepath = path
+        options.log_severity_level = max(saved_severity, 3)  # the warning that an optimized ALL-level graph is machine-specific
+        try:
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+            running = onnx.load(path, load_external_data=False)
+        except Exception:
+            session, running = None, None
+        finally:
+            options.optimized_model_filepath, options.log_severity_level = saved_path, saved_severity
+    if session is None:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    return session, running
 
 
 class Trainer:
@@ -125,10 +218,14 @@ class Trainer:
             step and the micro-batch (:func:`normgrad.graphs.rewrites.seed_dropout`). None:
             the checkpoint's seed if it has one, else the step graph's (``normgrad export
             --seed``, default 0). Saved in every checkpoint.
+        nonfinite: what a step whose loss or a gradient is NaN or infinite does (its updates
+            are never written): ``"raise"`` a :class:`TrainerError`, or ``"skip"`` it (the
+            step count stays; :attr:`skipped_steps` counts such steps).
 
     Raises:
-        TrainerError: not a step graph; a checkpoint with a missing, extra or mis-shaped
-            tensor (the error names it); a bad option.
+        TrainerError: not a step graph (or a corrupt one: unreadable, malformed metadata);
+            a checkpoint with a missing, extra or mis-shaped tensor (the error names it); a
+            bad option.
     """
 
     def __init__(
@@ -144,13 +241,14 @@ class Trainer:
         device: str = "cpu",
         device_id: int = 0,
         seed: Optional[int] = None,
+        nonfinite: str = "raise",
     ):
         import onnxruntime
 
         from normgrad.graphs import optimizers
 
         self._ort = onnxruntime
-        model = step_model if isinstance(step_model, onnx.ModelProto) else onnx.load(os.fspath(step_model))
+        model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
         metadata = {e.key: e.value for e in model.metadata_props}
         missing = [k for k in ("normgrad.state", "normgrad.parameters", "normgrad.data_inputs", "normgrad.optimizer")
                    if k not in metadata]
@@ -161,13 +259,27 @@ class Trainer:
             raise TrainerError(f"accumulation must be an integer >= 1, got {accumulation!r}")
         if kernels not in ("auto", "cpp", None):
             raise TrainerError(f"kernels must be 'auto', 'cpp' or None, got {kernels!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise TrainerError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.schedule: Schedule = lr if callable(lr) else constant(lr)
         self.accumulation = accumulation
         self.step_model = model
-        self._state_map: Dict[str, str] = json.loads(metadata["normgrad.state"])
-        self.parameters: List[str] = json.loads(metadata["normgrad.parameters"])
-        self.data_inputs: List[str] = json.loads(metadata["normgrad.data_inputs"])
+        self._state_map: Dict[str, str] = _metadata_json(metadata, "normgrad.state", dict)
+        self.parameters: List[str] = _metadata_json(metadata, "normgrad.parameters", list)
+        self.data_inputs: List[str] = _metadata_json(metadata, "normgrad.data_inputs", list)
+        self._loss_metadata = _metadata_json(metadata, "normgrad.loss", dict) if "normgrad.loss" in metadata else {}
         inputs = {i.name: i for i in model.graph.input}
+        outputs = {o.name for o in model.graph.output}
+        for name, next_value in self._state_map.items():
+            if not isinstance(name, str) or name not in inputs or next_value not in outputs:
+                raise TrainerError(f"corrupt step graph: metadata normgrad.state names {name!r} -> {next_value!r}, "
+                                   "which is not one of its inputs and outputs")
+        for name in self.data_inputs + self.parameters:
+            if not isinstance(name, str) or name not in inputs:
+                raise TrainerError(f"corrupt step graph: its metadata names {name!r}, which is not one of its inputs")
+        self._classes = self._class_count()
         self._expected = {name: (_np_dtype(inputs[name]), tuple(d.dim_value for d in inputs[name].type.tensor_type.shape.dim))
                           for name in self._state_map}
         self._device = (device, device_id)
@@ -183,18 +295,24 @@ class Trainer:
                     raise
         self.split = accumulation > 1 or type(self).reduce_gradients is not Trainer.reduce_gradients
         if self.split:
-            gradient = optimizers.build_gradient_graph(model)
-            kind, hyper = optimizers.optimizer_options(model)
+            try:
+                gradient = optimizers.build_gradient_graph(model)
+                kind, hyper = optimizers.optimizer_options(model)
+            except (ValueError, KeyError, TypeError) as error:
+                raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
             shapes = {p: list(self._expected[p][1]) for p in self.parameters}
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
-            self._optimizer = _Part(onnxruntime, optimizer, options, providers, self._state_map)
+            gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
+            self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
             self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
         else:
-            self._step_part = _Part(onnxruntime, model, options, providers, self._state_map)
+            loss = "loss" if any(o.name == "loss" for o in model.graph.output) else None
+            gated = _gate_state_updates(model, self._state_map, [f"{p}_grad" for p in self.parameters], loss)
+            self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
         parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
         self._in_place = {name for name in self._state_map
@@ -203,6 +321,7 @@ class Trainer:
         self._current: Dict[str, int] = {}
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
         self._seed = self._initial_seed(metadata, seed)
+        self._applied = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
         self._set_state(checkpoint)
         if seed is not None:
             self._seed = int(seed)
@@ -251,7 +370,7 @@ class Trainer:
         except checkpoints.CheckpointError as error:
             raise TrainerError(f"{error} (checked against the step graph's state)") from None
         step_text = ckpt.metadata.get(STEP_METADATA, "0")
-        if not step_text.isdigit():
+        if not (step_text.isascii() and step_text.isdigit()):
             raise TrainerError(f"checkpoint metadata {STEP_METADATA} must be a step count, got {step_text!r}")
         tensors = self.broadcast_state({name: ckpt.tensors[name] for name in self._expected})
         self._buffers = {}
@@ -339,6 +458,8 @@ class Trainer:
             binding.bind_ortvalue_output(next_value, self._buffers[name][1 - self._current[name]])
         if "loss" in part.outputs:
             binding.bind_ortvalue_output("loss", self._loss)
+        if APPLIED in part.outputs:
+            binding.bind_ortvalue_output(APPLIED, self._applied)
         part.session.run_with_iobinding(binding)
         for name in part.state:
             self._current[name] = 1 - self._current[name]
@@ -373,24 +494,119 @@ class Trainer:
                 micro = f" (each of the {self.accumulation} micro-batches)" if self.accumulation > 1 else ""
                 wanted = [d if d is not None else "any" for d in dims]
                 raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
+        self._check_batch(feeds)
         return feeds
+
+    def _check_batch(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Refuses, before anything runs, an empty batch, inputs that disagree on a dimension
+        the step graph names alike (``batch``), and cross_entropy labels outside 0..C-1
+        (other than the loss's ignore_index)."""
+        inputs = {i.name: i for i in self.step_model.graph.input}
+        symbols: Dict[str, Tuple[str, int, int]] = {}
+        for name, value in feeds.items():
+            if value.size == 0:
+                raise TrainerError(f"batch input {name!r} is empty (shape {list(value.shape)}); a step needs at least one sample")
+            for axis, dim in enumerate(inputs[name].type.tensor_type.shape.dim):
+                if dim.HasField("dim_param") and dim.dim_param and axis < value.ndim:
+                    first = symbols.setdefault(dim.dim_param, (name, axis, value.shape[axis]))
+                    if first[2] != value.shape[axis]:
+                        raise TrainerError(
+                            f"batch input {name!r} has {value.shape[axis]} along axis {axis} and {first[0]!r} "
+                            f"{first[2]} along axis {first[1]}; the step graph names both {dim.dim_param!r}, so they must agree")
+        loss = self._loss_metadata
+        if loss.get("kind") != "cross_entropy" or "labels" not in feeds:
+            return
+        labels = feeds["labels"]
+        ignore_index = (loss.get("options") or {}).get("ignore_index")
+        valid = labels >= 0 if ignore_index is None else (labels >= 0) | (labels == ignore_index)
+        if self._classes is not None:
+            valid &= (labels < self._classes) | (labels == ignore_index if ignore_index is not None else False)
+        if not valid.all():
+            bad = labels[~valid].flat[0]
+            allowed = f"0..{self._classes - 1}" if self._classes is not None else "non-negative"
+            also = f" or the ignore_index {ignore_index}" if ignore_index is not None else ""
+            raise TrainerError(f"batch input 'labels' holds {bad}; cross_entropy labels must be class indices {allowed}{also}")
+
+    def _class_count(self) -> Optional[int]:
+        """C of a cross_entropy loss: axis 1 of its forward output, where the step graph knows it."""
+        if self._loss_metadata.get("kind") != "cross_entropy":
+            return None
+        output = self._loss_metadata.get("output")
+        graph = self.step_model.graph
+        if not any(info.name == output for info in graph.value_info):
+            try:
+                graph = onnx.shape_inference.infer_shapes(self.step_model).graph
+            except Exception:  # a graph onnx cannot infer: labels are checked against 0 only
+                return None
+        for info in list(graph.value_info) + list(graph.output):
+            if info.name == output:
+                dims = info.type.tensor_type.shape.dim
+                return dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
+        return None
 
     def step(self, *batch, **named) -> float:
         """One optimizer step on a batch (the step graph's data inputs, positionally in
         ``trainer.data_inputs`` order or by name); returns its loss (with accumulation, the
-        mean of the micro-batch losses)."""
+        mean of the micro-batch losses).
+
+        Raises:
+            TrainerError: a batch the step graph cannot take (names, dtypes, shapes, an empty
+                batch, cross_entropy labels outside 0..C-1 or the ignore_index), a learning
+                rate that is not a finite number >= 0, or (``nonfinite="raise"``) a
+                non-finite loss or gradient. The state and step count are then unchanged,
+                as they are when onnxruntime raises during the step."""
         feeds = self._batch(batch, named)
         step = self._step + 1
-        scalars = {"lr": np.array(self.schedule(step), np.float32), "step": np.array(step, np.float32)}
+        scalars = {"lr": self._learning_rate(step), "step": np.array(step, np.float32)}
         if not self.split:
             loss = self._run(self._step_part, {**feeds, **scalars, **self._dropout_feeds(self._step_part)})
         else:
+            loss = self._split_step(feeds, scalars)
+        if not bool(self._applied.numpy()):
+            self.skipped_steps += 1
+            if self.nonfinite == "raise":
+                raise TrainerError(f"step {step}: the loss ({loss}) or a gradient is not finite; the state is unchanged "
+                                   "(Trainer(..., nonfinite='skip') skips such steps)")
+            return loss
+        self._step = step
+        return loss
+
+    def _split_step(self, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray]) -> float:
+        """Gradient graph per micro-batch, then the optimizer graph; the gradient graph's own
+        state (running statistics) is restored when the step raises or is not applied."""
+        kept = {name: self._value(name).numpy().copy() for name in self._gradient.state if name not in self._zeros}
+        try:
             loss = self._accumulate(feeds, scalars["step"])
             gradients = {p: self._value(a) for p, a in zip(self.parameters, self._accumulators)}
             gradients = self.reduce_gradients(gradients)
-            self._run(self._optimizer, {**scalars, **{f"{p}_grad": gradients[p] for p in self.parameters}})
-        self._step = step
+            self._run(self._optimizer, {**scalars, _SPLIT_LOSS: np.array(loss, np.float32),
+                                        **{f"{p}_grad": gradients[p] for p in self.parameters}})
+        except BaseException:
+            self._restore(kept)
+            raise
+        if not bool(self._applied.numpy()):
+            self._restore(kept)
         return loss
+
+    def _restore(self, kept: Mapping[str, np.ndarray]) -> None:
+        for name, value in kept.items():
+            self._value(name).update_inplace(value)
+
+    def _learning_rate(self, step: int) -> np.ndarray:
+        """The schedule's lr for ``step`` as float32, refused unless a finite number >= 0."""
+        value = self.schedule(step)
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        if ok:
+            try:
+                with np.errstate(over="ignore"):
+                    lr = np.array(value, np.float32)
+                ok = bool(np.isfinite(lr)) and math.isfinite(float(value)) and value >= 0
+            except OverflowError:  # an int beyond float64
+                ok = False
+        if not ok:
+            raise TrainerError(f"the lr schedule returned {value!r} for step {step}; a learning rate must be a "
+                               "finite number >= 0 that float32 holds")
+        return lr
 
     def _accumulate(self, feeds: Dict[str, np.ndarray], step: np.ndarray) -> float:
         k = self.accumulation

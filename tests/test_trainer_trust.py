@@ -1,0 +1,312 @@
+"""A step you can trust (issues 19 and 24): in-place updates sound for the graph onnxruntime
+runs, steps that fail or meet a non-finite loss leave the state bitwise unchanged, batches,
+learning rates and step graphs checked before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import normgrad
+from normgrad.graphs import build_step_graph, build_training_graph
+from normgrad.ops import IR_VERSION
+from normgrad.train import Trainer, TrainerError
+
+LEVELS = [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+          ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, ort.GraphOptimizationLevel.ORT_ENABLE_ALL]
+
+
+def _linear_tanh_linear(batch="batch"):
+    """Linear(8, 16) - tanh - Linear(16, 5) on x [N, 3, 8] as torch exports a Linear on a 3-D
+    input: MatMul(x, Transpose(W)) + b; output y [N, 3, 5] (for cross_entropy: 3 classes,
+    labels [N, 5])."""
+    rng = np.random.default_rng(0)
+    weights = {"a.weight": rng.standard_normal((16, 8)) * 0.4, "a.bias": rng.standard_normal(16) * 0.1,
+               "b.weight": rng.standard_normal((5, 16)) * 0.4, "b.bias": rng.standard_normal(5) * 0.1}
+    nodes = []
+    for layer, source, target in (("a", "x", "h"), ("b", "t", "y")):
+        nodes += [helper.make_node("Transpose", [f"{layer}.weight"], [f"{layer}.wt"], perm=[1, 0]),
+                  helper.make_node("MatMul", [source, f"{layer}.wt"], [f"{layer}.mm"]),
+                  helper.make_node("Add", [f"{layer}.mm", f"{layer}.bias"], [target])]
+        if layer == "a":
+            nodes.append(helper.make_node("Tanh", ["h"], ["t"]))
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3, 5])],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = IR_VERSION
+    return model
+
+
+def _step(loss="mse", kind="sgd", loss_options=None, **options):
+    training = build_training_graph(_linear_tanh_linear(), loss=loss, loss_options=loss_options)
+    return build_step_graph(training, kind, **options)
+
+
+def _options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    options.log_severity_level = 3
+    return options
+
+
+def _mse_batch(seed=1, n=4):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((n, 3, 8)).astype(np.float32),
+            "labels": rng.standard_normal((n, 3, 5)).astype(np.float32)}
+
+
+def _session_step(step, state, batch, lr, number, level):
+    session = ort.InferenceSession(step.SerializeToString(), normgrad.session_options("cpp", _options(level)),
+                                   providers=["CPUExecutionProvider"])
+    state_map = json.loads({e.key: e.value for e in step.metadata_props}["normgrad.state"])
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {
+        **batch, **state, "lr": np.array(lr, np.float32), "step": np.array(number, np.float32)})))
+    return {name: outputs[next_name] for name, next_name in state_map.items()}
+
+
+def _snapshot(trainer):
+    return {name: value.tobytes() for name, value in trainer.state_dict().items()}, trainer.step_count
+
+
+# -- 19.1: in-place updates sound for the graph onnxruntime runs ---------------------------------
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name)
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_in_place_updates_survive_transpose_elimination(level, kind):
+    """From ORT_ENABLE_BASIC up onnxruntime removes Transpose(Transpose(W)), so the backward
+    MatMul reads W itself; updating W in place before that read gave a.weight 3e-3 off."""
+    step, initial = _step(kind=kind)
+    trainer = Trainer(step, initial, lr=0.1, session_options=_options(level))
+    batch = _mse_batch()
+    trainer.step(**batch)
+    expected = _session_step(step, initial, batch, 0.1, 1, level)
+    for name, value in trainer.state_dict().items():
+        np.testing.assert_allclose(value, expected[name], rtol=0, atol=1e-6 * np.abs(expected[name]).max(), err_msg=name)
+
+
+def test_aliasing_ops_count_as_reads():
+    """A reader of Reshape(s) (or a chain of such views) reads s's buffer."""
+    from normgrad.graphs.structure import in_place_updates
+
+    value_info = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+    shape = helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([3], np.int64)))
+
+    def graph(nodes):
+        return helper.make_graph([shape] + nodes, "g", [value_info("s", [3]), value_info("g", [3])],
+                                 [value_info("s.next", [3]), value_info("other", [3])])
+
+    views = [helper.make_node("Reshape", ["s", "shape"], ["view"]), helper.make_node("Identity", ["view"], ["view2"])]
+    update = [helper.make_node("Sub", ["view2", "g"], ["d"]), helper.make_node("Add", ["s", "d"], ["s.next"])]
+    # the Reshape node precedes the write, but Neg reads its output (s's buffer) at any time
+    late_view_reader = views + update + [helper.make_node("Neg", ["view2"], ["other"])]
+    assert in_place_updates(graph(late_view_reader), {"s": "s.next"}) == set()
+    early_view_reader = views + [helper.make_node("Neg", ["view2"], ["other"]),
+                                 helper.make_node("Add", ["s", "other"], ["s.next"])]
+    assert in_place_updates(graph(early_view_reader), {"s": "s.next"}) == {"s"}
+
+
+# -- 19.3, 24.14, 24.20: batches checked before any run -------------------------------------------
+
+def _ce_trainer(**loss_options):
+    step, initial = _step(loss="cross_entropy", kind="adamw", loss_options=loss_options or None)
+    return Trainer(step, initial, lr=0.01, session_options=_options())
+
+
+def _ce_batch(labels):
+    x = np.random.default_rng(2).standard_normal((len(labels), 3, 8)).astype(np.float32)
+    return {"x": x, "labels": np.array(labels, np.int64)}
+
+
+@pytest.mark.parametrize("labels,message", [
+    ([[0, 1, 2, 0, 0], [1, 2, -1, 0, 0], [0] * 5, [1] * 5], "holds -1; cross_entropy labels must be class indices 0..2"),
+    ([[0, 1, 2, 0, 0], [1, 2, 3, 0, 0], [0] * 5, [1] * 5], "holds 3; cross_entropy labels must be class indices 0..2"),
+])
+def test_labels_out_of_range_are_refused_and_nothing_changes(labels, message):
+    trainer = _ce_trainer()
+    trainer.step(**_ce_batch([[0, 1, 2, 1, 0]] * 4))
+    before = _snapshot(trainer)
+    with pytest.raises(TrainerError, match=message):
+        trainer.step(**_ce_batch(labels))
+    assert _snapshot(trainer) == before
+
+
+def test_ignore_index_labels_are_accepted():
+    trainer = _ce_trainer(ignore_index=-100)
+    loss = trainer.step(**_ce_batch([[0, 1, -100, 2, 2], [2] * 5, [0, -100, 0, 1, 1], [1] * 5]))
+    assert np.isfinite(loss) and trainer.step_count == 1
+    with pytest.raises(TrainerError, match="holds -1; .* 0..2 or the ignore_index -100"):
+        trainer.step(**_ce_batch([[0, 1, -1, 0, 0]] * 4))
+
+
+def test_batch_inputs_sharing_a_dimension_must_agree():
+    trainer = _ce_trainer()
+    batch = _ce_batch([[0, 1, 2, 0, 0]] * 3)
+    batch["x"] = np.concatenate([batch["x"], batch["x"][:1]])
+    before = _snapshot(trainer)
+    with pytest.raises(TrainerError, match=r"'labels' has 3 along axis 0 and 'x' 4 along axis 0; .* names both 'batch'"):
+        trainer.step(**batch)
+    assert _snapshot(trainer) == before
+
+
+def test_empty_batch_is_refused():
+    trainer = _ce_trainer()
+    with pytest.raises(TrainerError, match=r"batch input 'x' is empty \(shape \[0, 3, 8\]\)"):
+        trainer.step(**_ce_batch(np.zeros((0, 5), np.int64)))
+    assert trainer.step_count == 0
+
+
+# -- 24.5: learning rates --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), 1e39, 10**400, -0.1, "0.1", True])
+def test_bad_learning_rates_are_refused_before_the_step(value):
+    step, initial = _step()
+    trainer = Trainer(step, initial, lr=lambda step: value, session_options=_options())
+    before = _snapshot(trainer)
+    with pytest.raises(TrainerError, match="the lr schedule returned .* for step 1; a learning rate must be a finite"):
+        trainer.step(**_mse_batch())
+    assert _snapshot(trainer) == before
+
+
+# -- 24.22: corrupt step graphs --------------------------------------------------------------------
+
+def test_truncated_step_graph_is_a_trainer_error(tmp_path):
+    step, initial = _step()
+    data = step.SerializeToString()
+    path = tmp_path / "step.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TrainerError, match="is not an ONNX model"):
+        Trainer(path, initial)
+
+
+@pytest.mark.parametrize("key,value", [("normgrad.state", "{not json"), ("normgrad.parameters", '{"a": 1}'),
+                                       ("normgrad.data_inputs", '["x", "nope"]'), ("normgrad.state", '{"q": "q.next"}'),
+                                       ("normgrad.loss", "[")])
+def test_malformed_metadata_is_a_trainer_error(key, value):
+    step, initial = _step()
+    helper.set_model_props(step, {**{e.key: e.value for e in step.metadata_props}, key: value})
+    with pytest.raises(TrainerError, match="corrupt step graph"):
+        Trainer(step, initial)
+
+
+def test_malformed_optimizer_metadata_is_a_trainer_error():
+    step, initial = _step()
+    helper.set_model_props(step, {**{e.key: e.value for e in step.metadata_props}, "normgrad.optimizer": "{"})
+    with pytest.raises(TrainerError, match="corrupt step graph"):
+        Trainer(step, initial, accumulation=2)
+
+
+def test_non_ascii_digit_step_count_is_a_trainer_error():
+    step, initial = _step()
+    from normgrad import checkpoint
+
+    with pytest.raises(TrainerError, match="must be a step count"):
+        Trainer(step, checkpoint.Checkpoint(tensors=initial, metadata={"normgrad.step": "\u00b2"}))
+
+
+# -- 19.2: transactional steps ---------------------------------------------------------------------
+
+def test_non_finite_loss_raises_and_keeps_the_state():
+    step, initial = _step(kind="adamw")
+    trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+    trainer.step(**_mse_batch(1))
+    before = _snapshot(trainer)
+    bad = _mse_batch(2)
+    bad["x"][1, 2, 3] = np.nan
+    with pytest.raises(TrainerError, match="step 2: the loss \\(nan\\) or a gradient is not finite; the state is unchanged"):
+        trainer.step(**bad)
+    assert _snapshot(trainer) == before and trainer.skipped_steps == 1
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_non_finite_steps_can_be_skipped(accumulation):
+    """nonfinite='skip': the step is not taken (state, step count, schedule position kept),
+    and the next finite step is exactly the step a trainer that never saw the bad batch takes."""
+    step, initial = _step(kind="adamw")
+    skipping = Trainer(step, initial, lr=0.01, accumulation=accumulation, nonfinite="skip", session_options=_options())
+    clean = Trainer(step, initial, lr=0.01, accumulation=accumulation, session_options=_options())
+    bad = _mse_batch(2)
+    bad["labels"][0, 0, 0] = np.inf
+    assert not np.isfinite(skipping.step(**bad))
+    assert skipping.step_count == 0 and skipping.skipped_steps == 1
+    assert _snapshot(skipping)[0] == _snapshot(clean)[0]
+    assert skipping.step(**_mse_batch(3)) == clean.step(**_mse_batch(3))
+    assert _snapshot(skipping) == _snapshot(clean)
+
+
+def _resnet_block_step():
+    from normgrad.graphs import examples
+
+    return build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw", clip_grad_norm=1.0)
+
+
+def test_a_step_that_raises_after_the_gradient_graph_ran_restores_the_running_statistics():
+    """Split (accumulating) trainer: the gradient graph has updated the BatchNorm running
+    statistics when the gradient reduction raises; the state is restored bitwise."""
+    step, initial = _resnet_block_step()
+
+    class Failing(Trainer):
+        fail = False
+
+        def reduce_gradients(self, gradients):
+            if self.fail:
+                raise RuntimeError("a rank left")
+            return gradients
+
+    trainer = Failing(step, initial, lr=0.01, accumulation=2, session_options=_options())
+    rng = np.random.default_rng(4)
+    batch = lambda: rng.standard_normal((4, 4, 5, 5)).astype(np.float32)
+    trainer.step(batch(), batch())
+    before = _snapshot(trainer)
+    trainer.fail = True
+    with pytest.raises(RuntimeError, match="a rank left"):
+        trainer.step(batch(), batch())
+    assert _snapshot(trainer) == before
+
+
+def test_gated_updates_are_bitwise_the_step_graph_and_all_in_place():
+    """The finiteness gate (every state update waits for the loss and every gradient) changes
+    no finite value, and makes every state tensor safe to update in place."""
+    step, initial = _resnet_block_step()
+    trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+    assert trainer._in_place == set(initial)
+    rng = np.random.default_rng(4)
+    batch = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
+             "labels": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
+    trainer.step(**batch)
+    expected = _session_step(step, initial, batch, 0.01, 1, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    assert all(trainer.state_dict()[name].tobytes() == expected[name].tobytes() for name in expected)
+
+
+def test_a_step_onnxruntime_fails_midway_writes_nothing():
+    """BatchNorm (running statistics updated in place) before a Reshape that fails for a batch
+    of 4 (16 values into rows of 3): onnxruntime raises after the statistics' update could
+    run; the state stays bitwise as it was."""
+    rng = np.random.default_rng(0)
+    initializers = {"scale": rng.uniform(0.5, 1.5, 4), "bias": rng.standard_normal(4) * 0.1, "mean": np.zeros(4),
+                    "var": np.ones(4), "w": rng.standard_normal((4, 4)) * 0.5}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"], ["n", "mean_out", "var_out"],
+                              training_mode=1),
+             helper.make_node("Constant", [], ["rows_of_3"], value=numpy_helper.from_array(np.array([-1, 3], np.int64))),
+             helper.make_node("Constant", [], ["rows_of_4"], value=numpy_helper.from_array(np.array([-1, 4], np.int64))),
+             helper.make_node("Reshape", ["n", "rows_of_3"], ["r"]), helper.make_node("Relu", ["r"], ["a"]),
+             helper.make_node("Reshape", ["a", "rows_of_4"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    model.ir_version = IR_VERSION
+    step, initial = build_step_graph(build_training_graph(model, loss="mse"), "adamw")
+    assert {"mean", "var"} <= set(initial)
+    trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+    trainer.step(rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32))
+    before = _snapshot(trainer)
+    with pytest.raises(Exception, match="Reshape|reshape"):
+        trainer.step(rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32))
+    assert _snapshot(trainer) == before
