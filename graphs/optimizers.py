@@ -14,6 +14,7 @@ is zeros (SGD's first step takes the gradient as its momentum buffer, as torch d
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -35,13 +36,36 @@ __all__ = [
     "running_statistics",
     "build_gradient_graph",
     "build_inference_model",
+    "build_eval_graph",
+    "decayed_parameters",
+    "expose_forward_outputs",
+    "forward_outputs",
     "ACCUMULATOR_SUFFIX",
+    "WEIGHT_DECAY_METADATA",
 ]
 
 ACCUMULATOR_SUFFIX = "_grad.sum"
 """``P_grad.sum``: the gradient accumulator input of :func:`build_gradient_graph` for parameter ``P``."""
 
 _KINDS = ("sgd", "adam", "adamw")
+
+WEIGHT_DECAY_METADATA = "normgrad.weight_decay"
+"""Step/optimizer graph metadata key: JSON {parameter: its weight decay} (0 for the
+parameters ``no_weight_decay`` matched), as torch's param_groups would hold them."""
+
+
+def decayed_parameters(parameters: Sequence[str], no_weight_decay: Sequence[str]) -> Dict[str, bool]:
+    """{parameter: whether weight decay applies to it}: every parameter except those a
+    ``no_weight_decay`` pattern (``fnmatch``, case-sensitive, e.g. ``"*.bias"``) matches.
+
+    Raises:
+        ValueError: a pattern that matches no parameter (a typo would otherwise decay everything silently).
+    """
+    for pattern in no_weight_decay:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in parameters):
+            shown = ", ".join(list(parameters)[:8]) + (", ..." if len(parameters) > 8 else "")
+            raise ValueError(f"no_weight_decay pattern {pattern!r} matches no trainable parameter ({shown})")
+    return {p: not any(fnmatch.fnmatchcase(p, pattern) for pattern in no_weight_decay) for p in parameters}
 
 
 def next_name(name: str) -> str:
@@ -88,11 +112,17 @@ def build_optimizer_graph(
     eps: float = 1e-8,
     amsgrad: bool = False,
     clip_grad_norm: Optional[float] = None,
+    no_weight_decay: Sequence[str] = (),
 ) -> onnx.ModelProto:
     """An ONNX model doing one optimizer step on float32 ``parameters`` ({name: shape}).
 
+    ``no_weight_decay``: fnmatch patterns of parameters that get no weight decay (e.g.
+    ``["*.bias", "*norm*"]``), as a torch param_group with ``weight_decay=0`` beside one with
+    the others (:func:`decayed_parameters`).
+
     Raises:
-        ValueError: an unknown ``kind``, or a hyperparameter torch would refuse.
+        ValueError: an unknown ``kind``, a hyperparameter torch would refuse, or a
+            ``no_weight_decay`` pattern that matches no parameter.
     """
     if kind not in _KINDS:
         raise ValueError(f"optimizer kind {kind!r} is not one of {', '.join(_KINDS)}")
@@ -106,6 +136,9 @@ def build_optimizer_graph(
         raise ValueError(f"betas must be two values in [0, 1), got {betas!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+    no_weight_decay = [no_weight_decay] if isinstance(no_weight_decay, str) else list(no_weight_decay)
+    decays = {p: weight_decay if decayed else 0.0
+              for p, decayed in decayed_parameters(list(parameters), no_weight_decay).items()}
 
     g = _Nodes()
     value_info = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
@@ -149,10 +182,10 @@ def build_optimizer_graph(
 
     outputs = []
     for p, s in parameters.items():
-        grad, param = grads[p], p
+        grad, param, decay = grads[p], p, decays[p]
         if kind == "sgd":
-            if weight_decay != 0:
-                grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+            if decay != 0:
+                grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             if momentum != 0:
                 buffer = f"{p}.momentum_buffer"
                 later = g.op("Add", g.op("Mul", buffer, g.const(momentum)), g.op("Mul", grad, g.const(1 - dampening)))
@@ -163,11 +196,12 @@ def build_optimizer_graph(
             g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
         elif fused:
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            if kind == "adam" and weight_decay != 0:
-                grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+            if kind == "adam" and decay != 0:
+                grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             g.nodes.append(helper.make_node(
                 "AdamUpdate",
-                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale or "", grad_scale or ""],
+                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt,
+                 param_scale if decay != 0 and param_scale else "", grad_scale or ""],
                 [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN,
                 beta2=float(np.float32(beta2)), one_minus_beta1=float(np.float32(1 - beta1)),
                 one_minus_beta2=float(np.float32(1 - beta2)), epsilon=float(np.float32(eps))))
@@ -175,11 +209,11 @@ def build_optimizer_graph(
                 g.nodes[-1].input.pop()
             state[exp_avg], state[exp_avg_sq] = next_name(exp_avg), next_name(exp_avg_sq)
         else:  # amsgrad: the same step as separate ops, with the running maximum
-            if weight_decay != 0:
+            if decay != 0:
                 if kind == "adamw":
                     param = g.op("Mul", param, param_scale)
                 else:
-                    grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+                    grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
             new_avg = g.op("Add", exp_avg, g.op("Mul", g.op("Sub", grad, exp_avg), g.const(1 - beta1)),
                            output=next_name(exp_avg))
@@ -200,6 +234,8 @@ def build_optimizer_graph(
     model.ir_version = IR_VERSION
     model = normgrad.add_functions(model)
     hyperparameters = {"kind": kind, "lr": "input", "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
+    if no_weight_decay:
+        hyperparameters["no_weight_decay"] = no_weight_decay
     if kind == "sgd":
         hyperparameters.update(momentum=momentum, dampening=dampening, nesterov=nesterov)
     else:
@@ -208,6 +244,7 @@ def build_optimizer_graph(
         "normgrad.state": json.dumps({**{p: next_name(p) for p in parameters}, **state}),
         "normgrad.parameters": json.dumps(list(parameters)),
         "normgrad.optimizer": json.dumps(hyperparameters),
+        WEIGHT_DECAY_METADATA: json.dumps(decays),
     })
     onnx.checker.check_model(model, full_check=True)
     return model
@@ -303,25 +340,12 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     Raises:
         ValueError: ``step`` is not a step graph, or ``tensors`` lacks a state tensor the forward reads.
     """
-    meta = _metadata(step)
-    if "normgrad.loss" not in meta or not meta["normgrad.loss"]:
-        raise ValueError("not a step graph written by normgrad: no normgrad.loss metadata")
+    meta = _step_metadata(step)
     loss_output = meta["normgrad.loss"]["output"]
-    produced = {o for node in step.graph.node for o in node.output}
-    outputs = [o for o in meta.get("normgrad.forward_outputs", [loss_output]) if o in produced]
+    outputs = forward_outputs(step)
     if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
         outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
-    running = {layer["output"]: layer for layer in meta.get("normgrad.batch_norm", [])}
-    nodes = []
-    for node in step.graph.node:
-        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and node.output[0] in running:
-            # the layer normalizes with its batch statistics in training: the running ones now
-            node = copy.deepcopy(node)
-            node.input[3], node.input[4] = running[node.output[0]]["running_mean"], running[node.output[0]]["running_var"]
-        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
-            node = helper.make_node("Identity", node.input[:1], node.output[:1], name=node.name)
-        nodes.append(node)
-    nodes = _live_nodes(nodes, outputs)
+    nodes = _live_nodes(_eval_mode_nodes(step), outputs)
     read = _read_values(nodes)
     state = set(meta["normgrad.state"])
     missing = sorted(n for n in state if n in read and n not in tensors)
@@ -331,11 +355,94 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     trained = [numpy_helper.from_array(np.asarray(tensors[n]), n) for n in sorted(state & read)]
     model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
                        [onnx.ValueInfoProto(name=o) for o in outputs], {}, trained, check=False)
+    _infer_output_types(model)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _step_metadata(step: onnx.ModelProto) -> Dict[str, object]:
+    meta = _metadata(step)
+    if "normgrad.loss" not in meta or not meta["normgrad.loss"]:
+        raise ValueError("not a step graph written by normgrad: no normgrad.loss metadata")
+    return meta
+
+
+def forward_outputs(step: onnx.ModelProto) -> List[str]:
+    """The forward model's outputs that a step graph still computes (those its loss needs;
+    for a model computing its own loss (``loss_output``), that output among them)."""
+    meta = _step_metadata(step)
+    produced = {o for node in step.graph.node for o in node.output}
+    return [o for o in meta.get("normgrad.forward_outputs", [meta["normgrad.loss"]["output"]]) if o in produced]
+
+
+def _eval_mode_nodes(step: onnx.ModelProto) -> List[onnx.NodeProto]:
+    """The step graph's nodes with every training-mode BatchNormalization normalizing with its
+    running statistics instead of the batch's, and Dropout as Identity (torch's eval mode)."""
+    running = {layer["output"]: layer for layer in _metadata(step).get("normgrad.batch_norm", [])}
+    nodes = []
+    for node in step.graph.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and node.output[0] in running:
+            # the layer normalizes with its batch statistics in training: the running ones now
+            node = copy.deepcopy(node)
+            node.input[3], node.input[4] = running[node.output[0]]["running_mean"], running[node.output[0]]["running_var"]
+        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            node = helper.make_node("Identity", node.input[:1], node.output[:1], name=node.name)
+        nodes.append(node)
+    return nodes
+
+
+def _infer_output_types(model: onnx.ModelProto) -> None:
+    """Fills in the types of ``model``'s graph outputs that have none, by shape inference."""
+    untyped = [o for o in model.graph.output if not o.HasField("type")]
+    if not untyped:
+        return
     inferred_graph = onnx.shape_inference.infer_shapes(model).graph
     inferred = {o.name: o for o in list(inferred_graph.value_info) + list(inferred_graph.output) if o.HasField("type")}
-    for output in model.graph.output:
+    for output in untyped:
         if output.name in inferred:
             output.CopyFrom(inferred[output.name])
+
+
+def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` (a step, gradient or eval graph) with the values ``names`` (computed
+    by its nodes, e.g. :func:`forward_outputs`) as graph outputs too, after its own outputs.
+
+    Raises:
+        ValueError: a name no node of the graph computes.
+    """
+    produced = {o for node in model.graph.node for o in node.output}
+    present = {o.name for o in model.graph.output}
+    for name in names:
+        if name not in produced:
+            raise ValueError(f"{name!r} is not computed by the graph {model.graph.name!r}")
+    exposed = copy.deepcopy(model)
+    exposed.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in present)
+    _infer_output_types(exposed)
+    return exposed
+
+
+def build_eval_graph(step: onnx.ModelProto) -> onnx.ModelProto:
+    """The evaluation graph of a step graph: (data inputs, the state tensors the forward reads:
+    trained weights, running statistics) -> (``loss``, the :func:`forward_outputs`), in
+    torch's eval mode (BatchNormalization on its running statistics, Dropout off; the nodes
+    of :func:`build_inference_model`) and without an update. ``normgrad export --optimizer``
+    writes it beside the step graph (``NAME.eval.onnx``); :meth:`normgrad.train.Trainer.evaluate`
+    runs it with the trainer's current state.
+
+    Raises:
+        ValueError: ``step`` is not a step graph.
+    """
+    meta = _step_metadata(step)
+    outputs = ["loss"] + [o for o in forward_outputs(step) if o != "loss"]
+    nodes = _live_nodes(_eval_mode_nodes(step), outputs)
+    read = _read_values(nodes)
+    inputs = [i for i in step.graph.input if i.name in read]
+    state = [i.name for i in inputs if i.name in meta["normgrad.state"]]
+    properties = {key: json.dumps(meta[key]) for key in ("normgrad.loss", "normgrad.data_inputs") if key in meta}
+    properties["normgrad.eval_state"] = json.dumps(state)
+    model = _sub_model(step, f"{step.graph.name}_eval", nodes, inputs,
+                       [onnx.ValueInfoProto(name=o) for o in outputs], properties, check=False)
+    _infer_output_types(model)
     onnx.checker.check_model(model, full_check=True)
     return model
 
