@@ -506,6 +506,7 @@ class Trainer:
                 model = optimizers.build_eval_graph(self.step_model)
             else:
                 model = source if isinstance(source, onnx.ModelProto) else onnx.load(os.fspath(source))
+            step_inputs = {i.name: i for i in self.step_model.graph.input}
             for info in model.graph.input:
                 if info.name in self._expected:
                     dims = tuple(d.dim_value for d in info.type.tensor_type.shape.dim)
@@ -516,6 +517,9 @@ class Trainer:
                 elif info.name not in self.data_inputs:
                     raise TrainerError(f"evaluation graph input {info.name!r} is neither a data input nor a state "
                                        "tensor of the step graph: not this step graph's evaluation graph")
+                elif _np_dtype(info) != _np_dtype(step_inputs[info.name]):
+                    raise TrainerError(f"evaluation graph input {info.name!r} is {_np_dtype(info)}; the step graph's "
+                                       f"is {_np_dtype(step_inputs[info.name])}: not this step graph's evaluation graph")
             if "loss" not in {o.name for o in model.graph.output}:
                 raise TrainerError("the evaluation graph has no 'loss' output")
             options, providers = self._session_arguments
