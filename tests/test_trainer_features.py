@@ -362,15 +362,29 @@ def test_batch_forms_and_steps_iterator_are_bitwise_step(mlp_step, accumulation)
         assert all(state[name].tobytes() == states[0][name].tobytes() for name in state)
 
 
-def test_step_outputs_are_the_forward_before_the_update(mlp_step):
-    """step(outputs=["y"]) returns the forward output of the weights before the update (numpy)."""
+@pytest.mark.parametrize("level", ["ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL"])
+def test_step_outputs_are_the_forward_before_the_update(mlp_step, level):
+    """step(outputs=["y"]) returns the forward output of the weights before the update, and
+    evaluate the forward and loss of the weights after it, at every graph optimization level
+    (float64 NumPy reference)."""
+    import onnxruntime as ort
+
     step, initial = mlp_step
-    trainer = Trainer(step, initial, lr=0.01)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    trainer = Trainer(step, initial, lr=0.01, session_options=options)
     x, y = _xy(np.random.default_rng(6))
-    w = trainer.state_dict()
+    forward = lambda w: np.tanh(x.astype(np.float64) @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+    expected = forward(trainer.state_dict())
     result = trainer.step(x, y, outputs=["y"])
-    expected = np.tanh(x.astype(np.float64) @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
     np.testing.assert_allclose(result.outputs["y"], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    logits = forward(trainer.state_dict())
+    assert np.abs(logits - expected).max() > 1e-4  # the update changed the weights
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    loss = np.mean(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(y)), y])
+    evaluation = trainer.evaluate(x, y)
+    np.testing.assert_allclose(evaluation.outputs["y"], logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    assert evaluation.loss == pytest.approx(loss, rel=1e-5)
     assert result.step == 1 and result.lr == pytest.approx(0.01) and trainer.step_count == 1
     assert trainer.step(x, y, outputs="y").outputs["y"].shape == (4, 3)
     assert trainer.step(x, y, outputs=[]).outputs == {}
