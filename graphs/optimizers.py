@@ -405,7 +405,8 @@ def _infer_output_types(model: onnx.ModelProto) -> None:
 
 def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
     """A copy of ``model`` (a step, gradient or eval graph) with the values ``names`` (computed
-    by its nodes, e.g. :func:`forward_outputs`) as graph outputs too, after its own outputs.
+    by its nodes, e.g. :func:`forward_outputs`) as graph outputs too, after its own outputs,
+    for an onnxruntime session (``model`` itself when they all are outputs already).
 
     Raises:
         ValueError: a name no node of the graph computes.
@@ -415,9 +416,14 @@ def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx
     for name in names:
         if name not in produced:
             raise ValueError(f"{name!r} is not computed by the graph {model.graph.name!r}")
+    added = [n for n in dict.fromkeys(names) if n not in present]
+    if not added:
+        return model
     exposed = copy.deepcopy(model)
-    exposed.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in present)
-    _infer_output_types(exposed)
+    # typed where the graph records the type; onnxruntime (1.19.2 and newer) infers the
+    # others when it loads the model
+    known = {v.name: v for v in model.graph.value_info}
+    exposed.graph.output.extend(copy.deepcopy(known[n]) if n in known else onnx.ValueInfoProto(name=n) for n in added)
     return exposed
 
 
