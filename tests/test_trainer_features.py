@@ -340,6 +340,17 @@ def test_cli_no_weight_decay(tmp_path, capsys):
     assert not (tmp_path / "s2.onnx").exists() and not (tmp_path / "s3.onnx").exists()
 
 
+def test_cli_refuses_to_write_the_evaluation_graph_over_its_input(tmp_path, capsys):
+    from normgrad.tools import export as export_tool
+
+    forward = tmp_path / "net.eval.onnx"
+    onnx.save(examples.mlp(), str(forward))
+    before = forward.read_bytes()
+    assert export_tool.main([str(forward), "-o", str(tmp_path / "net.onnx"), "--loss", "mse", "--optimizer", "sgd"]) == 1
+    assert "the evaluation graph" in capsys.readouterr().err and forward.read_bytes() == before
+    assert not (tmp_path / "net.onnx").exists()
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_batch_forms_and_steps_iterator_are_bitwise_step(mlp_step, accumulation):
     """Positional, keyword and dict batches, and steps() over a list for two epochs, take
