@@ -427,20 +427,45 @@ def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx
     return exposed
 
 
+def _rank_local_loss(step: onnx.ModelProto) -> Optional[str]:
+    """In a ``--data-parallel`` step graph, the value this rank's loss has before it joins the
+    gradients' bucketed all-reduce (``loss`` = Reshape(Split(Div(AllReduce(Concat(...,
+    Reshape(local), ...)), ranks))[k]), :func:`normgrad.graphs.data_parallel.average_over_ranks`);
+    None in a graph without that all-reduce."""
+    producer = {name: node for node in step.graph.node for name in node.output}
+    node = producer.get("loss")
+    while node is not None and node.op_type == "Identity":
+        node = producer.get(node.input[0])
+    chain = [node]
+    for op_type in ("Split", "Div", "AllReduce", "Concat"):
+        node = producer.get(chain[-1].input[0]) if chain[-1] is not None else None
+        chain.append(node if node is not None and node.op_type == op_type else None)
+    reshape, split, _, all_reduce, concat = chain
+    if reshape is None or reshape.op_type != "Reshape" or concat is None or all_reduce.domain != DOMAIN:
+        return None
+    flat = producer.get(concat.input[list(split.output).index(reshape.input[0])])
+    return flat.input[0] if flat is not None and flat.op_type == "Reshape" else None
+
+
 def build_eval_graph(step: onnx.ModelProto) -> onnx.ModelProto:
     """The evaluation graph of a step graph: (data inputs, the state tensors the forward reads:
     trained weights, running statistics) -> (``loss``, the :func:`forward_outputs`), in
     torch's eval mode (BatchNormalization on its running statistics, Dropout off; the nodes
     of :func:`build_inference_model`) and without an update. ``normgrad export --optimizer``
     writes it beside the step graph (``NAME.eval.onnx``); :meth:`normgrad.train.Trainer.evaluate`
-    runs it with the trainer's current state.
+    runs it with the trainer's current state. Of a ``--data-parallel`` step graph, ``loss`` is
+    this rank's (no collective: a rank can evaluate alone).
 
     Raises:
         ValueError: ``step`` is not a step graph.
     """
     meta = _step_metadata(step)
     outputs = ["loss"] + [o for o in forward_outputs(step) if o != "loss"]
-    nodes = _live_nodes(_eval_mode_nodes(step), outputs)
+    nodes = _eval_mode_nodes(step)
+    local = _rank_local_loss(step)
+    if local is not None:  # this rank's loss, not the mean over the ranks in the gradient all-reduce
+        nodes = [n for n in nodes if "loss" not in n.output] + [helper.make_node("Identity", [local], ["loss"])]
+    nodes = _live_nodes(nodes, outputs)
     read = _read_values(nodes)
     inputs = [i for i in step.graph.input if i.name in read]
     state = [i.name for i in inputs if i.name in meta["normgrad.state"]]

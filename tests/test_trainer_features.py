@@ -441,6 +441,22 @@ def test_evaluate_with_accumulation_takes_the_whole_batch(mlp_step):
     assert a.outputs["y"].shape == (6, 3)
 
 
+@pytest.mark.parametrize("parallel", [dict(data_parallel=True), dict(data_parallel=True, sync_batch_norm=True)])
+def test_evaluation_graph_of_a_data_parallel_step_graph_has_no_collective(parallel):
+    """The loss of a --data-parallel step graph is averaged over the ranks in the gradient
+    all-reduce: its evaluation graph takes this rank's loss instead, so a rank can evaluate
+    alone (no AllReduce to wait in), bitwise as the evaluation graph of the plain step graph."""
+    plain, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "sgd")
+    parallel_step, _ = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse", **parallel), "sgd")
+    assert "AllReduce" in {n.op_type for n in parallel_step.graph.node}
+    evaluation = optimizers.build_eval_graph(parallel_step)
+    assert "AllReduce" not in {n.op_type for n in evaluation.graph.node}
+    x, y = np.random.default_rng(9).standard_normal((2, 2, 4, 5, 5)).astype(np.float32)
+    a = Trainer(plain, initial).evaluate(x, y)
+    b = Trainer(plain, initial, eval_model=evaluation).evaluate(x, y)
+    assert a.loss == b.loss and a.outputs["y"].tobytes() == b.outputs["y"].tobytes()
+
+
 def test_train_help_shows_defaults(capsys):
     from normgrad.tools import train as train_tool
 
