@@ -1,7 +1,8 @@
 """``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]
-[--data-parallel] [--sync-batch-norm]``:
+[--no-weight-decay GLOB ...] [--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
-its step graph (gradients + one optimizer step) and a checkpoint of the initial state."""
+its step graph (gradients + one optimizer step), a checkpoint of the initial state and the
+evaluation graph (``NAME.eval.onnx``: loss and outputs in eval mode, no update)."""
 
 from __future__ import annotations
 
