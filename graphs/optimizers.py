@@ -14,6 +14,7 @@ is zeros (SGD's first step takes the gradient as its momentum buffer, as torch d
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -36,13 +37,36 @@ __all__ = [
     "running_statistics",
     "build_gradient_graph",
     "build_inference_model",
+    "build_eval_graph",
+    "decayed_parameters",
+    "expose_forward_outputs",
+    "forward_outputs",
     "ACCUMULATOR_SUFFIX",
+    "WEIGHT_DECAY_METADATA",
 ]
 
 ACCUMULATOR_SUFFIX = "_grad.sum"
 """``P_grad.sum``: the gradient accumulator input of :func:`build_gradient_graph` for parameter ``P``."""
 
 _KINDS = ("sgd", "adam", "adamw")
+
+WEIGHT_DECAY_METADATA = "normgrad.weight_decay"
+"""Step/optimizer graph metadata key: JSON {parameter: its weight decay} (0 for the
+parameters ``no_weight_decay`` matched), as torch's param_groups would hold them."""
+
+
+def decayed_parameters(parameters: Sequence[str], no_weight_decay: Sequence[str]) -> Dict[str, bool]:
+    """{parameter: whether weight decay applies to it}: every parameter except those a
+    ``no_weight_decay`` pattern (``fnmatch``, case-sensitive, e.g. ``"*.bias"``) matches.
+
+    Raises:
+        ValueError: a pattern that matches no parameter (a typo would otherwise decay everything silently).
+    """
+    for pattern in no_weight_decay:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in parameters):
+            shown = ", ".join(list(parameters)[:8]) + (", ..." if len(parameters) > 8 else "")
+            raise ValueError(f"no_weight_decay pattern {pattern!r} matches no trainable parameter ({shown})")
+    return {p: not any(fnmatch.fnmatchcase(p, pattern) for pattern in no_weight_decay) for p in parameters}
 
 
 def next_name(name: str) -> str:
@@ -89,11 +113,17 @@ def build_optimizer_graph(
     eps: float = 1e-8,
     amsgrad: bool = False,
     clip_grad_norm: Optional[float] = None,
+    no_weight_decay: Sequence[str] = (),
 ) -> onnx.ModelProto:
     """An ONNX model doing one optimizer step on float32 ``parameters`` ({name: shape}).
 
+    ``no_weight_decay``: fnmatch patterns of parameters that get no weight decay (e.g.
+    ``["*.bias", "*norm*"]``), as a torch param_group with ``weight_decay=0`` beside one with
+    the others (:func:`decayed_parameters`).
+
     Raises:
-        ValueError: an unknown ``kind``, or a hyperparameter torch would refuse.
+        ValueError: an unknown ``kind``, a hyperparameter torch would refuse, or a
+            ``no_weight_decay`` pattern that matches no parameter.
     """
     if kind not in _KINDS:
         raise ValueError(f"optimizer kind {kind!r} is not one of {', '.join(_KINDS)}")
@@ -107,6 +137,9 @@ def build_optimizer_graph(
         raise ValueError(f"betas must be two values in [0, 1), got {betas!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+    no_weight_decay = [no_weight_decay] if isinstance(no_weight_decay, str) else list(no_weight_decay)
+    decays = {p: weight_decay if decayed else 0.0
+              for p, decayed in decayed_parameters(list(parameters), no_weight_decay).items()}
 
     g = _Nodes()
     value_info = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
@@ -150,10 +183,10 @@ def build_optimizer_graph(
 
     outputs = []
     for p, s in parameters.items():
-        grad, param = grads[p], p
+        grad, param, decay = grads[p], p, decays[p]
         if kind == "sgd":
-            if weight_decay != 0:
-                grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+            if decay != 0:
+                grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             if momentum != 0:
                 buffer = f"{p}.momentum_buffer"
                 later = g.op("Add", g.op("Mul", buffer, g.const(momentum)), g.op("Mul", grad, g.const(1 - dampening)))
@@ -164,11 +197,12 @@ def build_optimizer_graph(
             g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
         elif fused:
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            if kind == "adam" and weight_decay != 0:
-                grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+            if kind == "adam" and decay != 0:
+                grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             g.nodes.append(helper.make_node(
                 "AdamUpdate",
-                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale or "", grad_scale or ""],
+                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt,
+                 param_scale if decay != 0 and param_scale else "", grad_scale or ""],
                 [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN,
                 beta2=float(np.float32(beta2)), one_minus_beta1=float(np.float32(1 - beta1)),
                 one_minus_beta2=float(np.float32(1 - beta2)), epsilon=float(np.float32(eps))))
@@ -176,11 +210,11 @@ def build_optimizer_graph(
                 g.nodes[-1].input.pop()
             state[exp_avg], state[exp_avg_sq] = next_name(exp_avg), next_name(exp_avg_sq)
         else:  # amsgrad: the same step as separate ops, with the running maximum
-            if weight_decay != 0:
+            if decay != 0:
                 if kind == "adamw":
                     param = g.op("Mul", param, param_scale)
                 else:
-                    grad = g.op("Add", grad, g.op("Mul", param, g.const(weight_decay)))
+                    grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
             new_avg = g.op("Add", exp_avg, g.op("Mul", g.op("Sub", grad, exp_avg), g.const(1 - beta1)),
                            output=next_name(exp_avg))
@@ -201,6 +235,8 @@ def build_optimizer_graph(
     model.ir_version = IR_VERSION
     model = normgrad.add_functions(model)
     hyperparameters = {"kind": kind, "lr": "input", "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
+    if no_weight_decay:
+        hyperparameters["no_weight_decay"] = no_weight_decay
     if kind == "sgd":
         hyperparameters.update(momentum=momentum, dampening=dampening, nesterov=nesterov)
     else:
@@ -209,6 +245,7 @@ def build_optimizer_graph(
         "normgrad.state": json.dumps({**{p: next_name(p) for p in parameters}, **state}),
         "normgrad.parameters": json.dumps(list(parameters)),
         "normgrad.optimizer": json.dumps(hyperparameters),
+        WEIGHT_DECAY_METADATA: json.dumps(decays),
     })
     onnx.checker.check_model(model, full_check=True)
     return model
@@ -308,14 +345,45 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     Raises:
         ValueError: ``step`` is not a step graph, or ``tensors`` lacks a state tensor the forward reads.
     """
+    meta = _step_metadata(step)
+    loss_output = meta["normgrad.loss"]["output"]
+    outputs = forward_outputs(step)
+    if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
+        outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
+    nodes = _live_nodes(_eval_mode_nodes(step), outputs)
+    read = _read_values(nodes)
+    state = set(meta["normgrad.state"])
+    missing = sorted(n for n in state if n in read and n not in tensors)
+    if missing:
+        raise ValueError(f"no value for state tensor {missing[0]!r}, which the forward model reads")
+    inputs = [i for i in step.graph.input if i.name in read and i.name not in state]
+    trained = [numpy_helper.from_array(np.asarray(tensors[n]), n) for n in sorted(state & read)]
+    model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
+                       [onnx.ValueInfoProto(name=o) for o in outputs], {}, trained, check=False)
+    _infer_output_types(model)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _step_metadata(step: onnx.ModelProto) -> Dict[str, object]:
     meta = _metadata(step)
     if "normgrad.loss" not in meta or not meta["normgrad.loss"]:
         raise ValueError("not a step graph written by normgrad: no normgrad.loss metadata")
-    loss_output = meta["normgrad.loss"]["output"]
+    return meta
+
+
+def forward_outputs(step: onnx.ModelProto) -> List[str]:
+    """The forward model's outputs that a step graph still computes (those its loss needs;
+    for a model computing its own loss (``loss_output``), that output among them)."""
+    meta = _step_metadata(step)
     produced = {o for node in step.graph.node for o in node.output}
-    outputs = [o for o in meta.get("normgrad.forward_outputs", [loss_output]) if o in produced]
-    if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
-        outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
+    return [o for o in meta.get("normgrad.forward_outputs", [meta["normgrad.loss"]["output"]]) if o in produced]
+
+
+def _eval_mode_nodes(step: onnx.ModelProto) -> List[onnx.NodeProto]:
+    """The step graph's nodes with every training-mode BatchNormalization normalizing with its
+    running statistics instead of the batch's, and Dropout as Identity (torch's eval mode)."""
+    meta = _metadata(step)
     running = {layer["output"]: layer for layer in meta.get("normgrad.batch_norm", [])}
     dropout_inputs = meta.get(rewrites.METADATA_DROPOUT, {}).get("outputs", {})  # seeded Dropout: {output: input}
     nodes = []
@@ -329,21 +397,92 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
         elif node.output and node.output[0] in dropout_inputs:
             node = helper.make_node("Identity", [dropout_inputs[node.output[0]]], node.output[:1], name=node.name)
         nodes.append(node)
-    nodes = _live_nodes(nodes, outputs)
-    read = _read_values(nodes)
-    state = set(meta["normgrad.state"])
-    missing = sorted(n for n in state if n in read and n not in tensors)
-    if missing:
-        raise ValueError(f"no value for state tensor {missing[0]!r}, which the forward model reads")
-    inputs = [i for i in step.graph.input if i.name in read and i.name not in state]
-    trained = [numpy_helper.from_array(np.asarray(tensors[n]), n) for n in sorted(state & read)]
-    model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
-                       [onnx.ValueInfoProto(name=o) for o in outputs], {}, trained, check=False)
+    return nodes
+
+
+def _infer_output_types(model: onnx.ModelProto) -> None:
+    """Fills in the types of ``model``'s graph outputs that have none, by shape inference."""
+    untyped = [o for o in model.graph.output if not o.HasField("type")]
+    if not untyped:
+        return
     inferred_graph = onnx.shape_inference.infer_shapes(model).graph
     inferred = {o.name: o for o in list(inferred_graph.value_info) + list(inferred_graph.output) if o.HasField("type")}
-    for output in model.graph.output:
+    for output in untyped:
         if output.name in inferred:
             output.CopyFrom(inferred[output.name])
+
+
+def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` (a step, gradient or eval graph) with the values ``names`` (computed
+    by its nodes, e.g. :func:`forward_outputs`) as graph outputs too, after its own outputs,
+    for an onnxruntime session (``model`` itself when they all are outputs already).
+
+    Raises:
+        ValueError: a name no node of the graph computes.
+    """
+    produced = {o for node in model.graph.node for o in node.output}
+    present = {o.name for o in model.graph.output}
+    for name in names:
+        if name not in produced:
+            raise ValueError(f"{name!r} is not computed by the graph {model.graph.name!r}")
+    added = [n for n in dict.fromkeys(names) if n not in present]
+    if not added:
+        return model
+    exposed = copy.deepcopy(model)
+    # typed where the graph records the type; onnxruntime (1.19.2 and newer) infers the
+    # others when it loads the model
+    known = {v.name: v for v in model.graph.value_info}
+    exposed.graph.output.extend(copy.deepcopy(known[n]) if n in known else onnx.ValueInfoProto(name=n) for n in added)
+    return exposed
+
+
+def _rank_local_loss(step: onnx.ModelProto) -> Optional[str]:
+    """In a ``--data-parallel`` step graph, the value this rank's loss has before it joins the
+    gradients' bucketed all-reduce (``loss`` = Reshape(Split(Div(AllReduce(Concat(...,
+    Reshape(local), ...)), ranks))[k]), :func:`normgrad.graphs.data_parallel.average_over_ranks`);
+    None in a graph without that all-reduce."""
+    producer = {name: node for node in step.graph.node for name in node.output}
+    node = producer.get("loss")
+    while node is not None and node.op_type == "Identity":
+        node = producer.get(node.input[0])
+    chain = [node]
+    for op_type in ("Split", "Div", "AllReduce", "Concat"):
+        node = producer.get(chain[-1].input[0]) if chain[-1] is not None else None
+        chain.append(node if node is not None and node.op_type == op_type else None)
+    reshape, split, _, all_reduce, concat = chain
+    if reshape is None or reshape.op_type != "Reshape" or concat is None or all_reduce.domain != DOMAIN:
+        return None
+    flat = producer.get(concat.input[list(split.output).index(reshape.input[0])])
+    return flat.input[0] if flat is not None and flat.op_type == "Reshape" else None
+
+
+def build_eval_graph(step: onnx.ModelProto) -> onnx.ModelProto:
+    """The evaluation graph of a step graph: (data inputs, the state tensors the forward reads:
+    trained weights, running statistics) -> (``loss``, the :func:`forward_outputs`), in
+    torch's eval mode (BatchNormalization on its running statistics, Dropout off; the nodes
+    of :func:`build_inference_model`) and without an update. ``normgrad export --optimizer``
+    writes it beside the step graph (``NAME.eval.onnx``); :meth:`normgrad.train.Trainer.evaluate`
+    runs it with the trainer's current state. Of a ``--data-parallel`` step graph, ``loss`` is
+    this rank's (no collective: a rank can evaluate alone).
+
+    Raises:
+        ValueError: ``step`` is not a step graph.
+    """
+    meta = _step_metadata(step)
+    outputs = ["loss"] + [o for o in forward_outputs(step) if o != "loss"]
+    nodes = _eval_mode_nodes(step)
+    local = _rank_local_loss(step)
+    if local is not None:  # this rank's loss, not the mean over the ranks in the gradient all-reduce
+        nodes = [n for n in nodes if "loss" not in n.output] + [helper.make_node("Identity", [local], ["loss"])]
+    nodes = _live_nodes(nodes, outputs)
+    read = _read_values(nodes)
+    inputs = [i for i in step.graph.input if i.name in read]
+    state = [i.name for i in inputs if i.name in meta["normgrad.state"]]
+    properties = {key: json.dumps(meta[key]) for key in ("normgrad.loss", "normgrad.data_inputs") if key in meta}
+    properties["normgrad.eval_state"] = json.dumps(state)
+    model = _sub_model(step, f"{step.graph.name}_eval", nodes, inputs,
+                       [onnx.ValueInfoProto(name=o) for o in outputs], properties, check=False)
+    _infer_output_types(model)
     onnx.checker.check_model(model, full_check=True)
     return model
 

@@ -1,7 +1,8 @@
 """``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]
-[--data-parallel] [--sync-batch-norm]``:
+[--no-weight-decay GLOB ...] [--data-parallel] [--sync-batch-norm]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
-its step graph (gradients + one optimizer step); trainable weights are pure graph inputs, their
+its step graph (gradients + one optimizer step) and the evaluation graph (``NAME.eval.onnx``:
+loss and outputs in eval mode, no update); trainable weights are pure graph inputs, their
 initial values (and the optimizer's state) in a checkpoint beside the graph."""
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--dampening", type=float, default=0.0)
     step.add_argument("--nesterov", action="store_true")
     step.add_argument("--weight-decay", type=float, default=None, help="default 0 (sgd, adam), 0.01 (adamw), as torch")
+    step.add_argument("--no-weight-decay", nargs="+", default=[], metavar="GLOB",
+                      help="parameters that get no weight decay, as a torch param_group with weight_decay=0 "
+                           "(fnmatch globs on parameter names, e.g. '*.bias' '*norm*'); default: decay all")
     step.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
     step.add_argument("--eps", type=float, default=1e-8)
     step.add_argument("--amsgrad", action="store_true")
@@ -94,10 +98,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--seed must be in the int64 range; got {args.seed}")
     if args.bucket_mb is not None and not args.data_parallel:
         parser.error("--bucket-mb needs --data-parallel")
+    if args.no_weight_decay and not args.optimizer:
+        parser.error("--no-weight-decay needs --optimizer")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
     bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
+    eval_path = _beside(args.output, ".eval.onnx")
     try:
         refuse_same_file(args.model, args.output)
     except ValueError as error:
@@ -122,22 +129,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finish = make_portable if args.portable else as_exported
         refuse_same_file(args.model, checkpoint_path, "checkpoint")
         if args.optimizer:
+            refuse_same_file(args.model, eval_path, "evaluation graph")
+        if args.optimizer:
             from normgrad.graphs import build_step_graph
 
             options = dict(weight_decay=args.weight_decay if args.weight_decay is not None else
-                           (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm)
+                           (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm,
+                           no_weight_decay=args.no_weight_decay)
             if args.optimizer == "sgd":
                 options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
             else:
                 options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
             training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0, **options)
             training, _ = finish(training)
+            from normgrad.graphs.optimizers import build_eval_graph
+
+            evaluation = build_eval_graph(training)
         else:
             training, initial = finish(training)
         from normgrad import checkpoint
 
         checkpoint.save(checkpoint_path, initial)
         save_model_atomic(training, args.output)
+        if args.optimizer:
+            save_model_atomic(evaluation, eval_path)
     except OSError as error:
         print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
         return 1
@@ -146,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"normgrad export: {one_line(error)}", file=sys.stderr)
         return 1
     if args.optimizer:
-        print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in {checkpoint_path}")
+        print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in "
+              f"{checkpoint_path}; evaluation graph in {eval_path}")
         return 0
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs; "
@@ -155,7 +171,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _checkpoint_beside(output: str) -> str:
-    return (output[: -len(".onnx")] if output.endswith(".onnx") else output) + ".ckpt"
+    return _beside(output, ".ckpt")
+
+
+def _beside(output: str, suffix: str) -> str:
+    return (output[: -len(".onnx")] if output.endswith(".onnx") else output) + suffix
 
 
 if __name__ == "__main__":

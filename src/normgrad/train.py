@@ -5,13 +5,10 @@ BatchNorm running statistics) kept in onnxruntime ``OrtValue`` buffers: each run
 state through an IOBinding and writes the ``NAME.next`` outputs into a second buffer per
 tensor, and the two buffers swap roles after the run, so no state tensor is copied through
 NumPy between steps. Only the batch goes in and the scalar loss comes out. A tensor whose
-readers all precede its update in the data dependencies of the graph onnxruntime runs (after
-its graph optimizations; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
-updated in place, as onnxruntime-training's optimizer does. Every update waits for the loss
-and every gradient and is applied only when they are finite (:func:`_gate_state_updates`),
-so every tensor qualifies: AdamW's state takes 3 copies of the weights' size instead of 6.
-A step that raises, or meets a non-finite loss or gradient, leaves the state and the step
-count as they were (docs/training-trust.md).
+readers all precede its update in the graph's data dependencies (the optimizer moments, the
+running statistics; :func:`normgrad.graphs.structure.in_place_updates`) has one buffer,
+updated in place, as onnxruntime-training's optimizer does: AdamW's state then takes 4
+copies of the weights' size instead of 6.
 
 Learning-rate schedules are plain Python functions of the 1-based step (:func:`constant`,
 :func:`linear_warmup`, :func:`cosine`).
@@ -33,11 +30,12 @@ overrides, each a no-op here:
 
 from __future__ import annotations
 
+import dataclasses
 import copy
 import json
 import math
 import os
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
@@ -46,7 +44,8 @@ from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_model_atomic
 from normgrad.graphs import structure
 
-__all__ = ["Trainer", "TrainerError", "constant", "linear_warmup", "cosine", "STEP_METADATA", "SEED_METADATA"]
+__all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
+           "STEP_METADATA", "SEED_METADATA"]
 
 STEP_METADATA = "normgrad.step"
 """Checkpoint metadata key: the number of optimizer steps taken (the next step is this + 1)."""
@@ -58,6 +57,37 @@ Schedule = Callable[[int], float]
 
 class TrainerError(ValueError):
     """A step graph, checkpoint, batch or option the trainer cannot use."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One optimizer step: what :meth:`Trainer.step` returns when asked for ``outputs``, and
+    what :meth:`Trainer.steps` yields.
+
+    Attributes:
+        loss: the step's loss (with accumulation, the mean of the micro-batch losses).
+        outputs: ``{name: array}``, the requested forward outputs of the step's forward pass
+            (train mode, the weights before the update; with accumulation, the micro-batches'
+            outputs concatenated along axis 0).
+        step: the optimizer step it was (1-based; :attr:`Trainer.step_count` after it).
+        lr: the learning rate it used.
+        epoch: the 1-based epoch (:meth:`Trainer.steps` only; None from :meth:`Trainer.step`).
+    """
+
+    loss: float
+    outputs: Dict[str, np.ndarray]
+    step: int
+    lr: float
+    epoch: Optional[int] = None
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """What :meth:`Trainer.evaluate` returns: the loss and the requested forward outputs
+    (``{name: array}``) in eval mode, with the trainer's current state."""
+
+    loss: float
+    outputs: Dict[str, np.ndarray]
 
 
 def constant(lr: float) -> Schedule:
@@ -88,6 +118,14 @@ def cosine(lr: float, total_steps: int, warmup_steps: int = 0, min_lr: float = 0
     return schedule
 
 
+def _unpack_dict(batch: Sequence, named: Mapping[str, object]) -> Tuple[Sequence, Dict[str, object]]:
+    """A batch given as one dict ``{input name: array}`` -> the same inputs by name."""
+    if len(batch) == 1 and isinstance(batch[0], Mapping):
+        twice = sorted(set(batch[0]) & set(named))
+        if twice:
+            raise TrainerError(f"batch input {twice[0]!r} given both in the dict and by keyword")
+        return (), {**batch[0], **named}
+    return batch, dict(named)
 APPLIED = "normgrad.applied"
 """Boolean output the trainer adds to the graphs it runs: whether the step's updates were
 written (the loss and every gradient finite) or every state tensor kept its value."""
@@ -130,7 +168,7 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     return gated
 
 
-_SPLIT_LOSS = "normgrad.step_loss"
+_SPLIT_LOSS = "normgrad.loss"
 """Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
 
 
@@ -214,6 +252,10 @@ class Trainer:
             (function bodies otherwise), ``"cpp"`` requires them, ``None`` registers none
             (the step graph's function bodies run).
         device: where the state buffers live (``"cpu"``, or e.g. ``"cuda"`` with ``device_id``).
+        eval_model: the evaluation graph :meth:`evaluate` runs (path or ``ModelProto``, e.g. the
+            ``NAME.eval.onnx`` that ``normgrad export --optimizer`` writes); default: built
+            from the step graph (:func:`normgrad.graphs.optimizers.build_eval_graph`, the same
+            function) when first needed.
         seed: the Dropout seed (an int64 integer): Dropout masks are a function of it, the
             step and the micro-batch (:func:`normgrad.graphs.rewrites.seed_dropout`). None:
             the checkpoint's seed if it has one, else the step graph's (``normgrad export
@@ -240,6 +282,7 @@ class Trainer:
         kernels: Optional[str] = "auto",
         device: str = "cpu",
         device_id: int = 0,
+        eval_model: Union[PathLike, onnx.ModelProto, None] = None,
         seed: Optional[int] = None,
         nonfinite: str = "raise",
     ):
@@ -294,9 +337,16 @@ class Trainer:
                 if kernels == "cpp":
                     raise
         self.split = accumulation > 1 or type(self).reduce_gradients is not Trainer.reduce_gradients
+        try:
+            self.forward_outputs: List[str] = optimizers.forward_outputs(model)
+        except ValueError:
+            self.forward_outputs = []
+        self._session_arguments = (options, providers)
+        self._eval_source = eval_model
+        self._evaluation: Optional[_Part] = None
         if self.split:
             try:
-                gradient = optimizers.build_gradient_graph(model)
+                gradient = optimizers.expose_forward_outputs(optimizers.build_gradient_graph(model), self.forward_outputs)
                 kind, hyper = optimizers.optimizer_options(model)
             except (ValueError, KeyError, TypeError) as error:
                 raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
@@ -310,8 +360,8 @@ class Trainer:
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
         else:
-            loss = "loss" if any(o.name == "loss" for o in model.graph.output) else None
-            gated = _gate_state_updates(model, self._state_map, [f"{p}_grad" for p in self.parameters], loss)
+            exposed = optimizers.expose_forward_outputs(model, self.forward_outputs)
+            gated = _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
             self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
         parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
@@ -320,8 +370,8 @@ class Trainer:
         self._buffers: Dict[str, List] = {}
         self._current: Dict[str, int] = {}
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
-        self._seed = self._initial_seed(metadata, seed)
         self._applied = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
+        self._seed = self._initial_seed(metadata, seed)
         self._set_state(checkpoint)
         if seed is not None:
             self._seed = int(seed)
@@ -441,11 +491,14 @@ class Trainer:
 
     # -- running ----------------------------------------------------------------------------
 
-    def _run(self, part: _Part, feeds: Mapping[str, object], replace: Mapping[str, object] = {}) -> float:
+    def _run(self, part: _Part, feeds: Mapping[str, object], replace: Mapping[str, object] = {},
+             fetched: Optional[Dict[str, object]] = None) -> float:
         """Runs ``part`` with ``feeds`` and the trainer's state tensors it reads bound from the
         current buffers (or ``replace``); the next values of the state it updates go into the
-        other buffers, which then become current. Returns the loss."""
+        other buffers, which then become current. Returns the loss; sets each key of
+        ``fetched`` to that output's value (a NumPy array)."""
         binding = part.binding
+        binding.clear_binding_outputs()  # outputs fetched by an earlier run are not fetched again
         for name, value in feeds.items():
             if isinstance(value, np.ndarray):
                 binding.bind_cpu_input(name, value)
@@ -460,12 +513,20 @@ class Trainer:
             binding.bind_ortvalue_output("loss", self._loss)
         if APPLIED in part.outputs:
             binding.bind_ortvalue_output(APPLIED, self._applied)
+        for name in fetched or {}:  # bound last: get_outputs() lists the outputs in binding order
+            binding.bind_output(name, "cpu")
         part.session.run_with_iobinding(binding)
+        if fetched:
+            values = binding.get_outputs()[-len(fetched):]
+            fetched.update((name, np.array(value.numpy(), copy=True)) for name, value in zip(list(fetched), values))
         for name in part.state:
             self._current[name] = 1 - self._current[name]
         return float(self._loss.numpy()) if "loss" in part.outputs else float("nan")
 
-    def _batch(self, batch: Sequence, named: Mapping[str, object]) -> Dict[str, np.ndarray]:
+    def _batch(self, batch: Sequence, named: Mapping[str, object], whole: bool = False) -> Dict[str, np.ndarray]:
+        """The checked feeds of a batch; ``whole``: run at once (:meth:`evaluate`), not split
+        into ``accumulation`` micro-batches."""
+        accumulation = 1 if whole else self.accumulation
         if len(batch) > len(self.data_inputs):
             raise TrainerError(f"step() takes {len(self.data_inputs)} arrays ({', '.join(self.data_inputs)}); "
                                f"got {len(batch)}")
@@ -485,13 +546,13 @@ class Trainer:
             if value.dtype != dtype and value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
                 raise TrainerError(f"batch input {name!r} must be {dtype} (or the same kind); got {value.dtype}")
             feeds[name] = np.ascontiguousarray(value, dtype)
-            if self.accumulation > 1 and (value.ndim == 0 or value.shape[0] % self.accumulation):
-                raise TrainerError(f"with accumulation {self.accumulation}, batch input {name!r} needs a first axis "
-                                   f"divisible by {self.accumulation}; got shape {list(value.shape)}")
-            fed = (value.shape[0] // self.accumulation,) + value.shape[1:] if self.accumulation > 1 else value.shape
+            if accumulation > 1 and (value.ndim == 0 or value.shape[0] % accumulation):
+                raise TrainerError(f"with accumulation {accumulation}, batch input {name!r} needs a first axis "
+                                   f"divisible by {accumulation}; got shape {list(value.shape)}")
+            fed = (value.shape[0] // accumulation,) + value.shape[1:] if accumulation > 1 else value.shape
             dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[name].type.tensor_type.shape.dim]
             if len(dims) != len(fed) or any(d is not None and d != f for d, f in zip(dims, fed)):
-                micro = f" (each of the {self.accumulation} micro-batches)" if self.accumulation > 1 else ""
+                micro = f" (each of the {accumulation} micro-batches)" if accumulation > 1 else ""
                 wanted = [d if d is not None else "any" for d in dims]
                 raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
         self._check_batch(feeds)
@@ -544,10 +605,12 @@ class Trainer:
                 return dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
         return None
 
-    def step(self, *batch, **named) -> float:
-        """One optimizer step on a batch (the step graph's data inputs, positionally in
-        ``trainer.data_inputs`` order or by name); returns its loss (with accumulation, the
-        mean of the micro-batch losses).
+    def step(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> Union[float, StepResult]:
+        """One optimizer step on a batch: the step graph's data inputs positionally in
+        ``trainer.data_inputs`` order, by name, or as one dict ``{input name: array}``.
+        Returns its loss (with accumulation, the mean of the micro-batch losses), or with
+        ``outputs`` (names among :attr:`forward_outputs`, e.g. ``["logits"]``) a
+        :class:`StepResult` holding the loss and those outputs of the step's forward pass.
 
         Raises:
             TrainerError: a batch the step graph cannot take (names, dtypes, shapes, an empty
@@ -555,28 +618,32 @@ class Trainer:
                 rate that is not a finite number >= 0, or (``nonfinite="raise"``) a
                 non-finite loss or gradient. The state and step count are then unchanged,
                 as they are when onnxruntime raises during the step."""
+        batch, named = _unpack_dict(batch, named)
+        fetched = self._requested(outputs)
         feeds = self._batch(batch, named)
         step = self._step + 1
         scalars = {"lr": self._learning_rate(step), "step": np.array(step, np.float32)}
         if not self.split:
-            loss = self._run(self._step_part, {**feeds, **scalars, **self._dropout_feeds(self._step_part)})
+            loss = self._run(self._step_part, {**feeds, **scalars, **self._dropout_feeds(self._step_part)}, fetched=fetched)
         else:
-            loss = self._split_step(feeds, scalars)
+            loss = self._split_step(feeds, scalars, fetched)
         if not bool(self._applied.numpy()):
             self.skipped_steps += 1
             if self.nonfinite == "raise":
                 raise TrainerError(f"step {step}: the loss ({loss}) or a gradient is not finite; the state is unchanged "
                                    "(Trainer(..., nonfinite='skip') skips such steps)")
+        else:
+            self._step = step
+        if outputs is None:
             return loss
-        self._step = step
-        return loss
+        return StepResult(loss=loss, outputs=fetched, step=self._step, lr=float(scalars["lr"]))
 
-    def _split_step(self, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray]) -> float:
+    def _split_step(self, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray], fetched=None) -> float:
         """Gradient graph per micro-batch, then the optimizer graph; the gradient graph's own
         state (running statistics) is restored when the step raises or is not applied."""
         kept = {name: self._value(name).numpy().copy() for name in self._gradient.state if name not in self._zeros}
         try:
-            loss = self._accumulate(feeds, scalars["step"])
+            loss = self._accumulate(feeds, scalars["step"], fetched)
             gradients = {p: self._value(a) for p, a in zip(self.parameters, self._accumulators)}
             gradients = self.reduce_gradients(gradients)
             self._run(self._optimizer, {**scalars, _SPLIT_LOSS: np.array(loss, np.float32),
@@ -608,17 +675,113 @@ class Trainer:
                                "finite number >= 0 that float32 holds")
         return lr
 
-    def _accumulate(self, feeds: Dict[str, np.ndarray], step: np.ndarray) -> float:
+    def _accumulate(self, feeds: Dict[str, np.ndarray], step: np.ndarray,
+                    fetched: Optional[Dict[str, object]] = None) -> float:
         k = self.accumulation
         scale = np.array(1.0 / k, np.float32)
         losses = []
+        parts: Dict[str, List[np.ndarray]] = {name: [] for name in fetched or {}}
         for i in range(k):
             micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
             dropout = self._dropout_feeds(self._gradient, i)
             if dropout:
                 micro.update(dropout, step=step)
-            losses.append(self._run(self._gradient, {**micro, "grad_scale": scale}, self._zeros if i == 0 else {}))
+            fetched_micro = dict.fromkeys(parts)
+            losses.append(self._run(self._gradient, {**micro, "grad_scale": scale}, self._zeros if i == 0 else {},
+                                    fetched=fetched_micro))
+            for name, value in fetched_micro.items():
+                parts[name].append(value)
+        for name, values in parts.items():  # a scalar output gets one entry per micro-batch
+            fetched[name] = np.concatenate(values) if values[0].ndim else np.stack(values)
         return float(np.mean(losses))
+
+    def _requested(self, outputs: Optional[Sequence[str]]) -> Dict[str, object]:
+        names = [outputs] if isinstance(outputs, str) else list(outputs or [])
+        for name in names:
+            if name not in self.forward_outputs:
+                raise TrainerError(f"output {name!r} is not a forward output the step graph computes; it computes "
+                                   f"{', '.join(map(repr, self.forward_outputs)) or 'none'}")
+        return dict.fromkeys(names)
+
+    def steps(self, batches: Iterable, epochs: int = 1, outputs: Optional[Sequence[str]] = None) -> Iterator[StepResult]:
+        """Takes one :meth:`step` per batch of ``batches``, ``epochs`` times over, yielding a
+        :class:`StepResult` after each (lazily: nothing runs until the loop asks for the next
+        result). A batch is a tuple or list (positional), a dict (by input name) or a single
+        array. For epochs > 1, ``batches`` must be iterable again (a list, a DataLoader), not
+        a generator. Wrap it in tqdm for a progress bar; log from the loop body::
+
+            for result in tqdm(trainer.steps(batches, epochs=3), total=3 * len(batches)):
+                if result.step % 100 == 0:
+                    logging.info("step %d loss %.4f", result.step, result.loss)
+
+        Raises:
+            TrainerError: ``epochs`` < 1, or an epoch in which ``batches`` yields no batch.
+        """
+        if not isinstance(epochs, int) or epochs < 1:
+            raise TrainerError(f"epochs must be an integer >= 1, got {epochs!r}")
+        for epoch in range(1, epochs + 1):
+            count = 0
+            for batch in batches:
+                count += 1
+                if isinstance(batch, (tuple, list)):
+                    result = self.step(*batch, outputs=outputs or [])
+                else:
+                    result = self.step(batch, outputs=outputs or [])
+                result.epoch = epoch
+                yield result
+            if count == 0:
+                again = (" (a generator or iterator runs out after one epoch: pass a list or a DataLoader)"
+                         if epoch > 1 else "")
+                raise TrainerError(f"batches yielded no batch in epoch {epoch}{again}")
+
+    def evaluate(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> EvalResult:
+        """The loss and forward outputs of a batch in eval mode (BatchNorm on its running
+        statistics, Dropout off, as torch's ``model.eval()``) with the current state, and no
+        update: no weight, optimizer tensor, running statistic or step count changes. The
+        batch is given as to :meth:`step` (labels included), whole (not split into
+        micro-batches). ``outputs``: the forward outputs to return (default: all that the
+        evaluation graph computes)."""
+        batch, named = _unpack_dict(batch, named)
+        part = self._evaluation_part()
+        available = [o for o in part.outputs if o != "loss"]
+        names = available if outputs is None else ([outputs] if isinstance(outputs, str) else list(outputs))
+        for name in names:
+            if name not in available:
+                raise TrainerError(f"output {name!r} is not computed by the evaluation graph; it computes "
+                                   f"{', '.join(map(repr, available)) or 'none'}")
+        feeds = self._batch(batch, named, whole=True)
+        fetched = dict.fromkeys(names)
+        loss = self._run(part, {name: value for name, value in feeds.items() if name in part.inputs}, fetched=fetched)
+        return EvalResult(loss=loss, outputs=fetched)
+
+    def _evaluation_part(self) -> _Part:
+        if self._evaluation is None:
+            from normgrad.graphs import optimizers
+
+            source = self._eval_source
+            if source is None:
+                model = optimizers.build_eval_graph(self.step_model)
+            else:
+                model = source if isinstance(source, onnx.ModelProto) else onnx.load(os.fspath(source))
+            step_inputs = {i.name: i for i in self.step_model.graph.input}
+            for info in model.graph.input:
+                if info.name in self._expected:
+                    dims = tuple(d.dim_value for d in info.type.tensor_type.shape.dim)
+                    if (_np_dtype(info), dims) != self._expected[info.name]:
+                        raise TrainerError(f"evaluation graph input {info.name!r} is {_np_dtype(info)} {list(dims)}; "
+                                           f"the step graph's state tensor is {self._expected[info.name][0]} "
+                                           f"{list(self._expected[info.name][1])}")
+                elif info.name not in self.data_inputs:
+                    raise TrainerError(f"evaluation graph input {info.name!r} is neither a data input nor a state "
+                                       "tensor of the step graph: not this step graph's evaluation graph")
+                elif _np_dtype(info) != _np_dtype(step_inputs[info.name]):
+                    raise TrainerError(f"evaluation graph input {info.name!r} is {_np_dtype(info)}; the step graph's "
+                                       f"is {_np_dtype(step_inputs[info.name])}: not this step graph's evaluation graph")
+            if "loss" not in {o.name for o in model.graph.output}:
+                raise TrainerError("the evaluation graph has no 'loss' output")
+            options, providers = self._session_arguments
+            self._evaluation = _Part(self._ort, model, options, providers, {})
+        return self._evaluation
 
     # -- results ----------------------------------------------------------------------------
 
