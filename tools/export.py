@@ -9,7 +9,9 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import refuse_same_file, save_model_atomic
+import os
+
+from normgrad._files import StagedFile, refuse_same_file
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
@@ -56,19 +58,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
     step.add_argument("--checkpoint", help="where to write the initial state (--optimizer) or weights (--portable); "
                                            "default: OUTPUT with .ckpt for .onnx")
-    step.add_argument("--momentum", type=float, default=0.0)
-    step.add_argument("--dampening", type=float, default=0.0)
-    step.add_argument("--nesterov", action="store_true")
+    step.add_argument("--momentum", type=float, default=None, help="sgd only (default 0)")
+    step.add_argument("--dampening", type=float, default=None, help="sgd only (default 0)")
+    step.add_argument("--nesterov", action="store_true", default=None, help="sgd only")
     step.add_argument("--weight-decay", type=float, default=None, help="default 0 (sgd, adam), 0.01 (adamw), as torch")
-    step.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
-    step.add_argument("--eps", type=float, default=1e-8)
-    step.add_argument("--amsgrad", action="store_true")
+    step.add_argument("--betas", type=float, nargs=2, default=None, help="adam, adamw only (default 0.9 0.999)")
+    step.add_argument("--eps", type=float, default=None, help="adam, adamw only (default 1e-8)")
+    step.add_argument("--amsgrad", action="store_true", default=None, help="adam, adamw only")
     step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
     args = parser.parse_args(argv)
     if args.optimizer and not (args.loss or args.loss_output):
         parser.error("--optimizer needs --loss or --loss-output")
     if args.loss and args.loss_output:
         parser.error("give --loss or --loss-output, not both")
+    optimizer_options = {name: value for name, value in (
+        ("momentum", args.momentum), ("dampening", args.dampening), ("nesterov", args.nesterov),
+        ("weight_decay", args.weight_decay), ("betas", None if args.betas is None else tuple(args.betas)),
+        ("eps", args.eps), ("amsgrad", args.amsgrad), ("clip_grad_norm", args.clip_grad_norm)) if value is not None}
+    if optimizer_options and not args.optimizer:
+        given = next(iter(optimizer_options))
+        parser.error(f"--{given.replace('_', '-')} is an option of the optimizer step: it needs --optimizer")
+    if args.optimizer:
+        from normgrad.graphs.optimizers import check_hyperparameters
+
+        if args.optimizer == "adamw":
+            optimizer_options.setdefault("weight_decay", 0.01)
+        try:
+            check_hyperparameters(args.optimizer, command_line=True, **optimizer_options)
+        except TypeError as error:
+            name = str(error).split("'")[1]
+            parser.error(f"--{name.replace('_', '-')} is not an option of --optimizer {args.optimizer} ({error})")
+        except ValueError as error:
+            parser.error(f"--optimizer {args.optimizer}: {error}")
     loss_options = {name: value for name, value in (("label_smoothing", args.label_smoothing),
                                                     ("ignore_index", args.ignore_index), ("beta", args.beta))
                     if value is not None}
@@ -91,9 +112,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     try:
         refuse_same_file(args.model, args.output)
+        if args.optimizer or args.portable:
+            refuse_same_file(args.model, checkpoint_path, "checkpoint")
+            _refuse_one_path(args.output, checkpoint_path)
     except ValueError as error:
         print(f"normgrad export: {error}", file=sys.stderr)
         return 2
+    for what, path in [("the output", args.output)] + ([("the checkpoint", checkpoint_path)]
+                                                        if args.optimizer or args.portable else []):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            print(f"normgrad export: cannot write {what} {path}: no folder {folder}", file=sys.stderr)
+            return 1
+    target = args.output
     try:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
@@ -109,29 +140,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
         initial = None
-        if args.optimizer or args.portable:
-            refuse_same_file(args.model, checkpoint_path, "checkpoint")
         if args.optimizer:
             from normgrad.graphs import build_step_graph
 
-            options = dict(weight_decay=args.weight_decay if args.weight_decay is not None else
-                           (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm)
-            if args.optimizer == "sgd":
-                options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
-            else:
-                options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
-            training, initial = build_step_graph(training, args.optimizer, portable=args.portable, **options)
+            training, initial = build_step_graph(training, args.optimizer, portable=args.portable, **optimizer_options)
         elif args.portable:
             from normgrad.graphs.portable import make_portable
 
             training, initial = make_portable(training)
-        if initial is not None:
-            from normgrad import checkpoint
+        # both files are built before either is written; the graph waits, flushed under a
+        # temporary name, until the checkpoint is in place
+        try:
+            graph_bytes = training.SerializeToString()
+        except ValueError as error:
+            raise CommandError(f"cannot write {args.output}: {one_line(error)}") from None
+        staged = StagedFile(args.output, [graph_bytes])
+        try:
+            if initial is not None:
+                from normgrad import checkpoint
 
-            checkpoint.save(checkpoint_path, initial)
-        save_model_atomic(training, args.output)
+                target = checkpoint_path
+                checkpoint.save(checkpoint_path, initial)
+            target = args.output
+            staged.commit()
+        finally:
+            staged.discard()
     except OSError as error:
-        print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
+        print(f"normgrad export: cannot write {target}: {error.strerror or error}", file=sys.stderr)
         return 1
     except (CommandError, UnsupportedOperatorError, ValueError, onnx.checker.ValidationError,
             onnx.shape_inference.InferenceError) as error:
@@ -144,6 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     weights = f"; initial weights in {checkpoint_path}" if args.portable else ""
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs{weights}")
     return 0
+
+
+def _refuse_one_path(output: str, checkpoint_path: str) -> None:
+    """ValueError when the step graph and the checkpoint would be the same file."""
+    same = os.path.abspath(output) == os.path.abspath(checkpoint_path) or (
+        os.path.exists(output) and os.path.exists(checkpoint_path) and os.path.samefile(output, checkpoint_path))
+    if same:
+        raise ValueError(f"--checkpoint {checkpoint_path} is the output file (-o) itself; give them different paths")
 
 
 def _checkpoint_beside(output: str) -> str:
