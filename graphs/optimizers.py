@@ -480,6 +480,9 @@ def build_step_graph(
     for reserved in ("lr", "step"):
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
+    if not trainable:
+        raise ValueError("the training graph has no trainable weight (every initializer frozen, or none reaches the "
+                         "loss): a step graph needs at least one")
     optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
     statistics = running_statistics(training)
     nodes = list(graph.node) + [helper.make_node("Identity", [updated], [next_name(stat)])

@@ -239,3 +239,24 @@ def test_fresh_names_probe_a_constant_number_of_names_per_node(monkeypatch):
         build_training_graph(_chain_of_unnamed_nodes(count), loss="mse")
         per_node.append(probes["count"] / count)
     assert per_node[1] < 1.2 * per_node[0], per_node  # quadratic probing: 4 times as many per node
+
+
+# ------------------------------------------------------------------ 23: clear messages, consistent exit statuses
+
+
+def test_freezing_everything_with_an_optimizer_is_a_usage_error(forward_path, tmp_path, capsys):
+    code = cli.main(["export", str(forward_path), "-o", str(tmp_path / "s.onnx"), "--loss", "mse", "--optimizer", "sgd",
+                     "--freeze", "*"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--freeze" in err and "build_optimizer_graph" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_check_says_a_step_graph_or_checkpoint_is_not_a_training_graph(forward_path, tmp_path, capsys):
+    step = tmp_path / "s.onnx"
+    assert cli.main(["export", str(forward_path), "-o", str(step), "--loss", "mse", "--optimizer", "sgd"]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", str(step)]) == 1
+    assert "step graph" in capsys.readouterr().err
+    assert cli.main(["check", str(tmp_path / "s.ckpt")]) == 1
+    assert "checkpoint" in capsys.readouterr().err

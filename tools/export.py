@@ -140,6 +140,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
         initial = None
+        if args.optimizer and (args.freeze or args.trainable) and not _trains_a_weight(training):
+            print("normgrad export: --freeze/--trainable leave no weight to train; --optimizer needs at least one "
+                  "(see --help)", file=sys.stderr)
+            return 2
         if args.optimizer:
             from normgrad.graphs import build_step_graph
 
@@ -179,6 +183,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     weights = f"; initial weights in {checkpoint_path}" if args.portable else ""
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs{weights}")
     return 0
+
+
+def _trains_a_weight(training) -> bool:
+    import json
+
+    metadata = {entry.key: entry.value for entry in training.metadata_props}
+    initializers = {t.name for t in training.graph.initializer}
+    return any(name in initializers for name in json.loads(metadata.get("normgrad.gradients", "{}")).values())
 
 
 def _refuse_one_path(output: str, checkpoint_path: str) -> None:
