@@ -14,6 +14,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
+from normgrad._api import add_functions_in_place
 from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
@@ -486,7 +487,12 @@ def build_training_graph(
         doc_string="Training graph written by normgrad.graphs.build_training_graph",
     )
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
+    # each copy of a graph of 10^6 nodes takes gigabytes: drop the forward copy and the
+    # emitted nodes (now in new_graph), and new_graph once the model holds it
+    del graph, ctx.nodes[:]
+    model.ClearField("graph")
     result = oh.make_model(new_graph, opset_imports=list(model.opset_import), producer_name="normgrad")
+    del new_graph
     metadata = {
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
@@ -499,7 +505,7 @@ def build_training_graph(
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
-    result = normgrad.add_functions(result)
+    result = add_functions_in_place(result)
     if inline:
         result = onnx.inliner.inline_local_functions(result)
         del result.functions[:]

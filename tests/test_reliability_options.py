@@ -260,3 +260,24 @@ def test_check_says_a_step_graph_or_checkpoint_is_not_a_training_graph(forward_p
     assert "step graph" in capsys.readouterr().err
     assert cli.main(["check", str(tmp_path / "s.ckpt")]) == 1
     assert "checkpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ 17: export memory
+
+
+def test_training_graph_is_built_with_one_copy_of_the_model(monkeypatch):
+    """Each copy of a 10^6-node model costs gigabytes: the builder copies the caller's model
+    once (it must not change it) and nothing else (add_functions used to copy it again)."""
+    import copy
+
+    copies = []
+    real = copy.deepcopy
+
+    def counting(value, *args, **kwargs):
+        if isinstance(value, onnx.ModelProto):
+            copies.append(len(value.graph.node))
+        return real(value, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    build_training_graph(_chain_of_unnamed_nodes(50), loss="mse")
+    assert len(copies) == 1, copies

@@ -176,6 +176,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             onnx.shape_inference.InferenceError) as error:
         print(f"normgrad export: {one_line(error)}", file=sys.stderr)
         return 1
+    except MemoryError:
+        print(f"normgrad export: out of memory exporting {args.model}; nothing was written", file=sys.stderr)
+        return 1
     if args.optimizer:
         print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in {checkpoint_path}")
         return 0
