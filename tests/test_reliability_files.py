@@ -316,3 +316,31 @@ def test_a_live_writer_temporary_is_kept(tmp_path):
     live.write_bytes(b"in progress")
     write_bytes_atomic(tmp_path / "a.bin", b"x")
     assert live.exists()
+
+
+# ------------------------------------------------------------------ the Trainer on these checkpoints
+
+
+def test_trainer_resumes_from_external_data_in_another_working_directory(forward_path, tmp_path, monkeypatch):
+    from normgrad.train import Trainer, TrainerError
+
+    step = tmp_path / "step.onnx"
+    assert cli.main(["export", str(forward_path), "-o", str(step), "--loss", "mse", "--optimizer", "adam"]) == 0
+    trainer = Trainer(step, tmp_path / "step.ckpt", lr=0.01)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+    trainer.step(x, y)
+    monkeypatch.setattr(checkpoint, "EXTERNAL_DATA_BYTES", 16)
+    (tmp_path / "run").mkdir()
+    trainer.save(tmp_path / "run" / "s.ckpt")
+    assert any(name.endswith(".data") for name in os.listdir(tmp_path / "run"))
+    monkeypatch.chdir(tmp_path)
+    resumed = Trainer(step, "run/s.ckpt", lr=0.01)
+    monkeypatch.chdir(tmp_path / "run")
+    assert resumed.step_count == 1
+    for name, value in trainer.state_dict().items():
+        assert resumed.state_dict()[name].tobytes() == value.tobytes()
+    data = (tmp_path / "run" / "s.ckpt").read_bytes()
+    (tmp_path / "run" / "cut.ckpt").write_bytes(data[: len(data) - 30])
+    with pytest.raises(TrainerError, match="cut short|checksum|not a checkpoint"):
+        Trainer(step, tmp_path / "run" / "cut.ckpt")
