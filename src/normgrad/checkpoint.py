@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -67,7 +67,13 @@ def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[st
             that is not str -> str (or uses the reserved key ``normgrad.checksum``).
         OSError: the write failed; ``path`` is then unchanged.
     """
-    initializers = []
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(f"checkpoint metadata must map str to str, got {key!r}: {type(value).__name__}")
+    if CHECKSUM_METADATA in metadata:
+        raise CheckpointError(f"checkpoint metadata key {CHECKSUM_METADATA!r} is reserved: save() writes it")
+    model = helper.make_model(helper.make_graph([], _GRAPH_NAME, [], []), opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"checkpoint tensor names must be non-empty strings, got {name!r}")
@@ -77,39 +83,39 @@ def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[st
             tensor = numpy_helper.from_array(np.require(value, requirements="C"), name)  # keeps 0-d shapes
         except Exception as error:  # onnx raises several types for unsupported dtypes
             raise CheckpointError(f"checkpoint tensor {name!r}: dtype {value.dtype} has no ONNX type ({error})") from None
-        initializers.append(tensor)
-    for key, value in metadata.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise CheckpointError(f"checkpoint metadata must map str to str, got {key!r}: {type(value).__name__}")
-    if CHECKSUM_METADATA in metadata:
-        raise CheckpointError(f"checkpoint metadata key {CHECKSUM_METADATA!r} is reserved: save() writes it")
-    payloads = [_inline_payload(tensor) for tensor in initializers]
-    checksum = _checksum(initializers, payloads, metadata)
+        model.graph.initializer.append(tensor)  # into the model directly: one copy of the tensors at a time
+        del tensor
+    initializers = model.graph.initializer
+    # one tensor's bytes at a time: a copy of every tensor at once would double the memory
+    checksum = _checksum(((tensor, _inline_payload(tensor)) for tensor in initializers), metadata)
     if external_data is None:
-        external_data = sum(len(p) for p in payloads) > EXTERNAL_DATA_BYTES
+        external_data = sum(value.nbytes for value in tensors.values()) > EXTERNAL_DATA_BYTES
     folder, name = os.path.split(os.path.abspath(os.fspath(path)))
     data_name = f"{name}.{checksum.split(':')[1][:16]}.data" if external_data else None
     if data_name is not None:
-        chunks, offset = [], 0
-        for tensor, payload in zip(initializers, payloads):
-            if not tensor.HasField("raw_data"):
-                continue  # string tensors stay inline
-            padding = -offset % _ALIGNMENT
-            chunks += [bytes(padding), payload]
-            offset += padding
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
-                tensor.external_data.add(key=key, value=value)
-            offset += len(payload)
-        write_chunks_atomic(os.path.join(folder, data_name), chunks)
-        del chunks
-    graph = helper.make_graph([], _GRAPH_NAME, [], [], initializer=initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = IR_VERSION
+        write_chunks_atomic(os.path.join(folder, data_name), _external_chunks(initializers, data_name))
     helper.set_model_props(model, {**metadata, CHECKSUM_METADATA: checksum})
     write_bytes_atomic(path, model.SerializeToString())
     _remove_stale_data(folder, name, keep=data_name)
+
+
+def _external_chunks(initializers: Sequence[onnx.TensorProto], data_name: str):
+    """The bytes of the external data file, one tensor at a time, each tensor turned into a
+    reference to its place in the file as its bytes are written (string tensors stay inline)."""
+    offset = 0
+    for tensor in initializers:
+        if not tensor.HasField("raw_data"):
+            continue
+        padding = -offset % _ALIGNMENT
+        payload = tensor.raw_data
+        yield bytes(padding)
+        yield payload
+        offset += padding
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
+            tensor.external_data.add(key=key, value=value)
+        offset += len(payload)
 
 
 def _remove_stale_data(folder: str, name: str, keep: Optional[str]) -> None:
@@ -134,9 +140,9 @@ def _inline_payload(tensor: onnx.TensorProto) -> bytes:
     return typed.SerializeToString(deterministic=True)
 
 
-def _checksum(tensors: Sequence[onnx.TensorProto], payloads: Sequence[bytes], metadata: Mapping[str, str]) -> str:
+def _checksum(tensors_and_payloads: Iterable[Tuple[onnx.TensorProto, bytes]], metadata: Mapping[str, str]) -> str:
     digest = hashlib.sha256()
-    for tensor, payload in zip(tensors, payloads):
+    for tensor, payload in tensors_and_payloads:
         header = json.dumps([tensor.name, tensor.data_type, list(tensor.dims), len(payload)])
         digest.update(header.encode("utf-8") + b"\0")
         digest.update(payload)
@@ -269,8 +275,8 @@ def from_proto(model: onnx.ModelProto, where: str = "the model", folder: Optiona
                               "written before normgrad checksummed checkpoints (normgrad.checkpoint.load(path, "
                               "verify=False) reads it; save it again)")
     external = _external_payloads(initializers, None if folder is None else os.fspath(folder), where)
-    payloads = [_inline_payload(t) if e is None else e for t, e in zip(initializers, external)]
-    if verify and _checksum(initializers, payloads, metadata) != metadata[CHECKSUM_METADATA]:
+    payloads = ((t, _inline_payload(t) if e is None else e) for t, e in zip(initializers, external))
+    if verify and _checksum(payloads, metadata) != metadata[CHECKSUM_METADATA]:
         raise CheckpointError(f"checkpoint {where} does not match its {CHECKSUM_METADATA}: the file (or its external "
                               "data) was altered or damaged after it was written")
     tensors: Dict[str, np.ndarray] = {}
