@@ -5,11 +5,10 @@ its step graph (gradients + one optimizer step) and a checkpoint of the initial 
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Optional, Sequence
-
-import os
 
 from normgrad._files import StagedFile, refuse_same_file
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
