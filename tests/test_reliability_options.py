@@ -4,7 +4,6 @@ that never collide with forward values; fresh names in linear time; one-line CLI
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
