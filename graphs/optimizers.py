@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
+from normgrad.graphs import rewrites
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import subgraph_captures
 from normgrad.ops._common import DOMAIN, IR_VERSION
@@ -348,6 +349,9 @@ def build_gradient_graph(step: onnx.ModelProto) -> onnx.ModelProto:
     grad_outputs = [f"{p}_grad" for p in parameters]
     outputs = ["loss"] + [next_name(s) for s in statistics]
     nodes = [copy.deepcopy(n) for n in _live_nodes(step.graph.node, outputs + grad_outputs)]
+    micro_batch = [n for n in nodes if n.op_type == "Constant" and list(n.output) == [rewrites.DROPOUT_MICRO_BATCH_INPUT]]
+    for constant in micro_batch:  # seeded Dropout: the micro-batch index becomes an input
+        nodes.remove(constant)
     accumulated = []
     for p in parameters:
         total = p + ACCUMULATOR_SUFFIX
@@ -355,8 +359,9 @@ def build_gradient_graph(step: onnx.ModelProto) -> onnx.ModelProto:
         nodes += [scaled, helper.make_node("Add", [total, scaled.output[0]], [next_name(total)])]
         accumulated.append(total)
     read = _read_values(nodes)
-    inputs = [i for i in step.graph.input if i.name in read and i.name not in ("lr", "step")]
+    inputs = [i for i in step.graph.input if i.name in read and i.name != "lr"]  # step: read by seeded Dropout
     inputs.append(helper.make_tensor_value_info("grad_scale", TensorProto.FLOAT, []))
+    inputs += [helper.make_tensor_value_info(rewrites.DROPOUT_MICRO_BATCH_INPUT, TensorProto.INT64, []) for _ in micro_batch]
     inputs += [helper.make_tensor_value_info(a, TensorProto.FLOAT, _dims(types[p])) for a, p in zip(accumulated, parameters)]
     loss = [o for o in step.graph.output if o.name == "loss"]
     state_outputs = [o for o in step.graph.output if o.name in {next_name(s) for s in statistics}]
@@ -391,6 +396,7 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
         outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
     running = {layer["output"]: layer for layer in meta.get("normgrad.batch_norm", [])}
+    dropout_inputs = meta.get(rewrites.METADATA_DROPOUT, {}).get("outputs", {})  # seeded Dropout: {output: input}
     nodes = []
     for node in step.graph.node:
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and node.output[0] in running:
@@ -399,6 +405,8 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
             node.input[3], node.input[4] = running[node.output[0]]["running_mean"], running[node.output[0]]["running_var"]
         elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
             node = helper.make_node("Identity", node.input[:1], node.output[:1], name=node.name)
+        elif node.output and node.output[0] in dropout_inputs:
+            node = helper.make_node("Identity", [dropout_inputs[node.output[0]]], node.output[:1], name=node.name)
         nodes.append(node)
     nodes = _live_nodes(nodes, outputs)
     read = _read_values(nodes)
@@ -450,7 +458,7 @@ def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
 
 
 def build_step_graph(
-    training: onnx.ModelProto, kind: str, portable: bool = False, **options
+    training: onnx.ModelProto, kind: str, portable: bool = False, *, dropout_seed: int = 0, **options
 ) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
     with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
@@ -463,9 +471,15 @@ def build_step_graph(
     (:func:`normgrad.graphs.portable.make_portable`); ``training`` is the ordinary
     (non-portable) training graph.
 
+    With training-mode Dropout, the step graph takes one more input, ``dropout_seed`` (int64
+    scalar), and draws each mask from it, ``step`` and the micro-batch index
+    (:func:`normgrad.graphs.rewrites.seed_dropout`); ``dropout_seed`` is recorded in the
+    ``normgrad.dropout`` metadata as the seed :class:`normgrad.train.Trainer` feeds by default.
+
     Raises:
-        ValueError: a training graph without a loss, a non-float32 trainable weight, or a
-            graph that already has a value named ``lr`` or ``step``.
+        ValueError: a training graph without a loss, a non-float32 trainable weight, a
+            graph that already has a value named ``lr``, ``step`` or ``dropout_seed``, or a
+            ``dropout_seed`` outside int64.
     """
     metadata = {entry.key: entry.value for entry in training.metadata_props}
     if json.loads(metadata.get("normgrad.loss", "null")) is None:
@@ -505,6 +519,7 @@ def build_step_graph(
         initializer=[t for t in graph.initializer if t.name not in state_inputs] + list(optimizer.graph.initializer),
         value_info=list(graph.value_info),
     )
+    dropout_outputs = rewrites.seed_dropout(step, "step", dropout_seed)
     model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")
     model.functions.extend(training.functions)
     model.ir_version = IR_VERSION
@@ -514,6 +529,8 @@ def build_step_graph(
     state_map.update({s: next_name(s) for s in statistics})
     step_metadata["normgrad.state"] = json.dumps(state_map)
     step_metadata["normgrad.running_statistics"] = json.dumps(list(statistics))
+    if dropout_outputs:
+        step_metadata[rewrites.METADATA_DROPOUT] = json.dumps({"seed": int(dropout_seed), "outputs": dropout_outputs})
     data_inputs = [i.name for i in graph.input if i.name not in state_inputs]
     gradients = json.loads(metadata["normgrad.gradients"])
     step_metadata["normgrad.forward_outputs"] = json.dumps(

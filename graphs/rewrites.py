@@ -36,7 +36,8 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError
 
-__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants"]
+__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants", "seed_dropout",
+           "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -306,3 +307,163 @@ def fold_integer_constants(model: onnx.ModelProto) -> None:
             nodes.append(oh.make_node("Constant", [], [name], value=onh.from_array(value, name)))
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+DROPOUT_SEED_INPUT = "dropout_seed"
+"""Step-graph input (int64 scalar) of :func:`seed_dropout`: the Dropout seed."""
+DROPOUT_MICRO_BATCH_INPUT = "dropout_micro_batch"
+"""The micro-batch index (int64 scalar) under gradient accumulation: a Constant 0 in a step
+graph, an input of the gradient graph (:func:`normgrad.graphs.optimizers.build_gradient_graph`)."""
+METADATA_DROPOUT = "normgrad.dropout"
+"""Model metadata key: JSON {"seed": the default seed, "outputs": {Dropout output: its data input}}."""
+
+_SQUARES_KEY = 0x6B3D0209FC751DE9
+"""The fixed key that starts the key chain (odd, varied hex digits, as squares keys should be)."""
+_UNIFORM_BITS = 24
+"""Bits of each element's uniform number: float32 holds them exactly."""
+
+
+class _Emitter:
+    """Appends default-domain nodes with fresh names under one prefix."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.nodes, self._count = prefix, [], 0
+
+    def _name(self, hint: str) -> str:
+        self._count += 1
+        return f"{self.prefix}/{hint}{self._count}"
+
+    def const(self, value, dtype=np.int64) -> str:
+        name = self._name("c")
+        self.nodes.append(oh.make_node("Constant", [], [name], value=onh.from_array(np.asarray(value, dtype))))
+        return name
+
+    def op(self, op_type: str, *inputs: str, output: str = None, **attributes) -> str:
+        output = output or self._name(op_type.lower())
+        self.nodes.append(oh.make_node(op_type, list(inputs), [output], **attributes))
+        return output
+
+    def shift_right(self, value: str, bits: int) -> str:
+        """Logical right shift of an int64 tensor (onnxruntime's BitShift takes unsigned types only)."""
+        unsigned = self.op("Cast", value, to=onnx.TensorProto.UINT64)
+        shifted = self.op("BitShift", unsigned, self.const(bits, np.uint64), direction="RIGHT")
+        return self.op("Cast", shifted, to=onnx.TensorProto.INT64)
+
+    def squares(self, counter: str, key: str, bits: int = 32) -> str:
+        """Widynski's counter-based generator "squares" (four rounds of squaring and swapping
+        halves, arithmetic mod 2**64 on int64, which onnxruntime wraps): the top ``bits`` of
+        its 32-bit output for each element of ``counter`` under ``key``."""
+        high = self.const(1 << 32)
+        rotate = lambda v: self.op("Add", self.op("Mul", v, high), self.shift_right(v, 32))  # noqa: E731
+        y = self.op("Mul", counter, key)
+        z = self.op("Add", y, key)
+        x = rotate(self.op("Add", self.op("Mul", y, y), y))
+        x = rotate(self.op("Add", self.op("Mul", x, x), z))
+        x = rotate(self.op("Add", self.op("Mul", x, x), y))
+        return self.shift_right(self.op("Add", self.op("Mul", x, x), z), 64 - bits)
+
+    def next_key(self, values: str, key: str) -> str:
+        """An odd 64-bit key per element of the 1-D ``values``, from two squares draws under ``key``."""
+        doubled = self.op("Mul", values, self.const(2))
+        counters = self.op("Concat", self.op("Unsqueeze", doubled, self.const([1])),
+                           self.op("Unsqueeze", self.op("Add", doubled, self.const(1)), self.const([1])), axis=1)
+        drawn = self.squares(counters, key)
+        # a Split, not two Gathers: onnxruntime 1.19's GatherSliceToSplitFusion gives every fused
+        # pair the same node name, then rejects the graph (and int64 ReduceSum loses low bits)
+        halves = [self._name("half") for _ in range(2)]
+        self.nodes.append(oh.make_node("Split", [drawn, self.const([1, 1])], halves, axis=1))
+        high, low = (self.op("Squeeze", half, self.const([1])) for half in halves)
+        mixed = self.op("Add", self.op("Mul", high, self.const(1 << 32)), low)
+        return self.op("Add", self.op("Mul", mixed, self.const(2)), self.const(1))
+
+
+def _training_dropouts(graph: onnx.GraphProto) -> list:
+    """The default-domain Dropout nodes that may run in training mode (a training_mode input
+    that is not the constant False)."""
+    found = []
+    for node in graph.node:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+            continue
+        training = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        value = _constant_values(graph, training) if training else np.asarray(False)
+        if value is None or bool(np.asarray(value).reshape(-1)[0]):
+            found.append(node)
+    return found
+
+
+def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
+    """Replaces, in place, every Dropout node of ``graph`` that may run in training mode by
+    standard ops whose mask is a function of (seed, step, micro-batch, node, element):
+
+    * a key chain: k = K; k = key(seed, k); k = key(step, k); k = key(micro-batch, k), where
+      key draws two 32-bit numbers of the squares generator and makes them an odd 64-bit key;
+      node i (graph order) gets key(i, k);
+    * element e (row-major) is kept when squares(e, node key)'s top 24 bits / 2**24 >= ratio:
+      probability 1 - ratio; kept elements are divided by 1 - ratio, as Dropout does.
+
+    The seed is the new int64 scalar input ``dropout_seed`` (``seed``, recorded in the
+    metadata, is what :class:`normgrad.train.Trainer` feeds by default); ``step`` names a
+    scalar of the graph (the step graph's ``step``), cast to int64; the micro-batch index
+    ``dropout_micro_batch`` is a Constant 0. The replaced nodes keep their output names (the
+    mask too, which the Dropout gradient rule already reads): run after differentiation,
+    forward and backward share one mask. Integer arithmetic only: bitwise the same on any
+    onnxruntime, thread count and graph optimization level.
+
+    Returns:
+        {Dropout output: its data input} of the replaced nodes ({} and ``graph`` unchanged
+        when there are none).
+
+    Raises:
+        ValueError: ``seed`` is not an int64 integer, or the graph already has a value named
+            like a new input.
+    """
+    dropouts = _training_dropouts(graph)
+    if not dropouts:
+        return {}
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -2**63 <= int(seed) < 2**63:
+        raise ValueError(f"the Dropout seed must be an integer in the int64 range, got {seed!r}")
+    names = {n for node in graph.node for n in list(node.input) + list(node.output)}
+    names |= {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    for reserved in (DROPOUT_SEED_INPUT, DROPOUT_MICRO_BATCH_INPUT):
+        if reserved in names:
+            raise ValueError(f"the graph already has a value named {reserved!r}")
+    emit = _Emitter(_unique(graph, "dropout_mask"))
+    one = emit.const([1])
+    key = emit.const(_SQUARES_KEY)
+    step_int = emit.op("Cast", step, to=onnx.TensorProto.INT64)
+    emit.op("Constant", value=onh.from_array(np.array(0, np.int64)), output=DROPOUT_MICRO_BATCH_INPUT)
+    for counter in (DROPOUT_SEED_INPUT, step_int, DROPOUT_MICRO_BATCH_INPUT):
+        key = emit.next_key(emit.op("Reshape", counter, one), key)
+    node_keys = emit.next_key(emit.const(np.arange(len(dropouts))), key)
+    chain, emit.nodes = emit.nodes, []
+    replaced, outputs = {}, {}
+    for index, node in enumerate(dropouts):
+        x = node.input[0]
+        ratio = node.input[1] if len(node.input) > 1 and node.input[1] else emit.const(0.5, np.float32)
+        training = node.input[2]
+        count = emit.op("Size", x)
+        elements = emit.op("Range", emit.const(0), count, emit.const(1))
+        drawn = emit.squares(elements, emit.op("Gather", node_keys, emit.const(index), axis=0), _UNIFORM_BITS)
+        uniform = emit.op("Mul", emit.op("Cast", drawn, to=onnx.TensorProto.FLOAT),
+                          emit.const(2.0 ** -_UNIFORM_BITS, np.float32))
+        uniform = emit.op("Reshape", uniform, emit.op("Shape", x))
+        keep = emit.op("GreaterOrEqual", uniform, emit.op("Cast", ratio, to=onnx.TensorProto.FLOAT))
+        runtime = _constant_values(graph, training) is None
+        mask = node.output[1] if len(node.output) > 1 and node.output[1] else None
+        if runtime:
+            emit.op("Or", keep, emit.op("Not", training), output=mask)
+        elif mask:
+            emit.op("Identity", keep, output=mask)
+        one_x = emit.op("CastLike", emit.const(1.0, np.float32), x)
+        kept = emit.op("Div", x, emit.op("Sub", one_x, emit.op("CastLike", ratio, x)))
+        masked = emit.op("Where", keep, kept, emit.op("CastLike", emit.const(0.0, np.float32), x),
+                         output=None if runtime else node.output[0])
+        if runtime:
+            emit.op("Where", training, masked, x, output=node.output[0])
+        replaced[id(node)], emit.nodes = emit.nodes, []
+        outputs[node.output[0]] = x
+    nodes = chain + [new for node in graph.node for new in replaced.get(id(node), [node])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.input.append(oh.make_tensor_value_info(DROPOUT_SEED_INPUT, onnx.TensorProto.INT64, []))
+    return outputs

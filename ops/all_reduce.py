@@ -14,7 +14,10 @@ Output:
 T is float, float16, bfloat16 or double. With no communicator configured (a single
 process, or ``normgrad.mpi`` not initialised) or a communicator of one rank, the operator
 is the identity, which is also its function body: the same graph runs single-process in
-any runtime.
+any runtime. The kernels refuse to run unconfigured in a process the MPI launcher started
+as one of several ranks (``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` or ``MV2_COMM_WORLD_SIZE``
+above 1), with an error naming ``normgrad.mpi.init()``, instead of returning this rank's
+own tensor (``normgrad.mpi.configure_library(None)`` opts the C++ kernel out of that).
 
 The C++ kernel sums in a fixed order (rank 0 + rank 1 + ... in float64, rounded once to
 T), whatever algorithm the MPI library would pick for ``MPI_Allreduce``, so results are
@@ -92,6 +95,8 @@ def python_kernel(input) -> Result:
     when one is configured (through mpi4py), else the identity."""
     from normgrad import mpi
 
+    if not mpi.initialized() and mpi.launched_ranks() > 1:
+        raise NormgradInputError(mpi.unconfigured_message(mpi.launched_ranks()))
     return Result(mpi.allreduce_array(validate(input)[0]))
 
 

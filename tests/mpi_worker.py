@@ -8,7 +8,11 @@ what it computes on every rank and raises on a mismatch (which aborts the whole 
                                               one-process Trainer on the global batch
     python tests/mpi_worker.py raise RANK     RANK raises after MPI is up; the others wait
     python tests/mpi_worker.py exit RANK      RANK calls sys.exit(3); the others wait
+    python tests/mpi_worker.py systemexit RANK  RANK raises SystemExit(3); the others wait
     python tests/mpi_worker.py leave RANK     RANK's program ends normally; the others wait
+    python tests/mpi_worker.py unconfigured   AllReduce kernels without mpi.init() refuse to run
+    python tests/mpi_worker.py sizes|differ   DataParallelTrainer refuses unequal batches / step graphs
+    python tests/mpi_worker.py hang RANK SECONDS  RANK hangs; the others time out naming it
     python tests/mpi_worker.py die RANK       RANK is killed by SIGKILL; the others wait
 """
 
@@ -286,6 +290,8 @@ def wait_then_fail(mode: str, victim: int) -> None:
             raise RuntimeError("deliberate failure for the test")
         if mode == "exit":
             sys.exit(3)
+        if mode == "systemexit":
+            raise SystemExit(3)
         if mode == "leave":
             return  # a normal end of the program while the other rank still runs
         os.kill(os.getpid(), signal.SIGKILL)
@@ -293,19 +299,99 @@ def wait_then_fail(mode: str, victim: int) -> None:
     time.sleep(600)
 
 
+def _mlp_step(momentum: float = 0.9):
+    """A data-parallel SGD step graph of x [N, 4] @ W + b (N dynamic), mse loss."""
+    import onnx
+    import onnx.helper as oh
+
+    from normgrad.graphs import build_step_graph, build_training_graph
+
+    rng = np.random.default_rng(0)
+    graph = oh.make_graph(
+        [oh.make_node("MatMul", ["x", "W"], ["h"]), oh.make_node("Add", ["h", "b"], ["y"])], "mlp",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])],
+        initializer=[onnx.numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
+                     onnx.numpy_helper.from_array(np.zeros(3, np.float32), "b")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return build_step_graph(build_training_graph(model, loss="mse", data_parallel=True), "sgd", momentum=momentum)
+
+
+def check_unconfigured() -> None:
+    """Without mpi.init() in a 2-rank job: the C++ AllReduce kernel fails naming
+    normgrad.mpi.init(); the Python kernel reports it and returns NaN (it cannot raise)."""
+    import onnxruntime
+
+    import normgrad
+    from normgrad.ops import python_kernels
+
+    assert mpi.launched_ranks() == 2 and not mpi.initialized()
+    model, initial = _mlp_step()
+    rng = np.random.default_rng(mpi.launched_ranks())
+    feeds = {**initial, "x": rng.standard_normal((2, 4)).astype(np.float32),
+             "labels": rng.standard_normal((2, 3)).astype(np.float32),
+             "lr": np.array(0.1, np.float32), "step": np.array(1, np.float32)}
+    session = onnxruntime.InferenceSession(model.SerializeToString(), normgrad.session_options("cpp"))
+    try:
+        session.run(None, feeds)
+    except Exception as error:  # noqa: BLE001 - onnxruntime's Fail
+        assert "normgrad.mpi.init()" in str(error) and "one of 2 MPI ranks" in str(error), error
+    else:
+        raise AssertionError("the C++ AllReduce ran unconfigured in a 2-rank job")
+    session = onnxruntime.InferenceSession(model.SerializeToString(), normgrad.session_options("python"))
+    loss = session.run(["loss"], feeds)[0]
+    assert np.isnan(loss) and any("normgrad.mpi.init()" in e for e in python_kernels.errors()), python_kernels.errors()
+    print("unconfigured ok")
+
+
+def check_rank_mismatches(kind: str) -> None:
+    """sizes: rank 0 passes 4 samples, rank 1 3; differ: rank 1's step graph has another
+    momentum. Both: a TrainerError on every rank naming what differs."""
+    from normgrad.train import TrainerError
+
+    model, initial = _mlp_step(0.5 if kind == "differ" and mpi.rank() == 1 else 0.9)
+    try:
+        trainer = mpi.DataParallelTrainer(model, initial, lr=0.1)
+        n = 4 if mpi.rank() == 0 else 3
+        if kind == "sizes":
+            trainer.step(np.ones((n, 4), np.float32), np.ones((n, 3), np.float32))
+    except TrainerError as error:
+        wanted = "rank 0: 4, rank 1: 3" if kind == "sizes" else "ranks [1] run another step graph"
+        assert wanted in str(error), error
+        print(f"{kind} ok on rank {mpi.rank()}: {error}")
+        return
+    raise AssertionError(f"{kind}: no error")
+
+
+def hang(victim: int) -> None:
+    """Rank ``victim`` sleeps before its first step; the others must fail within the timeout."""
+    model, initial = _mlp_step()
+    trainer = mpi.DataParallelTrainer(model, initial, lr=0.1)
+    if mpi.rank() == victim:
+        time.sleep(120)
+    trainer.step(np.ones((2, 4), np.float32), np.ones((2, 3), np.float32))
+
+
 def main(argv) -> None:
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
-    mpi.init()
+    if argv[0] == "unconfigured":
+        return check_unconfigured()
+    mpi.init(timeout=float(argv[2]) if argv[0] == "hang" else None)
     if argv[0] == "allreduce":
         check_allreduce()
     elif argv[0] == "trainer":
         check_trainer(argv[1])
     elif argv[0] == "train":
         check_training(argv[1])
-    elif argv[0] in ("raise", "exit", "leave", "die"):
+    elif argv[0] in ("raise", "exit", "systemexit", "leave", "die"):
         wait_then_fail(argv[0], int(argv[1]))
+    elif argv[0] in ("sizes", "differ"):
+        check_rank_mismatches(argv[0])
+    elif argv[0] == "hang":
+        hang(int(argv[1]))
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

@@ -77,6 +77,7 @@ def test_data_parallel_trainer_trains_as_one_process(tmp_path):
 @pytest.mark.parametrize("mode, names_it", [
     ("raise", r"normgrad\.mpi: rank 1 of 2 raised RuntimeError: deliberate failure"),
     ("exit", r"normgrad\.mpi: rank 1 of 2 called sys\.exit\(3\)"),
+    ("systemexit", r"normgrad\.mpi: rank 1 of 2 raised SystemExit\(3\)"),
     ("leave", r"normgrad\.mpi: rank 1 of 2 left the program while other ranks still run"),
     ("die", r"rank 1 with PID \d+ on node \S+ exited on\s+signal 9"),
 ])
@@ -88,6 +89,36 @@ def test_a_failing_rank_ends_the_job(mode, names_it):
     assert result.returncode != 0, output
     assert re.search(names_it, output), output
     assert elapsed < FAILURE_BOUND
+    if mode in ("exit", "systemexit"):
+        assert result.returncode == 3, output
+
+
+def test_all_reduce_refuses_to_run_without_init():
+    """A --data-parallel step graph run under mpirun without normgrad.mpi.init(): the C++
+    kernel fails naming normgrad.mpi.init(), the Python kernel reports it (NaN loss)."""
+    result = run_job("unconfigured")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("unconfigured ok") == RANKS, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("kind", ["sizes", "differ"])
+def test_data_parallel_trainer_refuses_ranks_that_disagree(kind):
+    """sizes: per-rank batches of 4 and 3 samples; differ: SGD momentum 0.9 on rank 0, 0.5 on
+    rank 1. Every rank raises a TrainerError naming the ranks and what differs."""
+    result = run_job(kind)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(f"{kind} ok on rank") == RANKS, result.stdout + result.stderr
+
+
+def test_a_hanging_rank_times_out_naming_it():
+    """Rank 1 sleeps before its first step; rank 0 fails after the 3 s timeout, naming rank 1,
+    and the job ends long before rank 1 wakes up."""
+    start = time.monotonic()
+    result = run_job("hang", "1", "3", timeout=FAILURE_BOUND)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert re.search(r"CollectiveTimeoutError: normgrad\.mpi: rank 1 of 2 did not reach step 1 within 3 s", output), output
+    assert time.monotonic() - start < FAILURE_BOUND
 
 
 def test_bench_mpi_prints_both_rank_counts():

@@ -65,6 +65,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--eps", type=float, default=None, help="adam, adamw only (default 1e-8)")
     step.add_argument("--amsgrad", action="store_true", default=None, help="adam, adamw only")
     step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
+    step.add_argument("--seed", type=int, default=None,
+                      help="Dropout seed (int64, default 0): training-mode Dropout masks are a function of it, the step "
+                           "and the micro-batch; the Trainer's seed= overrides it")
     args = parser.parse_args(argv)
     if args.optimizer and not (args.loss or args.loss_output):
         parser.error("--optimizer needs --loss or --loss-output")
@@ -103,6 +106,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.inline and (args.data_parallel or args.sync_batch_norm):
         parser.error("--inline writes AllReduce as its function body (the identity): it cannot be combined with "
                      "--data-parallel or --sync-batch-norm")
+    if args.seed is not None and not args.optimizer:
+        parser.error("--seed needs --optimizer (gradient-only graphs keep onnxruntime's own Dropout masks)")
+    if args.seed is not None and not -2**63 <= args.seed < 2**63:
+        parser.error(f"--seed must be in the int64 range; got {args.seed}")
     if args.bucket_mb is not None and not args.data_parallel:
         parser.error("--bucket-mb needs --data-parallel")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
@@ -146,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.optimizer:
             from normgrad.graphs import build_step_graph
 
-            training, initial = build_step_graph(training, args.optimizer, portable=args.portable, **optimizer_options)
+            training, initial = build_step_graph(training, args.optimizer, portable=args.portable,
+                                                 dropout_seed=args.seed or 0, **optimizer_options)
         elif args.portable:
             from normgrad.graphs.portable import make_portable
 

@@ -6,7 +6,9 @@
 // MPI_Error_string in the MPI library mpi4py loaded, the communicator's and MPI_BYTE's
 // handles, and the width of a handle: 8 for pointer handles (Open MPI), 4 for int handles
 // (MPICH and its derivatives). Unconfigured, or on a communicator of one rank, the kernel
-// is the identity.
+// is the identity, except that it fails, unconfigured, in a process an MPI launcher started
+// as one of several ranks (a data-parallel graph there without normgrad.mpi.init() would
+// silently train each rank on its own gradients).
 //
 // Deterministic by construction, whatever algorithm the MPI library would choose for
 // MPI_Allreduce: the buffer is cut into one chunk per rank; an Alltoallv brings chunk k of
@@ -17,6 +19,7 @@
 // counts that fit MPI's int.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -32,6 +35,7 @@ constexpr const char* kOp = "AllReduce";
 constexpr size_t kSegment = size_t(1) << 22;
 
 struct MpiConfig {
+  bool configured = false;  // normgrad_mpi_configure was called (handle_size 0 then: deliberately the identity)
   int handle_size = 0;  // 0: not configured
   void* alltoallv = nullptr;
   void* allgatherv = nullptr;
@@ -142,6 +146,20 @@ void sum_parts(ONNXTensorElementDataType t, const char* parts, size_t stride, in
   }
 }
 
+// The number of ranks an MPI launcher started the job with, from the environment (Open MPI's
+// mpirun, MPICH's Hydra / Intel MPI / Slurm PMI, MVAPICH2; normgrad.mpi.LAUNCHER_SIZE_VARIABLES
+// in Python lists the same), 1 outside a multi-rank launch.
+int launched_ranks() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') continue;
+    char* end = nullptr;
+    const long ranks = std::strtol(value, &end, 10);
+    if (*end == '\0' && ranks > 0) return ranks > 1 << 30 ? 1 << 30 : static_cast<int>(ranks);
+  }
+  return 1;
+}
+
 // Fails on every rank unless all ranks pass the same element type and count (a mismatch
 // would otherwise hang or mix up the exchange).
 void check_ranks_agree(const MpiConfig& m, const Input& in) {
@@ -209,6 +227,14 @@ struct AllReduce final : KernelBase {
     char* out = static_cast<char*>(get_output(ctx, 0, in.shape));
     if (in.size != 0) std::memcpy(out, in.data, in.size * esize);
     std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_mpi.configured) {
+      const int ranks = launched_ranks();
+      if (ranks > 1) {
+        fail(std::string(kOp) + ": this process is one of " + std::to_string(ranks) +
+             " MPI ranks but normgrad's AllReduce is not configured: call normgrad.mpi.init() before running a "
+             "--data-parallel or --sync-batch-norm graph (unconfigured, each rank would train on its own gradients)");
+      }
+    }
     if (g_mpi.handle_size == 0 || g_mpi.size <= 1) return;
     check_ranks_agree(g_mpi, in);
     all_reduce_in_place(g_mpi, in.onnx_type, out, in.size);
@@ -237,7 +263,8 @@ extern "C" __attribute__((visibility("default"))) int normgrad_mpi_configure(int
     return -1;
   }
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_mpi = MpiConfig{handle_size, alltoallv, allgatherv, error_string, comm, byte_type, rank, handle_size ? size : 1};
+  g_mpi = MpiConfig{true, handle_size, alltoallv, allgatherv, error_string, comm, byte_type, rank,
+                    handle_size ? size : 1};
   return 0;
 }
 

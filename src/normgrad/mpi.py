@@ -57,10 +57,34 @@ __all__ = [
     "DataParallelTrainer",
     "mpirun_command",
     "mpirun_environment",
+    "CollectiveTimeoutError",
+    "TIMEOUT_SECONDS",
+    "timeout",
+    "gather",
+    "launched_ranks",
+    "LAUNCHER_SIZE_VARIABLES",
 ]
 
 _comm = None  # the communicator of init(), None before
 _exit_comm = None  # a duplicate of it, for the exit barrier of abort_on_error (no clash with _comm's collectives)
+_gather_comm = None  # another duplicate, for gather()'s point-to-point messages
+_gather_tag = 0
+_pending_sends: list = []  # gather()'s sends not yet complete (their buffers must live until they are)
+_timeout: Optional[float] = None  # init(timeout=); None: NORMGRAD_MPI_TIMEOUT or TIMEOUT_SECONDS
+
+TIMEOUT_SECONDS = 1800.0
+"""How long :func:`gather` (and so every check of :class:`DataParallelTrainer`: construction,
+each step, save) waits for the other ranks by default: 30 minutes, torch.distributed's
+default. ``init(timeout=)`` or the environment variable ``NORMGRAD_MPI_TIMEOUT`` change it."""
+
+LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+"""Environment variables through which MPI launchers tell a process how many ranks the job
+has: Open MPI's mpirun; MPICH's Hydra (and Intel MPI, Slurm's PMI); MVAPICH2. The C++
+AllReduce kernel reads the same list (ops/cpp/all_reduce.cc)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """Some ranks did not reach a collective of :mod:`normgrad.mpi` within the timeout."""
 
 
 class MPIUnavailableError(RuntimeError):
@@ -87,7 +111,80 @@ def available() -> bool:
     return True
 
 
-def init(communicator=None, abort: bool = True, library: bool = True):
+def launched_ranks() -> int:
+    """How many ranks the MPI launcher started this job with, from the environment
+    (:data:`LAUNCHER_SIZE_VARIABLES`); 1 outside a multi-rank launch."""
+    import os
+
+    for name in LAUNCHER_SIZE_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return max(1, int(value))
+    return 1
+
+
+def unconfigured_message(ranks: int) -> str:
+    """The refusal of an AllReduce run in a job of ``ranks`` ranks without :func:`init`."""
+    return (f"AllReduce: this process is one of {ranks} MPI ranks but normgrad's AllReduce is not configured: "
+            "call normgrad.mpi.init() before running a --data-parallel or --sync-batch-norm graph "
+            "(unconfigured, each rank would train on its own gradients)")
+
+
+def timeout() -> float:
+    """Seconds :func:`gather` waits for the other ranks (see :data:`TIMEOUT_SECONDS`)."""
+    import os
+
+    if _timeout is not None:
+        return _timeout
+    text = os.environ.get("NORMGRAD_MPI_TIMEOUT")
+    if text is None:
+        return TIMEOUT_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"NORMGRAD_MPI_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def gather(value, what: str, seconds: Optional[float] = None) -> list:
+    """Every rank's ``value`` (picklable, small), in rank order, waiting at most ``seconds``
+    (default :func:`timeout`) for the others. Point-to-point messages on a private
+    communicator, so a rank that never comes is named. Without :func:`init`: ``[value]``.
+
+    Raises:
+        CollectiveTimeoutError: naming the ranks that had not reached ``what`` in time.
+    """
+    global _gather_tag
+    if _comm is None or size() == 1:
+        return [value]
+    limit = timeout() if seconds is None else float(seconds)
+    me, ranks = rank(), size()
+    _gather_tag = _gather_tag % 30000 + 1  # every rank calls gather in the same order: the same tag
+    _pending_sends[:] = [request for request in _pending_sends if not request.Test()]
+    _pending_sends.extend(_gather_comm.isend(value, dest=r, tag=_gather_tag) for r in range(ranks) if r != me)
+    received = {me: value}
+    deadline, pause = time.monotonic() + limit, 1e-4
+    while len(received) < ranks:
+        arrived = [r for r in range(ranks) if r not in received and _gather_comm.iprobe(source=r, tag=_gather_tag)]
+        for r in arrived:
+            received[r] = _gather_comm.recv(source=r, tag=_gather_tag)
+        if len(received) == ranks:
+            break
+        if time.monotonic() > deadline:
+            silent = [r for r in range(ranks) if r not in received]
+            raise CollectiveTimeoutError(
+                f"normgrad.mpi: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of {ranks} did not "
+                f"reach {what} within {limit:g} s (rank {me} waited): a rank hangs or runs other code; "
+                "NORMGRAD_MPI_TIMEOUT or normgrad.mpi.init(timeout=) sets the limit")
+        if not arrived:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+    return [received[r] for r in range(ranks)]
+
+
+def init(communicator=None, abort: bool = True, library: bool = True, timeout: Optional[float] = None):
     """Starts MPI (through mpi4py) and makes ``communicator`` (default ``COMM_WORLD``) the one
     normgrad uses: :func:`rank`, :func:`size`, :func:`broadcast`, :func:`shard` and the
     AllReduce kernels. Calling it again switches the communicator.
@@ -97,6 +194,8 @@ def init(communicator=None, abort: bool = True, library: bool = True):
         abort: install :func:`abort_on_error` (an uncaught exception on any rank ends the job).
         library: configure the C++ library's AllReduce kernel (skipped, with no error, when
             normgrad was installed without its C++ library).
+        timeout: seconds :func:`gather` waits for the other ranks (default
+            ``NORMGRAD_MPI_TIMEOUT`` or :data:`TIMEOUT_SECONDS`).
 
     Returns:
         The communicator.
@@ -104,10 +203,14 @@ def init(communicator=None, abort: bool = True, library: bool = True):
     Raises:
         MPIUnavailableError: mpi4py or MPI cannot be loaded.
     """
-    global _comm, _exit_comm
+    global _comm, _exit_comm, _gather_comm, _timeout
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"normgrad.mpi.init: timeout must be a positive number of seconds, got {timeout!r}")
     MPI = _mpi()
     _comm = MPI.COMM_WORLD if communicator is None else communicator
     _exit_comm = _comm.Dup()
+    _gather_comm = _comm.Dup()
+    _timeout = None if timeout is None else float(timeout)
     if abort:
         abort_on_error()
     if library:
@@ -146,7 +249,8 @@ def _library():
 
 def configure_library(communicator) -> None:
     """Points the C++ library's AllReduce kernel at ``communicator`` (an ``mpi4py.MPI.Comm``,
-    or None to make it the identity again).
+    or None to make it the identity again, also in a job of several ranks, where the
+    kernel refuses to run before any configuration).
 
     Raises:
         FileNotFoundError: normgrad's C++ library is not installed.
@@ -275,15 +379,21 @@ def _data_parallel_trainer_class():
         * normgrad's C++ kernels are required with more than one rank (the function body of
           AllReduce is the identity: ranks would silently drift apart), and sessions run their
           nodes sequentially, so the collectives come in graph order on every rank;
+        * at construction, the ranks compare a fingerprint of their step graphs and options
+          (lr schedule, accumulation, seed) and fail if any differs;
+        * each :meth:`step` first checks that every rank passes a batch of the same size;
         * after the first step, the ranks compare a digest of their state
-          (:meth:`check_in_sync`) and fail if it differs.
+          (:meth:`check_in_sync`) and fail if it differs;
+        * these checks (and :meth:`save`) wait at most :func:`timeout` for the other ranks,
+          then raise :class:`CollectiveTimeoutError` naming the ranks that did not come.
 
         Each rank passes :meth:`step` its own shard of the global batch (:func:`shard`).
         Same arguments as :class:`normgrad.train.Trainer`.
 
         Raises:
             TrainerError: more than one rank and a step graph without ``--data-parallel``,
-                or ``kernels=None``.
+                or ``kernels=None``; ranks with different step graphs or options.
+            CollectiveTimeoutError: a rank did not reach the construction within :func:`timeout`.
         """
 
         def __init__(self, step_model, checkpoint, **options):
@@ -300,6 +410,7 @@ def _data_parallel_trainer_class():
                     raise TrainerError("data-parallel training needs normgrad's C++ kernels (kernels='cpp'): "
                                        "AllReduce's function body is the identity")
                 options["kernels"] = "cpp"
+            _check_same_everywhere(model, options)
             options["session_options"] = _sequential(options.get("session_options"))
             self._checked = False
             # without synchronized BatchNorm each rank's running statistics follow its own
@@ -325,6 +436,21 @@ def _data_parallel_trainer_class():
             _then_barrier(super().export_inference_model, path)
 
         def step(self, *batch, **named) -> float:
+            """:meth:`normgrad.train.Trainer.step` on this rank's batch.
+
+            Raises:
+                TrainerError: the ranks' batches differ in size (the averaged gradient would
+                    weight their samples unequally).
+                CollectiveTimeoutError: a rank did not come to this step within :func:`timeout`.
+            """
+            values = list(batch) + [named[name] for name in sorted(named)]
+            sizes = gather([int(np.shape(v)[0]) if np.ndim(v) else None for v in values],
+                           f"step {self.step_count + 1}")
+            if any(s != sizes[0] for s in sizes):
+                shown = ", ".join(f"rank {r}: {s[0] if len(set(s)) == 1 else s}" for r, s in enumerate(sizes))
+                raise TrainerError(f"the ranks pass batches of different sizes at step {self.step_count + 1} "
+                                   f"({shown} samples): every rank needs as many samples, or the averaged gradient "
+                                   "weights them unequally (normgrad.mpi.shard splits a global batch evenly)")
             loss = super().step(*batch, **named)
             if not self._checked:
                 self.check_in_sync()
@@ -342,12 +468,34 @@ def _data_parallel_trainer_class():
                     continue
                 digest.update(name.encode())
                 digest.update(np.ascontiguousarray(value).tobytes())
-            digests = _comm.allgather(digest.hexdigest()) if _comm is not None else [digest.hexdigest()]
+            digests = gather(digest.hexdigest(), "the state check after step 1")
             differ = [r for r, d in enumerate(digests) if d != digests[0]]
             if differ:
                 raise TrainerError(f"ranks {differ} hold other weights than rank 0 after a step: the gradients were "
                                    "not averaged (a step graph without --data-parallel, or AllReduce run as its "
                                    "function body instead of normgrad's kernel)")
+
+    def _check_same_everywhere(model: onnx.ModelProto, options) -> None:
+        """Raises TrainerError on every rank unless all ranks run the same step graph with
+        the same options (what would otherwise drift apart silently from step 2 on)."""
+        import hashlib
+
+        lr = options.get("lr", 1e-3)
+        if callable(lr):
+            try:
+                lr = [float(lr(step)) for step in (1, 2, 10, 100, 1000)]
+            except Exception as error:  # noqa: BLE001 - compared as it is
+                lr = f"schedule raising {type(error).__name__}"
+        mine = {"step graph": hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest(),
+                "lr": repr(lr), "accumulation": repr(options.get("accumulation", 1)), "seed": repr(options.get("seed"))}
+        everyone = gather(mine, "DataParallelTrainer construction")
+        for key in mine:
+            differ = [r for r, theirs in enumerate(everyone) if theirs[key] != everyone[0][key]]
+            if differ:
+                what = "step graph (optimizer, hyperparameters, model)" if key == "step graph" else f"option {key}"
+                detail = "" if key == "step graph" else f" ({', '.join(f'rank {r}: {e[key]}' for r, e in enumerate(everyone))})"
+                raise TrainerError(f"ranks {differ} run another {what} than rank 0{detail}: every rank must run the same "
+                                   "step graph with the same options")
 
     def _from_rank_0(source):
         """A checkpoint given as a path, read on rank 0 and broadcast (other sources as given)."""
@@ -372,7 +520,7 @@ def _data_parallel_trainer_class():
             write(path)
         except Exception as problem:  # noqa: BLE001 - reported on every rank below
             error = f"{type(problem).__name__}: {problem}"
-        errors = _comm.allgather(error) if _comm is not None else [error]
+        errors = gather(error, f"the end of writing {path}")
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             raise TrainerError(f"writing {path} failed on rank {failed[0][0]}: {failed[0][1]}")
@@ -446,12 +594,56 @@ def _abort(message: str, code: int = 1) -> None:
         _comm.Abort(code)
 
 
+_exit_statuses: list = []  # the status of the last SystemExit created (see _record_system_exits)
+
+
+def _record_system_exits() -> None:
+    """Replaces ``builtins.SystemExit`` by a subclass recording each instance's status."""
+    import builtins
+
+    original = builtins.SystemExit
+    if getattr(original, "_normgrad_records_status", False):
+        return
+
+    class SystemExit(original):  # noqa: A001 - the name Python code raises and catches
+        _normgrad_records_status = True
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            _exit_statuses[:] = [self.code]
+
+    SystemExit.__module__, SystemExit.__qualname__ = "builtins", "SystemExit"
+    builtins.SystemExit = SystemExit
+
+
+def _main_module_frame():
+    """The frame running the ``__main__`` module (a script), or None."""
+    main = sys.modules.get("__main__")
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and main is not None and frame.f_globals is vars(main):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _returned(frame) -> bool:
+    """Whether a finished frame ended by returning (not by an exception)."""
+    import dis
+
+    return any(i.offset == frame.f_lasti and i.opname.startswith("RETURN") for i in dis.get_instructions(frame.f_code))
+
+
 def abort_on_error() -> None:
     """Makes a rank that fails end the whole job within a bounded time, with a message
     naming the rank, instead of the other ranks waiting forever in their next collective:
 
     * an uncaught exception (main thread or another thread): the traceback, then ``MPI_Abort``;
     * ``sys.exit`` with a non-zero status: ``MPI_Abort`` with that status;
+    * ``raise SystemExit(status)`` ending the program with a non-zero status: ``MPI_Abort``
+      with that status, at exit (in a job of several ranks, ``SystemExit`` is replaced in
+      ``builtins`` by a subclass recording its status, since Python hands an uncaught
+      SystemExit to no hook);
     * leaving the program in any other way while other ranks still run: the rank waits at exit
       (in a non-blocking barrier) up to ``NORMGRAD_MPI_EXIT_WAIT`` seconds (default 120) for
       the others, then aborts;
@@ -464,7 +656,10 @@ def abort_on_error() -> None:
     import atexit
     import os
 
-    previous_hook, previous_exit = sys.excepthook, sys.exit
+    previous_hook = sys.excepthook
+    main_frame = _main_module_frame()
+    if size() > 1:
+        _record_system_exits()
 
     def report_and_abort(kind, value, tb) -> None:
         try:
@@ -476,11 +671,16 @@ def abort_on_error() -> None:
     def exit_and_abort(status=None):
         if status not in (None, 0):
             _abort(f"called sys.exit({status!r})", status if isinstance(status, int) else 1)
-        previous_exit(status)
+        import builtins
+
+        raise builtins.SystemExit(status)  # the recording subclass, which `except SystemExit` catches
 
     def wait_for_the_others() -> None:
         if _exit_comm is None or size() == 1:
             return
+        status = _exit_statuses[-1] if _exit_statuses else None
+        if status not in (None, 0) and main_frame is not None and not _returned(main_frame):
+            _abort(f"raised SystemExit({status!r})", status if isinstance(status, int) else 1)
         wait = float(os.environ.get("NORMGRAD_MPI_EXIT_WAIT", EXIT_WAIT_SECONDS))
         try:
             request = _exit_comm.Ibarrier()

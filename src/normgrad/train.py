@@ -42,10 +42,12 @@ from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_model_atomic
 from normgrad.graphs import structure
 
-__all__ = ["Trainer", "TrainerError", "constant", "linear_warmup", "cosine", "STEP_METADATA"]
+__all__ = ["Trainer", "TrainerError", "constant", "linear_warmup", "cosine", "STEP_METADATA", "SEED_METADATA"]
 
 STEP_METADATA = "normgrad.step"
 """Checkpoint metadata key: the number of optimizer steps taken (the next step is this + 1)."""
+SEED_METADATA = "normgrad.dropout_seed"
+"""Checkpoint metadata key: the Dropout seed (with the step count, what the next masks depend on)."""
 
 Schedule = Callable[[int], float]
 
@@ -119,6 +121,10 @@ class Trainer:
             (function bodies otherwise), ``"cpp"`` requires them, ``None`` registers none
             (the step graph's function bodies run).
         device: where the state buffers live (``"cpu"``, or e.g. ``"cuda"`` with ``device_id``).
+        seed: the Dropout seed (an int64 integer): Dropout masks are a function of it, the
+            step and the micro-batch (:func:`normgrad.graphs.rewrites.seed_dropout`). None:
+            the checkpoint's seed if it has one, else the step graph's (``normgrad export
+            --seed``, default 0). Saved in every checkpoint.
 
     Raises:
         TrainerError: not a step graph; a checkpoint with a missing, extra or mis-shaped
@@ -137,6 +143,7 @@ class Trainer:
         kernels: Optional[str] = "auto",
         device: str = "cpu",
         device_id: int = 0,
+        seed: Optional[int] = None,
     ):
         import onnxruntime
 
@@ -195,7 +202,10 @@ class Trainer:
         self._buffers: Dict[str, List] = {}
         self._current: Dict[str, int] = {}
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
+        self._seed = self._initial_seed(metadata, seed)
         self._set_state(checkpoint)
+        if seed is not None:
+            self._seed = int(seed)
 
     # -- hooks for data-parallel subclasses -------------------------------------------------
 
@@ -254,6 +264,39 @@ class Trainer:
                 self._buffers[accumulator] = [self._ortvalue(zeros.numpy()), self._ortvalue(zeros.numpy())]
                 self._current[accumulator] = 0
         self._step = int(step_text)
+        seed_text = ckpt.metadata.get(SEED_METADATA)
+        if seed_text is not None:
+            try:
+                self._seed = int(seed_text)
+            except ValueError:
+                raise TrainerError(f"checkpoint metadata {SEED_METADATA} must be an integer, got {seed_text!r}") from None
+
+    def _initial_seed(self, metadata: Mapping[str, str], seed) -> int:
+        """The step graph's default Dropout seed, after checking ``seed``."""
+        from normgrad.graphs import rewrites
+
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                 or not -2**63 <= int(seed) < 2**63):
+            raise TrainerError(f"seed must be an integer in the int64 range, got {seed!r}")
+        dropout = json.loads(metadata.get(rewrites.METADATA_DROPOUT, "null"))
+        if seed is not None and dropout is None and any(
+                n.op_type == "Dropout" and n.domain in ("", "ai.onnx") for n in self.step_model.graph.node):
+            raise TrainerError("the step graph's Dropout nodes draw unseeded masks (it was exported before Dropout "
+                               "took a seed): export it again to train reproducibly with a seed")
+        return int(dropout["seed"]) if dropout else 0
+
+    @property
+    def seed(self) -> int:
+        """The Dropout seed (saved in checkpoints; see the ``seed`` argument)."""
+        return self._seed
+
+    def _dropout_feeds(self, part: "_Part", micro_batch: int = 0) -> Dict[str, np.ndarray]:
+        """The seed (and micro-batch index) inputs of a part with seeded Dropout."""
+        from normgrad.graphs import rewrites
+
+        feeds = {rewrites.DROPOUT_SEED_INPUT: np.array(self._seed, np.int64),
+                 rewrites.DROPOUT_MICRO_BATCH_INPUT: np.array(micro_batch, np.int64)}
+        return {name: value for name, value in feeds.items() if name in part.inputs}
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         """A copy of every state tensor (weights, optimizer state, running statistics)."""
@@ -267,10 +310,10 @@ class Trainer:
         same folder, then renamed; a crash leaves the previous file). Reloading it gives
         bitwise the same state, and training on from it bitwise the same steps."""
         if self.is_saving_rank:
-            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step)})
+            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed)})
 
     def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
-        """Replaces the state and step count with a checkpoint's.
+        """Replaces the state and step count (and the Dropout seed, if it holds one) with a checkpoint's.
 
         Raises:
             TrainerError: a tensor missing, extra, or of another dtype or shape than the step graph's.
@@ -340,21 +383,24 @@ class Trainer:
         step = self._step + 1
         scalars = {"lr": np.array(self.schedule(step), np.float32), "step": np.array(step, np.float32)}
         if not self.split:
-            loss = self._run(self._step_part, {**feeds, **scalars})
+            loss = self._run(self._step_part, {**feeds, **scalars, **self._dropout_feeds(self._step_part)})
         else:
-            loss = self._accumulate(feeds)
+            loss = self._accumulate(feeds, scalars["step"])
             gradients = {p: self._value(a) for p, a in zip(self.parameters, self._accumulators)}
             gradients = self.reduce_gradients(gradients)
             self._run(self._optimizer, {**scalars, **{f"{p}_grad": gradients[p] for p in self.parameters}})
         self._step = step
         return loss
 
-    def _accumulate(self, feeds: Dict[str, np.ndarray]) -> float:
+    def _accumulate(self, feeds: Dict[str, np.ndarray], step: np.ndarray) -> float:
         k = self.accumulation
         scale = np.array(1.0 / k, np.float32)
         losses = []
         for i in range(k):
             micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
+            dropout = self._dropout_feeds(self._gradient, i)
+            if dropout:
+                micro.update(dropout, step=step)
             losses.append(self._run(self._gradient, {**micro, "grad_scale": scale}, self._zeros if i == 0 else {}))
         return float(np.mean(losses))
 
