@@ -14,6 +14,7 @@ import onnx.inliner
 import onnx.shape_inference
 
 import normgrad
+from normgrad._api import add_functions_in_place
 from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
@@ -264,6 +265,20 @@ def _loss_output(graph: onnx.GraphProto, float_outputs: List[onnx.ValueInfoProto
     return found[0]
 
 
+def _refuse_forward_names(graph: onnx.GraphProto, generated: Sequence[str]) -> None:
+    """ValueError when a value of the forward graph already has a name the training graph
+    gives its gradients or its loss."""
+    forward = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    forward |= {o for node in graph.node for o in node.output}
+    for name in generated:
+        if name in forward:
+            what = ("the generated loss" if name == "loss" else
+                    f"the gradient of {name[: -len(GRAD_SUFFIX)]!r}")
+            hint = " (or give loss_output='loss' / --loss-output loss if it is the model's loss)" if name == "loss" else ""
+            raise ValueError(f"the model already has a value named {name!r}, the name the training graph gives "
+                             f"{what}: rename that value in the model{hint}")
+
+
 def frozen_parameters(
     model: onnx.ModelProto, freeze: Sequence[str] = (), trainable: Optional[Sequence[str]] = None
 ) -> Set[str]:
@@ -412,8 +427,11 @@ def build_training_graph(
             info = oh.make_tensor_value_info(init.name, init.data_type, list(init.dims))
             trainable_inputs.append(info)
             wanted.append((init.name, info.type))
-    # NAME_grad names the gradient of NAME first; a seed of an output that is also an
-    # input or initializer gets the suffixed name
+    # NAME_grad names the gradient of NAME, never a forward value (a reader of
+    # outputs["W_grad"] must get the gradient); a seed of an output that is also an input or
+    # initializer gets the suffixed name
+    _refuse_forward_names(graph, [name + GRAD_SUFFIX for name, _ in wanted] +
+                          (["loss"] if loss is not None else []))
     grad_names = [ctx.reserve(name + GRAD_SUFFIX) for name, _ in wanted]
 
     extra_inputs: List[onnx.ValueInfoProto] = []  # seeds or labels
@@ -474,7 +492,12 @@ def build_training_graph(
         doc_string="Training graph written by normgrad.graphs.build_training_graph",
     )
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
+    # each copy of a graph of 10^6 nodes takes gigabytes: drop the forward copy and the
+    # emitted nodes (now in new_graph), and new_graph once the model holds it
+    del graph, ctx.nodes[:]
+    model.ClearField("graph")
     result = oh.make_model(new_graph, opset_imports=list(model.opset_import), producer_name="normgrad")
+    del new_graph
     metadata = {
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
@@ -489,7 +512,7 @@ def build_training_graph(
         metadata[METADATA_INLINE] = "true"
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
-    result = normgrad.add_functions(result)
+    result = add_functions_in_place(result)
     if inline:
         from normgrad.graphs.inline import inline_normgrad
 

@@ -66,7 +66,7 @@ class GradientContext:
         self._emitted_ranks: Dict[str, int] = {}
         self._constant_lengths: Dict[str, int] = {}
         self._scope = "grad"
-        self._counter = 0
+        self._counters: Dict[str, int] = {}  # per scope: fresh names continue, never probe from 1 again
         self.batch_statistics: Dict[str, "BatchStatistics"] = {}
         """{Y of a training-mode BatchNormalization: its forward statistics}, set by the builder."""
 
@@ -130,13 +130,12 @@ class GradientContext:
     def scope(self, node: Union[onnx.NodeProto, str]) -> None:
         """Sets the name prefix of the values emitted next: ``node``'s gradient, or a given prefix."""
         self._scope = node if isinstance(node, str) else f"grad/{node.name or node.op_type}"
-        self._counter = 0
 
     def fresh(self, hint: str = "t") -> str:
         """A value name unused in the graph."""
         while True:
-            self._counter += 1
-            name = f"{self._scope}/{hint}_{self._counter}"
+            self._counters[self._scope] = counter = self._counters.get(self._scope, 0) + 1
+            name = f"{self._scope}/{hint}_{counter}"
             if name not in self._used:
                 self._used.add(name)
                 return name

@@ -43,12 +43,83 @@ __all__ = [
     "forward_outputs",
     "ACCUMULATOR_SUFFIX",
     "WEIGHT_DECAY_METADATA",
+    "check_hyperparameters",
 ]
 
 ACCUMULATOR_SUFFIX = "_grad.sum"
 """``P_grad.sum``: the gradient accumulator input of :func:`build_gradient_graph` for parameter ``P``."""
 
 _KINDS = ("sgd", "adam", "adamw")
+_TORCH_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+_OPTIONS = {"sgd": ("momentum", "dampening", "nesterov"), "adam": ("betas", "eps", "amsgrad"),
+            "adamw": ("betas", "eps", "amsgrad")}
+_COMMON_OPTIONS = ("weight_decay", "clip_grad_norm")
+
+
+def check_hyperparameters(kind: str, *, command_line: bool = False, **options) -> None:
+    """The one check of optimizer hyperparameters (``build_optimizer_graph``, ``build_step_graph``,
+    ``normgrad export``; the AdamUpdate kernels check the attributes they become): refuses
+    what torch.optim refuses, and NaN or infinite values, which torch lets through to NaN
+    weights in a few places (SGD's lr, momentum and weight_decay, any dampening).
+
+    ``options``: the options given (``lr`` among them, when known); an option of another
+    optimizer raises TypeError, as torch's constructors do. ``command_line``: messages name
+    the options as flags (``--weight-decay``).
+
+    Raises:
+        ValueError: an unknown ``kind``, or a value naming the option and the rule it breaks.
+        TypeError: an option ``kind`` does not have.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"optimizer kind {kind!r} is not one of {', '.join(_KINDS)}")
+    torch_name = f"torch.optim.{_TORCH_NAMES[kind]}"
+    label = (lambda name: "--" + name.replace("_", "-")) if command_line else (lambda name: f"{kind} {name}")  # noqa: E731
+    for name in options:
+        if name != "lr" and name not in _OPTIONS[kind] + _COMMON_OPTIONS:
+            owners = [k for k in _KINDS if name in _OPTIONS[k]]
+            where = f"an option of {' and '.join(owners)}" if owners else "not an optimizer option"
+            raise TypeError(f"{kind} has no option {name!r} ({where}; {torch_name} refuses it too)")
+
+    def number(name, low_inclusive=None, below=None, above=None):
+        value = options[name]
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{label(name)} must be a number; got {options[name]!r}") from None
+        rules = ["finite"]
+        ok = np.isfinite(value)
+        if low_inclusive is not None:
+            ok = ok and value >= low_inclusive
+            rules.append(f">= {low_inclusive:g}")
+        if above is not None:
+            ok = ok and value > above
+            rules.append(f"> {above:g}")
+        if below is not None:
+            ok = ok and value < below
+            rules.append(f"< {below:g}")
+        if not ok:
+            raise ValueError(f"{label(name)} must be {' and '.join(rules)}; got {options[name]!r}")
+
+    for name in ("lr", "momentum", "weight_decay", "eps"):
+        if options.get(name) is not None:
+            number(name, low_inclusive=0.0)
+    if options.get("dampening") is not None:
+        number("dampening")
+    if options.get("clip_grad_norm") is not None:
+        number("clip_grad_norm", above=0.0)
+    if "betas" in options:
+        betas = options["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{label('betas')} must be two numbers in [0, 1); got {betas!r}")
+        for index, beta in enumerate(betas):
+            if not (isinstance(beta, (int, float, np.floating, np.integer)) and 0.0 <= beta < 1.0):
+                raise ValueError(f"{label('betas')}[{index}] must be in [0, 1); got {beta!r}")
+    for name in ("nesterov", "amsgrad"):
+        if name in options and not isinstance(options[name], (bool, np.bool_)):
+            raise ValueError(f"{label(name)} must be True or False; got {options[name]!r}")
+    if options.get("nesterov") and (float(options.get("momentum", 0.0)) <= 0 or float(options.get("dampening", 0.0)) != 0):
+        raise ValueError(f"nesterov needs momentum > 0 and dampening 0 (as {torch_name}); got momentum "
+                         f"{options.get('momentum', 0.0)!r}, dampening {options.get('dampening', 0.0)!r}")
 
 WEIGHT_DECAY_METADATA = "normgrad.weight_decay"
 """Step/optimizer graph metadata key: JSON {parameter: its weight decay} (0 for the
@@ -101,6 +172,16 @@ class _Nodes:
         return output
 
 
+_OPTION_DEFAULTS = dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                        amsgrad=False, clip_grad_norm=None)
+
+
+def _differs(value, default) -> bool:
+    if isinstance(default, tuple):
+        return not (isinstance(value, (tuple, list)) and tuple(value) == default)
+    return value is not default and value != default
+
+
 def build_optimizer_graph(
     parameters: Mapping[str, Sequence[int]],
     kind: str,
@@ -122,21 +203,19 @@ def build_optimizer_graph(
     the others (:func:`decayed_parameters`).
 
     Raises:
-        ValueError: an unknown ``kind``, a hyperparameter torch would refuse, or a
-            ``no_weight_decay`` pattern that matches no parameter.
+        ValueError: an unknown ``kind``, a hyperparameter torch would refuse
+            (:func:`check_hyperparameters`), or a ``no_weight_decay`` pattern that matches
+            no parameter.
+        TypeError: an option of another optimizer given a value other than its default
+            (``betas`` for sgd, ``momentum`` for adam...), as torch refuses it.
     """
-    if kind not in _KINDS:
-        raise ValueError(f"optimizer kind {kind!r} is not one of {', '.join(_KINDS)}")
+    given = dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
+                 eps=eps, amsgrad=amsgrad, clip_grad_norm=clip_grad_norm)
+    check_hyperparameters(kind, **{name: value for name, value in given.items()
+                                   if kind not in _KINDS or name in _OPTIONS[kind] + _COMMON_OPTIONS
+                                   or _differs(value, _OPTION_DEFAULTS[name])})
     if not parameters:
         raise ValueError("build_optimizer_graph needs at least one parameter")
-    if momentum < 0 or weight_decay < 0 or eps < 0:
-        raise ValueError("momentum, weight_decay and eps must be >= 0")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
-    if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-        raise ValueError(f"betas must be two values in [0, 1), got {betas!r}")
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
     no_weight_decay = [no_weight_decay] if isinstance(no_weight_decay, str) else list(no_weight_decay)
     decays = {p: weight_decay if decayed else 0.0
               for p, decayed in decayed_parameters(list(parameters), no_weight_decay).items()}
@@ -554,6 +633,9 @@ def build_step_graph(
     for reserved in ("lr", "step"):
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
+    if not trainable:
+        raise ValueError("the training graph has no trainable weight (every initializer frozen, or none reaches the "
+                         "loss): a step graph needs at least one")
     optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
     statistics = running_statistics(training)
     nodes = list(graph.node) + [helper.make_node("Identity", [updated], [next_name(stat)])

@@ -79,6 +79,12 @@ class Result(NamedTuple):
     exp_avg_sq_next: np.ndarray
 
 
+def _check_attribute(name: str, value) -> None:
+    """The attributes' rule, which the C++ kernel enforces at session creation too."""
+    if not isinstance(value, (float, int)) or not np.isfinite(value) or value < 0:
+        raise NormgradInputError(f"{OP_TYPE}: attribute '{name}' must be a finite float >= 0; got {value!r}")
+
+
 def validate(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale=None, grad_scale=None, **attributes):
     """Checks the inputs and attributes against the contract.
 
@@ -94,8 +100,7 @@ def validate(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, para
         raise NormgradInputError(f"{OP_TYPE}: unknown attribute '{unknown[0]}'; known: {sorted(ATTRIBUTES)}")
     attributes = {**ATTRIBUTES, **attributes}
     for name, value in attributes.items():
-        if not isinstance(value, (float, int)) or not np.isfinite(value) or value < 0:
-            raise NormgradInputError(f"{OP_TYPE}: attribute '{name}' must be a finite float >= 0; got {value!r}")
+        _check_attribute(name, value)
     arrays = {}
     for name, value in zip(INPUTS, (param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, param_scale, grad_scale)):
         if value is None and name in OPTIONAL:
@@ -146,6 +151,10 @@ def python_kernel(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt,
 
 
 def _infer(ctx) -> None:
+    for name in ATTRIBUTES:  # onnx.checker (full_check) refuses what the kernels refuse
+        attribute = ctx.get_attribute(name)
+        if attribute is not None:
+            _check_attribute(name, attribute.f if attribute.type == onnx.AttributeProto.FLOAT else None)
     param_type = _common.input_tensor_type(ctx, 0)
     if param_type is not None:
         for index in range(len(OUTPUTS)):

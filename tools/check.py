@@ -96,6 +96,11 @@ def check_metadata(model: onnx.ModelProto) -> None:
     """
     inputs = {i.name for i in model.graph.input}
     outputs = {o.name for o in model.graph.output}
+    if any(prop.key == "normgrad.optimizer" for prop in model.metadata_props):
+        raise ValueError("the model is a step graph (export --optimizer): check compares a training graph's gradients; "
+                         "export the model without --optimizer and check that")
+    if model.graph.name == "normgrad_checkpoint" and not model.graph.node:
+        raise ValueError("the file is a checkpoint, not a training graph")
     seeds, gradients, loss = (_metadata(model, key) for key in (METADATA_SEEDS, METADATA_GRADIENTS, METADATA_LOSS))
     for key, value in ((METADATA_SEEDS, seeds), (METADATA_GRADIENTS, gradients)):
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):

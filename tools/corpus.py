@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper as onh
 
-from normgrad._files import write_bytes_atomic
+from normgrad._files import PathOutsideFolderError, path_inside, remove_inside, write_inside
 
 __all__ = ["Case", "cases", "generate", "write", "compare", "default_out", "float64_outputs", "main", "CorpusFolderError"]
 
@@ -532,26 +532,26 @@ def write(out, corpus: Optional[Dict[str, bytes]] = None) -> List[str]:
         The relative paths written.
 
     Raises:
-        CorpusFolderError: ``out`` is a file, or a non-empty folder holding no list of an
-            earlier run (nothing is written then).
+        CorpusFolderError: ``out`` is a file, a non-empty folder holding no list of an
+            earlier run, or a file to write or remove leads outside ``out`` (through a
+            symbolic link); nothing is written then.
         OSError: a file could not be written (the files already there are intact).
     """
     out = pathlib.Path(out)
     corpus = generate() if corpus is None else corpus
     before = _written_before(out)
+    removed = [relative for relative in before if relative not in corpus]
+    try:  # every path checked before anything is written or removed
+        for relative in corpus:
+            path_inside(out, relative, "corpus file")
+        for relative in removed:
+            path_inside(out, relative, "corpus file", follow_last=False)
+    except PathOutsideFolderError as error:
+        raise CorpusFolderError(f"{error}; nothing was written") from None
     for relative in sorted(corpus, key=lambda path: path == WRITTEN):
-        path = out / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, corpus[relative])
-    for relative in before:
-        path = out / relative
-        if relative in corpus or not path.is_file():
-            continue
-        path.unlink()
-        for folder in path.parents:  # folders the removal emptied, up to out
-            if folder == out or not folder.is_relative_to(out) or any(folder.iterdir()):
-                break
-            folder.rmdir()
+        write_inside(out, relative, corpus[relative], "corpus file")
+    for relative in removed:
+        remove_inside(out, relative, "corpus file")
     return list(corpus)
 
 

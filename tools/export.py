@@ -7,11 +7,12 @@ initial values (and the optimizer's state) in a checkpoint beside the graph."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import refuse_same_file, save_model_atomic
+from normgrad._files import StagedFile, refuse_same_file
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
@@ -59,16 +60,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
     step.add_argument("--checkpoint", help="where to write the initial weights (and, with --optimizer, optimizer "
                                            "state); default: OUTPUT with .ckpt for .onnx")
-    step.add_argument("--momentum", type=float, default=0.0)
-    step.add_argument("--dampening", type=float, default=0.0)
-    step.add_argument("--nesterov", action="store_true")
+    step.add_argument("--momentum", type=float, default=None, help="sgd only (default 0)")
+    step.add_argument("--dampening", type=float, default=None, help="sgd only (default 0)")
+    step.add_argument("--nesterov", action="store_true", default=None, help="sgd only")
     step.add_argument("--weight-decay", type=float, default=None, help="default 0 (sgd, adam), 0.01 (adamw), as torch")
     step.add_argument("--no-weight-decay", nargs="+", default=[], metavar="GLOB",
                       help="parameters that get no weight decay, as a torch param_group with weight_decay=0 "
                            "(fnmatch globs on parameter names, e.g. '*.bias' '*norm*'); default: decay all")
-    step.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
-    step.add_argument("--eps", type=float, default=1e-8)
-    step.add_argument("--amsgrad", action="store_true")
+    step.add_argument("--betas", type=float, nargs=2, default=None, help="adam, adamw only (default 0.9 0.999)")
+    step.add_argument("--eps", type=float, default=None, help="adam, adamw only (default 1e-8)")
+    step.add_argument("--amsgrad", action="store_true", default=None, help="adam, adamw only")
     step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
     step.add_argument("--seed", type=int, default=None,
                       help="Dropout seed (int64, default 0): training-mode Dropout masks are a function of it, the step "
@@ -78,6 +79,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--optimizer needs --loss or --loss-output")
     if args.loss and args.loss_output:
         parser.error("give --loss or --loss-output, not both")
+    optimizer_options = {name: value for name, value in (
+        ("momentum", args.momentum), ("dampening", args.dampening), ("nesterov", args.nesterov),
+        ("weight_decay", args.weight_decay), ("betas", None if args.betas is None else tuple(args.betas)),
+        ("eps", args.eps), ("amsgrad", args.amsgrad), ("clip_grad_norm", args.clip_grad_norm)) if value is not None}
+    if optimizer_options and not args.optimizer:
+        given = next(iter(optimizer_options))
+        parser.error(f"--{given.replace('_', '-')} is an option of the optimizer step: it needs --optimizer")
+    if args.optimizer:
+        from normgrad.graphs.optimizers import check_hyperparameters
+
+        if args.optimizer == "adamw":
+            optimizer_options.setdefault("weight_decay", 0.01)
+        try:
+            check_hyperparameters(args.optimizer, command_line=True, **optimizer_options)
+        except TypeError as error:
+            name = str(error).split("'")[1]
+            parser.error(f"--{name.replace('_', '-')} is not an option of --optimizer {args.optimizer} ({error})")
+        except ValueError as error:
+            parser.error(f"--optimizer {args.optimizer}: {error}")
     loss_options = {name: value for name, value in (("label_smoothing", args.label_smoothing),
                                                     ("ignore_index", args.ignore_index), ("beta", args.beta))
                     if value is not None}
@@ -107,9 +127,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     eval_path = _beside(args.output, ".eval.onnx")
     try:
         refuse_same_file(args.model, args.output)
+        refuse_same_file(args.model, checkpoint_path, "checkpoint")
+        _refuse_one_path(args.output, checkpoint_path)
+        if args.optimizer:
+            refuse_same_file(args.model, eval_path, "evaluation graph")
     except ValueError as error:
         print(f"normgrad export: {error}", file=sys.stderr)
         return 2
+    for what, path in [("the output", args.output), ("the checkpoint", checkpoint_path)]:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            print(f"normgrad export: cannot write {what} {path}: no folder {folder}", file=sys.stderr)
+            return 1
+    target = args.output
     try:
         forward = load_model(args.model)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
@@ -124,41 +154,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
             else:
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+        if args.optimizer and (args.freeze or args.trainable) and not _trains_a_weight(training):
+            print("normgrad export: --freeze/--trainable leave no weight to train; --optimizer needs at least one "
+                  "(see --help)", file=sys.stderr)
+            return 2
         from normgrad.graphs.portable import as_exported, make_portable
 
         finish = make_portable if args.portable else as_exported
-        refuse_same_file(args.model, checkpoint_path, "checkpoint")
-        if args.optimizer:
-            refuse_same_file(args.model, eval_path, "evaluation graph")
+        evaluation = None
         if args.optimizer:
             from normgrad.graphs import build_step_graph
-
-            options = dict(weight_decay=args.weight_decay if args.weight_decay is not None else
-                           (0.01 if args.optimizer == "adamw" else 0.0), clip_grad_norm=args.clip_grad_norm,
-                           no_weight_decay=args.no_weight_decay)
-            if args.optimizer == "sgd":
-                options.update(momentum=args.momentum, dampening=args.dampening, nesterov=args.nesterov)
-            else:
-                options.update(betas=tuple(args.betas), eps=args.eps, amsgrad=args.amsgrad)
-            training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0, **options)
-            training, _ = finish(training)
             from normgrad.graphs.optimizers import build_eval_graph
 
+            training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
+                                                 no_weight_decay=args.no_weight_decay, **optimizer_options)
+            training, _ = finish(training)
             evaluation = build_eval_graph(training)
         else:
             training, initial = finish(training)
-        from normgrad import checkpoint
+        # every file is built before any is written; the graphs wait, flushed under temporary
+        # names, until the checkpoint is in place
+        try:
+            staged = [StagedFile(args.output, [training.SerializeToString()])]
+            if evaluation is not None:
+                staged.append(StagedFile(eval_path, [evaluation.SerializeToString()]))
+        except ValueError as error:
+            raise CommandError(f"cannot write {args.output}: {one_line(error)}") from None
+        try:
+            from normgrad import checkpoint
 
-        checkpoint.save(checkpoint_path, initial)
-        save_model_atomic(training, args.output)
-        if args.optimizer:
-            save_model_atomic(evaluation, eval_path)
+            target = checkpoint_path
+            checkpoint.save(checkpoint_path, initial)
+            for file in staged:
+                target = file.path
+                file.commit()
+        finally:
+            for file in staged:
+                file.discard()
     except OSError as error:
-        print(f"normgrad export: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
+        print(f"normgrad export: cannot write {target}: {error.strerror or error}", file=sys.stderr)
         return 1
     except (CommandError, UnsupportedOperatorError, ValueError, onnx.checker.ValidationError,
             onnx.shape_inference.InferenceError) as error:
         print(f"normgrad export: {one_line(error)}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"normgrad export: out of memory exporting {args.model}; nothing was written", file=sys.stderr)
         return 1
     if args.optimizer:
         print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in "
@@ -168,6 +209,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs; "
           f"initial weights in {checkpoint_path}")
     return 0
+
+
+def _trains_a_weight(training) -> bool:
+    import json
+
+    metadata = {entry.key: entry.value for entry in training.metadata_props}
+    initializers = {t.name for t in training.graph.initializer}
+    return any(name in initializers for name in json.loads(metadata.get("normgrad.gradients", "{}")).values())
+
+
+def _refuse_one_path(output: str, checkpoint_path: str) -> None:
+    """ValueError when the step graph and the checkpoint would be the same file."""
+    same = os.path.abspath(output) == os.path.abspath(checkpoint_path) or (
+        os.path.exists(output) and os.path.exists(checkpoint_path) and os.path.samefile(output, checkpoint_path))
+    if same:
+        raise ValueError(f"--checkpoint {checkpoint_path} is the output file (-o) itself; give them different paths")
 
 
 def _checkpoint_beside(output: str) -> str:

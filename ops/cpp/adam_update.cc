@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "ops.h"
 
@@ -29,7 +30,16 @@ struct AdamUpdate final : KernelBase {
       : beta2(attribute_float(info, kOp, "beta2", 0.999f)),
         one_minus_beta1(attribute_float(info, kOp, "one_minus_beta1", 0.1f)),
         one_minus_beta2(attribute_float(info, kOp, "one_minus_beta2", 0.001f)),
-        epsilon(attribute_float(info, kOp, "epsilon", 1e-8f)) {}
+        epsilon(attribute_float(info, kOp, "epsilon", 1e-8f)) {
+    // the contract's rule (ops/adam_update.py validate): refused at session creation
+    const std::pair<const char*, float> attributes[] = {
+        {"beta2", beta2}, {"one_minus_beta1", one_minus_beta1}, {"one_minus_beta2", one_minus_beta2}, {"epsilon", epsilon}};
+    for (const auto& [name, value] : attributes) {
+      if (!std::isfinite(value) || value < 0.0f) {
+        fail(std::string(kOp) + ": attribute '" + name + "' must be a finite float >= 0; got " + std::to_string(value));
+      }
+    }
+  }
   const char* name() const override { return kOp; }
 
   void compute(OrtKernelContext* ctx) override {

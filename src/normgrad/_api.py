@@ -164,7 +164,11 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         ValueError: the model imports a default-domain opset older than 15.
         KeyError: the model uses an op type of the normgrad domain that does not exist.
     """
-    model = copy.deepcopy(model)
+    return add_functions_in_place(copy.deepcopy(model))
+
+
+def add_functions_in_place(model: onnx.ModelProto) -> onnx.ModelProto:
+    """:func:`add_functions` changing ``model`` itself (no copy of a large graph); returns it."""
     nodes = list(_normgrad_nodes(model.graph.node))
     for function in model.functions:
         nodes += _normgrad_nodes(function.node)

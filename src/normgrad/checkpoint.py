@@ -5,23 +5,42 @@ The file is an ONNX model (IR version 10) whose graph holds nothing but initiali
 onnx's ``ml_dtypes`` arrays), and whose ``metadata_props`` hold the metadata. Any ONNX tool
 reads it (``onnx.load``); values round-trip bitwise. Writes are atomic
 (:func:`normgrad._files.write_bytes_atomic`): a crash while saving leaves the old file.
+
+Integrity: the metadata ``normgrad.checksum`` is the SHA-256 of every tensor's name, type,
+shape and bytes and of the other metadata; :func:`load` recomputes it and refuses a file
+whose checksum is missing (a file cut short loses its metadata first) or differs.
+
+Checkpoints whose tensors exceed protobuf's 2 GiB message limit (or any, with
+``save(..., external_data=True)``) keep the tensor bytes in one file beside the checkpoint,
+``NAME.HASH.data``, as ONNX external data; :func:`load` resolves it against the checkpoint's
+folder, refuses a location outside that folder, and checks every size before reading.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping, Tuple
+import hashlib
+import json
+import os
+import re
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, write_bytes_atomic
+from normgrad._files import PathLike, PathOutsideFolderError, path_inside, remove_inside, write_bytes_atomic, \
+    write_chunks_atomic
 from normgrad.ops._common import IR_VERSION
 
-__all__ = ["Checkpoint", "CheckpointError", "save", "load", "from_proto", "check_matches"]
+__all__ = ["Checkpoint", "CheckpointError", "save", "load", "from_proto", "check_matches", "CHECKSUM_METADATA"]
 
 _GRAPH_NAME = "normgrad_checkpoint"
+CHECKSUM_METADATA = "normgrad.checksum"
+"""Metadata key of the checkpoint's SHA-256 (``sha256:HEX``), written by :func:`save`."""
+EXTERNAL_DATA_BYTES = 2**31 - 2**26
+"""Tensor bytes above which :func:`save` writes external data (protobuf refuses messages of 2 GiB)."""
+_ALIGNMENT = 64
 
 
 class CheckpointError(ValueError):
@@ -34,15 +53,27 @@ class Checkpoint:
     metadata: Dict[str, str]
 
 
-def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] = {}) -> None:
-    """Writes ``tensors`` and ``metadata`` to ``path`` atomically.
+def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] = {},
+         external_data: Optional[bool] = None) -> None:
+    """Writes ``tensors`` and ``metadata`` to ``path`` atomically, with a checksum.
+
+    ``external_data``: keep the tensor bytes in ``NAME.HASH.data`` beside ``path`` (default:
+    when they exceed :data:`EXTERNAL_DATA_BYTES`). The data file is written first, under a
+    name of its own, then the checkpoint; the data file of the previous checkpoint at
+    ``path`` is removed only after that, so a crash at any point leaves a loadable checkpoint.
 
     Raises:
         CheckpointError: a tensor that is not a NumPy array of an ONNX dtype, or metadata
-            that is not str -> str.
+            that is not str -> str (or uses the reserved key ``normgrad.checksum``).
         OSError: the write failed; ``path`` is then unchanged.
     """
-    initializers = []
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(f"checkpoint metadata must map str to str, got {key!r}: {type(value).__name__}")
+    if CHECKSUM_METADATA in metadata:
+        raise CheckpointError(f"checkpoint metadata key {CHECKSUM_METADATA!r} is reserved: save() writes it")
+    model = helper.make_model(helper.make_graph([], _GRAPH_NAME, [], []), opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"checkpoint tensor names must be non-empty strings, got {name!r}")
@@ -52,54 +83,221 @@ def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[st
             tensor = numpy_helper.from_array(np.require(value, requirements="C"), name)  # keeps 0-d shapes
         except Exception as error:  # onnx raises several types for unsupported dtypes
             raise CheckpointError(f"checkpoint tensor {name!r}: dtype {value.dtype} has no ONNX type ({error})") from None
-        initializers.append(tensor)
-    for key, value in metadata.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise CheckpointError(f"checkpoint metadata must map str to str, got {key!r}: {type(value).__name__}")
-    graph = helper.make_graph([], _GRAPH_NAME, [], [], initializer=initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = IR_VERSION
-    helper.set_model_props(model, dict(metadata))
+        model.graph.initializer.append(tensor)  # into the model directly: one copy of the tensors at a time
+        del tensor
+    initializers = model.graph.initializer
+    # one tensor's bytes at a time: a copy of every tensor at once would double the memory
+    checksum = _checksum(((tensor, _inline_payload(tensor)) for tensor in initializers), metadata)
+    if external_data is None:
+        external_data = sum(value.nbytes for value in tensors.values()) > EXTERNAL_DATA_BYTES
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    data_name = f"{name}.{checksum.split(':')[1][:16]}.data" if external_data else None
+    if data_name is not None:
+        write_chunks_atomic(os.path.join(folder, data_name), _external_chunks(initializers, data_name))
+    helper.set_model_props(model, {**metadata, CHECKSUM_METADATA: checksum})
     write_bytes_atomic(path, model.SerializeToString())
+    _remove_stale_data(folder, name, keep=data_name)
 
 
-def load(path: PathLike) -> Checkpoint:
-    """Reads a checkpoint written by :func:`save`.
+def _external_chunks(initializers: Sequence[onnx.TensorProto], data_name: str):
+    """The bytes of the external data file, one tensor at a time, each tensor turned into a
+    reference to its place in the file as its bytes are written (string tensors stay inline)."""
+    offset = 0
+    for tensor in initializers:
+        if not tensor.HasField("raw_data"):
+            continue
+        padding = -offset % _ALIGNMENT
+        payload = tensor.raw_data
+        yield bytes(padding)
+        yield payload
+        offset += padding
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
+            tensor.external_data.add(key=key, value=value)
+        offset += len(payload)
+
+
+def _remove_stale_data(folder: str, name: str, keep: Optional[str]) -> None:
+    """Removes the external-data files of earlier checkpoints at ``folder``/``name`` (and of
+    saves killed between writing the data and the checkpoint)."""
+    pattern = re.compile(rf"{re.escape(name)}\.[0-9a-f]{{16}}\.data")
+    for entry in os.listdir(folder):
+        if entry != keep and pattern.fullmatch(entry):
+            try:
+                remove_inside(folder, entry, "stale checkpoint data")
+            except (OSError, PathOutsideFolderError):
+                pass
+
+
+def _inline_payload(tensor: onnx.TensorProto) -> bytes:
+    """The bytes the checksum covers: the raw data, or the typed fields of a tensor without."""
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    typed = onnx.TensorProto()
+    typed.CopyFrom(tensor)
+    typed.ClearField("name")
+    return typed.SerializeToString(deterministic=True)
+
+
+def _checksum(tensors_and_payloads: Iterable[Tuple[onnx.TensorProto, bytes]], metadata: Mapping[str, str]) -> str:
+    digest = hashlib.sha256()
+    for tensor, payload in tensors_and_payloads:
+        header = json.dumps([tensor.name, tensor.data_type, list(tensor.dims), len(payload)])
+        digest.update(header.encode("utf-8") + b"\0")
+        digest.update(payload)
+    rest = sorted((k, v) for k, v in metadata.items() if k != CHECKSUM_METADATA)
+    digest.update(json.dumps(rest).encode("utf-8"))
+    return f"sha256:{digest.hexdigest()}"
+
+
+def load(path: PathLike, verify: bool = True) -> Checkpoint:
+    """Reads a checkpoint written by :func:`save`, its external data from the checkpoint's
+    folder. ``verify=False`` skips the checksum (for checkpoints written before normgrad
+    wrote one; a truncated file may then load as a valid one).
 
     Raises:
-        CheckpointError: the file is missing, unreadable, or not a normgrad checkpoint.
+        CheckpointError: the file is missing, unreadable, not a normgrad checkpoint, cut
+            short or altered (checksum), or its external data is outside its folder,
+            missing, shorter than its tensors or larger than this machine's memory.
     """
     try:
         with open(path, "rb") as file:
             data = file.read()
     except OSError as error:
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {error.strerror or error}") from None
+    if not data:
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint: the file is empty")
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
     except Exception:
-        raise CheckpointError(f"{str(path)!r} is not a checkpoint: not an ONNX model") from None
-    return from_proto(model, repr(str(path)))
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint: not an ONNX model (or a checkpoint cut short)") from None
+    del data
+    return from_proto(model, repr(str(path)), folder=os.path.dirname(os.path.abspath(os.fspath(path))), verify=verify)
 
 
-def from_proto(model: onnx.ModelProto, where: str = "the model") -> Checkpoint:
-    """The checkpoint a ModelProto holds (what :func:`load` reads from a file).
+def _memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size_text(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count} bytes"
+
+
+def _external_payloads(tensors: Sequence[onnx.TensorProto], folder: Optional[str], where: str) -> List[Optional[bytes]]:
+    """Every external tensor's bytes (None for inline ones), every location and size checked
+    before the first byte is read."""
+    plans = []
+    for tensor in tensors:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            plans.append(None)
+            continue
+        if folder is None:
+            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} keeps its data in an external file; "
+                                  "load the checkpoint from its path (normgrad.checkpoint.load)")
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        try:
+            location = path_inside(folder, info.get("location", ""), f"external data of tensor {tensor.name!r}")
+        except PathOutsideFolderError as error:
+            raise CheckpointError(f"checkpoint {where}: {error}") from None
+        try:
+            offset, length = int(info.get("offset", "0")), int(info["length"])
+            size = os.path.getsize(location)
+        except (KeyError, ValueError):
+            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} has no valid external data offset "
+                                  "and length") from None
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {where}: external data of tensor {tensor.name!r} is unreadable: "
+                                  f"{location}: {error.strerror or error}") from None
+        try:
+            itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except Exception:
+            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} has unknown data type "
+                                  f"{tensor.data_type}") from None
+        expected = int(np.prod(tensor.dims, dtype=object)) * itemsize
+        if offset < 0 or length != expected:
+            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} of shape {list(tensor.dims)} needs "
+                                  f"{expected} bytes; its external data says offset {offset}, length {length}")
+        if offset + length > size:
+            raise CheckpointError(f"checkpoint {where}: external data file {location} holds {size} bytes; tensor "
+                                  f"{tensor.name!r} needs bytes {offset}..{offset + length} (the file is cut short)")
+        plans.append((location, offset, length))
+    needed = sum(plan[2] for plan in plans if plan)
+    memory = _memory_bytes()
+    if memory is not None and needed > memory:
+        raise CheckpointError(f"checkpoint {where}: its external data needs {_size_text(needed)}, more than this "
+                              f"machine's memory ({_size_text(memory)})")
+    payloads: List[Optional[bytes]] = []
+    for tensor, plan in zip(tensors, plans):
+        if plan is None:
+            payloads.append(None)
+            continue
+        location, offset, length = plan
+        try:
+            with open(location, "rb") as file:
+                file.seek(offset)
+                payload = file.read(length)
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {where}: cannot read the external data of tensor {tensor.name!r}: "
+                                  f"{error.strerror or error}") from None
+        if len(payload) != length:
+            raise CheckpointError(f"checkpoint {where}: the external data of tensor {tensor.name!r} is cut short")
+        payloads.append(payload)
+    return payloads
+
+
+def from_proto(model: onnx.ModelProto, where: str = "the model", folder: Optional[PathLike] = None,
+               verify: bool = True) -> Checkpoint:
+    """The checkpoint a ModelProto holds (what :func:`load` reads from a file). ``folder``:
+    where its external data is (the checkpoint file's folder); without it, a checkpoint
+    with external data is refused. ``verify``: check ``normgrad.checksum``.
 
     Raises:
-        CheckpointError: ``model`` is not a normgrad checkpoint (``where`` names it in the message).
+        CheckpointError: ``model`` is not a normgrad checkpoint (``where`` names it in the
+            message), lacks its checksum or does not match it, or its external data cannot
+            be used (see :func:`load`).
     """
     if model.graph.name != _GRAPH_NAME or model.graph.node or model.graph.input or model.graph.output:
         raise CheckpointError(f"{where} is not a checkpoint: a checkpoint's graph holds only initializers")
-    tensors: Dict[str, np.ndarray] = {}
-    for tensor in model.graph.initializer:
-        if tensor.name in tensors:
+    metadata = {entry.key: entry.value for entry in model.metadata_props}
+    initializers = list(model.graph.initializer)
+    names = set()
+    for tensor in initializers:
+        if tensor.name in names:
             raise CheckpointError(f"checkpoint {where} holds tensor {tensor.name!r} twice")
+        names.add(tensor.name)
+    if verify and CHECKSUM_METADATA not in metadata:
+        raise CheckpointError(f"checkpoint {where} has no {CHECKSUM_METADATA} metadata: the file is cut short, or was "
+                              "written before normgrad checksummed checkpoints (normgrad.checkpoint.load(path, "
+                              "verify=False) reads it; save it again)")
+    external = _external_payloads(initializers, None if folder is None else os.fspath(folder), where)
+    payloads = ((t, _inline_payload(t) if e is None else e) for t, e in zip(initializers, external))
+    if verify and _checksum(payloads, metadata) != metadata[CHECKSUM_METADATA]:
+        raise CheckpointError(f"checkpoint {where} does not match its {CHECKSUM_METADATA}: the file (or its external "
+                              "data) was altered or damaged after it was written")
+    tensors: Dict[str, np.ndarray] = {}
+    for tensor, payload in zip(initializers, external):
+        if payload is not None:
+            inline = onnx.TensorProto()
+            inline.CopyFrom(tensor)
+            inline.ClearField("external_data")
+            inline.data_location = onnx.TensorProto.DEFAULT
+            inline.raw_data = payload
+            tensor = inline
         try:
             tensors[tensor.name] = numpy_helper.to_array(tensor)
         except Exception as error:
-            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} is unreadable ({error})") from None
-    metadata = {entry.key: entry.value for entry in model.metadata_props}
+            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} is unreadable ({_one_line(error)})") from None
+    metadata.pop(CHECKSUM_METADATA, None)
     return Checkpoint(tensors=tensors, metadata=metadata)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def check_matches(checkpoint: Checkpoint, expected: Mapping[str, Tuple[np.dtype, tuple]]) -> None:
