@@ -18,6 +18,9 @@ would produce a wrong or rejected model.
   so, since a gradient cannot flow through sequence values.
 * The converter keeps Pad-2's ``value`` attribute on reflect/edge Pads, which Pad-11 rejects;
   it means nothing there and is dropped.
+* LSTM, GRU and RNN with ``layout=1`` (batch first), which onnxruntime's CPU kernels refuse,
+  become ``layout=0`` nodes between Transposes of X, the initial states and the outputs
+  (:func:`recurrent_layout_0`); the gradient rules then see time-major nodes only.
 * Integer arithmetic on constants only (shape computations) is folded into Constants, so
   that onnx shape inference sees through it (:func:`fold_integer_constants`).
 """
@@ -36,7 +39,8 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError
 
-__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants"]
+__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants",
+           "recurrent_layout_0"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -250,6 +254,42 @@ def split_sequences(model: onnx.ModelProto) -> None:
     if not replaced:
         return
     kept = [new for node in graph.node for new in replaced.get(id(node), [node])]
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+_RECURRENT_STATE_INPUTS = {"LSTM": (5, 6), "GRU": (5,), "RNN": (5,)}
+
+
+def recurrent_layout_0(model: onnx.ModelProto) -> None:
+    """Rewrites, in place, each LSTM/GRU/RNN with ``layout=1`` (X [B, T, I], states
+    [B, D, H], Y [B, T, D, H]) as a ``layout=0`` node with its X and initial states
+    transposed in and its outputs transposed out (names unchanged)."""
+    graph = model.graph
+    if not any(n.op_type in _RECURRENT_STATE_INPUTS and attr(n, "layout", 0) == 1 for n in graph.node):
+        return
+    kept = []
+    for node in graph.node:
+        if node.op_type not in _RECURRENT_STATE_INPUTS or attr(node, "layout", 0) != 1:
+            kept.append(node)
+            continue
+        tag = _unique(graph, f"{node.name or node.op_type}/time_major")
+        for index in (0,) + _RECURRENT_STATE_INPUTS[node.op_type]:
+            if len(node.input) > index and node.input[index]:
+                moved = f"{tag}_in{index}"
+                kept.append(oh.make_node("Transpose", [node.input[index]], [moved], perm=[1, 0, 2]))
+                node.input[index] = moved
+        after = []
+        for index, perm in enumerate(([2, 0, 1, 3], [1, 0, 2], [1, 0, 2])):
+            if len(node.output) > index and node.output[index]:
+                moved = f"{tag}_out{index}"
+                after.append(oh.make_node("Transpose", [moved], [node.output[index]], perm=perm))
+                node.output[index] = moved
+        for attribute in node.attribute:
+            if attribute.name == "layout":
+                attribute.i = 0
+        kept.append(node)
+        kept.extend(after)
     del graph.node[:]
     graph.node.extend(kept)
 
