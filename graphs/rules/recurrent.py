@@ -239,7 +239,13 @@ class _Common:
 
 
 def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
-    """One direction of an LSTM (gates i, o, f, c; peepholes i, o, f)."""
+    """One direction of an LSTM (gates i, o, f, c; peepholes i, o, f).
+
+    Without peepholes the gates of every step are activated at once and the cell Scan only
+    adds c_t = f c_{t-1} + (i g); with them the gates that read c are activated in the Scan.
+    The backward step is d_c = dc + dh a_c, d_pre = [d_c, dh, d_c, d_c] * factors,
+    dc_{t-1} = d_c keep, dh_{t-1} = d_pre R, with a_c, factors and keep (the peepholes
+    folded in) computed for all steps at once before the Scan."""
     hidden, like = run.common.hidden, run.common.node.input[_X]
     act_f, act_g, act_h = activations
     pre = ctx.op("Add", ctx.op("MatMul", run.x, ctx.op("Transpose", run.w, perm=[1, 0])),
@@ -249,54 +255,66 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
         pre = ctx.op("Add", pre, ctx.op("Add", w_bias, r_bias))
     peep = [run.block(run.peephole, k, k + 1, axis=0) for k in range(3)] if run.peephole is not None else None
     mask = run.common.mask
+    masks = [mask] if mask is not None else []
 
     def split(value: str) -> List[str]:
         return ctx.op("Split", value, ctx.ints([hidden] * 4), axis=-1, outputs=4)
 
-    def cell_step(states, slices):
-        (c_prev,), (pre_t, *mask_t) = states, slices
-        p_i, p_o, p_f, p_c = split(pre_t)
-        if peep is not None:
+    if peep is None:
+        p_i, p_o, p_f, p_c = split(pre)
+        i, o, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_o), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
+
+        def cell_step(states, slices):
+            (c_prev,), (f_t, ig_t, *mask_t) = states, slices
+            c = run.masked(mask_t[0] if mask_t else None, ctx.op("Add", ctx.op("Mul", f_t, c_prev), ig_t), c_prev)
+            return [c], [c]
+
+        _, (cells,) = _scan(ctx, [run.c0], [f, ctx.op("Mul", i, g)] + masks, cell_step, reverse=False, like=like, mask=mask)
+    else:
+        def cell_step(states, slices):
+            (c_prev,), (pre_t, *mask_t) = states, slices
+            p_i, p_o, p_f, p_c = split(pre_t)
             p_i = ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev))
             p_f = ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev))
-        i, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
-        c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
-        if peep is not None:
-            p_o = ctx.op("Add", p_o, ctx.op("Mul", peep[1], c))
-        o = ctx.op(act_f, p_o)
-        c = run.masked(mask_t[0] if mask_t else None, c, c_prev)
-        return [c], [ctx.op("Concat", i, o, f, g, axis=-1), c]
+            i, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
+            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
+            o = ctx.op(act_f, ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
+            c = run.masked(mask_t[0] if mask_t else None, c, c_prev)
+            return [c], [ctx.op("Concat", i, o, f, g, axis=-1), c]
 
-    masks = [mask] if mask is not None else []
-    _, (gates, cells) = _scan(ctx, [run.c0], [pre] + masks, cell_step, reverse=False, like=like, mask=mask)
+        _, (gates, cells) = _scan(ctx, [run.c0], [pre] + masks, cell_step, reverse=False, like=like, mask=mask)
+        i, o, f, g = split(gates)
     c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.c0, [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
+    tanh_c = ctx.op(act_h, cells)
+    a_i = ctx.op("Mul", g, _derivative(ctx, act_f, i, like))
+    a_o = ctx.op("Mul", tanh_c, _derivative(ctx, act_f, o, like))
+    a_f = ctx.op("Mul", c_prev_all, _derivative(ctx, act_f, f, like))
+    a_g = ctx.op("Mul", i, _derivative(ctx, act_g, g, like))
+    a_c = ctx.op("Mul", o, _derivative(ctx, act_h, tanh_c, like))
+    keep = f
+    if peep is not None:
+        a_c = ctx.op("Add", a_c, ctx.op("Mul", a_o, peep[1]))
+        keep = ctx.op("Add", keep, ctx.op("Add", ctx.op("Mul", a_i, peep[0]), ctx.op("Mul", a_f, peep[2])))
+    factors = ctx.op("Concat", a_i, a_o, a_f, a_g, axis=-1)
+    dy = run.dy
+    if mask is not None:  # past the end: no gate gradient, the state gradients pass unchanged
+        zero = ctx.scalar(0.0, like)
+        factors, a_c = ctx.op("Where", mask, factors, zero), ctx.op("Where", mask, a_c, zero)
+        keep = ctx.op("Where", mask, keep, ctx.scalar(1.0, like))
+        dy = None if dy is None else ctx.op("Where", mask, dy, zero)
 
     def backward_step(states, slices):
         (dh, dc), slices = states, list(slices)
-        dy_t = slices.pop(0) if run.dy is not None else None
-        gates_t, c_t, c_prev, *mask_t = slices
-        mask_t = mask_t[0] if mask_t else None
+        dy_t = slices.pop(0) if dy is not None else None
+        a_c_t, factors_t, keep_t, *mask_t = slices
         dh_total = dh if dy_t is None else ctx.op("Add", dh, dy_t)
-        i, o, f, g = split(gates_t)
-        tanh_c = ctx.op(act_h, c_t)
-        d_pre_o = ctx.op("Mul", ctx.op("Mul", dh_total, tanh_c), _derivative(ctx, act_f, o, like))
-        d_c = ctx.op("Add", dc, ctx.op("Mul", ctx.op("Mul", dh_total, o), _derivative(ctx, act_h, tanh_c, like)))
-        if peep is not None:
-            d_c = ctx.op("Add", d_c, ctx.op("Mul", d_pre_o, peep[1]))
-        d_pre_i = ctx.op("Mul", ctx.op("Mul", d_c, g), _derivative(ctx, act_f, i, like))
-        d_pre_f = ctx.op("Mul", ctx.op("Mul", d_c, c_prev), _derivative(ctx, act_f, f, like))
-        d_pre_g = ctx.op("Mul", ctx.op("Mul", d_c, i), _derivative(ctx, act_g, g, like))
-        dc_prev = ctx.op("Mul", d_c, f)
-        if peep is not None:
-            dc_prev = ctx.op("Add", dc_prev, ctx.op("Add", ctx.op("Mul", d_pre_i, peep[0]), ctx.op("Mul", d_pre_f, peep[2])))
-        d_pre = ctx.op("Concat", d_pre_i, d_pre_o, d_pre_f, d_pre_g, axis=-1)
-        dh_prev = ctx.op("MatMul", d_pre, run.r)
-        if mask_t is not None:
-            d_pre = ctx.op("Where", mask_t, d_pre, ctx.scalar(0.0, like))
-        return [run.masked(mask_t, dh_prev, dh), run.masked(mask_t, dc_prev, dc)], [d_pre]
+        d_c = ctx.op("Add", dc, ctx.op("Mul", dh_total, a_c_t))
+        d_pre = ctx.op("Mul", ctx.op("Concat", d_c, dh_total, d_c, d_c, axis=-1), factors_t)
+        dh_prev = run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", d_pre, run.r), dh)
+        return [dh_prev, ctx.op("Mul", d_c, keep_t)], [d_pre]
 
-    sequences = ([run.dy] if run.dy is not None else []) + [gates, cells, c_prev_all] + masks
+    sequences = ([dy] if dy is not None else []) + [a_c, factors, keep] + masks
     (dh0, dc0), (d_pre,) = _scan(ctx, [run.dyh, run.dyc], sequences, backward_step, reverse=True, like=like, mask=mask)
     result = run.weight_gradients(d_pre, d_pre, run.h_prev)
     result.update(h0=dh0, c0=dc0)
@@ -310,8 +328,12 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
 
 
 def _gru(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
-    """One direction of a GRU (gates z, r, h)."""
-    hidden, like = run.common.hidden, run.common.node.input[_X]
+    """One direction of a GRU (gates z, r, h).
+
+    Every gate gradient is the step's total state gradient dh times a factor known for all
+    steps before the Scan, but (linear_before_reset=0) the reset gate's, which goes through
+    R_h inside the step; the Scan returns dh per step (and that one)."""
+    like = run.common.node.input[_X]
     act_f, act_g = activations
     before_reset = int(attr(run.common.node, "linear_before_reset", 0))
     w_bias, r_bias = run.bias_halves()
@@ -329,47 +351,49 @@ def _gru(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) ->
     if r_bias is not None:
         linear_h = ctx.op("Add", linear_h, run.block(r_bias, 2, 3, axis=0))
     candidate = ctx.op(act_g, ctx.op("Add", run.block(xw, 2, 3), ctx.op("Mul", r, linear_h) if before_reset else linear_h))
-    mask = run.common.mask
-    masks = [mask] if mask is not None else []
+    a_z = ctx.op("Mul", ctx.op("Sub", run.h_prev, candidate), _derivative(ctx, act_f, z, like))
+    a_n = ctx.op("Mul", ctx.op("Sub", ctx.scalar(1.0, like), z), _derivative(ctx, act_g, candidate, like))
+    d_r = _derivative(ctx, act_f, r, like)
+    if before_reset:
+        through_r = ctx.op("Concat", a_z, ctx.op("Mul", ctx.op("Mul", a_n, linear_h), d_r), ctx.op("Mul", a_n, r), axis=-1)
+        step_factors = [through_r]
+    else:
+        step_factors = [a_z, a_n, ctx.op("Mul", run.h_prev, d_r), r]
+    mask, dy, carry = run.common.mask, run.dy, z
+    if mask is not None:  # past the end: no gate gradient, dh passes unchanged (as through z = 1)
+        zero = ctx.scalar(0.0, like)
+        step_factors = [ctx.op("Where", mask, value, zero) for value in step_factors]
+        carry = ctx.op("Where", mask, z, ctx.scalar(1.0, like))
+        dy = None if dy is None else ctx.op("Where", mask, dy, zero)
 
     def backward_step(states, slices):
         (dh,), slices = states, list(slices)
-        dy_t = slices.pop(0) if run.dy is not None else None
-        z_t, r_t, n_t, h_prev, *rest = slices
-        linear_t = rest.pop(0) if before_reset else None
-        mask_t = rest[0] if rest else None
+        dy_t = slices.pop(0) if dy is not None else None
+        carry_t, *factors_t = slices
         dh_total = dh if dy_t is None else ctx.op("Add", dh, dy_t)
-        d_pre_z = ctx.op("Mul", ctx.op("Mul", dh_total, ctx.op("Sub", h_prev, n_t)), _derivative(ctx, act_f, z_t, like))
-        d_pre_n = ctx.op("Mul", ctx.op("Mul", dh_total, ctx.op("Sub", ctx.scalar(1.0, like), z_t)),
-                         _derivative(ctx, act_g, n_t, like))
-        dh_prev = ctx.op("Mul", dh_total, z_t)
+        dh_prev = ctx.op("Mul", dh_total, carry_t)
         if before_reset:
-            d_linear = ctx.op("Mul", d_pre_n, r_t)
-            d_r = ctx.op("Mul", d_pre_n, linear_t)
-        else:
-            d_reset_h = ctx.op("MatMul", d_pre_n, r_h)
-            d_r = ctx.op("Mul", d_reset_h, h_prev)
-            dh_prev = ctx.op("Add", dh_prev, ctx.op("Mul", d_reset_h, r_t))
-        d_pre_r = ctx.op("Mul", d_r, _derivative(ctx, act_f, r_t, like))
-        if before_reset:
-            d_through_r = ctx.op("Concat", d_pre_z, d_pre_r, d_linear, axis=-1)
-            dh_prev = ctx.op("Add", dh_prev, ctx.op("MatMul", d_through_r, run.r))
-        else:
-            dh_prev = ctx.op("Add", dh_prev, ctx.op("MatMul", ctx.op("Concat", d_pre_z, d_pre_r, axis=-1), r_zr))
-        d_pre = ctx.op("Concat", d_pre_z, d_pre_r, d_pre_n, axis=-1)
-        outputs = [d_pre, d_linear] if before_reset else [d_pre]
-        if mask_t is not None:
-            outputs = [ctx.op("Where", mask_t, value, ctx.scalar(0.0, like)) for value in outputs]
-        return [run.masked(mask_t, dh_prev, dh)], outputs
+            d_through_r = ctx.op("Mul", ctx.op("Concat", dh_total, dh_total, dh_total, axis=-1), factors_t[0])
+            return [ctx.op("Add", dh_prev, ctx.op("MatMul", d_through_r, run.r))], [dh_total]
+        a_z_t, a_n_t, b_r_t, r_t = factors_t
+        d_reset_h = ctx.op("MatMul", ctx.op("Mul", dh_total, a_n_t), r_h)
+        d_pre_r = ctx.op("Mul", d_reset_h, b_r_t)
+        d_zr = ctx.op("Concat", ctx.op("Mul", dh_total, a_z_t), d_pre_r, axis=-1)
+        dh_prev = ctx.op("Add", ctx.op("Add", dh_prev, ctx.op("Mul", d_reset_h, r_t)), ctx.op("MatMul", d_zr, r_zr))
+        return [dh_prev], [dh_total, d_pre_r]
 
-    sequences = ([run.dy] if run.dy is not None else []) + [z, r, candidate, run.h_prev]
-    sequences += ([linear_h] if before_reset else []) + masks
-    (dh0,), step_outputs = _scan(ctx, [run.dyh], sequences, backward_step, reverse=True, like=like, mask=mask)
-    d_pre = step_outputs[0]
+    sequences = ([dy] if dy is not None else []) + [carry] + step_factors
+    (dh0,), step_outputs = _scan(ctx, [run.dyh], sequences, backward_step, reverse=True, like=like, mask=None)
+    dh_all = step_outputs[0]
     if before_reset:
-        d_pre_r = ctx.op("Concat", run.block(d_pre, 0, 2), step_outputs[1], axis=-1)
+        through_r = step_factors[0]
+        d_pre_r = ctx.op("Mul", ctx.op("Concat", dh_all, dh_all, dh_all, axis=-1), through_r)
+        a_n_masked = a_n if mask is None else ctx.op("Where", mask, a_n, ctx.scalar(0.0, like))
+        d_pre = ctx.op("Concat", run.block(d_pre_r, 0, 2), ctx.op("Mul", dh_all, a_n_masked), axis=-1)
         result = run.weight_gradients(d_pre, d_pre_r, run.h_prev)
     else:
+        a_z_m, a_n_m = step_factors[0], step_factors[1]
+        d_pre = ctx.op("Concat", ctx.op("Mul", dh_all, a_z_m), step_outputs[1], ctx.op("Mul", dh_all, a_n_m), axis=-1)
         result = run.weight_gradients(d_pre, d_pre, run.h_prev)  # dR's z, r rows; the h rows read r * h_prev
         d_r_h = ctx.op("Gemm", run.flat(run.block(d_pre, 2, 3)), run.flat(reset_h), transA=1)
         result["r"] = ctx.op("Concat", run.block(result["r"], 0, 2, axis=0), d_r_h, axis=0)
@@ -380,22 +404,22 @@ def _gru(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) ->
 def _rnn(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
     """One direction of a simple RNN: h_t = f(x_t W^T + h_{t-1} R^T + b)."""
     like, (act,) = run.common.node.input[_X], activations
-    mask = run.common.mask
-    masks = [mask] if mask is not None else []
+    mask, dy = run.common.mask, run.dy
+    slope = _derivative(ctx, act, run.y, like)
+    if mask is not None:
+        zero = ctx.scalar(0.0, like)
+        slope = ctx.op("Where", mask, slope, zero)
+        dy = None if dy is None else ctx.op("Where", mask, dy, zero)
 
     def backward_step(states, slices):
         (dh,), slices = states, list(slices)
-        dy_t = slices.pop(0) if run.dy is not None else None
-        y_t, *mask_t = slices
-        mask_t = mask_t[0] if mask_t else None
+        dy_t = slices.pop(0) if dy is not None else None
+        slope_t, *mask_t = slices
         dh_total = dh if dy_t is None else ctx.op("Add", dh, dy_t)
-        d_pre = ctx.op("Mul", dh_total, _derivative(ctx, act, y_t, like))
-        dh_prev = ctx.op("MatMul", d_pre, run.r)
-        if mask_t is not None:
-            d_pre = ctx.op("Where", mask_t, d_pre, ctx.scalar(0.0, like))
-        return [run.masked(mask_t, dh_prev, dh)], [d_pre]
+        d_pre = ctx.op("Mul", dh_total, slope_t)
+        return [run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", d_pre, run.r), dh)], [d_pre]
 
-    sequences = ([run.dy] if run.dy is not None else []) + [run.y] + masks
+    sequences = ([dy] if dy is not None else []) + [slope] + ([mask] if mask is not None else [])
     (dh0,), (d_pre,) = _scan(ctx, [run.dyh], sequences, backward_step, reverse=True, like=like, mask=mask)
     result = run.weight_gradients(d_pre, d_pre, run.h_prev)
     result["h0"] = dh0
