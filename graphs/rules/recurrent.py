@@ -165,7 +165,7 @@ class _Direction:
         ``d_pre_r`` the part through R, whose input sequence is ``r_input``)."""
         ctx, gates = self.ctx, _GATES[self.common.kind]
         width = gates * self.common.hidden
-        dx = self.in_time_order(ctx.op("MatMul", d_pre_w, self.w))
+        dx = self.in_time_order(ctx.op("MatMul", d_pre_w, self.w)) if ctx.needs_grad(self.common.node.input[_X]) else None
         flat_w = ctx.op("Reshape", d_pre_w, ctx.ints([-1, width]))
         flat_r = flat_w if d_pre_r == d_pre_w else ctx.op("Reshape", d_pre_r, ctx.ints([-1, width]))
         result = {
@@ -447,7 +447,8 @@ def recurrent_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[O
         return ctx.op("Concat", *[ctx.unsqueeze(g[key], [0]) for g in per_direction], axis=0)
 
     result: List[Optional[str]] = [None] * len(node.input)
-    result[_X] = ctx.sum_all([g["x"] for g in per_direction])
+    if ctx.needs_grad(node.input[_X]):
+        result[_X] = ctx.sum_all([g["x"] for g in per_direction])
     result[_W], result[_R] = stacked("w"), stacked("r")
     for index, key in ((_B, "b"), (_INITIAL_H, "h0"), (_INITIAL_C, "c0"), (_P, "p")):
         if _input(node, index) is not None and index in _INPUTS[node.op_type] and ctx.needs_grad(node.input[index]):
