@@ -21,6 +21,8 @@ would produce a wrong or rejected model.
 * LSTM, GRU and RNN with ``layout=1`` (batch first), which onnxruntime's CPU kernels refuse,
   become ``layout=0`` nodes between Transposes of X, the initial states and the outputs
   (:func:`recurrent_layout_0`); the gradient rules then see time-major nodes only.
+* The Loop torch's TorchScript exporter writes for ``nn.EmbeddingBag`` (sum or mean) becomes
+  Gather + MatMul by a bag-membership matrix (:func:`embedding_bags`).
 * Integer arithmetic on constants only (shape computations) is folded into Constants, so
   that onnx shape inference sees through it (:func:`fold_integer_constants`).
 """
@@ -40,7 +42,7 @@ from normgrad.graphs.context import attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants",
-           "recurrent_layout_0"]
+           "recurrent_layout_0", "embedding_bags"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -346,3 +348,91 @@ def fold_integer_constants(model: onnx.ModelProto) -> None:
             nodes.append(oh.make_node("Constant", [], [name], value=onh.from_array(value, name)))
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _body_producers(body: onnx.GraphProto) -> dict:
+    return {name: node for node in body.node for name in node.output}
+
+
+def _embedding_bag_parts(node: onnx.NodeProto):
+    """(weight, ids, starts, ends, mode) of torch's TorchScript EmbeddingBag Loop, else None.
+
+    The Loop has no loop-carried values and one scan output, per iteration k
+    ``Reduce{Sum,Mean}(Gather(weight, Slice(ids, starts[k], ends[k])), axis 0)`` with
+    ``weight``, ``ids``, ``starts`` and ``ends`` from the outer graph."""
+    if node.op_type != "Loop" or len(node.input) != 2 or len(node.output) != 1:
+        return None
+    body = next((a.g for a in node.attribute if a.name == "body"), None)
+    if body is None or len(body.output) != 2 or len(body.input) != 2:
+        return None
+    produced, iteration = _body_producers(body), body.input[0].name
+    reduce = produced.get(body.output[1].name)
+    if reduce is None or reduce.op_type not in ("ReduceSum", "ReduceMean") or attr(reduce, "keepdims", 1) != 0:
+        return None
+    axes = attr(reduce, "axes", None)
+    if axes is None and len(reduce.input) > 1:
+        axes_node = produced.get(reduce.input[1])
+        axes = None if axes_node is None or axes_node.op_type != "Constant" else onh.to_array(axes_node.attribute[0].t).tolist()
+    gather = produced.get(reduce.input[0])
+    if list(np.ravel(axes if axes is not None else [-1])) != [0] or gather is None or gather.op_type != "Gather" \
+            or attr(gather, "axis", 0) != 0 or gather.input[0] in produced:
+        return None
+    sliced = produced.get(gather.input[1])
+    if sliced is None or sliced.op_type != "Slice" or sliced.input[0] in produced or len(sliced.input) > 4:
+        return None
+    bounds = []
+    for name in sliced.input[1:3]:
+        unsqueeze = produced.get(name)
+        picked = produced.get(unsqueeze.input[0]) if unsqueeze is not None and unsqueeze.op_type == "Unsqueeze" else None
+        if picked is None or picked.op_type != "Gather" or picked.input[1] != iteration or picked.input[0] in produced:
+            return None
+        bounds.append(picked.input[0])
+    return gather.input[0], sliced.input[0], bounds[0], bounds[1], "sum" if reduce.op_type == "ReduceSum" else "mean"
+
+
+def embedding_bags(model: onnx.ModelProto) -> None:
+    """Rewrites, in place, each Loop torch's TorchScript exporter writes for ``nn.EmbeddingBag``
+    (offsets form, mode sum or mean: :func:`_embedding_bag_parts`) as Gather + MatMul: the
+    rows ``Gather(weight, ids)`` summed per bag by a [bags, len(ids)] 0/1 membership matrix
+    (``starts[k] <= j < ends[k]``), divided by max(bag size, 1) for mean (an empty bag is 0,
+    as in torch). Gradients then flow through the Gather and MatMul rules. Other Loops stay."""
+    graph = model.graph
+    kept, changed = [], False
+    for node in graph.node:
+        parts = _embedding_bag_parts(node)
+        if parts is None:
+            kept.append(node)
+            continue
+        weight, ids, starts, ends, mode = parts
+        tag = _unique(graph, f"{node.name or 'Loop'}/embedding_bag")
+        made = []
+
+        def emit(op_type, *inputs, **attrs):
+            name = f"{tag}/{op_type.lower()}{len(made)}"
+            made.append(oh.make_node(op_type, list(inputs), [name], **attrs))
+            return name
+
+        def const(values):
+            name = f"{tag}/c{len(made)}"
+            made.append(oh.make_node("Constant", [], [name], value=onh.from_array(np.asarray(values, np.int64))))
+            return name
+
+        zero, one = const(0), const(1)
+        bags = emit("Range", zero, emit("Cast", node.input[0], to=onnx.TensorProto.INT64), one)
+        column = const([1])
+        bag_starts = emit("Unsqueeze", emit("Gather", starts, bags), column)
+        bag_ends = emit("Unsqueeze", emit("Gather", ends, bags), column)
+        positions = emit("Range", zero, emit("Squeeze", emit("Shape", ids)), one)
+        inside = emit("And", emit("GreaterOrEqual", positions, bag_starts), emit("Less", positions, bag_ends))
+        membership = emit("CastLike", inside, weight)
+        total = emit("MatMul", membership, emit("Gather", weight, ids))
+        if mode == "sum":
+            made.append(oh.make_node("Identity", [total], [node.output[0]]))
+        else:
+            count = emit("ReduceSum", membership, column, keepdims=1)
+            made.append(oh.make_node("Div", [total, emit("Max", count, emit("CastLike", one, weight))], [node.output[0]]))
+        kept.extend(made)
+        changed = True
+    if changed:
+        del graph.node[:]
+        graph.node.extend(kept)
