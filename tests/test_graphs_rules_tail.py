@@ -82,3 +82,50 @@ def test_depth_to_space_dynamic_sizes():
 
 def test_space_to_depth():
     _check(model([oh.make_node("SpaceToDepth", ["x"], ["y"], blocksize=2)], {"x": (2, 3, 4, 6)}, ["y"]))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_torchscript_loop_matches_torch(tmp_path, mode):
+    """TorchScript's EmbeddingBag Loop, with an empty bag (torch: zeros; the Loop's ReduceMean
+    would give NaN), rewritten to Gather + MatMul: output and weight gradient as torch's."""
+    torch = pytest.importorskip("torch")
+    import json
+
+    import normgrad.torch
+    from _torch_models import run_training_graph
+
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(9, 3, mode=mode)
+    ids, offsets = torch.tensor([1, 2, 2, 8, 0, 5]), torch.tensor([0, 2, 2, 5])
+    forward = normgrad.torch.export(bag, (ids, offsets), tmp_path / "bag.onnx", input_names=["ids", "offsets"],
+                                    output_names=["y"])
+    assert any(n.op_type == "Loop" for n in forward.graph.node)
+    training = build_training_graph(forward)
+    assert not any(n.op_type == "Loop" for n in training.graph.node)
+    dy = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    results = run_training_graph(training, {"ids": ids.numpy(), "offsets": offsets.numpy(), "y_grad": dy})
+    y = bag(ids, offsets)
+    y.backward(torch.tensor(dy))
+    np.testing.assert_allclose(results["y"], y.detach().numpy(), rtol=1e-6, atol=1e-6)
+    gradient_of = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
+    grad_name = next(g for g, source in gradient_of.items() if source == "weight")
+    np.testing.assert_allclose(results[grad_name], bag.weight.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_other_loops_are_still_refused_by_name():
+    """A Loop that is not the EmbeddingBag form (here: a loop-carried float) keeps failing
+    with the operator named."""
+    from normgrad.graphs import UnsupportedOperatorError
+
+    body = oh.make_graph(
+        [oh.make_node("Identity", ["cond_in"], ["cond_out"]), oh.make_node("Mul", ["acc", "acc"], ["acc_out"])],
+        "body",
+        [oh.make_tensor_value_info("i", 7, []), oh.make_tensor_value_info("cond_in", 9, []),
+         oh.make_tensor_value_info("acc", 1, None)],
+        [oh.make_tensor_value_info("cond_out", 9, []), oh.make_tensor_value_info("acc_out", 1, None)],
+    )
+    nodes = [oh.make_node("Constant", [], ["trips"], value=onh.from_array(np.asarray(3, np.int64))),
+             oh.make_node("Constant", [], ["cond"], value=onh.from_array(np.asarray(True))),
+             oh.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)]
+    with pytest.raises(UnsupportedOperatorError, match="Loop"):
+        build_training_graph(model(nodes, {"x": (2,)}, ["y"]))
