@@ -84,11 +84,14 @@ def test_space_to_depth():
     _check(model([oh.make_node("SpaceToDepth", ["x"], ["y"], blocksize=2)], {"x": (2, 3, 4, 6)}, ["y"]))
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_embedding_bag_torchscript_loop_matches_torch(tmp_path, mode):
-    """TorchScript's EmbeddingBag Loop, with an empty bag (torch: zeros; the Loop's ReduceMean
-    would give NaN), rewritten to Gather + MatMul: output and weight gradient as torch's."""
+def test_embedding_bag_loop_matches_torch(tmp_path, mode, exporter):
+    """The exporters' EmbeddingBag Loops, with an empty bag (torch: zeros; TorchScript's
+    ReduceMean would give NaN), rewritten to Gather + MatMul: output and weight gradient as torch's."""
     torch = pytest.importorskip("torch")
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
     import json
 
     import normgrad.torch
@@ -98,7 +101,7 @@ def test_embedding_bag_torchscript_loop_matches_torch(tmp_path, mode):
     bag = torch.nn.EmbeddingBag(9, 3, mode=mode)
     ids, offsets = torch.tensor([1, 2, 2, 8, 0, 5]), torch.tensor([0, 2, 2, 5])
     forward = normgrad.torch.export(bag, (ids, offsets), tmp_path / "bag.onnx", input_names=["ids", "offsets"],
-                                    output_names=["y"])
+                                    output_names=["y"], exporter=exporter)
     assert any(n.op_type == "Loop" for n in forward.graph.node)
     training = build_training_graph(forward)
     assert not any(n.op_type == "Loop" for n in training.graph.node)
