@@ -453,11 +453,14 @@ def _dynamo_embedding_bag_parts(graph: onnx.GraphProto, node: onnx.NodeProto, re
     if node.op_type != "Loop" or len(node.input) != 4 or len(node.output) != 2:
         return None
     producers = {name: n for n in graph.node for name in n.output}
-    empty = producers.get(node.input[2])
-    concat = readers.get(node.output[0], [])
-    if empty is None or empty.op_type != "SequenceEmpty" or len(concat) != 1 or concat[0].op_type != "ConcatFromSequence" \
-            or attr(concat[0], "axis", None) != 0 or attr(concat[0], "new_axis", 0) or readers.get(node.output[1]) \
-            or node.output[1] in {o.name for o in graph.output}:
+    carried = [k for k in (0, 1) if getattr(producers.get(node.input[2 + k]), "op_type", None) == "SequenceEmpty"]
+    if len(carried) != 1:  # the exporter writes the sequence and the bag index in either order
+        return None
+    sequence, index = node.output[carried[0]], node.output[1 - carried[0]]
+    concat = readers.get(sequence, [])
+    if len(concat) != 1 or concat[0].op_type != "ConcatFromSequence" or attr(concat[0], "axis", None) != 0 \
+            or attr(concat[0], "new_axis", 0) or readers.get(index) or index in {o.name for o in graph.output} \
+            or sequence in {o.name for o in graph.output}:
         return None
     body = next(a.g for a in node.attribute if a.name == "body")
     nested = list(_nested_nodes(body))
