@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.helper as oh
-import onnx.numpy_helper as onh
 import pytest
 
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph
