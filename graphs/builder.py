@@ -77,6 +77,8 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
     rewrites.split_sequences(model)
+    rewrites.recurrent_layout_0(model)
+    rewrites.embedding_bags(model)
     rewrites.fold_integer_constants(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)

@@ -392,6 +392,77 @@ class DropoutClassifier(nn.Module):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
+# recurrent networks and the operator tail (issue 21) ----------------------------------------
+
+
+class RecurrentClassifier(nn.Module):
+    """A 2-layer bidirectional nn.LSTM or nn.GRU over [N, T, F] (batch first), the last step's
+    features to class scores."""
+
+    def __init__(self, kind="LSTM", features=6, hidden=8, classes=4, layers=2):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(features, hidden, num_layers=layers, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class PixelShuffleSR(nn.Module):
+    """ESPCN-style super-resolution: convolutions to r*r*C channels, nn.PixelShuffle(r)."""
+
+    def __init__(self, channels=3, width=8, r=2):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, width, 3, padding=1), nn.Tanh(),
+                                  nn.Conv2d(width, channels * r * r, 3, padding=1))
+        self.shuffle = nn.PixelShuffle(r)
+
+    def forward(self, x):
+        return self.shuffle(self.body(x))
+
+
+class PReLUMish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act1 = nn.Linear(16, 12), nn.PReLU(12)
+        self.conv, self.act2 = nn.Conv1d(1, 3, 3, padding=1), nn.PReLU()
+        self.fc2, self.act3, self.fc3 = nn.Linear(36, 10), nn.Mish(), nn.Linear(10, 5)
+
+    def forward(self, x):
+        h = self.act1(self.fc1(x))
+        h = self.act2(self.conv(h.unsqueeze(1))).flatten(1)
+        return self.fc3(self.act3(self.fc2(h)))
+
+
+class CumsumPositions(nn.Module):
+    """Position ids from the cumulative sum of the padding mask (as transformers' RoBERTa
+    computes them), and a causal running mean of the embeddings (a float cumsum)."""
+
+    def __init__(self, vocab=50, dim=8, positions=16):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, input_ids):
+        mask = (input_ids != 0).long()
+        position_ids = torch.cumsum(mask, dim=1) * mask
+        h = self.tokens(input_ids) + self.positions(position_ids)
+        steps = torch.arange(1, input_ids.shape[1] + 1, dtype=h.dtype).unsqueeze(-1)
+        return self.head(torch.cumsum(h, dim=1) / steps)
+
+
+class EmbeddingBagRecommender(nn.Module):
+    """Sum-pooled user and item bags (nn.EmbeddingBag, offsets form) scored by an MLP."""
+
+    def __init__(self, users=30, items=40, dim=8):
+        super().__init__()
+        self.users, self.items = nn.EmbeddingBag(users, dim, mode="sum"), nn.EmbeddingBag(items, dim, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(2 * dim, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, user_ids, user_offsets, item_ids, item_offsets):
+        return self.mlp(torch.cat([self.users(user_ids, user_offsets), self.items(item_ids, item_offsets)], dim=1))
+
+
 # transformers BERT, diffusers UNet2DModel and AutoencoderKL --------------------------------
 
 

@@ -108,14 +108,15 @@ def test_bench_train_quick_runs_and_agrees(capsys):
     """The output format of ``bench --train``, and the losses of the first two steps of
     every variant agreeing with cpp's (exit status 0); timings are not asserted."""
     pytest.importorskip("torch")
-    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", "resnet_block", "mbconv_block"]) == 0
+    models = ["resnet_block", "mbconv_block", "lstm"]
+    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", *models]) == 0
     out = capsys.readouterr().out
-    for name in ("resnet_block x [2, 8, 16, 16]", "mbconv_block x [2, 8, 8, 8]"):
+    for name in ("resnet_block x [2, 8, 16, 16]", "mbconv_block x [2, 8, 8, 8]", "lstm x [4, 16, 8]"):
         assert name in out
     for variant in ("cpp", "functions", "torch"):
         rows = [line for line in out.splitlines() if line.strip().startswith(variant + " ") and "ms" in line]
-        assert len(rows) == 2 and all("vs cpp" in row and "MISMATCH" not in row for row in rows)
-    assert out.count("cpp profile (op types by share of node time): ") == 2
+        assert len(rows) == len(models) and all("vs cpp" in row and "MISMATCH" not in row for row in rows)
+    assert out.count("cpp profile (op types by share of node time): ") == len(models)
 
 
 def test_bench_train_bad_ort_python_is_a_usage_error(capsys):

@@ -60,6 +60,17 @@ FAMILIES: Dict[str, Family] = {
     "autoencoder_kl": Family(zoo.VAE, lambda rng: {"sample": rng.standard_normal((2, 3, 32, 32)).astype(np.float32)},
                              needs="diffusers"),
     "dropout_classifier": Family(zoo.DropoutClassifier, lambda rng: {"x": rng.standard_normal((8, 16)).astype(np.float32)}),
+    "lstm_classifier": Family(lambda: zoo.RecurrentClassifier("LSTM"),
+                              lambda rng: {"x": rng.standard_normal((3, 5, 6)).astype(np.float32)}),
+    "gru_classifier": Family(lambda: zoo.RecurrentClassifier("GRU"),
+                             lambda rng: {"x": rng.standard_normal((3, 5, 6)).astype(np.float32)}),
+    "pixel_shuffle_sr": Family(zoo.PixelShuffleSR, _image(8)),
+    "prelu_mish": Family(zoo.PReLUMish, lambda rng: {"x": rng.standard_normal((4, 16)).astype(np.float32)}),
+    "cumsum_positions": Family(zoo.CumsumPositions, lambda rng: {
+        "input_ids": np.array([[5, 7, 9, 0, 0], [3, 1, 4, 1, 5]], np.int64)}),
+    "embedding_bag": Family(zoo.EmbeddingBagRecommender, lambda rng: {
+        "user_ids": rng.integers(0, 30, 7).astype(np.int64), "user_offsets": np.array([0, 2, 5], np.int64),
+        "item_ids": rng.integers(0, 40, 6).astype(np.int64), "item_offsets": np.array([0, 1, 4], np.int64)}),
 }
 
 

@@ -1,4 +1,4 @@
-"""``normgrad bench --train``: one training step of four CNNs, side by side.
+"""``normgrad bench --train``: one training step of four CNNs and an LSTM, side by side.
 
 A step is forward, cross-entropy against integer labels, backward and one AdamW update
 (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) of every parameter:
@@ -14,7 +14,8 @@ The models are torch modules exported by torch's TorchScript exporter (training 
 opset 17): a ResNet basic block with a GAP/Linear head (x [16, 64, 56, 56]), a ResNet-18
 (x [8, 3, 128, 128], 1000 classes), a diffusion-UNet block (GroupNorm-SiLU-Conv twice plus
 the skip, GAP/Linear head, x [8, 128, 32, 32]) and an EfficientNet MBConv block (1x1 expand,
-BN-SiLU, depthwise 3x3, BN-SiLU, squeeze-excite, 1x1 project, BN, skip; x [16, 40, 28, 28]).
+BN-SiLU, depthwise 3x3, BN-SiLU, squeeze-excite, 1x1 project, BN, skip; x [16, 40, 28, 28]) and an LSTM classifier (2-layer nn.LSTM, hidden 256, batch first,
+the last step to a Linear head; x [32, 128, 64]).
 ``--quick`` shrinks them (CI smoke test). torch must be installed to build them.
 
 How it is measured: every variant runs in its own worker process (``tools/_train_worker.py``;
@@ -56,6 +57,7 @@ MODELS: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], int]] = {
     "resnet18": ((8, 3, 128, 128), (4, 3, 64, 64), 1000),
     "unet_block": ((8, 128, 32, 32), (2, 16, 8, 8), 10),
     "mbconv_block": ((16, 40, 28, 28), (2, 8, 8, 8), 10),
+    "lstm": ((32, 128, 64), (4, 16, 8), 10),
 }
 
 
@@ -112,8 +114,19 @@ def torch_model(name: str, quick: bool):
             h = self.depthwise(self.expand(x))
             return x + self.project(h * self.se(h.mean((2, 3), keepdim=True)))
 
+    class LSTMClassifier(nn.Module):
+        def __init__(self, features, hidden, classes):
+            super().__init__()
+            self.lstm = nn.LSTM(features, hidden, num_layers=2, batch_first=True)
+            self.fc = nn.Linear(hidden, classes)
+
+        def forward(self, x):
+            return self.fc(self.lstm(x)[0][:, -1])
+
     shape, quick_shape, classes = MODELS[name]
     c = (quick_shape if quick else shape)[1]
+    if name == "lstm":
+        return LSTMClassifier((quick_shape if quick else shape)[2], 16 if quick else 256, classes).train()
     if name == "resnet_block":
         model = nn.Sequential(Basic(c, c), Head(c, classes))
     elif name == "resnet18":

@@ -34,6 +34,12 @@ MODEL_TITLES = {
     "unet2d": "diffusers UNet2DModel (tiny config)",
     "autoencoder_kl": "diffusers AutoencoderKL (tiny config)",
     "dropout_classifier": "MLP classifier with nn.Dropout(0.3) in training mode",
+    "lstm_classifier": "nn.LSTM sequence classifier (2 layers, bidirectional, batch first)",
+    "gru_classifier": "nn.GRU sequence classifier (2 layers, bidirectional, batch first)",
+    "pixel_shuffle_sr": "super-resolution net with nn.PixelShuffle (ESPCN structure)",
+    "prelu_mish": "MLP/Conv1d net with nn.PReLU (per channel and shared) and nn.Mish",
+    "cumsum_positions": "position ids from torch.cumsum of the padding mask, causal running mean",
+    "embedding_bag": "recommender with nn.EmbeddingBag (sum and mean bags)",
 }
 
 

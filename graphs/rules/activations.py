@@ -1,8 +1,9 @@
 """Elementwise activations and unary math: dx as a function of x, y and dy.
 
 Relu, LeakyRelu, Elu, Sigmoid, HardSigmoid, HardSwish, Softplus, Tanh, Exp, Log, Sqrt,
-Reciprocal, Neg, Abs, Erf, Sin, Cos, Gelu (opset 20; approximate "none" and "tanh"), Clip
-(gradient to the data only), Softmax and LogSoftmax.
+Reciprocal, Neg, Abs, Erf, Sin, Cos, Gelu (opset 20; approximate "none" and "tanh"), Mish
+(opset 18), Clip (gradient to the data only), Softmax and LogSoftmax; PRelu (to the data and
+the slope, which broadcasts to the data unidirectionally).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import onnx
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
 
-__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient"]
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "prelu_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
 
@@ -84,6 +85,13 @@ def _gelu(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -
     return ctx.op("Mul", dy, local)
 
 
+def _mish(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -> str:
+    """y = x tanh(softplus(x)): t + x (1 - t^2) sigmoid(x) with t = tanh(softplus(x))."""
+    t = ctx.op("Tanh", ctx.op("Softplus", x))
+    slope = ctx.op("Mul", ctx.op("Mul", x, _one_minus(ctx, ctx.op("Mul", t, t), x)), ctx.op("Sigmoid", x))
+    return ctx.op("Mul", dy, ctx.op("Add", t, slope))
+
+
 UNARY_GRADIENTS: Dict[str, UnaryFn] = {
     "Relu": lambda ctx, node, x, y, dy: _relu_gradient(ctx, x, dy),
     "LeakyRelu": lambda ctx, node, x, y, dy: _where_positive(
@@ -121,6 +129,7 @@ UNARY_GRADIENTS: Dict[str, UnaryFn] = {
     "Sin": lambda ctx, node, x, y, dy: ctx.op("Mul", dy, ctx.op("Cos", x)),
     "Cos": lambda ctx, node, x, y, dy: ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Sin", x))),
     "Gelu": _gelu,
+    "Mish": _mish,
     "Clip": _clip,
 }
 
@@ -129,6 +138,21 @@ UNARY_GRADIENTS: Dict[str, UnaryFn] = {
 def unary_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """dx of an elementwise activation from the table :data:`UNARY_GRADIENTS`."""
     return [UNARY_GRADIENTS[node.op_type](ctx, node, node.input[0], node.output[0], grads[0])]
+
+
+@register("PRelu", inputs=(0, 1))
+def prelu_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """y = x where x >= 0, slope * x elsewhere: dx = dy or dy * slope; dslope = dy * x where
+    x < 0, summed to the slope's shape."""
+    x, slope, dy = node.input[0], node.input[1], grads[0]
+    negative = ctx.op("Less", x, ctx.scalar(0.0, x))
+    result: List[Optional[str]] = [None, None]
+    if ctx.needs_grad(x):
+        result[0] = ctx.op("Where", negative, ctx.op("Mul", dy, slope), dy)
+    if ctx.needs_grad(slope):
+        dslope = ctx.op("Where", negative, ctx.op("Mul", dy, x), ctx.scalar(0.0, x))
+        result[1] = ctx.sum_to(dslope, node.output[0], slope)
+    return result
 
 
 @register("Softmax", "LogSoftmax")

@@ -1,0 +1,83 @@
+"""nn.LSTM, nn.GRU and nn.RNN through normgrad.torch.export (TorchScript and dynamo) and
+build_training_graph: every input and parameter gradient against torch autograd, with 1 and
+2 layers, one and two directions, batch_first or not, initial states given or not."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import _torch_models as zoo  # noqa: E402
+
+import normgrad.torch  # noqa: E402
+from normgrad.graphs import build_training_graph  # noqa: E402
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, kind, layers, bidirectional, batch_first, nonlinearity=None):
+        super().__init__()
+        extra = {"nonlinearity": nonlinearity} if nonlinearity else {}
+        self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=layers, bidirectional=bidirectional,
+                                           batch_first=batch_first, **extra)
+        self.kind = kind
+
+    def forward(self, x, *states):
+        if not states:
+            return self.rnn(x)[0]
+        if self.kind == "LSTM":
+            y, (h, c) = self.rnn(x, states)
+            return y, h, c
+        y, h = self.rnn(x, states[0])
+        return y, h
+
+
+CONFIGS = [  # kind, layers, bidirectional, batch_first, initial states, nonlinearity
+    ("LSTM", 1, False, False, True, None),
+    ("LSTM", 2, True, True, False, None),
+    ("GRU", 2, True, True, True, None),
+    ("RNN", 1, True, False, True, "relu"),
+]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("kind, layers, bidirectional, batch_first, initial, nonlinearity", CONFIGS)
+def test_matches_torch_autograd(tmp_path, exporter, kind, layers, bidirectional, batch_first, initial, nonlinearity):
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    module = Wrapped(kind, layers, bidirectional, batch_first, nonlinearity).train()
+    rng = np.random.default_rng(0)
+    batch, steps, directions = 2, 5, 2 if bidirectional else 1
+    data = {"x": rng.standard_normal((batch, steps, 3) if batch_first else (steps, batch, 3)).astype(np.float32)}
+    if initial:
+        data["h0"] = rng.standard_normal((layers * directions, batch, 4)).astype(np.float32)
+        if kind == "LSTM":
+            data["c0"] = rng.standard_normal((layers * directions, batch, 4)).astype(np.float32)
+    with torch.no_grad():
+        reference = module(*(torch.tensor(v) for v in data.values()))
+    reference = reference if isinstance(reference, tuple) else (reference,)
+    outputs = ["y", "h", "c"][: len(reference)]
+    forward = normgrad.torch.export(module, tuple(torch.tensor(v) for v in data.values()), tmp_path / "f.onnx",
+                                    exporter=exporter, input_names=list(data), output_names=outputs)
+    training = build_training_graph(forward)
+    seeds = {f"{o}_grad": rng.standard_normal(r.shape).astype(np.float32) for o, r in zip(outputs, reference)}
+    results = zoo.run_training_graph(training, {**data, **seeds})
+
+    tensors = {k: torch.tensor(v, requires_grad=True) for k, v in data.items()}
+    produced = module(*tensors.values())
+    produced = produced if isinstance(produced, tuple) else (produced,)
+    for name, value in zip(outputs, produced):
+        np.testing.assert_allclose(results[name], value.detach().numpy(), atol=1e-5, err_msg=name)
+    torch.autograd.backward(list(produced), [torch.tensor(seeds[f"{o}_grad"]) for o in outputs])
+    expected = {k: t.grad.numpy() for k, t in tensors.items()}
+    expected.update({name: p.grad.numpy() for name, p in module.named_parameters()})
+    gradient_of = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
+    trained = {source: grad for grad, source in gradient_of.items()}
+    assert set(trained) == set(expected)
+    largest = max(float(np.abs(g).max()) for g in expected.values())
+    for name, grad in expected.items():
+        np.testing.assert_allclose(results[trained[name]], grad, atol=2e-5 * largest, rtol=1e-4, err_msg=name)
