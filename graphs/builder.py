@@ -366,6 +366,7 @@ def build_training_graph(
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
     original_value_info = list(model.graph.value_info)
+    peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
     model, opset = _prepare(model)
     graph = model.graph
     running_statistics = _name_running_outputs(graph)
@@ -480,6 +481,8 @@ def build_training_graph(
     }
     if running_statistics:
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
+    if peft_adapters is not None:  # which trained tensors are LoRA adapters, for normgrad.lora
+        metadata[torch_exports.METADATA_PEFT] = peft_adapters
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     result = normgrad.add_functions(result)

@@ -21,8 +21,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnx
 
+from normgrad import lora
 from normgrad._files import save_model_atomic
-from normgrad.graphs.torch_exports import METADATA_TORCH_PARAMETERS, referenced_parameters
+from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION
 
 __all__ = ["export", "TorchExportError", "EXPORTERS", "OPSETS"]
@@ -83,7 +84,9 @@ def export(
     Returns:
         The model written: IR version 10, metadata ``normgrad.torch_parameters`` = JSON
         ``{initializer name: torch parameter name}`` for every parameter with
-        ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it).
+        ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it);
+        for a module holding a peft LoRA model, also ``normgrad.peft`` (its adapters, for
+        :func:`normgrad.lora.save_adapter` and :func:`normgrad.lora.merged_model`).
 
     Raises:
         ImportError: torch (or, for dynamo, onnxscript) is not installed.
@@ -112,8 +115,11 @@ def export(
         model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
     recorded = {t.name: parameters[t.name] for t in model.graph.initializer if t.name in parameters}
     _check_parameters_kept(model, parameters, recorded, exporter)
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                        METADATA_TORCH_PARAMETERS: json.dumps(recorded)})
+    metadata = {**{p.key: p.value for p in model.metadata_props}, METADATA_TORCH_PARAMETERS: json.dumps(recorded)}
+    peft_adapters = lora.peft_metadata(module, {t.name for t in model.graph.initializer})
+    if peft_adapters is not None:
+        metadata[METADATA_PEFT] = peft_adapters
+    onnx.helper.set_model_props(model, metadata)
     model.ir_version = IR_VERSION
     save_model_atomic(model, path)
     return model
