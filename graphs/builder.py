@@ -423,7 +423,7 @@ def build_training_graph(
         loss_name = ctx.reserve("loss")
         if not data_parallel:  # else the mean over the ranks, below
             ctx.op("Identity", appended.loss, outputs=[loss_name])
-        extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
+        extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(appended.elem_type, [])))
         seeds = {float_outputs[0].name: appended.grad}
     elif loss_output is not None:
         ctx.scope("loss")

@@ -27,11 +27,13 @@ class LossNodes:
         labels: the ``labels`` graph input.
         loss: name of the scalar loss value.
         grad: name of the gradient of the loss with respect to the model output.
+        elem_type: the loss's element type (the output's, float32 for causal_lm).
     """
 
     labels: onnx.ValueInfoProto
     loss: str
     grad: str
+    elem_type: int
 
 
 def _mse(ctx: GradientContext, output: str, labels: str) -> tuple:
@@ -92,14 +94,19 @@ def _causal_lm(ctx: GradientContext, output: str, labels: str, ignore_index: int
     """transformers' causal-LM loss of logits y [batch, sequence, vocabulary] and token labels
     [batch, sequence]: position t predicts label t + 1 (the last position predicts nothing),
     then :func:`_cross_entropy` over every position whose shifted label is not
-    ``ignore_index``; the gradient is reshaped back to y's shape."""
+    ``ignore_index``, in float32 whatever y's type (transformers upcasts the logits); the
+    gradient is reshaped back to y's shape and type."""
+    logits = output
+    if ctx.elem_type(output) != onnx.TensorProto.FLOAT:
+        logits = ctx.op("Cast", output, to=onnx.TensorProto.FLOAT)
     beyond = ctx.op("Constant", value=onh.from_array(np.array(ignore_index, np.int64)))
     following = ctx.op("Slice", labels, ctx.ints([1]), ctx.ints([np.iinfo(np.int64).max]), ctx.ints([1]))
     shifted = ctx.op("Pad", following, ctx.ints([0, 0, 0, 1]), beyond)
     rows = ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(output, start=-1), axis=0)
-    loss, grad = _cross_entropy(ctx, ctx.op("Reshape", output, rows), ctx.op("Reshape", shifted, ctx.ints([-1])),
+    loss, grad = _cross_entropy(ctx, ctx.op("Reshape", logits, rows), ctx.op("Reshape", shifted, ctx.ints([-1])),
                                 ignore_index=ignore_index)
-    return loss, ctx.reshape_like(grad, output)
+    grad = ctx.reshape_like(grad, output)
+    return loss, grad if logits == output else ctx.op("CastLike", grad, output)
 
 
 def _mean_and_scale(ctx: GradientContext, values: str, output: str) -> tuple:
@@ -188,4 +195,5 @@ def append_loss(ctx: GradientContext, kind: str, output: onnx.ValueInfoProto,
             raise ValueError(f"loss {kind} has no option {name!r} (it takes {takes})")
     labels = labels_info(kind, output)
     loss, grad = LOSSES[kind](ctx, output.name, labels.name, **options)
-    return LossNodes(labels, loss, grad)
+    elem_type = onnx.TensorProto.FLOAT if kind == "causal_lm" else output.type.tensor_type.elem_type
+    return LossNodes(labels, loss, grad, elem_type)

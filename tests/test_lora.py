@@ -187,3 +187,79 @@ def test_adapter_of_a_model_without_peft(tmp_path):
     with pytest.raises(lora.LoraError, match="no LoRA adapters"):
         trainer.export_merged_model(tmp_path / "merged.onnx")
     assert not os.path.exists(tmp_path / "adapter") and not os.path.exists(tmp_path / "merged.onnx")
+
+
+
+@pytest.fixture(scope="module")
+def half_exported(tmp_path_factory):
+    """A Llama base cast to float16 under float32 adapters (random B, so that every adapter
+    has a gradient): (peft model, training graph, batch)."""
+    torch.manual_seed(0)
+    base, _ = _llama()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base.to(torch.float16), config)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 64, (2, 8), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    forward = normgrad.torch.export(Logits(model), (input_ids,), tmp_path_factory.mktemp("half") / "forward.onnx",
+                                    exporter="dynamo", input_names=["input_ids"], output_names=["logits"])
+    return dict(model=model, config=config, training=build_training_graph(forward, loss="causal_lm"),
+                batch={"input_ids": input_ids.numpy(), "labels": labels.numpy()})
+
+
+def test_float16_base_gradients(half_exported):
+    """The adapter gradients over a float16 base are as close to float64 autograd (the same
+    weights upcast) as torch's own float16 ones."""
+    model, training, batch = half_exported["model"], half_exported["training"], half_exported["batch"]
+    gradient_of = json.loads({p.key: p.value for p in training.metadata_props}["normgrad.gradients"])
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip(gradient_of, session.run(list(gradient_of), batch)))
+    tensors = {k: torch.from_numpy(v) for k, v in batch.items()}
+    model.zero_grad()
+    model(**tensors, use_cache=False).loss.backward()
+    reference, _ = _llama()
+    model64 = peft.get_peft_model(reference, half_exported["config"]).double()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    model64(**tensors, use_cache=False).loss.backward()
+    half, exact = dict(model.named_parameters()), dict(model64.named_parameters())
+    for grad_name, name in gradient_of.items():
+        truth = exact[_torch_name(name)].grad.numpy()
+        scale = float(np.abs(truth).max())
+        torch_error = float(np.abs(half[_torch_name(name)].grad.numpy() - truth).max())
+        error = float(np.abs(got[grad_name] - truth).max())
+        assert error <= max(2 * torch_error, 2e-3 * scale), f"{name}: {error:.3g} vs torch float16's {torch_error:.3g}"
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_float16_base_steps_match_torch(half_exported, level):
+    """The base stays float16 in the step graph, the state (adapters, momentum) is float32,
+    and 5 SGD-with-momentum steps through the Trainer move the adapters as torch + peft does
+    in the same dtypes (within 1e-2 of the update: float16 matmuls round differently)."""
+    model, batch = half_exported["model"], half_exported["batch"]
+    step, initial = build_step_graph(half_exported["training"], "sgd", momentum=0.9)
+    kept = {t.name: t.data_type for t in step.graph.initializer}
+    assert kept["model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == onnx.TensorProto.FLOAT16
+    assert {v.dtype for v in initial.values()} == {np.dtype(np.float32)}
+    start = {name: value.copy() for name, value in initial.items() if ".lora_" in name and "momentum" not in name}
+    options = ort.SessionOptions()
+    if LEVELS[level] is not None:
+        options.graph_optimization_level = LEVELS[level]
+    trainer = Trainer(step, initial, lr=0.05, session_options=options)
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in start.items():
+            named[_torch_name(name)].copy_(torch.from_numpy(value))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    tensors = {k: torch.from_numpy(v) for k, v in batch.items()}
+    for _ in range(5):
+        trainer.step(**batch)
+        optimizer.zero_grad()
+        model(**tensors, use_cache=False).loss.backward()
+        optimizer.step()
+    state = trainer.state_dict()
+    for name, before in start.items():
+        expected = named[_torch_name(name)].detach().numpy() - before
+        error = float(np.abs((state[name] - before) - expected).max())
+        assert error <= 1e-2 * float(np.abs(expected).max()), f"{name}: update off by {error:.3g}"
