@@ -263,3 +263,36 @@ def test_float16_base_steps_match_torch(half_exported, level):
         expected = named[_torch_name(name)].detach().numpy() - before
         error = float(np.abs((state[name] - before) - expected).max())
         assert error <= 1e-2 * float(np.abs(expected).max()), f"{name}: update off by {error:.3g}"
+
+
+def test_frozen_base_in_external_data(tmp_path, monkeypatch):
+    """export(external_data=True) moves the frozen base to PATH.data (the path models past
+    2 GiB take); the training and step graphs keep referring to it instead of copying it,
+    and the Trainer's steps on them are bitwise those of the same model with the base inline."""
+    model, _ = _peft_model("gpt2")
+    input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    forward = normgrad.torch.export(Logits(model), (input_ids,), tmp_path / "forward.onnx", exporter="dynamo",
+                                    input_names=["input_ids"], output_names=["logits"], external_data=True)
+    external = [t.name for t in forward.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
+    assert external and not [n for n in external if ".lora_" in n]
+    lengths = [int({e.key: e.value for e in t.external_data}["length"]) for t in forward.graph.initializer if t.name in external]
+    assert os.path.getsize(tmp_path / "forward.onnx.data") == sum(lengths)
+    inline = onnx.load(tmp_path / "forward.onnx")  # the external data loaded into the proto
+    batch = {"input_ids": input_ids.numpy(), "labels": input_ids.numpy()}
+    states, sizes = [], []
+    monkeypatch.chdir(tmp_path)  # where onnx's checker looks for the external data of an in-memory model
+    for source in (forward, inline):
+        step, initial = build_step_graph(build_training_graph(source, loss="causal_lm"), "adamw")
+        kept = [t.name for t in step.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
+        assert sorted(kept) == (sorted(external) if source is forward else [])
+        sizes.append(step.ByteSize())
+        options = ort.SessionOptions()  # one per Trainer: a second registration of the kernels fails
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        trainer = Trainer(step, initial, lr=1e-3, session_options=options)
+        for _ in range(3):
+            trainer.step(**batch)
+        states.append(trainer.state_dict())
+    assert sizes[1] - sizes[0] > 0.9 * sum(lengths)  # the frozen base is not in the step graph's protobuf
+    assert states[0].keys() == states[1].keys()
+    for name in states[0]:
+        assert np.array_equal(states[0][name], states[1][name]), name
