@@ -388,6 +388,7 @@ def build_training_graph(
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
     original_value_info = list(model.graph.value_info)
+    peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
     model, opset = _prepare(model)
     graph = model.graph
     running_statistics = _name_running_outputs(graph)
@@ -447,7 +448,7 @@ def build_training_graph(
         loss_name = ctx.reserve("loss")
         if not data_parallel:  # else the mean over the ranks, below
             ctx.op("Identity", appended.loss, outputs=[loss_name])
-        extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(float_outputs[0].type.tensor_type.elem_type, [])))
+        extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(appended.elem_type, [])))
         seeds = {float_outputs[0].name: appended.grad}
     elif loss_output is not None:
         ctx.scope("loss")
@@ -512,6 +513,8 @@ def build_training_graph(
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
     if inline:
         metadata[METADATA_INLINE] = "true"
+    if peft_adapters is not None:  # which trained tensors are LoRA adapters, for normgrad.lora
+        metadata[torch_exports.METADATA_PEFT] = peft_adapters
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     result = add_functions_in_place(result)

@@ -27,11 +27,13 @@ class LossNodes:
         labels: the ``labels`` graph input.
         loss: name of the scalar loss value.
         grad: name of the gradient of the loss with respect to the model output.
+        elem_type: the loss's element type (the output's, float32 for causal_lm).
     """
 
     labels: onnx.ValueInfoProto
     loss: str
     grad: str
+    elem_type: int
 
 
 def _mse(ctx: GradientContext, output: str, labels: str) -> tuple:
@@ -88,6 +90,25 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
     return loss, grad if valid is None else ctx.op("Mul", grad, ctx.unsqueeze(valid, [1]))
 
 
+def _causal_lm(ctx: GradientContext, output: str, labels: str, ignore_index: int = -100) -> tuple:
+    """transformers' causal-LM loss of logits y [batch, sequence, vocabulary] and token labels
+    [batch, sequence]: position t predicts label t + 1 (the last position predicts nothing),
+    then :func:`_cross_entropy` over every position whose shifted label is not
+    ``ignore_index``, in float32 whatever y's type (transformers upcasts the logits); the
+    gradient is reshaped back to y's shape and type."""
+    logits = output
+    if ctx.elem_type(output) != onnx.TensorProto.FLOAT:
+        logits = ctx.op("Cast", output, to=onnx.TensorProto.FLOAT)
+    beyond = ctx.op("Constant", value=onh.from_array(np.array(ignore_index, np.int64)))
+    following = ctx.op("Slice", labels, ctx.ints([1]), ctx.ints([np.iinfo(np.int64).max]), ctx.ints([1]))
+    shifted = ctx.op("Pad", following, ctx.ints([0, 0, 0, 1]), beyond)
+    rows = ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(output, start=-1), axis=0)
+    loss, grad = _cross_entropy(ctx, ctx.op("Reshape", logits, rows), ctx.op("Reshape", shifted, ctx.ints([-1])),
+                                ignore_index=ignore_index)
+    grad = ctx.reshape_like(grad, output)
+    return loss, grad if logits == output else ctx.op("CastLike", grad, output)
+
+
 def _mean_and_scale(ctx: GradientContext, values: str, output: str) -> tuple:
     """mean(values) and the gradient factor 1 / size(y)."""
     loss = ctx.reduce("ReduceMean", values, None, keepdims=False)
@@ -130,20 +151,27 @@ def _smooth_l1(ctx: GradientContext, output: str, labels: str, beta: float = 1.0
 LOSSES: Dict[str, Callable] = {
     "mse": _mse,
     "cross_entropy": _cross_entropy,
+    "causal_lm": _causal_lm,
     "bce_with_logits": _bce_with_logits,
     "l1": _l1,
     "smooth_l1": _smooth_l1,
 }
 """Loss name -> ``fn(ctx, output, labels, **options) -> (loss, grad)``."""
 
-LOSS_OPTIONS: Dict[str, tuple] = {"cross_entropy": ("label_smoothing", "ignore_index"), "smooth_l1": ("beta",)}
+LOSS_OPTIONS: Dict[str, tuple] = {"cross_entropy": ("label_smoothing", "ignore_index"), "smooth_l1": ("beta",),
+                                   "causal_lm": ("ignore_index",)}
 """The keyword options each loss takes (torch's names)."""
 
 
 def labels_info(kind: str, output: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
-    """The ``labels`` input a loss needs: y's type for the elementwise losses, int64 y.shape without axis 1 for cross_entropy."""
+    """The ``labels`` input a loss needs: y's type for the elementwise losses, int64 y.shape
+    without axis 1 for cross_entropy, int64 [batch, sequence] for causal_lm."""
     tensor = output.type.tensor_type
     dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+    if kind == "causal_lm":
+        if len(dims) != 3:
+            raise ValueError(f"causal_lm needs logits of rank 3 ([batch, sequence, vocabulary]); '{output.name}' has {dims}")
+        return oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, dims[:2])
     if kind != "cross_entropy":
         return oh.make_tensor_value_info("labels", tensor.elem_type, dims)
     if len(dims) < 2:
@@ -167,4 +195,5 @@ def append_loss(ctx: GradientContext, kind: str, output: onnx.ValueInfoProto,
             raise ValueError(f"loss {kind} has no option {name!r} (it takes {takes})")
     labels = labels_info(kind, output)
     loss, grad = LOSSES[kind](ctx, output.name, labels.name, **options)
-    return LossNodes(labels, loss, grad)
+    elem_type = onnx.TensorProto.FLOAT if kind == "causal_lm" else output.type.tensor_type.elem_type
+    return LossNodes(labels, loss, grad, elem_type)

@@ -23,6 +23,7 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES
 
 __all__ = [
     "METADATA_TORCH_PARAMETERS",
+    "METADATA_PEFT",
     "MisexportedModelError",
     "TorchExportWarning",
     "torch_parameters",
@@ -37,6 +38,14 @@ __all__ = [
 METADATA_TORCH_PARAMETERS = "normgrad.torch_parameters"
 """Model metadata key: JSON {initializer name: torch parameter name}, written by
 :func:`normgrad.torch.export`; only these initializers are trained."""
+
+METADATA_PEFT = "normgrad.peft"
+"""Model metadata key, written by :func:`normgrad.torch.export` for a module holding a peft
+LoRA model and carried into training and step graphs: JSON ``{"adapter_name", "adapter_config"
+(the adapter_config.json peft writes, as text), "layers": [{"A", "B", "base" (initializer
+names), "A_key", "B_key" (the names in peft's adapter_model.safetensors), "scaling",
+"fan_in_fan_out"}], "unsupported" (why the adapter cannot be saved, or null)}`` (see
+:mod:`normgrad.lora`)."""
 
 FIX = ("export with normgrad.torch.export(module, inputs, path) (pip install \"normgrad[torch]\"), which keeps "
        "training-mode BatchNorm and every parameter as its own initializer")

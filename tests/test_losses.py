@@ -210,3 +210,48 @@ def test_cli_loss_flags(tmp_path, capsys):
     assert export_tool.main([str(source), "-o", str(tmp_path / "own.onnx"), "--loss-output", "y"]) == 1
     error = capsys.readouterr().err
     assert "must be a scalar" in error and error.strip().count("\n") == 0
+
+
+def _causal_lm64(logits, labels, ignore_index=-100):
+    """float64 NumPy: position t predicts label t + 1, mean over the predictions not ignored."""
+    targets = np.concatenate([labels[:, 1:], np.full((labels.shape[0], 1), ignore_index)], axis=1)
+    return _cross_entropy64(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), 0.0, ignore_index)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+def test_causal_lm_matches_transformers_and_finite_differences(ignore_index):
+    """causal_lm against transformers' own ForCausalLMLoss (torch autograd, float64) and float64
+    central differences; positions whose next label is ignored (and the last) get exactly no gradient."""
+    rng = np.random.default_rng(9)
+    shape = (3, 5, 7)
+    x = (rng.standard_normal(shape) * 2).astype(np.float32)
+    labels = rng.integers(0, shape[2], shape[:2])
+    labels[0, 2] = labels[1, :2] = ignore_index
+    options = {} if ignore_index == -100 else {"ignore_index": ignore_index}
+    training = build_training_graph(_additive_model(shape), loss="causal_lm", loss_options=options)
+    assert [d.dim_value for d in next(i for i in training.graph.input if i.name == "labels").type.tensor_type.shape.dim] == [3, 5]
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, value, x_grad = session.run(["y", "loss", "x_grad"], {"x": x, "labels": labels})
+    y64 = y.astype(np.float64)
+    assert abs(value - _causal_lm64(y64, labels, ignore_index)) <= 1e-6 * max(1.0, abs(value))
+    h, expected = 1e-6, np.zeros_like(y64)
+    for index in np.ndindex(y64.shape):
+        shift = np.zeros_like(y64)
+        shift[index] = h
+        expected[index] = (_causal_lm64(y64 + shift, labels, ignore_index)
+                           - _causal_lm64(y64 - shift, labels, ignore_index)) / (2 * h)
+    np.testing.assert_allclose(x_grad, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert not x_grad[:, -1].any() and not x_grad[0, 1].any() and not x_grad[1, :1].any()
+
+    torch = pytest.importorskip("torch")
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    y_torch = torch.tensor(y64, requires_grad=True)
+    reference = loss_utils.ForCausalLMLoss(y_torch, torch.tensor(labels), shape[2], ignore_index=ignore_index)
+    reference.backward()
+    assert abs(value - reference.item()) <= 1e-6 * max(1.0, abs(reference.item()))
+    np.testing.assert_allclose(x_grad, y_torch.grad.numpy(), rtol=0, atol=1e-6 * np.abs(y_torch.grad.numpy()).max())
+
+
+def test_causal_lm_needs_logits_of_rank_3():
+    with pytest.raises(ValueError, match=r"causal_lm needs logits of rank 3 \(\[batch, sequence, vocabulary\]\)"):
+        build_training_graph(examples.mlp(), loss="causal_lm")

@@ -21,8 +21,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnx
 
-from normgrad._files import save_model_atomic
-from normgrad.graphs.torch_exports import METADATA_TORCH_PARAMETERS, referenced_parameters
+from normgrad import lora
+from normgrad._files import save_model_atomic, write_bytes_atomic
+from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION
 
 __all__ = ["export", "TorchExportError", "EXPORTERS", "OPSETS"]
@@ -60,6 +61,7 @@ def export(
     input_names: Optional[Sequence[str]] = None,
     output_names: Optional[Sequence[str]] = None,
     opset: Optional[int] = None,
+    external_data: bool = False,
 ) -> onnx.ModelProto:
     """Exports ``module`` as a forward ONNX model from which ``normgrad export`` builds a
     training graph with torch's gradients, writes it to ``path`` atomically and returns it.
@@ -79,11 +81,19 @@ def export(
         input_names, output_names: ONNX names of the inputs and outputs (default ``input_0``...,
             ``output_0``...).
         opset: default-domain opset (torchscript 12-20, default 17; dynamo 18-21, default 18).
+        external_data: write the frozen initializers (no ``requires_grad``; 1 KiB or more)
+            to ``PATH.data`` beside the model, which references them (relative location):
+            the route for models past protobuf's 2 GiB limit. The returned model holds the
+            references too; onnx's checker (which normgrad's graph builders run) resolves
+            them against the current folder, so build the training and step graphs with
+            the model's folder as the current one.
 
     Returns:
         The model written: IR version 10, metadata ``normgrad.torch_parameters`` = JSON
         ``{initializer name: torch parameter name}`` for every parameter with
-        ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it).
+        ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it);
+        for a module holding a peft LoRA model, also ``normgrad.peft`` (its adapters, for
+        :func:`normgrad.lora.save_adapter` and :func:`normgrad.lora.merged_model`).
 
     Raises:
         ImportError: torch (or, for dynamo, onnxscript) is not installed.
@@ -112,11 +122,38 @@ def export(
         model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
     recorded = {t.name: parameters[t.name] for t in model.graph.initializer if t.name in parameters}
     _check_parameters_kept(model, parameters, recorded, exporter)
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                        METADATA_TORCH_PARAMETERS: json.dumps(recorded)})
+    metadata = {**{p.key: p.value for p in model.metadata_props}, METADATA_TORCH_PARAMETERS: json.dumps(recorded)}
+    peft_adapters = lora.peft_metadata(module, {t.name for t in model.graph.initializer})
+    if peft_adapters is not None:
+        metadata[METADATA_PEFT] = peft_adapters
+    onnx.helper.set_model_props(model, metadata)
     model.ir_version = IR_VERSION
+    if external_data:
+        _frozen_to_external_data(model, set(recorded), path)
     save_model_atomic(model, path)
     return model
+
+
+EXTERNAL_DATA_MIN_BYTES = 1024
+"""Frozen initializers of at least this size go to the external data file with ``external_data=True``."""
+
+
+def _frozen_to_external_data(model: onnx.ModelProto, trained: set, path) -> None:
+    """Moves every frozen initializer of EXTERNAL_DATA_MIN_BYTES or more into ``PATH.data``
+    (written atomically), leaving references relative to the model's folder."""
+    from onnx import external_data_helper
+
+    location = os.path.basename(os.fspath(path)) + ".data"
+    chunks, offset = [], 0
+    for tensor in model.graph.initializer:
+        if tensor.name in trained or len(tensor.raw_data) < EXTERNAL_DATA_MIN_BYTES:
+            continue
+        chunks.append(tensor.raw_data)
+        external_data_helper.set_external_data(tensor, location, offset, len(tensor.raw_data))
+        offset += len(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+    write_bytes_atomic(os.path.join(os.path.dirname(os.path.abspath(path)), location), b"".join(chunks))
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:

@@ -800,3 +800,20 @@ class Trainer:
         """Writes :meth:`inference_model` to ``path`` atomically."""
         if self.is_saving_rank:
             save_model_atomic(self.inference_model(), path)
+
+    def save_adapter(self, directory: PathLike) -> None:
+        """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
+        ``adapter_config.json`` in ``directory`` (:func:`normgrad.lora.save_adapter`; the step
+        graph must come from a peft model exported with :func:`normgrad.torch.export`)."""
+        from normgrad import lora
+
+        if self.is_saving_rank:
+            lora.save_adapter(directory, self.step_model, self.state_dict())
+
+    def export_merged_model(self, path: PathLike) -> None:
+        """Writes the inference model with the trained LoRA adapters folded into their base
+        weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically."""
+        from normgrad import lora
+
+        if self.is_saving_rank:
+            save_model_atomic(lora.merged_model(self.step_model, self.state_dict()), path)

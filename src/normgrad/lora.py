@@ -1,0 +1,213 @@
+"""LoRA adapters trained by normgrad, out as what peft loads and as a merged inference model.
+
+A module holding a ``peft`` LoRA model, exported with :func:`normgrad.torch.export`, carries
+``normgrad.peft`` metadata (:data:`normgrad.graphs.torch_exports.METADATA_PEFT`) into its
+training and step graphs: for each adapted layer the initializers of its ``lora_A``,
+``lora_B`` and base weight, its scaling, and the names peft gives the adapters in
+``adapter_model.safetensors``. From a step graph and its trained state:
+
+* :func:`save_adapter` writes ``adapter_model.safetensors`` + ``adapter_config.json``, which
+  ``peft.PeftModel.from_pretrained(base_model, directory)`` loads (neither torch nor peft
+  is needed to write them);
+* :func:`merged_model` is the inference model with every adapter folded into its base
+  weight (W + scaling * B @ A, transposed for ``fan_in_fan_out`` layers, as peft's
+  ``merge_and_unload``) and no adapter nodes left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Mapping, Union
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from normgrad._files import PathLike, write_bytes_atomic
+from normgrad.graphs.torch_exports import METADATA_PEFT
+
+__all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merge_adapters",
+           "ADAPTER_WEIGHTS", "ADAPTER_CONFIG"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class LoraError(ValueError):
+    """A model without LoRA adapters, an adapter peft's format cannot hold, or a missing tensor."""
+
+
+def adapters(model: onnx.ModelProto) -> Dict[str, object]:
+    """The ``normgrad.peft`` metadata of a forward, training or step graph.
+
+    Raises:
+        LoraError: the model has none (it was not exported by :func:`normgrad.torch.export`
+            from a module holding a peft LoRA model).
+    """
+    metadata = {entry.key: entry.value for entry in model.metadata_props}
+    if METADATA_PEFT not in metadata:
+        raise LoraError("the model has no LoRA adapters (no normgrad.peft metadata): export a module holding a "
+                        "peft LoRA model with normgrad.torch.export, then build the step graph from that export")
+    return json.loads(metadata[METADATA_PEFT])
+
+
+def _usable(model: onnx.ModelProto) -> Dict[str, object]:
+    info = adapters(model)
+    if info.get("unsupported"):
+        raise LoraError(f"the adapters cannot be saved or merged: {info['unsupported']}")
+    return info
+
+
+def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> List[str]:
+    """Writes the trained adapters in ``tensors`` (a trainer's :meth:`~normgrad.Trainer.state_dict`)
+    to ``directory`` (created if needed) as peft's ``adapter_model.safetensors`` and
+    ``adapter_config.json``, each atomically; returns the two paths.
+
+    Raises:
+        LoraError: ``step_model`` has no adapters, or ``tensors`` lacks one.
+        OSError: a file cannot be written.
+    """
+    from safetensors.numpy import save as safetensors_bytes
+
+    info = _usable(step_model)
+    weights = {}
+    for layer in info["layers"]:
+        for part in ("A", "B"):
+            if layer[part] not in tensors:
+                raise LoraError(f"no trained value for adapter {layer[part]!r}")
+            weights[layer[f"{part}_key"]] = np.ascontiguousarray(tensors[layer[part]])
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)]
+    write_bytes_atomic(paths[0], safetensors_bytes(weights, metadata={"format": "pt"}))
+    write_bytes_atomic(paths[1], info["adapter_config"].encode())
+    return paths
+
+
+def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The step graph's inference model (:func:`normgrad.graphs.build_inference_model`) with
+    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`)."""
+    from normgrad.graphs.optimizers import build_inference_model
+
+    return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model))
+
+
+def _values_from(nodes: List[onnx.NodeProto], source: str) -> set:
+    """Every value computed (transitively) from ``source``."""
+    reached = {source}
+    for node in nodes:
+        if any(name in reached for name in node.input):
+            reached.update(node.output)
+    return reached
+
+
+def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object]) -> onnx.ModelProto:
+    """``model`` (an inference model reading the adapters as initializers) with each layer's
+    base weight replaced by W + scaling * B @ A (computed in float32, then cast to W's
+    dtype, as peft merges) and the adapter branch removed: the Add that joins the base
+    output and the adapter's becomes the base output.
+
+    Raises:
+        LoraError: an adapter or base weight that is not an initializer, or an adapter whose
+            branch does not end in an Add with the base layer's output.
+    """
+    merged = onnx.ModelProto()
+    merged.CopyFrom(model)
+    graph = merged.graph
+    initializers = {t.name: t for t in graph.initializer}
+    nodes = list(graph.node)
+    for layer in info["layers"]:
+        for part in ("A", "B", "base"):
+            if layer[part] not in initializers:
+                raise LoraError(f"{part} weight {layer[part]!r} of a LoRA layer is not an initializer of the model")
+        down = numpy_helper.to_array(initializers[layer["A"]]).astype(np.float32)
+        up = numpy_helper.to_array(initializers[layer["B"]]).astype(np.float32)
+        delta = (up @ down) * np.float32(layer["scaling"])
+        base = numpy_helper.to_array(initializers[layer["base"]])
+        delta = delta.T if layer["fan_in_fan_out"] else delta
+        if delta.shape != base.shape:
+            raise LoraError(f"B @ A of {layer['B']!r} has shape {list(delta.shape)}, base weight {layer['base']!r} "
+                            f"{list(base.shape)}")
+        initializers[layer["base"]].CopyFrom(numpy_helper.from_array(
+            (base.astype(np.float32) + delta).astype(base.dtype), layer["base"]))
+        branch = _values_from(nodes, layer["B"])
+        for i, node in enumerate(nodes):
+            joined = [name in branch for name in node.input]
+            if node.op_type == "Add" and node.domain in ("", "ai.onnx") and len(joined) == 2 and sum(joined) == 1:
+                nodes[i] = helper.make_node("Identity", [node.input[joined.index(False)]], list(node.output),
+                                            name=node.name)
+                break
+        else:
+            raise LoraError(f"no Add joins the adapter branch of {layer['B']!r} with its base layer's output")
+    from normgrad.graphs.optimizers import _live_nodes, _read_values
+
+    del graph.node[:]
+    graph.node.extend(_live_nodes(nodes, [o.name for o in graph.output]))
+    read = _read_values(graph.node)
+    for layer in info["layers"]:
+        if layer["A"] in read or layer["B"] in read:
+            raise LoraError(f"the adapter {layer['A']!r} is still read after merging")
+    kept = [t for t in graph.initializer if t.name in read or t.name in {o.name for o in graph.output}]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    onnx.checker.check_model(merged, full_check=True)
+    return merged
+
+
+def peft_metadata(module, initializers: Union[set, Mapping[str, object]]) -> Union[str, None]:
+    """The ``normgrad.peft`` metadata (JSON text) for a torch module that holds one
+    ``peft.PeftModel`` with an active LoRA adapter, None for any other module.
+    ``initializers``: the exported model's initializer names."""
+    import sys
+    import tempfile
+
+    if "peft" not in sys.modules:  # a module holding a peft model has imported it
+        return None
+    import peft
+    from peft.tuners.lora import LoraLayer
+
+    found = [(name, m) for name, m in module.named_modules() if isinstance(m, peft.PeftModel)]
+    if not found:
+        return None
+    prefix, model = found[0]
+    prefix = f"{prefix}." if prefix else ""
+    adapter = model.active_adapter
+    config = model.peft_config[adapter]
+    unsupported = None
+    if len(found) > 1:
+        unsupported = f"the module holds {len(found)} peft models"
+    elif config.peft_type != peft.PeftType.LORA:
+        unsupported = f"peft type {config.peft_type} is not LoRA"
+    layers = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
+            if isinstance(layer, LoraLayer) and adapter in getattr(layer, "lora_embedding_A", {}):
+                unsupported = unsupported or f"{name} adapts an embedding (only Linear/Conv1D adapters are supported)"
+            continue
+        if layer.use_dora.get(adapter, False):
+            unsupported = unsupported or f"{name} uses DoRA (only plain LoRA is supported)"
+        full = f"{prefix}{name}"
+        entry = {"A": f"{full}.lora_A.{adapter}.weight", "B": f"{full}.lora_B.{adapter}.weight",
+                 "base": f"{full}.base_layer.weight", "A_key": f"{name}.lora_A.weight", "B_key": f"{name}.lora_B.weight",
+                 "scaling": float(layer.scaling[adapter]), "fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False))}
+        for part in ("A", "B"):
+            if entry[part] not in initializers:
+                unsupported = unsupported or f"adapter {entry[part]!r} is not an initializer of the exported model"
+        layers.append(entry)
+    with tempfile.TemporaryDirectory() as folder:
+        # peft writes its own adapter_config.json (and the names its safetensors file uses,
+        # which must be the ones computed above)
+        model.save_pretrained(folder, selected_adapters=[adapter])
+        written = folder if adapter == "default" else os.path.join(folder, adapter)
+        with open(os.path.join(written, ADAPTER_CONFIG)) as file:
+            adapter_config = file.read()
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(written, ADAPTER_WEIGHTS), "np") as file:
+            keys = set(file.keys())
+    ours = {layer[f"{part}_key"] for layer in layers for part in ("A", "B")}
+    if keys != ours:
+        other = sorted(keys ^ ours)
+        unsupported = unsupported or f"peft saves tensors other than the LoRA A/B weights: {other[:3]}"
+    return json.dumps({"adapter_name": adapter, "adapter_config": adapter_config, "layers": layers,
+                       "unsupported": unsupported})
