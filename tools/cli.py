@@ -18,7 +18,7 @@ COMMANDS = {
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
     "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
     "train": ("normgrad.tools.train", "train a small CNN on scikit-learn's digits in onnxruntime (the train extra)"),
-    "support-table": ("normgrad.tools.support_table", "render README's model-family and operator tables from the tests' results"),
+    "support-table": ("normgrad.tools.support_table", "render the model-family and operator tables of docs/reference/support.md from the tests' results"),
 }
 
 
