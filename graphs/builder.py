@@ -392,7 +392,9 @@ def build_training_graph(
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     trained_folded = [name for name in folded_constants if name in needs]
     if trained_folded:
-        warnings.warn(torch_exports.folded_constants_warning(trained_folded), torch_exports.TorchExportWarning, stacklevel=2)
+        warnings.warn(torch_exports.folded_constants_warning(
+            trained_folded, torch_exports.torchscript_eval_mode(model, trained_folded)),
+            torch_exports.TorchExportWarning, stacklevel=2)
     trained_merged = {kept: names for kept, names in merged_initializers.items() if kept in needs}
     if trained_merged:
         warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=2)

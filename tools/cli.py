@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 __all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line"]
 
 COMMANDS = {
-    "demo": ("normgrad.tools.demo", "run both operators on every backend and check them against the reference"),
+    "demo": ("normgrad.tools.demo", "run the five normalization-gradient operators on every backend against the float64 reference"),
     "bench": ("normgrad.tools.bench", "time the kernels against each other and a memory-streaming floor"),
     "export": ("normgrad.tools.export", "turn a forward ONNX model into a training graph"),
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),

@@ -12,6 +12,7 @@ are used when installed).
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
 import os
@@ -79,13 +80,14 @@ def _plot(losses: List[float], steps_per_epoch: int, accuracies: List[float], pa
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad train``; returns the exit code (1: scikit-learn missing or a
     file it cannot write)."""
-    parser = ArgumentParser(prog="normgrad train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=positive_int, default=12)
-    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser = ArgumentParser(prog="normgrad train", description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--epochs", type=positive_int, default=12, help="passes over the training digits")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="digits per optimizer step")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
     parser.add_argument("--seed", type=int, default=0, help="weights, data split and shuffling")
     parser.add_argument("--out", default="normgrad-train", help="folder for the step graph, checkpoint, "
-                        "inference model and PNG (default ./normgrad-train)")
+                        "inference model and PNG")
     args = parser.parse_args(argv)
     try:
         images, labels, test_images, test_labels = load_digits(args.seed)
