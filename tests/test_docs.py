@@ -126,3 +126,48 @@ def test_marks_are_read(tmp_path):
         ("python", ["requires", "torch"]), ("bash", []), ("python", ["ort-training"]), ("python", [])]
     assert scripts(str(page)) == {"page": ("import torch\n\nx = 1\n", ["torch"]),
                                   "ort-training": ("import onnxruntime\n", [])}
+
+
+CLI_PAGE = os.path.join(ROOT, "docs", "reference", "cli.md")
+CLI_SECTION = re.compile(r"(<!-- cli-reference -->\n).*?(<!-- /cli-reference -->)", re.S)
+
+
+def render_cli_reference() -> str:
+    """`normgrad --help` and every command's `--help`, as Markdown (argparse at 100 columns)."""
+    import contextlib
+    import io
+
+    from normgrad.tools import cli
+
+    parts = []
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        for command in [None, *cli.COMMANDS]:
+            output = io.StringIO()
+            with contextlib.redirect_stdout(output):
+                status = cli.main(["--help"] if command is None else [command, "--help"])
+            assert status == 0, command
+            title = "normgrad" if command is None else f"normgrad {command}"
+            parts.append(f"## `{title}`\n\n```text\n{output.getvalue().rstrip()}\n```\n")
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
+    return "\n".join(parts)
+
+
+def test_cli_reference_is_current():
+    """docs/reference/cli.md shows what the commands print for --help today;
+    NORMGRAD_WRITE_CLI_REFERENCE=1 rewrites it."""
+    with open(CLI_PAGE, encoding="utf-8") as file:
+        text = file.read()
+    assert CLI_SECTION.search(text), "docs/reference/cli.md lost its cli-reference markers"
+    updated = CLI_SECTION.sub(lambda match: match.group(1) + render_cli_reference() + match.group(2), text)
+    if os.environ.get("NORMGRAD_WRITE_CLI_REFERENCE") == "1" and updated != text:
+        from normgrad._files import write_bytes_atomic
+
+        write_bytes_atomic(CLI_PAGE, updated.encode("utf-8"))
+        text = updated
+    assert updated == text, "stale: NORMGRAD_WRITE_CLI_REFERENCE=1 python -m pytest tests/test_docs.py -k cli_reference"
