@@ -20,6 +20,7 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
+from normgrad.graphs.tidy import tidy
 from normgrad.ops import DOMAIN, IR_VERSION
 
 __all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS",
@@ -484,6 +485,7 @@ def build_training_graph(
         metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
+    tidy(result)
     result = normgrad.add_functions(result)
     if inline:
         result = onnx.inliner.inline_local_functions(result)

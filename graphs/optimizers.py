@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
 from normgrad.graphs.portable import make_portable
+from normgrad.graphs.tidy import tidy
 from normgrad.graphs.structure import subgraph_captures
 from normgrad.ops._common import DOMAIN, IR_VERSION
 
@@ -336,6 +337,7 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     for output in model.graph.output:
         if output.name in inferred:
             output.CopyFrom(inferred[output.name])
+    tidy(model)
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -437,6 +439,7 @@ def build_step_graph(
     step_metadata["normgrad.forward_outputs"] = json.dumps(
         [o.name for o in graph.output if o.name != "loss" and o.name not in gradients])
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
+    tidy(model)
     onnx.checker.check_model(model, full_check=True)
     initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
     for n in trainable:
