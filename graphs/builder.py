@@ -21,6 +21,7 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
+from normgrad.graphs.tidy import tidy
 from normgrad.ops import DOMAIN, IR_VERSION
 
 __all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS",
@@ -415,7 +416,9 @@ def build_training_graph(
     needs = _needing_grad(graph, types, active, unsupported, seeded)
     trained_folded = [name for name in folded_constants if name in needs]
     if trained_folded:
-        warnings.warn(torch_exports.folded_constants_warning(trained_folded), torch_exports.TorchExportWarning, stacklevel=2)
+        warnings.warn(torch_exports.folded_constants_warning(
+            trained_folded, torch_exports.torchscript_eval_mode(model, trained_folded)),
+            torch_exports.TorchExportWarning, stacklevel=2)
     trained_merged = {kept: names for kept, names in merged_initializers.items() if kept in needs}
     if trained_merged:
         warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=2)
@@ -517,6 +520,7 @@ def build_training_graph(
         metadata[torch_exports.METADATA_PEFT] = peft_adapters
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
+    tidy(result)
     result = add_functions_in_place(result)
     if inline:
         from normgrad.graphs.inline import inline_normgrad

@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 import normgrad
 from normgrad.graphs import rewrites
 from normgrad.graphs.portable import make_portable
+from normgrad.graphs.tidy import tidy
 from normgrad.graphs.structure import subgraph_captures
 from normgrad.ops._common import DOMAIN, IR_VERSION
 
@@ -562,6 +563,7 @@ def build_eval_graph(step: onnx.ModelProto) -> onnx.ModelProto:
     model = _sub_model(step, f"{step.graph.name}_eval", nodes, inputs,
                        [onnx.ValueInfoProto(name=o) for o in outputs], properties, check=False)
     _infer_output_types(model)
+    tidy(model)
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -679,6 +681,7 @@ def build_step_graph(
     step_metadata["normgrad.forward_outputs"] = json.dumps(
         [o.name for o in graph.output if o.name != "loss" and o.name not in gradients])
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
+    tidy(model)
     onnx.checker.check_model(model, full_check=True)
     initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
     for n in trainable:

@@ -31,6 +31,7 @@ __all__ = [
     "check_forward_model",
     "torchscript_folded_constants",
     "folded_constants_warning",
+    "torchscript_eval_mode",
     "torchscript_merged_initializers",
     "merged_initializers_warning",
 ]
@@ -180,9 +181,31 @@ def torchscript_folded_constants(model: onnx.ModelProto) -> List[str]:
     return [t.name for t in model.graph.initializer if _TORCHSCRIPT_FOLDED.match(t.name) and t.data_type in FLOAT_ELEM_TYPES]
 
 
-def folded_constants_warning(names: List[str]) -> str:
-    """The warning for trainable :func:`torchscript_folded_constants`."""
+def torchscript_eval_mode(model: onnx.ModelProto, folded: List[str]) -> bool:
+    """Whether a TorchScript export without normgrad's metadata looks exported in eval mode
+    (``torch.onnx.export``'s default ``training=TrainingMode.EVAL``): no training-mode
+    BatchNormalization, no Dropout, and a folded constant feeding a Conv or Gemm (a
+    BatchNorm folded into the layer before it)."""
+    if not any(re.match(r"^onnx::(Conv|ConvTranspose|Gemm|MatMul)_\d+$", name) for name in folded):
+        return False
+    return not any(
+        n.op_type == "Dropout" or (n.op_type == "BatchNormalization" and _attribute(n, "training_mode", 0))
+        for n in model.graph.node
+    )
+
+
+def folded_constants_warning(names: List[str], eval_mode: bool = False) -> str:
+    """The warning for trainable :func:`torchscript_folded_constants`; ``eval_mode``: the
+    model looks exported in eval mode (:func:`torchscript_eval_mode`)."""
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if eval_mode:
+        return (
+            "the model looks exported in eval mode (torch.onnx.export's default training=TrainingMode.EVAL): "
+            "BatchNorm folded into the layer before it, Dropout removed, so it would train as a different network "
+            f"than in torch's train(); {len(names)} trainable initializer(s) ({shown}) are those folded weights, "
+            f"not torch parameters. Fix: {FIX}, or torch.onnx.export(model.train(), ..., dynamo=False, "
+            "training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)"
+        )
     return (
         f"{len(names)} trainable initializer(s) ({shown}) look like constants torch's TorchScript exporter folded "
         "from parameters (do_constant_folding=True): they are trained under those names, not as the torch "

@@ -28,7 +28,7 @@ OPENVINO_CPU = [(OPENVINO_PROVIDER, {"device_type": "CPU"}), "CPUExecutionProvid
 CPU = ["CPUExecutionProvider"]
 
 requires_openvino = pytest.mark.skipif(
-    not OPENVINO, reason="onnxruntime-openvino is not installed (its own venv: see README, 'Other execution providers')"
+    not OPENVINO, reason="onnxruntime-openvino is not installed (its own venv: see docs/explanation/openvino.md)"
 )
 
 

@@ -3,12 +3,12 @@ gradients of the input and every parameter against torch autograd, to 1e-4 of th
 largest gradient.
 
 The expected outcome of each (model, exporter) is recorded in graphs/model_families.json,
-from which `normgrad support-table` renders README's model-family table: "pass" must match
+from which `normgrad support-table` renders the model-family table of docs/reference/support.md: "pass" must match
 torch; "blocked" must fail with UnsupportedOperatorError naming exactly the recorded
 operators, and is an xfail(strict=True), so a merged rule flips it to a failure that says to
 record again; "export fails" must fail in torch's exporter with the recorded error. Record
 with ``NORMGRAD_RECORD_MODEL_FAMILIES=1 python -m pytest tests/test_model_families.py``
-(then ``normgrad support-table README.md``).
+(then ``normgrad support-table docs/reference/support.md``).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def test_model_family_matches_torch(model, exporter, tmp_path):
         return
     assert outcome["status"] == expected["status"], (
         f"recorded {expected['status']!r}, measured {outcome['status']!r} ({outcome.get('error', '')}): record again with "
-        "NORMGRAD_RECORD_MODEL_FAMILIES=1 python -m pytest tests/test_model_families.py, then normgrad support-table README.md"
+        "NORMGRAD_RECORD_MODEL_FAMILIES=1 python -m pytest tests/test_model_families.py, then normgrad support-table docs/reference/support.md"
     )
     assert outcome["op_types"] == expected["op_types"]
 

@@ -1,4 +1,4 @@
-"""`normgrad support-table`: README's model-family and operator tables rendered from the
+"""`normgrad support-table`: the support page's model-family and operator tables rendered from the
 results tests/test_model_families.py recorded (graphs/model_families.json)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 from normgrad.graphs import supported_op_types
 from normgrad.tools import support_table
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+SUPPORT_PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reference", "support.md")
 SECTIONS = "<!-- support-table:models -->\nold\n<!-- /support-table:models -->\ntext\n" \
            "<!-- support-table:operators -->\n<!-- /support-table:operators -->\n"
 RESULTS = {
@@ -22,9 +22,9 @@ RESULTS = {
 
 
 def test_readme_tables_are_the_rendering_of_the_recorded_results():
-    with open(README, encoding="utf-8") as file:
+    with open(SUPPORT_PAGE, encoding="utf-8") as file:
         text = file.read()
-    assert support_table.update_readme(text) == text, "stale: run normgrad support-table README.md"
+    assert support_table.update_readme(text) == text, "stale: run normgrad support-table docs/reference/support.md"
 
 
 def test_rendering_says_each_outcome_and_which_model_uses_each_operator():

@@ -259,6 +259,33 @@ def test_torchscript_folded_constants_are_trained_with_a_warning(tmp_path, capsy
     assert err.startswith("normgrad export: warning: 4 trainable initializer(s)") and err.count("\n") == 1
 
 
+def test_eval_mode_export_is_named_in_torch_terms(tmp_path, capsys):
+    """torch.onnx.export's TorchScript defaults (training=EVAL, do_constant_folding=True) fold
+    BatchNorm into the Conv and drop Dropout: the warning says so in those words, and the
+    training-mode export of the same module gets no such warning."""
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),
+                        nn.Linear(8 * 6 * 6, 4)).train()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.tensor(_image()),), buffer, dynamo=False, input_names=["x"], output_names=["y"])
+    forward = onnx.load_from_string(buffer.getvalue())
+    with pytest.warns(TorchExportWarning, match=r"^the model looks exported in eval mode \(torch.onnx.export's default "
+                      r"training=TrainingMode.EVAL\): BatchNorm folded into the layer before it, Dropout removed"):
+        build_training_graph(forward, loss="cross_entropy")
+    assert _cli(tmp_path, forward, "--loss", "cross_entropy") == 0
+    err = capsys.readouterr().err
+    assert err.startswith("normgrad export: warning: the model looks exported in eval mode") and err.count("\n") == 1
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.tensor(_image()),), buffer, dynamo=False, input_names=["x"], output_names=["y"],
+                          training=torch.onnx.TrainingMode.PRESERVE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TorchExportWarning)
+        build_training_graph(onnx.load_from_string(buffer.getvalue()), loss="cross_entropy")
+
+
 def test_metadata_naming_a_missing_initializer_is_refused(tmp_path, capsys):
     forward = normgrad.torch.export(ConvNet().train(), torch.tensor(_image()), tmp_path / "net.onnx",
                                     input_names=["x"], output_names=["y"])

@@ -12,13 +12,13 @@ from typing import Optional, Sequence
 __all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line"]
 
 COMMANDS = {
-    "demo": ("normgrad.tools.demo", "run both operators on every backend and check them against the reference"),
+    "demo": ("normgrad.tools.demo", "run the five normalization-gradient operators on every backend against the float64 reference"),
     "bench": ("normgrad.tools.bench", "time the kernels against each other and a memory-streaming floor"),
     "export": ("normgrad.tools.export", "turn a forward ONNX model into a training graph"),
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
     "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
     "train": ("normgrad.tools.train", "train a small CNN on scikit-learn's digits in onnxruntime (the train extra)"),
-    "support-table": ("normgrad.tools.support_table", "render README's model-family and operator tables from the tests' results"),
+    "support-table": ("normgrad.tools.support_table", "render the model-family and operator tables of docs/reference/support.md from the tests' results"),
 }
 
 

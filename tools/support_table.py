@@ -1,9 +1,10 @@
-"""``normgrad support-table README.md [--check]``: render README's model-family support table
+"""``normgrad support-table docs/reference/support.md [--check]``: render the docs' model-family
+support table
 and supported-operator list from what the model-family tests measured.
 
 ``tests/test_model_families.py`` records each (model, exporter) outcome in
 ``graphs/model_families.json`` (``NORMGRAD_RECORD_MODEL_FAMILIES=1``) and checks it on every
-run; this command writes the tables between README's ``<!-- support-table:NAME -->`` and
+run; this command writes the tables between the page's ``<!-- support-table:NAME -->`` and
 ``<!-- /support-table:NAME -->`` markers. ``--check`` only says whether they are current.
 """
 
@@ -141,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad support-table``; 0 written or current, 1 stale (``--check``)
     or unreadable, 2 usage."""
     parser = ArgumentParser(prog="normgrad support-table", description=__doc__.split("\n\n")[0])
-    parser.add_argument("readme", help="the README to update in place (atomically)")
+    parser.add_argument("readme", help="the Markdown page to update in place (atomically), e.g. docs/reference/support.md")
     parser.add_argument("--check", action="store_true", help="only check that the tables are current")
     args = parser.parse_args(argv)
     try:

@@ -23,6 +23,7 @@ import onnx
 
 from normgrad import lora
 from normgrad._files import save_model_atomic, write_bytes_atomic
+from normgrad.graphs.tidy import tidy
 from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION
 
@@ -120,6 +121,9 @@ def export(
         model = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
     else:
         model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
+    # onnxruntime warns at every session creation about each initializer no node reads
+    # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
+    tidy(model)
     recorded = {t.name: parameters[t.name] for t in model.graph.initializer if t.name in parameters}
     _check_parameters_kept(model, parameters, recorded, exporter)
     metadata = {**{p.key: p.value for p in model.metadata_props}, METADATA_TORCH_PARAMETERS: json.dumps(recorded)}
