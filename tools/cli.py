@@ -9,7 +9,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line"]
+__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line",
+           "update_page_command"]
 
 COMMANDS = {
     "demo": ("normgrad.tools.demo", "run the five normalization-gradient operators on every backend against the float64 reference"),
@@ -109,6 +110,34 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
     return value
+
+
+def update_page_command(argv: Optional[Sequence[str]], prog: str, description: str, page_help: str, what: str,
+                        update) -> int:
+    """The command behind the generated tables (``normgrad support-table``, the runtime
+    table): ``PAGE [--check]``; ``update(text) -> text`` renders ``what`` into the page's text
+    (ValueError when it cannot). Writes atomically, only a changed page. 0 written or current,
+    1 stale (``--check``) or unreadable, 2 usage."""
+    from normgrad._files import write_bytes_atomic
+
+    parser = ArgumentParser(prog=prog, description=description)
+    parser.add_argument("page", help=page_help)
+    parser.add_argument("--check", action="store_true", help=f"write nothing; exit 1 if the {what} are stale")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.page, encoding="utf-8") as file:
+            text = file.read()
+        updated = update(text)
+    except (OSError, ValueError) as error:
+        print(f"{prog}: {args.page}: {error}", file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"{args.page}: {what} {'current' if updated == text else 'stale'}")
+        return 0 if updated == text else 1
+    if updated != text:
+        write_bytes_atomic(args.page, updated.encode("utf-8"))
+    print(f"{args.page}: {what} {'written' if updated != text else 'already current'}")
+    return 0
 
 
 def _usage() -> str:

@@ -107,24 +107,10 @@ def update_page(text: str, results: Optional[dict] = None) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from normgrad.tools.cli import ArgumentParser
+    from normgrad.tools.cli import update_page_command
 
-    parser = ArgumentParser(prog="python -m normgrad.tools.runtime_table", description=__doc__.split("\n\n")[0])
-    parser.add_argument("page", help="the Markdown page with the markers (docs/runtimes.md)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the table is stale")
-    args = parser.parse_args(argv)
-    try:
-        with open(args.page, encoding="utf-8") as file:
-            text = file.read()
-        updated = update_page(text)
-    except (OSError, ValueError) as error:
-        print(f"runtime_table: {error}", file=sys.stderr)
-        return 1
-    if args.check:
-        print(f"{args.page}: {'up to date' if updated == text else 'stale'}")
-        return 0 if updated == text else 1
-    write_bytes_atomic(args.page, updated.encode("utf-8"))
-    return 0
+    return update_page_command(argv, "python -m normgrad.tools.runtime_table", __doc__.split("\n\n")[0],
+                               "the Markdown page with the markers (docs/runtimes.md)", "runtime table", update_page)
 
 
 if __name__ == "__main__":

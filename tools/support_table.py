@@ -17,7 +17,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from normgrad._files import write_bytes_atomic
-from normgrad.tools.cli import ArgumentParser
+from normgrad.tools.cli import update_page_command
 
 __all__ = ["RESULTS_PATH", "load_results", "save_results", "render", "update_readme", "main"]
 
@@ -141,24 +141,9 @@ def update_readme(text: str, results: Optional[dict] = None) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad support-table``; 0 written or current, 1 stale (``--check``)
     or unreadable, 2 usage."""
-    parser = ArgumentParser(prog="normgrad support-table", description=__doc__.split("\n\n")[0])
-    parser.add_argument("readme", help="the Markdown page to update in place (atomically), e.g. docs/reference/support.md")
-    parser.add_argument("--check", action="store_true", help="only check that the tables are current")
-    args = parser.parse_args(argv)
-    try:
-        with open(args.readme, encoding="utf-8") as file:
-            text = file.read()
-        updated = update_readme(text)
-    except (OSError, ValueError) as error:
-        print(f"normgrad support-table: {args.readme}: {error}", file=sys.stderr)
-        return 1
-    if args.check:
-        print(f"{args.readme}: support tables {'current' if updated == text else 'stale'}")
-        return 0 if updated == text else 1
-    if updated != text:
-        write_bytes_atomic(args.readme, updated.encode("utf-8"))
-    print(f"{args.readme}: support tables {'written' if updated != text else 'already current'}")
-    return 0
+    return update_page_command(argv, "normgrad support-table", __doc__.split("\n\n")[0],
+                               "the Markdown page to update in place (atomically), e.g. docs/reference/support.md",
+                               "support tables", update_readme)
 
 
 if __name__ == "__main__":
