@@ -21,6 +21,7 @@ import onnx.shape_inference
 
 import normgrad
 from normgrad.graphs.context import attr
+from normgrad.graphs.portable import value_types
 from normgrad.ops import DOMAIN, OPERATORS, _common
 
 __all__ = ["inline_normgrad"]
@@ -90,12 +91,7 @@ def _value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     folded.graph.node.extend(nodes)
     present = {t.name for t in folded.graph.initializer}
     folded.graph.initializer.extend(onh.from_array(value, name) for name, value in known.items() if name not in present)
-    inferred = onnx.shape_inference.infer_shapes(folded, data_prop=True)
-    graph = inferred.graph
-    types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
-        types[info.name] = info.type
-    return types
+    return value_types(folded)
 
 
 def _opset(model: onnx.ModelProto) -> int:

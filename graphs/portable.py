@@ -178,7 +178,7 @@ def _onehot_as_equal(model: onnx.ModelProto, names: _Names) -> None:
     graph = model.graph
     if not any(n.op_type == "OneHot" for n in graph.node):
         return
-    types = _value_types(model)
+    types = value_types(model)
     nodes: List[onnx.NodeProto] = []
     for node in graph.node:
         if node.op_type != "OneHot" or node.domain not in ("", "ai.onnx"):
@@ -209,7 +209,9 @@ def _size_as_shape_product(graph: onnx.GraphProto, names: _Names) -> None:
     graph.node.extend(nodes)
 
 
-def _value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+    """{value: its type} of every initializer, input, output and inferred value (shape
+    inference with data propagation)."""
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     graph = inferred.graph
     types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
@@ -233,7 +235,7 @@ def _expand_function_ops(model: onnx.ModelProto, names: _Names) -> onnx.ModelPro
     if not targets:
         return model
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    types = _value_types(model)
+    types = value_types(model)
     functions = []
     for node in targets:
         schema = onnx.defs.get_schema(node.op_type, opset)
@@ -281,7 +283,7 @@ def _fold_constant_casts(model: onnx.ModelProto) -> None:
             if target in constants:
                 dtype = constants[target].dtype
             else:
-                types = _value_types(model) if types is None else types
+                types = value_types(model) if types is None else types
                 elem = types[target].tensor_type.elem_type if target in types else 0
                 if not elem:
                     continue
