@@ -205,3 +205,20 @@ def test_submodules_load_on_first_use():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "module 'normgrad' has no attribute 'no_such_thing'"
+
+
+def test_session_options_register_once_per_options_object():
+    """Two trainers (or any two callers) registering into one SessionOptions: the second
+    registration is a no-op, so every later session still loads (onnxruntime refused them
+    with "Domain already set in registry"); another backend beside it is refused."""
+    import onnxruntime as ort
+
+    from normgrad.graphs import examples
+
+    model = examples.mlp().SerializeToString()
+    options = ort.SessionOptions()
+    for _ in range(2):
+        assert normgrad.session_options("cpp", options) is options
+        ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match="already have normgrad's 'cpp' kernels"):
+        normgrad.session_options("python", options)

@@ -49,6 +49,10 @@ def library_path() -> str:
     )
 
 
+_REGISTERED_KEY = "normgrad.kernels"
+"""A session config entry normgrad sets on the SessionOptions it registers its kernels into."""
+
+
 def session_options(backend: str = "cpp", options=None):
     """onnxruntime ``SessionOptions`` with normgrad's kernels of ``backend`` registered.
 
@@ -59,10 +63,13 @@ def session_options(backend: str = "cpp", options=None):
             when None.
 
     Returns:
-        ``options`` (or the new object) with the kernels registered.
+        ``options`` (or the new object) with the kernels registered. Registering into the
+        same ``options`` again (two Trainers sharing one ``SessionOptions``) does nothing:
+        onnxruntime would refuse every later session with "Domain already set in registry".
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend, or another backend already registered in ``options``
+            (one ``SessionOptions`` cannot serve the normgrad domain twice).
         FileNotFoundError: ``backend="cpp"`` but the library is not installed.
     """
     import onnxruntime
@@ -71,12 +78,22 @@ def session_options(backend: str = "cpp", options=None):
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if options is None:
         options = onnxruntime.SessionOptions()
+    try:
+        registered = options.get_session_config_entry(_REGISTERED_KEY)
+    except RuntimeError:  # onnxruntime's answer for a key never set
+        registered = None
+    if registered == backend:
+        return options
+    if registered is not None:
+        raise ValueError(f"these SessionOptions already have normgrad's {registered!r} kernels; {backend!r} cannot be "
+                         "registered beside them (use a new onnxruntime.SessionOptions)")
     if backend == "cpp":
         options.register_custom_ops_library(library_path())
     else:
         from normgrad.ops import python_kernels
 
         options.register_custom_ops_library(python_kernels.library_path())
+    options.add_session_config_entry(_REGISTERED_KEY, backend)
     return options
 
 
