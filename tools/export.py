@@ -169,10 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
                                                  no_weight_decay=args.no_weight_decay, **optimizer_options)
-            training, _ = finish(training)
+            training, _ = finish(training, in_place=True)
             evaluation = build_eval_graph(training)
         else:
-            training, initial = finish(training)
+            training, initial = finish(training, in_place=True)
         # every file is built before any is written; the graphs wait, flushed under temporary
         # names, until the checkpoint is in place
         try:
