@@ -488,27 +488,28 @@ def build_training_graph(
         gradients[grad_name] = name
         extra_outputs.append(_value_info(grad_name, type_proto))
 
-    new_graph = oh.make_graph(
-        list(graph.node) + ctx.nodes,
-        f"{graph.name or 'model'}_training",
-        list(graph.input) + trainable_inputs + extra_inputs,
-        list(graph.output) + extra_outputs,
-        initializer=list(graph.initializer),
-        value_info=original_value_info,
-        doc_string="Training graph written by normgrad.graphs.build_training_graph",
-    )
+    # the training graph is assembled in the model that holds it, each node copied once; a
+    # graph of 10^6 nodes takes gigabytes per copy
+    result = oh.make_model(onnx.GraphProto(), opset_imports=list(model.opset_import), producer_name="normgrad")
+    new_graph = result.graph
+    new_graph.name = f"{graph.name or 'model'}_training"
+    new_graph.doc_string = "Training graph written by normgrad.graphs.build_training_graph"
+    new_graph.input.extend(list(graph.input) + trainable_inputs + extra_inputs)
+    new_graph.output.extend(list(graph.output) + extra_outputs)
+    new_graph.initializer.extend(graph.initializer)
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
-    # each copy of a graph of 10^6 nodes takes gigabytes: drop the forward copy and the
-    # emitted nodes (now in new_graph), and new_graph once the model holds it
-    del graph, ctx.nodes[:]
-    model.ClearField("graph")
-    result = oh.make_model(new_graph, opset_imports=list(model.opset_import), producer_name="normgrad")
-    del new_graph
+    new_graph.value_info.extend(original_value_info)
+    new_graph.node.extend(graph.node)
+    new_graph.node.extend(ctx.nodes)
+    loss_of = float_outputs[0].name
+    # a reference to any part of the prepared forward model or of the emitted nodes keeps
+    # all of it alive
+    del graph, ctx, types, wanted, trainable_inputs, extra_inputs, extra_outputs, float_outputs, new_graph, model
     metadata = {
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
         METADATA_LOSS: json.dumps(
-            {"kind": loss, "output": float_outputs[0].name, **({"options": dict(loss_options)} if loss_options else {})}
+            {"kind": loss, "output": loss_of, **({"options": dict(loss_options)} if loss_options else {})}
             if loss else {"kind": "output", "output": loss_output} if loss_output else None),
         **parallel_metadata,
     }

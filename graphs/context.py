@@ -40,7 +40,10 @@ class GradientContext:
 
     def __init__(self, graph: onnx.GraphProto, opset: int, needs_grad: Set[str]):
         self.opset = opset
-        self.nodes: List[onnx.NodeProto] = []
+        # emitted nodes live in one message's arena (~0.4 KB each), not as standalone
+        # NodeProtos (~1.6 KB each under upb): millions are emitted for a large model
+        self._emitted = onnx.GraphProto()
+        self.nodes = self._emitted.node
         self._needs_grad = needs_grad
         self._types: Dict[str, onnx.TypeProto] = {}
         self._constants: Dict[str, np.ndarray] = {}

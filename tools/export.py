@@ -142,6 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = args.output
     try:
         forward = load_model(args.model)
+        _refuse_beyond_memory(args.model, forward)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TorchExportWarning)
@@ -168,10 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
                                                  no_weight_decay=args.no_weight_decay, **optimizer_options)
-            training, _ = finish(training)
+            training, _ = finish(training, in_place=True)
             evaluation = build_eval_graph(training)
         else:
-            training, initial = finish(training)
+            training, initial = finish(training, in_place=True)
         # every file is built before any is written; the graphs wait, flushed under temporary
         # names, until the checkpoint is in place
         try:
@@ -209,6 +210,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs; "
           f"initial weights in {checkpoint_path}")
     return 0
+
+
+EXPORT_BYTES_PER_NODE = 13 * 1024
+"""Peak memory of ``normgrad export`` per forward node, measured on chains of 10^4 and 10^5
+elementwise nodes (docs/errors.md, "Large models"): 1.25 GiB at 10^5 nodes."""
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes this process can still allocate: the smaller of the system's MemAvailable and
+    what the address-space limit (ulimit -v) leaves; None where neither is known."""
+    import resource
+
+    limits = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as statm:
+                limits.append(soft - int(statm.read().split()[0]) * resource.getpagesize())
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def _refuse_beyond_memory(path: str, forward) -> None:
+    """CommandError when exporting ``forward`` would need more memory than is available:
+    past that point onnx's C++ code and protobuf abort or crash with no message."""
+    needed = EXPORT_BYTES_PER_NODE * len(forward.graph.node) + 3 * forward.ByteSize()
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise CommandError(f"exporting {path} ({len(forward.graph.node):,} nodes) needs about "
+                           f"{needed / 2**30:.1f} GiB of memory; {max(available, 0) / 2**30:.1f} GiB are available; "
+                           "nothing was written")
 
 
 def _trains_a_weight(training) -> bool:

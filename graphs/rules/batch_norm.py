@@ -83,6 +83,8 @@ def make_batch_statistics_explicit(
     Returns:
         {the layer's output Y: its :class:`BatchStatistics`}, for the gradient rule.
     """
+    if not any(_is_training(node) for node in graph.node):
+        return {}  # rewriting would copy every node of the graph
     writer = GradientContext(graph, opset, set())
     rewritten: List[onnx.NodeProto] = []
     found: Dict[str, BatchStatistics] = {}
