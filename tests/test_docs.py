@@ -75,7 +75,7 @@ def blocks(path: str) -> List[Tuple[str, str, List[str], int]]:
 
 PYTHON = ("python", "py")
 SHELL = ("bash", "sh", "shell", "console")
-NOT_RUN = ("text", "")   # output, and plain fences
+NOT_RUN = ("text",)   # output
 
 
 def console_commands(code: str) -> str:
@@ -179,6 +179,14 @@ def test_the_pages_are_found_and_have_examples():
     """The collection above cannot silently be empty: README's example is among the cases."""
     assert ("README.md", "page") in CASES
     assert len(pages()) > 10
+
+
+def test_every_block_runs_or_is_output():
+    """A block in another language (or none) would be neither run nor skipped by name."""
+    unknown = [(os.path.relpath(path, ROOT), line, language) for path in pages()
+               for language, _, marks, line in blocks(path)
+               if language not in PYTHON + SHELL + NOT_RUN and marks[:1] != ["skip"]]
+    assert unknown == [], f"fence these as python, bash, console or text, or mark them skip \"reason\": {unknown}"
 
 
 def test_marks_are_read(tmp_path):
