@@ -141,13 +141,18 @@ def scripts(path: str) -> Dict[str, Tuple[str, List[str]]]:
 CASES = [(os.path.relpath(path, ROOT), kind) for path in pages() for kind in scripts(path)]
 
 
-def _run(python: str, code: str, tmp_path, name: str) -> None:
+def _run(python: str, code: str, tmp_path, name: str, quiet: bool = True) -> None:
+    """Runs ``code``; ``quiet``: onnxruntime must log no warning or error at its default level
+    (the sessions a page creates on normgrad's graphs, tests/test_quiet.py)."""
     script = tmp_path / "docs_page.py"
     script.write_text(code, encoding="utf-8")
     environment = dict(os.environ, PYTHONWARNINGS="default", NORMGRAD_REPO=ROOT)
     done = subprocess.run([python, str(script)], cwd=tmp_path, env=environment, capture_output=True,
                           text=True, timeout=TIMEOUT)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    logged = [line for line in (done.stdout + done.stderr).splitlines()
+              if "[W:onnxruntime" in line or "[E:onnxruntime" in line]
+    assert not (quiet and logged), f"{name}: onnxruntime warned:\n" + "\n".join(logged[:10])
 
 
 @pytest.mark.parametrize("page,kind", CASES, ids=[f"{page}:{kind}" for page, kind in CASES])
@@ -170,7 +175,7 @@ def test_code_blocks_run(page, kind, tmp_path):
             page_code, page_requirements = scripts(os.path.join(ROOT, page))["page"]
             if all(REQUIREMENTS[name]() for name in page_requirements):
                 _run(sys.executable, page_code, tmp_path, page)
-        _run(python, code, tmp_path, f"{page} (onnxruntime-training blocks)")
+        _run(python, code, tmp_path, f"{page} (onnxruntime-training blocks)", quiet=False)
     else:
         _run(sys.executable, code, tmp_path, page)
 
@@ -221,6 +226,17 @@ def test_shell_blocks_run_in_the_page_folder_in_order(tmp_path):
     _run(sys.executable, scripts(str(page))["page"][0], folder, "page")
     page.write_text("```python\nx = 1\n```\n```bash\nfalse\necho not reached\n```\n")
     with pytest.raises(AssertionError, match="shell block at line 4 exited with 1"):
+        _run(sys.executable, scripts(str(page))["page"][0], folder, "page")
+
+
+def test_a_page_whose_sessions_warn_fails(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport onnx, onnxruntime\nfrom normgrad.graphs import build_training_graph, examples\n"
+                    "onnxruntime.InferenceSession(build_training_graph(examples.mlp(), loss='cross_entropy')"
+                    ".SerializeToString())\n```\n")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    with pytest.raises(AssertionError, match="onnxruntime warned"):
         _run(sys.executable, scripts(str(page))["page"][0], folder, "page")
 
 
