@@ -10,7 +10,8 @@ meaning the Python that runs the tests. ``text`` blocks are output and not run.
 An HTML comment just above a block marks it (the comment line, then the fence):
 
 * ``<!-- docs-test: requires torch mpi sklearn -->``: the page needs these (torch with
-  onnxscript, mpi4py with mpirun, scikit-learn); the page is skipped where one is missing,
+  onnxscript, mpi4py with mpirun, scikit-learn, transformers, peft with safetensors); the
+  page is skipped where one is missing,
   as the tests skip.
 * ``<!-- docs-test: skip "reason" -->``: this block cannot run here (a pip install, a server,
   a benchmark of minutes, another venv); it is left out of the page's script and reported as
@@ -42,6 +43,7 @@ REQUIREMENTS = {
     "mpi": lambda: _installed("mpi4py") and shutil.which("mpirun") is not None,
     "sklearn": lambda: _installed("sklearn"),
     "transformers": lambda: _installed("transformers"),
+    "peft": lambda: _installed("peft") and _installed("safetensors"),
 }
 TIMEOUT = 600
 
@@ -173,8 +175,11 @@ def test_code_blocks_run(page, kind, tmp_path):
                         "onnxruntime-training 1.19.2 (and onnx<=1.16) to run it")
         if "page" in scripts(os.path.join(ROOT, page)):
             page_code, page_requirements = scripts(os.path.join(ROOT, page))["page"]
-            if all(REQUIREMENTS[name]() for name in page_requirements):
-                _run(sys.executable, page_code, tmp_path, page)
+            missing = [name for name in page_requirements if not REQUIREMENTS[name]()]
+            if missing:  # its blocks read what the page's own blocks write
+                pytest.skip(f"{page}: the onnxruntime-training blocks need the page's own, which need "
+                            f"{', '.join(missing)}")
+            _run(sys.executable, page_code, tmp_path, page)
         _run(python, code, tmp_path, f"{page} (onnxruntime-training blocks)", quiet=False)
     else:
         _run(sys.executable, code, tmp_path, page)
