@@ -6,11 +6,14 @@ import copy
 import fnmatch
 import json
 import warnings
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
 
 import onnx
 import onnx.helper as oh
 import onnx.inliner
+import onnx.numpy_helper
 import onnx.shape_inference
 
 import normgrad
@@ -19,7 +22,7 @@ from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
-from normgrad.graphs.portable import make_portable
+from normgrad.graphs.portable import COSTLY_REWRITES, make_portable
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.graphs.tidy import tidy
 from normgrad.ops import DOMAIN, IR_VERSION
@@ -311,6 +314,38 @@ def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
     return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in parameters}
 
 
+class TrainingGraph(NamedTuple):
+    """A training graph as ``normgrad export`` writes it, and its weights' initial values.
+
+    Unpacks as ``model, weights = build_training_graph(...)``.
+    """
+
+    model: onnx.ModelProto
+    """The training graph; every trainable weight is a pure input."""
+    weights: Dict[str, np.ndarray]
+    """{trainable weight: its initial value}, the forward model's initializer."""
+
+    def feeds(self, batch: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """The inputs of one run: the weights' initial values and ``batch`` (which wins)."""
+        return {**self.weights, **batch}
+
+
+AnyTrainingGraph = Union[TrainingGraph, onnx.ModelProto]
+"""A :class:`TrainingGraph`, or a training graph model alone (e.g. read from a file
+``normgrad export`` wrote, whose weights are in its checkpoint)."""
+
+
+def training_graph_parts(training: AnyTrainingGraph) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
+    """(model, {weight: initial value}) of either form; a model alone has the values of the
+    weights it still stores as initializers (an older normgrad's form), none otherwise."""
+    if isinstance(training, TrainingGraph):
+        return training.model, training.weights
+    if not isinstance(training, onnx.ModelProto):
+        raise TypeError(f"expected a TrainingGraph or an onnx.ModelProto; got {type(training).__name__}")
+    inputs = {i.name for i in training.graph.input}
+    return training, {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer if t.name in inputs}
+
+
 def build_training_graph(
     model: onnx.ModelProto,
     loss: Optional[str] = None,
@@ -323,11 +358,12 @@ def build_training_graph(
     sync_batch_norm: bool = False,
     bucket_bytes: int = data_parallel_rules.DEFAULT_BUCKET_BYTES,
     portable: bool = False,
-) -> onnx.ModelProto:
+) -> "TrainingGraph":
     """Appends the reverse-mode gradient of ``model`` to it.
 
-    The training graph's inputs are the forward inputs, every trainable initializer (it
-    stays an initializer too, as the default) and, per float forward output ``y``, a seed
+    The training graph is what ``normgrad export`` writes: its inputs are the forward
+    inputs, every trainable weight (a pure input: no initializer holds it; its initial value
+    is in :attr:`TrainingGraph.weights`) and, per float forward output ``y``, a seed
     gradient ``y_grad`` of y's type (with ``loss``: one ``labels`` input instead). Its
     outputs are the forward outputs (plus the scalar ``loss``) and ``NAME_grad`` for every
     float graph input and every trainable initializer (a float initializer on a
@@ -355,15 +391,16 @@ def build_training_graph(
         sync_batch_norm: synchronized BatchNorm with normgrad's AllReduce (shorthand for
             ``batch_norm_all_reduce=normgrad.graphs.data_parallel.all_reduce``).
         bucket_bytes: the largest all-reduce of ``data_parallel``, in bytes.
-        portable: rewrite the graph so that every execution provider runs it correctly
-            (:func:`normgrad.graphs.portable.make_portable`): trainable weights become pure
-            inputs (no initializer; their initial values are the forward model's
-            initializers, or call ``make_portable`` on the non-portable graph to get them),
-            inputs nothing reads are dropped.
+        portable: also make the rewrites that cost measurable time on onnxruntime's CPU
+            provider (:data:`normgrad.graphs.portable.COSTLY_REWRITES`, ``normgrad export
+            --portable``); the others are always made (:func:`normgrad.graphs.portable.as_exported`).
 
     Returns:
-        A model with IR version 10 and the default-domain opset of ``model`` (at least 15,
-        16 with MaxPool), checked with ``onnx.checker.check_model(full_check=True)``.
+        A :class:`TrainingGraph`: the model (IR version 10, the default-domain opset of
+        ``model``, at least 15, 16 with MaxPool, checked with
+        ``onnx.checker.check_model(full_check=True)``) and the trainable weights' initial
+        values, to feed with each batch (``{**training.weights, **batch}``) or to pass on to
+        :func:`normgrad.graphs.build_step_graph`.
 
     Raises:
         UnsupportedOperatorError: a gradient must flow through an operator (or a variant of one) without a rule.
@@ -378,6 +415,32 @@ def build_training_graph(
         TorchExportWarning: trainable initializers that look like constants torch folded, or
             that torch's TorchScript exporter merged several tensors into.
     """
+    stored = _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_output, batch_norm_all_reduce,
+                                      data_parallel, sync_batch_norm, bucket_bytes)
+    return TrainingGraph(*make_portable(stored, skip=() if portable else COSTLY_REWRITES, in_place=True))
+
+
+def training_graph_with_stored_weights(model: onnx.ModelProto, **options) -> onnx.ModelProto:
+    """The training graph of :func:`build_training_graph` (same options but ``portable``) in
+    the form whose trainable weights are graph inputs *and* initializers holding their
+    initial values, without the portable rewrites: the form a runtime that ignores fed
+    weights gets wrong (the corpus's ``_stored_weights`` cases test exactly that)."""
+    return _assemble_training_graph(model, **options)
+
+
+def _assemble_training_graph(
+    model: onnx.ModelProto,
+    loss: Optional[str] = None,
+    inline: bool = False,
+    frozen: Iterable[str] = (),
+    loss_options: Optional[Mapping[str, object]] = None,
+    loss_output: Optional[str] = None,
+    batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
+    data_parallel: bool = False,
+    sync_batch_norm: bool = False,
+    bucket_bytes: int = data_parallel_rules.DEFAULT_BUCKET_BYTES,
+) -> onnx.ModelProto:
+    """:func:`build_training_graph` before the weights leave the initializers."""
     if inline and (data_parallel or sync_batch_norm or batch_norm_all_reduce):
         raise ValueError("inline=True writes AllReduce as its function body, the identity: it cannot be combined "
                          "with data_parallel or sync_batch_norm")
@@ -418,10 +481,10 @@ def build_training_graph(
     if trained_folded:
         warnings.warn(torch_exports.folded_constants_warning(
             trained_folded, torch_exports.torchscript_eval_mode(model, trained_folded)),
-            torch_exports.TorchExportWarning, stacklevel=2)
+            torch_exports.TorchExportWarning, stacklevel=3)
     trained_merged = {kept: names for kept, names in merged_initializers.items() if kept in needs}
     if trained_merged:
-        warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=2)
+        warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=3)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
 
@@ -529,6 +592,4 @@ def build_training_graph(
         result = inline_normgrad(result)
     result.ir_version = IR_VERSION
     onnx.checker.check_model(result, full_check=True)
-    if portable:
-        result, _ = make_portable(result)
     return result

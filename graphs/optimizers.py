@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -28,6 +28,9 @@ from normgrad.graphs.portable import make_portable
 from normgrad.graphs.tidy import tidy
 from normgrad.graphs.structure import subgraph_captures
 from normgrad.ops._common import DOMAIN, IR_VERSION
+
+if TYPE_CHECKING:
+    from normgrad.graphs.builder import AnyTrainingGraph
 
 __all__ = [
     "build_optimizer_graph",
@@ -599,18 +602,17 @@ def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
 
 
 def build_step_graph(
-    training: onnx.ModelProto, kind: str, portable: bool = False, *, dropout_seed: int = 0, **options
+    training: "AnyTrainingGraph", kind: str, portable: bool = False, *, dropout_seed: int = 0, **options
 ) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
-    """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``)
-    with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
+    """Composes a training graph that has a loss (``build_training_graph(model, loss=...)``,
+    whose weights' values it takes) with :func:`build_optimizer_graph` into one step graph: (data inputs, state, ``lr``,
     ``step``) -> (``loss``, ``NAME.next`` per state input). Trainable weights become pure
     inputs (no initializer); so do the running statistics of every training-mode
     BatchNormalization (initializers read as inputs 3 and 4), whose ``NAME.next`` outputs are
     torch's train-mode update (:func:`running_statistics`). The returned dict holds every
     state input's initial value, for :func:`normgrad.checkpoint.save`. ``portable``: rewrite
     the step graph so that every execution provider runs it correctly
-    (:func:`normgrad.graphs.portable.make_portable`); ``training`` is the ordinary
-    (non-portable) training graph.
+    (:func:`normgrad.graphs.portable.make_portable`).
 
     With training-mode Dropout, the step graph takes one more input, ``dropout_seed`` (int64
     scalar), and draws each mask from it, ``step`` and the micro-batch index
@@ -622,23 +624,27 @@ def build_step_graph(
             graph that already has a value named ``lr``, ``step`` or ``dropout_seed``, or a
             ``dropout_seed`` outside int64.
     """
+    from normgrad.graphs.builder import training_graph_parts
+
+    training, weights = training_graph_parts(training)
     metadata = {entry.key: entry.value for entry in training.metadata_props}
     if json.loads(metadata.get("normgrad.loss", "null")) is None:
         raise ValueError("a step graph needs a training graph built with a loss")
     graph = training.graph
     initializers = {t.name: t for t in graph.initializer}
-    trainable = [name for name in json.loads(metadata["normgrad.gradients"]).values() if name in initializers]
+    input_names = {i.name for i in graph.input}
+    trainable = [name for name in json.loads(metadata["normgrad.gradients"]).values() if name in weights]
     for name in trainable:
-        if initializers[name].data_type != TensorProto.FLOAT:
+        if weights[name].dtype != np.float32:
             raise ValueError(f"trainable weight {name!r} is not float32; step graphs are float32")
-    names = {i.name for i in graph.input} | {o for n in graph.node for o in n.output} | set(initializers)
+    names = input_names | {o for n in graph.node for o in n.output} | set(initializers)
     for reserved in ("lr", "step"):
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
     if not trainable:
         raise ValueError("the training graph has no trainable weight (every initializer frozen, or none reaches the "
                          "loss): a step graph needs at least one")
-    optimizer = build_optimizer_graph({n: list(initializers[n].dims) for n in trainable}, kind, **options)
+    optimizer = build_optimizer_graph({n: list(weights[n].shape) for n in trainable}, kind, **options)
     statistics = running_statistics(training)
     nodes = list(graph.node) + [helper.make_node("Identity", [updated], [next_name(stat)])
                                 for stat, updated in statistics.items()]
@@ -683,7 +689,7 @@ def build_step_graph(
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
     tidy(model)
     onnx.checker.check_model(model, full_check=True)
-    initial = {n: numpy_helper.to_array(initializers[n]).copy() for n in trainable}
+    initial = {n: np.array(weights[n], copy=True) for n in trainable}
     for n in trainable:
         for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):
             initial[name] = np.zeros(initial[n].shape, np.float32)

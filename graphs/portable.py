@@ -73,7 +73,7 @@ class _Names:
         return reserve_name(self.used, hint)
 
 
-def _weights_as_inputs(graph: onnx.GraphProto) -> Dict[str, np.ndarray]:
+def weights_as_inputs(graph: onnx.GraphProto) -> Dict[str, np.ndarray]:
     """Drops every initializer that is also a graph input; returns their values."""
     inputs = {i.name for i in graph.input}
     moved = {t.name: onh.to_array(t).copy() for t in graph.initializer if t.name in inputs}
@@ -354,7 +354,7 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
     if not in_place:
         model = copy.deepcopy(model)
     _refuse_training_batch_norm(model.graph)
-    moved = _weights_as_inputs(model.graph)
+    moved = weights_as_inputs(model.graph)
     if "group_normalization_expanded" not in skip:
         model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)

@@ -462,7 +462,6 @@ def _ort_r1(train, inputs, threads) -> np.ndarray:
     model = copy.deepcopy(train)
     model.graph.output.append(oh.make_tensor_value_info("r1", onnx.TensorProto.FLOAT, None))
     options = normgrad.session_options("cpp", _session_options(threads))
-    options.log_severity_level = 3
     session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(["r1"], inputs)[0]
 
@@ -478,7 +477,6 @@ def _profile_breakdown(train_bytes, inputs, threads, runs: int = 3) -> str:
 
     with tempfile.TemporaryDirectory() as tmp:
         options = normgrad.session_options("cpp", _session_options(threads))
-        options.log_severity_level = 3
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(tmp, "resnet")
         session = onnxruntime.InferenceSession(train_bytes, options, providers=["CPUExecutionProvider"])
@@ -521,10 +519,11 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
 
     n, c, h, w = shape
     forward = _resnet_forward(n, c, h, w)
-    train = build_training_graph(forward)
+    train, weights = build_training_graph(forward)
     train_bytes = train.SerializeToString()
-    params = {t.name: np.array(onh.to_array(t)) for t in train.graph.initializer}  # writable, for torch
-    trainable = [i.name for i in train.graph.input if i.name in params]
+    params = {name: np.array(value) for name, value in weights.items()}  # writable, for torch
+    params.update((t.name, np.array(onh.to_array(t))) for t in train.graph.initializer)  # and the BN statistics
+    trainable = [i.name for i in train.graph.input if i.name in weights]
     rng = np.random.default_rng(7)
     inputs = {"x": rng.standard_normal(shape, dtype=np.float32),
               "y_grad": rng.standard_normal(shape, dtype=np.float32),
@@ -533,7 +532,6 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
     sessions, runners = {}, {}
     for backend in ("cpp",) + (("functions",) if full else ()):
         options = _session_options(threads)
-        options.log_severity_level = 3  # not the warning per trainable initializer that is also an input
         if backend == "cpp":
             normgrad.session_options("cpp", options)
         try:

@@ -96,7 +96,7 @@ def measure(training: onnx.ModelProto, runs: int, rounds: int, seed: int = 0) ->
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from normgrad.graphs import build_training_graph
+    from normgrad.graphs.builder import training_graph_with_stored_weights
 
     parser = argparse.ArgumentParser(prog="python -m normgrad.tools.bench_portable", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("| graph | form | median ms | range over rounds |")
     print("|---|---|---|---|")
     for title, forward, loss, runs in blocks():
-        training = build_training_graph(forward, loss=loss)
+        training = training_graph_with_stored_weights(forward, loss=loss)
         for name, samples in measure(training, runs, args.rounds).items():
             print(f"| {title} | {name} | {statistics.median(samples):.3f} | {min(samples):.3f}-{max(samples):.3f} |",
                   flush=True)

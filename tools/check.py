@@ -36,7 +36,8 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS
+from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS, AnyTrainingGraph, training_graph_parts
+from normgrad.graphs.portable import weights_as_inputs
 from normgrad.graphs.structure import subgraph_captures
 
 __all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "check_metadata", "main"]
@@ -169,7 +170,6 @@ def _output_shapes(model: onnx.ModelProto, outputs: Sequence[str], feeds: Dict[s
 
     forward = _forward_model(model, outputs, double=False)
     options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
     session = onnxruntime.InferenceSession(forward.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = {i.name for i in forward.graph.input}
     values = session.run(list(outputs), {k: v for k, v in feeds.items() if k in names})
@@ -283,7 +283,6 @@ def _onnxruntime_runner(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarra
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
     session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return lambda feeds: session.run(None, feeds)
 
@@ -599,7 +598,7 @@ def _flipped(decisions: List[np.ndarray], held: List[np.ndarray]) -> int:
 
 
 def check_gradients(
-    model: onnx.ModelProto,
+    training: AnyTrainingGraph,
     feeds: Optional[Dict[str, np.ndarray]] = None,
     session_options=None,
     directions: int = 1,
@@ -609,8 +608,11 @@ def check_gradients(
     """Compares every gradient output of training graph ``model`` with finite differences.
 
     Args:
-        model: a training graph written by :func:`normgrad.graphs.build_training_graph`.
-        feeds: the inputs; :func:`random_feeds` when None.
+        training: a training graph: what :func:`normgrad.graphs.build_training_graph`
+            returns, or its model alone (then weights that are pure inputs need ``feeds``, or
+            get random values).
+        feeds: the inputs; :func:`random_feeds` and the weights' values when None. Weights
+            ``feeds`` leaves out get their values from ``training``.
         session_options: onnxruntime ``SessionOptions`` for the training graph (e.g.
             ``normgrad.session_options("cpp")``); when None, plain options and the
             function bodies (attached with ``normgrad.add_functions`` if missing).
@@ -631,12 +633,15 @@ def check_gradients(
 
     import normgrad
 
+    model, weights = training_graph_parts(training)
+    if any(t.name in weights for t in model.graph.initializer):  # an older normgrad's form
+        model = copy.deepcopy(model)
+        weights_as_inputs(model.graph)
     check_metadata(model)
-    feeds = random_feeds(model, seed) if feeds is None else feeds
+    feeds = {**random_feeds(model, seed), **weights} if feeds is None else {**weights, **feeds}
     if session_options is None:  # the function bodies, attached if the model lacks them
         model = normgrad.add_functions(model)
         session_options = onnxruntime.SessionOptions()
-    session_options.log_severity_level = 3
     model = _with_second_outputs(model)
     float_typed = _float_typed(model)
     nodes = _forward_nodes(model, _objective(model)[0])

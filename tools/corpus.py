@@ -380,12 +380,13 @@ def _training_cases() -> List[Callable[[], List[Case]]]:
     def make(block, builder, loss, with_inline, description):
         def build() -> List[Case]:
             from normgrad.graphs import build_training_graph
+            from normgrad.graphs.builder import training_graph_with_stored_weights
             from normgrad.graphs.portable import as_exported
 
             forward = builder()
             name = f"train_{block}"
             text = f"training graph of the {description}" + (f", loss {loss}" if loss else ", seeded output gradients")
-            stored = build_training_graph(forward, loss=loss)
+            stored = training_graph_with_stored_weights(forward, loss=loss)
             exported, initial = as_exported(stored)
             weights = fed_weights(initial, name)
             model = _finish(exported, text + "; weights are pure inputs (as exported), fed values that differ from "
@@ -409,7 +410,7 @@ def _training_cases() -> List[Callable[[], List[Case]]]:
                                expected, omits_optional=_omits_optional(stored)))
             if with_inline:
                 inline_text = text + "; normgrad function bodies inlined (standard ops only), weights pure inputs"
-                inline, _ = as_exported(build_training_graph(forward, loss=loss, inline=True))
+                inline, _ = build_training_graph(forward, loss=loss, inline=True)
                 inline = _finish(inline, inline_text)
                 assert [i.name for i in inline.graph.input] == list(feeds)
                 assert [o.name for o in inline.graph.output] == list(expected)

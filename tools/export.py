@@ -149,34 +149,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
                                             loss_options=loss_options, loss_output=args.loss_output,
                                             data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                            bucket_bytes=bucket_bytes)
+                                            bucket_bytes=bucket_bytes, portable=args.portable)
+            del forward  # the training graph holds all of it
         for warning in caught:
             if issubclass(warning.category, TorchExportWarning):
                 print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
             else:
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-        if args.optimizer and (args.freeze or args.trainable) and not _trains_a_weight(training):
+        if args.optimizer and (args.freeze or args.trainable) and not training.weights:
             print("normgrad export: --freeze/--trainable leave no weight to train; --optimizer needs at least one "
                   "(see --help)", file=sys.stderr)
             return 2
         from normgrad.graphs.portable import as_exported, make_portable
 
-        finish = make_portable if args.portable else as_exported
         evaluation = None
         if args.optimizer:
             from normgrad.graphs import build_step_graph
             from normgrad.graphs.optimizers import build_eval_graph
 
-            training, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
-                                                 no_weight_decay=args.no_weight_decay, **optimizer_options)
-            training, _ = finish(training, in_place=True)
-            evaluation = build_eval_graph(training)
+            step, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
+                                             no_weight_decay=args.no_weight_decay, **optimizer_options)
+            del training
+            finish = make_portable if args.portable else as_exported
+            written, _ = finish(step, in_place=True)
+            evaluation = build_eval_graph(written)
         else:
-            training, initial = finish(training, in_place=True)
+            written, initial = training
         # every file is built before any is written; the graphs wait, flushed under temporary
         # names, until the checkpoint is in place
         try:
-            staged = [StagedFile(args.output, [training.SerializeToString()])]
+            staged = [StagedFile(args.output, [written.SerializeToString()])]
             if evaluation is not None:
                 staged.append(StagedFile(eval_path, [evaluation.SerializeToString()]))
         except ValueError as error:
@@ -246,14 +248,6 @@ def _refuse_beyond_memory(path: str, forward) -> None:
         raise CommandError(f"exporting {path} ({len(forward.graph.node):,} nodes) needs about "
                            f"{needed / 2**30:.1f} GiB of memory; {max(available, 0) / 2**30:.1f} GiB are available; "
                            "nothing was written")
-
-
-def _trains_a_weight(training) -> bool:
-    import json
-
-    metadata = {entry.key: entry.value for entry in training.metadata_props}
-    initializers = {t.name for t in training.graph.initializer}
-    return any(name in initializers for name in json.loads(metadata.get("normgrad.gradients", "{}")).values())
 
 
 def _refuse_one_path(output: str, checkpoint_path: str) -> None:
