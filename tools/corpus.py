@@ -26,8 +26,8 @@ Cases:
   ``_inline`` variant (standard ops only). The cases are written as ``normgrad export``
   writes them (weights pure inputs, :data:`normgrad.graphs.portable.COSTLY_REWRITES` not
   made); each fed weight differs from the forward model's value (:func:`fed_weights`), and a
-  ``_stored_weights`` variant keeps the weights as initializers too (the Python builder's
-  form) with the same feeds and expected outputs: a runtime that uses the stored value
+  ``_stored_weights`` variant keeps the weights as initializers too
+  (:func:`normgrad.graphs.builder.training_graph_with_stored_weights`) with the same feeds and expected outputs: a runtime that uses the stored value
   instead of the fed one fails it. Expected outputs: a float64 copy of the
   training graph (every float tensor, constant and Cast target turned into float64) run by
   ``onnx.reference.ReferenceEvaluator`` with the normgrad nodes evaluated by the float64
@@ -400,7 +400,7 @@ def _training_cases() -> List[Callable[[], List[Case]]]:
             }
             result = [Case(name, "training", "float32", model.doc_string, model, feeds, expected,
                            omits_optional=_omits_optional(model))]
-            stored_text = (text + "; weights both inputs and initializers (build_training_graph's in-memory form), "
+            stored_text = (text + "; weights both inputs and initializers (training_graph_with_stored_weights), "
                                   "fed values that differ from the stored ones: a runtime that ignores fed weights fails")
             stored = _finish(stored, stored_text)
             stored_feeds = _training_feeds(stored, name, weights)
