@@ -191,6 +191,13 @@ def test_the_pages_are_found_and_have_examples():
     assert len(pages()) > 10
 
 
+def test_readme_stays_one_screen_or_two():
+    """The README shows the path (Quickstart, the torch and LoRA examples, links); the rest is in docs/."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as file:
+        lines = file.read().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/ (at most 200)"
+
+
 def test_every_block_runs_or_is_output():
     """A block in another language (or none) would be neither run nor skipped by name."""
     unknown = [(os.path.relpath(path, ROOT), line, language) for path in pages()
