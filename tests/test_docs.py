@@ -243,8 +243,10 @@ def test_shell_blocks_run_in_the_page_folder_in_order(tmp_path):
 
 def test_a_page_whose_sessions_warn_fails(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("```python\nimport onnx, onnxruntime\nfrom normgrad.graphs import build_training_graph, examples\n"
-                    "onnxruntime.InferenceSession(build_training_graph(examples.mlp(), loss='cross_entropy')"
+    # weights both inputs and initializers: onnxruntime warns at session creation
+    page.write_text("```python\nimport onnxruntime\nfrom normgrad.graphs import examples\n"
+                    "from normgrad.graphs.builder import training_graph_with_stored_weights\n"
+                    "onnxruntime.InferenceSession(training_graph_with_stored_weights(examples.mlp(), loss='cross_entropy')"
                     ".SerializeToString())\n```\n")
     folder = tmp_path / "run"
     folder.mkdir()
