@@ -626,6 +626,7 @@ def build_step_graph(
     """
     from normgrad.graphs.builder import training_graph_parts
 
+    from_model_alone = isinstance(training, onnx.ModelProto)
     training, weights = training_graph_parts(training)
     metadata = {entry.key: entry.value for entry in training.metadata_props}
     if json.loads(metadata.get("normgrad.loss", "null")) is None:
@@ -641,6 +642,10 @@ def build_step_graph(
     for reserved in ("lr", "step"):
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
+    if not trainable and from_model_alone:
+        raise ValueError("the training graph model carries no trainable weight's value: pass the TrainingGraph that "
+                         "build_training_graph returns, not its .model (a model alone has values only of weights it "
+                         "stores as initializers), or every weight is frozen or none reaches the loss")
     if not trainable:
         raise ValueError("the training graph has no trainable weight (every initializer frozen, or none reaches the "
                          "loss): a step graph needs at least one")
