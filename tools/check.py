@@ -129,21 +129,23 @@ def _dims(info: onnx.ValueInfoProto, symbols: Dict[str, int], default: int) -> L
     return dims
 
 
-def random_feeds(model: onnx.ModelProto, seed: int = 0, batch: int = 2) -> Dict[str, np.ndarray]:
-    """Random values for every input of training graph ``model``.
+def random_feeds(training: AnyTrainingGraph, seed: int = 0, batch: int = 2) -> Dict[str, np.ndarray]:
+    """Random values for every input of training graph ``training`` (either form of
+    :func:`check_gradients`).
 
-    Trainable initializers get their stored values; float inputs standard normal values;
+    Trainable weights get their values (a :class:`~normgrad.graphs.TrainingGraph`'s, or
+    those a model alone stores as initializers); other float inputs standard normal values;
     ``labels`` of a cross-entropy loss class indices within the output's axis 1. Symbolic
     dims become ``batch``, but a seed gradient gets the shape its output has at run time.
     """
+    model, weights = training_graph_parts(training)
     rng = np.random.default_rng(seed)
-    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
     loss = _metadata(model, METADATA_LOSS)
     symbols: Dict[str, int] = {}
     feeds: Dict[str, np.ndarray] = {}
     for info in model.graph.input:
-        if info.name in initializers:
-            feeds[info.name] = initializers[info.name]
+        if info.name in weights:
+            feeds[info.name] = weights[info.name]
             continue
         elem_type = info.type.tensor_type.elem_type
         dtype = oh.tensor_dtype_to_np_dtype(elem_type)
@@ -325,17 +327,19 @@ def _float64_feeds(feeds: Dict[str, np.ndarray], names) -> Dict[str, np.ndarray]
     return {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in feeds.items() if k in names}
 
 
-def forward_function(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]], float]:
+def forward_function(training: AnyTrainingGraph) -> Callable[[Dict[str, np.ndarray]], float]:
     """The scalar the training graph differentiates, evaluated in float64 (no decision held).
 
     Returns:
-        ``f(feeds) -> float``: the loss, or the sum over seeded outputs of sum(y * y_grad).
+        ``f(feeds) -> float``: the loss, or the sum over seeded outputs of sum(y * y_grad);
+        weights ``feeds`` leaves out get their values from ``training``.
     """
+    model, weights = training_graph_parts(training)
     outputs, scalar = _objective(model)
     forward = _forward_model(model, outputs)
     run = _runner(forward)
     names = {i.name for i in forward.graph.input}
-    return lambda feeds: scalar(run(_float64_feeds(feeds, names)), feeds)
+    return lambda feeds: scalar(run(_float64_feeds({**weights, **feeds}, names)), feeds)
 
 
 # ------------------------------------------------------------------ held decisions
