@@ -123,7 +123,7 @@ def _truth_gradients(model, params: dict, x: np.ndarray, labels: np.ndarray):
         from normgrad.graphs import build_training_graph
         from normgrad.tools.corpus import float64_outputs
 
-        outputs = float64_outputs(build_training_graph(model, loss="mse"), {"x": x, "labels": labels, **params})
+        outputs = float64_outputs(build_training_graph(model, loss="mse").model, {"x": x, "labels": labels, **params})
         return float(outputs["loss"]), {name: outputs[f"{name}_grad"] for name in params}
     p = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True) for name, value in params.items()}
     xt = torch.tensor(x, dtype=torch.float64)
@@ -178,18 +178,18 @@ def check_training(mode: str) -> None:
     errors = {}
     # 1. loss and gradients of one training-graph run
     x, labels = batches[0]
-    got = _run(_session(training), {"x": mpi.shard(x), "labels": mpi.shard(labels), **params})
+    got = _run(_session(training.model), {"x": mpi.shard(x), "labels": mpi.shard(labels), **params})
     true_loss, true_grads = truth({k: v.astype(np.float64) for k, v in params.items()}, x, labels)
     errors["loss vs truth"] = _relative_error(got["loss"], true_loss)
     gradients = {n: got[f"{n}_grad"] for n in params}
     errors["gradients vs truth"] = _relative_error(gradients, true_grads)
     if sync:  # the same graph engine on one process and the global batch
-        single = _run(_session(plain, mpi.session_options()), {"x": x, "labels": labels, **params})
+        single = _run(_session(plain.model, mpi.session_options()), {"x": x, "labels": labels, **params})
         errors["loss vs 1 process"] = _relative_error(got["loss"], single["loss"])
         errors["gradients vs 1 process"] = _relative_error(gradients, {n: single[f"{n}_grad"] for n in params})
         # control: per-rank statistics are measurably different, so the comparison can fail
         local = build_training_graph(model, loss="mse", data_parallel=True)
-        local_grads = _run(_session(local), {"x": mpi.shard(x), "labels": mpi.shard(labels), **params})
+        local_grads = _run(_session(local.model), {"x": mpi.shard(x), "labels": mpi.shard(labels), **params})
         control = _relative_error({n: local_grads[f"{n}_grad"] for n in params}, {n: single[f"{n}_grad"] for n in params})
         assert control > 1e-3, f"per-rank BatchNorm gradients match the global batch's ({control:.2e}): no test"
 

@@ -119,8 +119,10 @@ def test_data_parallel_graph_on_one_process_is_the_plain_graph(backend):
     if backend == "cpp" and not cpp_available():
         pytest.skip("C++ library not built")
     model = examples.resnet_block(batch="N")
-    plain = build_training_graph(model, loss="mse")
-    parallel = build_training_graph(model, loss="mse", data_parallel=True, sync_batch_norm=True)
+    plain, weights = build_training_graph(model, loss="mse")
+    parallel, parallel_weights = build_training_graph(model, loss="mse", data_parallel=True, sync_batch_norm=True)
+    assert parallel_weights.keys() == weights.keys()
+    assert all(np.array_equal(parallel_weights[k], weights[k]) for k in weights)
     ops = [n.op_type for n in parallel.graph.node if n.domain == normgrad.DOMAIN]
     # one bucket for every gradient and the loss, 3 per BatchNorm (sum+count, squares, backward sums)
     assert ops.count("AllReduce") == 1 + 3 * 2
@@ -128,7 +130,8 @@ def test_data_parallel_graph_on_one_process_is_the_plain_graph(backend):
     assert meta["data_parallel"] and meta["sync_batch_norm"] and len(meta["buckets"]) == 1
     assert meta["buckets"][0]["members"] == ["w1", "w2", "b1", "s1", "t1", "s2", "t2", "loss"]
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.normal(size=(4, 4, 5, 5)).astype(np.float32), "labels": rng.normal(size=(4, 4, 5, 5)).astype(np.float32)}
+    feeds = {**weights, "x": rng.normal(size=(4, 4, 5, 5)).astype(np.float32),
+             "labels": rng.normal(size=(4, 4, 5, 5)).astype(np.float32)}
     expected, got = _outputs(plain, feeds, backend), _outputs(parallel, feeds, backend)
     assert list(got) == list(expected)
     for name in expected:
@@ -136,11 +139,11 @@ def test_data_parallel_graph_on_one_process_is_the_plain_graph(backend):
 
 
 def test_sync_batch_norm_alone_averages_no_gradient():
-    training = build_training_graph(examples.resnet_block(batch="N"), loss="mse", sync_batch_norm=True)
+    training, _ = build_training_graph(examples.resnet_block(batch="N"), loss="mse", sync_batch_norm=True)
     meta = json.loads({p.key: p.value for p in training.metadata_props}[data_parallel.METADATA])
     assert meta == {"data_parallel": False, "sync_batch_norm": True, "buckets": []}
     assert sum(n.op_type == "AllReduce" for n in training.graph.node) == 3 * 2
-    plain = build_training_graph(examples.resnet_block(batch="N"), loss="mse")
+    plain, _ = build_training_graph(examples.resnet_block(batch="N"), loss="mse")
     assert data_parallel.METADATA not in {p.key for p in plain.metadata_props}
 
 

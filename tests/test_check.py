@@ -16,7 +16,8 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from normgrad.graphs import build_training_graph, examples
+from normgrad import checkpoint
+from normgrad.graphs import TrainingGraph, build_training_graph, examples
 from normgrad.tools import check as check_tool
 from normgrad.tools import cli
 
@@ -27,9 +28,12 @@ def small_resnet18():
     return build_training_graph(examples.resnet18(batch=2, size=64, widths=(8, 16, 32, 64)))
 
 
-def _check_cli(model: onnx.ModelProto, folder, capsys, *args: str):
+def _check_cli(training: TrainingGraph, folder, capsys, *args: str):
+    """`normgrad check` on the model written with its weights as `normgrad export` writes
+    them (the checkpoint beside it, which check reads)."""
     path = folder / "train.onnx"
-    onnx.save(model, path)
+    onnx.save(training.model, path)
+    checkpoint.save(folder / "train.ckpt", training.weights)
     status = cli.main(["check", str(path), *args])
     out = capsys.readouterr().out
     lines = {line.split()[1]: line.split()[0] for line in out.splitlines() if line.startswith(("OK", "FAIL"))}
@@ -49,7 +53,7 @@ def test_a_corrupted_backward_node_fails(small_resnet18, tmp_path, capsys):
     That ReLU follows a BatchNorm, so its mask is the BatchNorm ops' relu_output (the ReLU's
     output); fed the negated ReLU input instead, it is inverted."""
     wrong = onnx.ModelProto()
-    wrong.CopyFrom(small_resnet18)
+    wrong.CopyFrom(small_resnet18.model)
     relu_input, relu_output = "layer3.0.conv1.out", "layer3.0.conv1.relu"
     masked = [n for n in wrong.graph.node if n.domain == "normgrad" and n.input[-1] == relu_output]
     assert len(masked) == 2
@@ -57,7 +61,7 @@ def test_a_corrupted_backward_node_fails(small_resnet18, tmp_path, capsys):
     wrong.graph.node.insert(first, oh.make_node("Neg", [relu_input], ["inverted_mask"]))
     for node in masked:
         node.input[-1] = "inverted_mask"
-    status, lines, out = _check_cli(wrong, tmp_path, capsys)
+    status, lines, out = _check_cli(small_resnet18._replace(model=wrong), tmp_path, capsys)
     assert status == 1
     assert lines["layer3.0.conv1.weight_grad"] == "FAIL" and lines["conv1.weight_grad"] == "FAIL", out
     for downstream in ("layer3.0.conv2.weight_grad", "layer4.1.conv2.weight_grad", "fc.weight_grad", "fc.bias_grad"):
@@ -66,13 +70,13 @@ def test_a_corrupted_backward_node_fails(small_resnet18, tmp_path, capsys):
 
 def test_a_gradient_off_by_one_percent_fails_alone(small_resnet18, tmp_path, capsys):
     wrong = onnx.ModelProto()
-    wrong.CopyFrom(small_resnet18)
+    wrong.CopyFrom(small_resnet18.model)
     target = "layer2.0.conv1.weight_grad"
     producer = next(n for n in wrong.graph.node if target in n.output)
     producer.output[list(producer.output).index(target)] = target + "/exact"
     wrong.graph.initializer.append(onh.from_array(np.asarray(1.01, np.float32), "off_by_one_percent"))
     wrong.graph.node.append(oh.make_node("Mul", [target + "/exact", "off_by_one_percent"], [target]))
-    status, lines, out = _check_cli(wrong, tmp_path, capsys)
+    status, lines, out = _check_cli(small_resnet18._replace(model=wrong), tmp_path, capsys)
     assert status == 1
     assert [name for name, verdict in lines.items() if verdict == "FAIL"] == [target], out
 
@@ -105,3 +109,38 @@ def test_dropout_masks_are_held():
         {"ratio": np.asarray(0.3, np.float32), "training": np.asarray(True)}, opset=15)
     checks = check_tool.check_gradients(build_training_graph(forward), directions=2)
     assert checks and max(c.error for c in checks) < 1e-5
+
+
+def test_check_gradients_runs_at_the_training_graphs_weights():
+    """check_gradients(TrainingGraph) feeds the TrainingGraph's weights: y = tanh(x * w), so
+    dL/dx = y_grad * w * (1 - y^2) depends on w. The same check at weights 2w (given as the
+    TrainingGraph's weights, or in feeds to the model alone) gives other analytic values,
+    each equal to the float64 central differences at those weights, and both ways agree."""
+    w = np.linspace(0.25, 1.5, 32, dtype=np.float32).reshape(4, 8)
+    forward = examples.model([oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("Tanh", ["xw"], ["y"])],
+                             {"x": (4, 8)}, ["y"], {"w": w})
+    training = build_training_graph(forward)
+    assert set(training.weights) == {"w"}
+    assert "w" not in {t.name for t in training.model.graph.initializer}
+    rng = np.random.default_rng(5)
+    batch = {"x": rng.standard_normal((4, 8)).astype(np.float32), "y_grad": rng.standard_normal((4, 8)).astype(np.float32)}
+
+    def analytic(checks):
+        return {c.wrt: np.array(c.analytic) for c in checks}
+
+    at_w = check_tool.check_gradients(training, feeds=batch, directions=2)
+    doubled = TrainingGraph(training.model, {"w": 2 * w})
+    at_2w = check_tool.check_gradients(doubled, feeds=batch, directions=2)
+    fed_2w = check_tool.check_gradients(training.model, feeds={**batch, "w": 2 * w}, directions=2)
+    for checks in (at_w, at_2w, fed_2w):
+        assert {c.wrt for c in checks} == {"x", "w"}
+        assert max(c.error for c in checks) < 1e-6, checks
+    # the truth the finite differences are taken of: f(x, w) = sum(tanh(x w) y_grad) in float64
+    f = check_tool.forward_function(training)
+    x64, w64, dy = batch["x"].astype(np.float64), w.astype(np.float64), batch["y_grad"].astype(np.float64)
+    assert f(batch) == pytest.approx(float(np.sum(np.tanh(x64 * w64) * dy)), rel=1e-12)
+    assert f({**batch, "w": 2 * w}) == pytest.approx(float(np.sum(np.tanh(x64 * 2 * w64) * dy)), rel=1e-12)
+    np.testing.assert_array_equal(analytic(at_2w)["x"], analytic(fed_2w)["x"])
+    np.testing.assert_array_equal(analytic(at_2w)["w"], analytic(fed_2w)["w"])
+    # the same directions (same seed), other weights: the x gradient's values move
+    assert np.all(np.abs(analytic(at_2w)["x"] - analytic(at_w)["x"]) > 1e-3 * np.abs(analytic(at_w)["x"]))

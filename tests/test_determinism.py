@@ -63,7 +63,7 @@ def test_corpus_training_graph_is_bitwise_the_same_for_any_thread_count(case):
 
 def test_resnet_block_of_realistic_size_is_bitwise_the_same_for_any_thread_count():
     training = build_training_graph(examples.resnet_block(channels=64, batch=8, size=28))
-    _assert_bitwise_same(_outputs_for_each_thread_count(training, random_feeds(training)))
+    _assert_bitwise_same(_outputs_for_each_thread_count(training.model, random_feeds(training)))
 
 
 def test_staged_reductions_are_the_gradient_and_thread_count_independent():
@@ -82,7 +82,7 @@ def test_staged_reductions_are_the_gradient_and_thread_count_independent():
     )
     training = build_training_graph(forward)
     feeds = random_feeds(training)
-    results = _outputs_for_each_thread_count(training, feeds)
+    results = _outputs_for_each_thread_count(training.model, feeds)
     _assert_bitwise_same(results)
 
     x, dy = feeds["x"].astype(np.float64), feeds["y_grad"].astype(np.float64)
@@ -102,7 +102,7 @@ def test_softmax_over_a_middle_axis_is_thread_count_independent():
     """The sum over axis 1 of [3, 300, 5] (kept-reduced-kept) goes to the end first."""
     training = build_training_graph(examples.model([oh.make_node("Softmax", ["x"], ["y"], axis=1)], {"x": (3, 300, 5)}, ["y"]))
     feeds = random_feeds(training)
-    results = _outputs_for_each_thread_count(training, feeds)
+    results = _outputs_for_each_thread_count(training.model, feeds)
     _assert_bitwise_same(results)
     y = results[1]["y"].astype(np.float64)
     dy = feeds["y_grad"].astype(np.float64)

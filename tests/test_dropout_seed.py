@@ -58,7 +58,7 @@ def _step(seed=0, kind="sgd", **forward):
 def _mask_names(**forward):
     """The mask outputs (d1's, d2's) the Dropout gradient rule adds in the training graph."""
     training = build_training_graph(_forward(**forward), loss="mse")
-    return [n.output[1] for n in training.graph.node if n.op_type == "Dropout"]
+    return [n.output[1] for n in training.model.graph.node if n.op_type == "Dropout"]
 
 
 # -- the generator, written again in NumPy from its documentation ------------------------------

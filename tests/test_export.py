@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from normgrad.graphs import build_training_graph
+from normgrad.graphs import TrainingGraph, build_training_graph
 from normgrad.tools import check as check_tool
 from normgrad.tools import export as export_tool
 
@@ -37,8 +37,8 @@ def _options(backend: str):
         pytest.skip("normgrad C++ library not built")
 
 
-def _assert_close(model: onnx.ModelProto, backend: str = "functions") -> None:
-    checks = check_tool.check_gradients(model, session_options=_options(backend), directions=2)
+def _assert_close(training: TrainingGraph, backend: str = "functions") -> None:
+    checks = check_tool.check_gradients(training, session_options=_options(backend), directions=2)
     worst = max(checks, key=lambda c: c.error)
     assert worst.error < TOLERANCE, worst
 
@@ -47,13 +47,14 @@ def _assert_close(model: onnx.ModelProto, backend: str = "functions") -> None:
 @pytest.mark.parametrize("inline", [False, True])
 def test_block_gradients(name, inline):
     training = build_training_graph(BLOCKS[name](), inline=inline)
-    assert training.ir_version == 10
-    domains = {o.domain for o in training.opset_import}
+    model = training.model
+    assert model.ir_version == 10
+    domains = {o.domain for o in model.opset_import}
     if inline:
-        assert "normgrad" not in domains and not training.functions
-        assert all(node.domain in ("", "ai.onnx") for node in training.graph.node)
+        assert "normgrad" not in domains and not model.functions
+        assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
     elif "norm" in name:
-        assert "normgrad" in domains and training.functions
+        assert "normgrad" in domains and model.functions
     _assert_close(training)
 
 
@@ -64,14 +65,19 @@ def test_block_gradients_cpp_kernels(name):
 
 def test_training_graph_contract():
     forward = resnet_block(training=1)
-    training = build_training_graph(forward)
+    training, weights = build_training_graph(forward)
     inputs = [i.name for i in training.graph.input]
     outputs = [o.name for o in training.graph.output]
     trainable = [t.name for t in forward.graph.initializer if t.name[0] not in "mv"]  # initializer order
     assert sorted(trainable) == ["b1", "s1", "s2", "t1", "t2", "w1", "w2"]
     assert inputs == ["x"] + trainable + ["y_grad"]
     assert outputs == ["y", "x_grad"] + [f"{n}_grad" for n in trainable]
-    assert {t.name for t in training.graph.initializer} >= set(trainable) | {"m1", "v1", "m2", "v2"}
+    # the weights are pure inputs, their values the forward's; the running statistics stay initializers
+    stored = {t.name for t in training.graph.initializer}
+    assert stored >= {"m1", "v1", "m2", "v2"} and not stored & set(trainable)
+    assert list(weights) == trainable
+    initial = {t.name: onnx.numpy_helper.to_array(t) for t in forward.graph.initializer}
+    assert all(np.array_equal(weights[n], initial[n]) and weights[n].dtype == initial[n].dtype for n in trainable)
     assert training.opset_import[0].domain == "" and training.opset_import[0].version == 15
     onnx.checker.check_model(training, full_check=True)
     ops = {n.op_type for n in training.graph.node}
@@ -84,18 +90,18 @@ def test_opset_raised_to_16_for_max_pool():
     from _graph_models import model
 
     forward = model([oh.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2])], {"x": (1, 2, 4, 4)}, ["y"], opset=15)
-    assert build_training_graph(forward).opset_import[0].version == 16
+    assert build_training_graph(forward).model.opset_import[0].version == 16
 
 
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
 @pytest.mark.parametrize("inline", [False, True])
 def test_mlp_with_loss(loss, inline):
     training = build_training_graph(mlp(), loss=loss, inline=inline)
-    assert [i.name for i in training.graph.input][-1] == "labels"
-    assert "loss" in [o.name for o in training.graph.output]
+    assert [i.name for i in training.model.graph.input][-1] == "labels"
+    assert "loss" in [o.name for o in training.model.graph.output]
     _assert_close(training)
     feeds = check_tool.random_feeds(training, seed=3)
-    session = ort.InferenceSession(training.SerializeToString())
+    session = ort.InferenceSession(training.model.SerializeToString())
     y, value = session.run(["y", "loss"], feeds)
     y = y.astype(np.float64)
     if loss == "mse":
@@ -169,7 +175,7 @@ def _randomise(torch, module):
 
 
 def _compare_with_autograd(torch, module, shape, forward: onnx.ModelProto, backend="functions", inline=False):
-    training = build_training_graph(forward, inline=inline)
+    training, weights = build_training_graph(forward, inline=inline)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
     xt = torch.tensor(x, requires_grad=True)
@@ -178,11 +184,8 @@ def _compare_with_autograd(torch, module, shape, forward: onnx.ModelProto, backe
     out.backward(torch.tensor(dy))
     input_name = forward.graph.input[0].name
     output_name = forward.graph.output[0].name
-    feeds = {input_name: x, f"{output_name}_grad": dy}
-    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
-    feeds.update({i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
+    feeds = {**weights, input_name: x, f"{output_name}_grad": dy}
     options = _options(backend) or ort.SessionOptions()
-    options.log_severity_level = 3
     session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in training.graph.output]
     results = dict(zip(names, session.run(None, feeds)))
@@ -190,9 +193,9 @@ def _compare_with_autograd(torch, module, shape, forward: onnx.ModelProto, backe
     expected = {input_name: xt.grad.numpy()}
     params = dict(module.named_parameters())
     for name, param in params.items():
-        if name in initializers:
+        if name in weights:
             expected[name] = param.grad.numpy()
-    assert len(expected) > 2, f"parameters not found among initializers {sorted(initializers)}"
+    assert len(expected) > 2, f"parameters not found among the weights {sorted(weights)}"
     largest = max(np.abs(grad).max() for grad in expected.values())
     for name, grad in expected.items():
         got = results[f"{name}_grad"]
@@ -293,7 +296,7 @@ def test_integer_shape_arithmetic_on_constants_is_folded_so_shapes_are_known():
     ops = [n.op_type for n in folded.graph.node]
     assert ops.count("Mod") == 0 and ops.count("Mul") == 1 and ops.count("Shape") == 1  # float and x-dependent nodes stay
     training = build_training_graph(model)
-    assert [o.name for o in training.graph.output] == ["y", "x_grad"]
+    assert [o.name for o in training.model.graph.output] == ["y", "x_grad"]
     _assert_close(training)
 
 
@@ -302,12 +305,12 @@ def test_batch_norm_relu_backward_is_fused():
     Relu's gradient and output (relu_output) and no Relu gradient is written; BN -> Add
     keeps the plain ops. Gradients checked against finite differences on both runtimes."""
     training = build_training_graph(resnet_block(training=1))
-    bn_ops = [n for n in training.graph.node if n.op_type in ("BatchNormReduceBackward", "BatchNormElemtBackward")]
+    bn_ops = [n for n in training.model.graph.node if n.op_type in ("BatchNormReduceBackward", "BatchNormElemtBackward")]
     masked = [n for n in bn_ops if n.input[-1] == "r1"]  # the Relu output, never its input n1
     assert len(bn_ops) == 4 and len(masked) == 2
     # the other BatchNorm's ops are fed the scalar 1 (no mask): one function body per op type
     assert all(n.input[-1].endswith("relu_output_omitted") for n in bn_ops if n not in masked)
-    assert not any("n1" in n.input for n in training.graph.node if n.op_type in ("Greater", "Where", "Mul"))
+    assert not any("n1" in n.input for n in training.model.graph.node if n.op_type in ("Greater", "Where", "Mul"))
     _assert_close(training, backend="cpp")
     _assert_close(training)
 
@@ -326,7 +329,7 @@ def test_batch_norm_relu_gradients_float64_truth(backend, dtype):
     elem_type = oh.np_dtype_to_tensor_dtype(np.dtype(dtype))
     forward = model(nodes, {"x": (2, 4, 5, 5)}, ["y"], {k: v.astype(dtype) for k, v in params.items()}, opset=15,
                     elem_type=elem_type)
-    training = build_training_graph(forward)
+    training, weights = build_training_graph(forward)
     relu_output = {"y"} | {n.output[0] for n in training.graph.node if n.op_type == "Cast" and list(n.input) == ["y"]}
     assert sum(n.input[-1] in relu_output for n in training.graph.node if n.domain == "normgrad") == 2  # fused
     if backend == "cpp":
@@ -334,7 +337,7 @@ def test_batch_norm_relu_gradients_float64_truth(backend, dtype):
     session = normgrad.inference_session(training, backend=backend, providers=["CPUExecutionProvider"])
     x = (rng.standard_normal((2, 4, 5, 5)) * 2 + 1).astype(dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
-    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x, "y_grad": dy})))
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {**weights, "x": x, "y_grad": dy})))
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
     s, t = (params[k].astype(dtype).astype(np.float64).reshape(1, -1, 1, 1) for k in ("s", "t"))
     invstd = 1 / np.sqrt(x64.var(axis=(0, 2, 3), keepdims=True) + 1e-5)

@@ -213,9 +213,9 @@ def test_float16_base_gradients(half_exported):
     """The adapter gradients over a float16 base are as close to float64 autograd (the same
     weights upcast) as torch's own float16 ones."""
     model, training, batch = half_exported["model"], half_exported["training"], half_exported["batch"]
-    gradient_of = json.loads({p.key: p.value for p in training.metadata_props}["normgrad.gradients"])
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip(gradient_of, session.run(list(gradient_of), batch)))
+    gradient_of = json.loads({p.key: p.value for p in training.model.metadata_props}["normgrad.gradients"])
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip(gradient_of, session.run(list(gradient_of), training.feeds(batch))))
     tensors = {k: torch.from_numpy(v) for k, v in batch.items()}
     model.zero_grad()
     model(**tensors, use_cache=False).loss.backward()

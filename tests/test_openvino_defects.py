@@ -24,7 +24,8 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from normgrad.graphs import build_training_graph, examples
+from normgrad.graphs import examples
+from normgrad.graphs.builder import training_graph_with_stored_weights
 from normgrad.graphs.portable import make_portable
 
 from _providers import CPU, OPENVINO_CPU, first_line, max_relative_error, requires_openvino, run
@@ -152,12 +153,14 @@ def test_portable_refuses_training_mode_batch_norm():
 #    "Output names mismatch" at run time when the batch size is symbolic.
 
 def _onehot_case():
-    """normgrad's cross_entropy loss of Relu(x), as build_training_graph writes it (not portable)."""
+    """normgrad's cross_entropy loss of Relu(x) as the gradient rules write it, before any
+    portable rewrite (training_graph_with_stored_weights; there is no weight): the graph
+    build_training_graph returned before it made the export's rewrites."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 3)).astype(np.float32)
     labels = np.array([0, 2, 1, 2], np.int64)
     forward = examples.model([oh.make_node("Relu", ["x"], ["y"])], {"x": ("N", 3)}, ["y"])
-    model = build_training_graph(forward, loss="cross_entropy")
+    model = training_graph_with_stored_weights(forward, loss="cross_entropy")
     assert any(n.op_type == "OneHot" for n in model.graph.node)
     y = np.maximum(x.astype(np.float64), 0.0)
     e = np.exp(y - y.max(axis=1, keepdims=True))

@@ -14,6 +14,7 @@ import pytest
 import normgrad
 from normgrad import checkpoint
 from normgrad.graphs import build_step_graph, build_training_graph, examples
+from normgrad.graphs.builder import training_graph_with_stored_weights
 from normgrad.graphs.portable import make_portable
 from normgrad.ops import harness
 from normgrad.tools import export as export_tool
@@ -128,15 +129,17 @@ def test_input_a_function_body_ignores_goes_last():
 
 
 def test_group_normalization_expanded():
+    """The GroupNormalization the gradient rule writes against its expanded ONNX body."""
     forward = examples.group_norm_block()
-    training = build_training_graph(forward)
-    portable = build_training_graph(forward, portable=True)
+    stored = training_graph_with_stored_weights(forward)
+    assert "GroupNormalization" in {n.op_type for n in stored.graph.node}
+    portable, weights = build_training_graph(forward, portable=True)
     assert_portable(portable)
     rng = np.random.default_rng(3)
     feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
-             for i in training.graph.input if i.name not in {t.name for t in training.graph.initializer}}
-    feeds.update({t.name: onh.to_array(t) for t in training.graph.initializer})
-    want, got = run(training, feeds, CPU), run(portable, feeds, CPU)
+             for i in portable.graph.input if i.name not in weights}
+    feeds.update(weights)
+    want, got = run(stored, feeds, CPU), run(portable, feeds, CPU)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
 

@@ -1,6 +1,7 @@
 """No onnxruntime warning at its default log level for the graphs normgrad writes and the
-sessions it creates: the causes (initializers and Constant nodes nothing reads, constant
-CastLike nodes) are removed from the graphs (graphs/tidy.py), the log level is untouched."""
+sessions it creates (``normgrad check``'s included): the causes (initializers and Constant
+nodes nothing reads, constant CastLike nodes) are removed from the graphs (graphs/tidy.py),
+the log level is untouched."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Dict, List
 
 import numpy as np
 import onnx
@@ -19,26 +21,29 @@ from onnx.reference import ReferenceEvaluator
 from normgrad.graphs import tidy
 from normgrad.ops import IR_VERSION
 
-# Warned about by onnxruntime for training graphs whose weights are initializer-backed inputs:
-# the in-memory form build_training_graph returns (what `normgrad check` and hand-written loops
-# feed). What `normgrad export` writes has weights as pure inputs and must not warn at all
-# (test_cli_export_and_its_trainer_are_quiet, which does not exempt it).
-NOT_HERE = "appears in graph inputs and will not be treated as constant"
-
-
-def _warnings(script: str, tmp_path, exempt: str = NOT_HERE) -> list:
-    """onnxruntime's warning and error lines while ``script`` runs in a fresh process."""
+def _warnings(script: str, tmp_path) -> Dict[str, List[str]]:
+    """onnxruntime's warning and error lines while ``script`` runs in a fresh process, by
+    section: a line ``=== NAME`` the script prints to stderr starts section NAME (lines
+    before the first marker, and any on stdout, are in section "")."""
     path = tmp_path / "quiet.py"
     path.write_text(textwrap.dedent(script))
     done = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sessions created" in done.stdout
-    lines = (done.stdout + done.stderr).splitlines()
-    return [line for line in lines
-            if ("[W:onnxruntime" in line or "[E:onnxruntime" in line) and not (exempt and exempt in line)]
+    sections: Dict[str, List[str]] = {"": []}
+    current = ""
+    for line in done.stderr.splitlines():
+        if line.startswith("=== "):
+            current = line[len("=== "):]
+            sections[current] = []
+        elif "[W:onnxruntime" in line or "[E:onnxruntime" in line:
+            sections[current].append(line)
+    sections[""] += [line for line in done.stdout.splitlines() if "[W:onnxruntime" in line or "[E:onnxruntime" in line]
+    return sections
 
 
 NOISY_MLP = """
+    import sys
     import numpy as np, onnx, onnxruntime
     from onnx import TensorProto, helper, numpy_helper
     from normgrad.graphs import build_step_graph, build_training_graph, examples
@@ -61,31 +66,31 @@ NOISY_MLP = """
     for node in graph.node[5:]:
         node.input[:] = ["x_scaled" if name == x else name for name in node.input]
     onnx.checker.check_model(forward, full_check=True)
+    print("=== given", file=sys.stderr, flush=True)
     onnxruntime.InferenceSession(forward.SerializeToString())   # the model as given warns
-    import sys; print("=== normgrad from here", file=sys.stderr, flush=True)
+    print("=== normgrad", file=sys.stderr, flush=True)
 
     training = build_training_graph(forward, loss="cross_entropy")
-    onnxruntime.InferenceSession(training.SerializeToString())
-    step, state = build_step_graph(training, "adamw")
     shape = [d.dim_value or 4 for d in graph.input[0].type.tensor_type.shape.dim]
+    batch = {x: np.ones(shape, np.float32), "labels": np.zeros(shape[0], np.int64)}
+    onnxruntime.InferenceSession(training.model.SerializeToString()).run(None, training.feeds(batch))
+    step, state = build_step_graph(training, "adamw")
     trainer = Trainer(step, state, lr=1e-3)
-    trainer.step(np.ones(shape, np.float32), np.zeros(shape[0], np.int64))
+    trainer.step(batch[x], batch["labels"])
     onnxruntime.InferenceSession(trainer.inference_model().SerializeToString())
     print("sessions created")
 """
 
 
 def test_graphs_normgrad_writes_load_without_warnings(tmp_path):
-    lines = _warnings(NOISY_MLP, tmp_path)
-    assert lines, "the model as given makes onnxruntime warn"
-    done = subprocess.run([sys.executable, str(tmp_path / "quiet.py")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
-    given_text, _, ours_text = done.stderr.partition("=== normgrad from here")
+    """The training graph (a session fed its weights), the step graph in a Trainer and the
+    inference model of a model that makes onnxruntime warn: no warning, none exempted."""
+    sections = _warnings(NOISY_MLP, tmp_path)
+    given = "\n".join(sections["given"])
     # the model as given makes onnxruntime warn (so this test can fail) ...
-    assert "position_ids" in given_text and "CastLike" in given_text, given_text[-2000:]
+    assert "position_ids" in given and "CastLike" in given, given[-2000:]
     # ... and nothing normgrad wrote does
-    ours = [line for line in ours_text.splitlines() if "onnxruntime" in line and NOT_HERE not in line]
-    assert ours == [], "\n".join(ours)
+    assert sections[""] == [] and sections["normgrad"] == [], "\n".join(sections["normgrad"])
 
 
 @pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript", "transformers")),
@@ -93,7 +98,7 @@ def test_graphs_normgrad_writes_load_without_warnings(tmp_path):
 def test_dynamo_export_of_a_transformer_is_quiet(tmp_path):
     """transformers' BERT through the dynamo exporter: an unused position_ids buffer and
     constant CastLike nodes, each a warning at every session creation before."""
-    lines = _warnings("""
+    sections = _warnings("""
         import numpy as np, onnxruntime, torch, transformers
         import normgrad.torch
         from normgrad.graphs import build_step_graph, build_training_graph
@@ -107,26 +112,34 @@ def test_dynamo_export_of_a_transformer_is_quiet(tmp_path):
                                         input_names=["input_ids"], output_names=["logits"])
         onnxruntime.InferenceSession("bert.onnx")
         training = build_training_graph(forward, loss="cross_entropy")
-        onnxruntime.InferenceSession(training.SerializeToString())
+        batch = {"input_ids": np.ones((2, 8), np.int64), "labels": np.zeros(2, np.int64)}
+        onnxruntime.InferenceSession(training.model.SerializeToString()).run(None, training.feeds(batch))
         trainer = Trainer(*build_step_graph(training, "adamw"), lr=1e-3)
-        trainer.step(np.ones((2, 8), np.int64), np.zeros(2, np.int64))
+        trainer.step(batch["input_ids"], batch["labels"])
         onnxruntime.InferenceSession(trainer.inference_model().SerializeToString())
         print("sessions created")
     """, tmp_path)
-    assert lines == []
+    assert sections == {"": []}
 
 
-def test_cli_export_and_its_trainer_are_quiet(tmp_path):
+def test_cli_export_check_and_trainer_are_quiet(tmp_path):
     """`normgrad export` (gradient graph; step graph with its eval graph), the Trainer on those
-    files (step, evaluate) and its inference model: no warning, none exempted; the in-memory
-    training graph of the same CNN still warns per weight (so this test can fail)."""
-    script = """
+    files (step, evaluate) and its inference model, `normgrad check` on exported gradient
+    graphs (a CNN; a ResNet block, whose BatchNorm backward ops are fed a folded constant),
+    a session on the TrainingGraph of the same CNN fed its weights, and check_gradients on
+    that TrainingGraph: no warning, none exempted. An initializer nothing reads, added to the
+    exported graph, makes onnxruntime warn (so this test can fail)."""
+    sections = _warnings("""
+        import sys
         import numpy as np, onnx, onnxruntime
+        from onnx import numpy_helper
         from normgrad.graphs import build_training_graph, examples
-        from normgrad.tools import export
+        from normgrad.tools import check, cli, export
         from normgrad.train import Trainer
 
+        print("=== normgrad", file=sys.stderr, flush=True)
         onnx.save(examples.digits_cnn(seed=0), "cnn.onnx")
+        onnx.save(examples.resnet_block(), "block.onnx")
         assert export.main(["cnn.onnx", "-o", "grad.onnx", "--loss", "cross_entropy"]) == 0
         onnxruntime.InferenceSession("grad.onnx")
         assert export.main(["cnn.onnx", "-o", "step.onnx", "--loss", "cross_entropy", "--optimizer", "adamw"]) == 0
@@ -137,13 +150,21 @@ def test_cli_export_and_its_trainer_are_quiet(tmp_path):
         trainer.step(x, labels)
         trainer.evaluate(x, labels)
         onnxruntime.InferenceSession(trainer.inference_model().SerializeToString())
+        assert export.main(["block.onnx", "-o", "block.grad.onnx"]) == 0
+        for path in ("grad.onnx", "block.grad.onnx"):  # at the weights of the checkpoint beside each
+            assert cli.main(["check", path]) == 0
+        training = build_training_graph(onnx.load("cnn.onnx"), loss="cross_entropy")
+        onnxruntime.InferenceSession(training.model.SerializeToString()).run(None, training.feeds({"x": x, "labels": labels}))
+        assert max(c.error for c in check.check_gradients(training)) < 1e-3
+
+        print("=== control", file=sys.stderr, flush=True)
+        unread = onnx.load("grad.onnx")
+        unread.graph.initializer.append(numpy_helper.from_array(np.ones(3, np.float32), "unread"))
+        onnxruntime.InferenceSession(unread.SerializeToString())
         print("sessions created")
-        IN_MEMORY
-    """
-    assert _warnings(script.replace("IN_MEMORY", ""), tmp_path, exempt="") == []
-    in_memory = 'onnxruntime.InferenceSession(build_training_graph(onnx.load("cnn.onnx"), loss="cross_entropy")' \
-                '.SerializeToString())'
-    assert any(NOT_HERE in line for line in _warnings(script.replace("IN_MEMORY", in_memory), tmp_path, exempt=""))
+    """, tmp_path)
+    assert any("unread" in line for line in sections["control"]), sections
+    assert sections[""] == [] and sections["normgrad"] == [], "\n".join(sections[""] + sections["normgrad"])
 
 
 def _model(nodes, inputs, outputs, initializers=()):

@@ -307,14 +307,17 @@ def _external(folder, location, keep_file):
 
 
 def _training_graph(folder, change):
+    """t.onnx and its weights' t.ckpt, as `normgrad export` writes them, after ``change``."""
     import json
+    from normgrad import checkpoint
     from normgrad.graphs import build_training_graph
     from normgrad.graphs.examples import resnet_block
 
-    model = build_training_graph(resnet_block(channels=2))
+    model, weights = build_training_graph(resnet_block(channels=2))
     change(model, json)
     path = os.path.join(folder, "t.onnx")
     onnx.save(model, path)
+    checkpoint.save(os.path.join(folder, "t.ckpt"), weights)
     return path
 
 

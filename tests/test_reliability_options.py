@@ -193,11 +193,11 @@ def test_cli_refuses_a_forward_output_named_loss(tmp_path, capsys):
 
 def test_gradient_outputs_are_the_gradients():
     """The README's loop reads outputs[f"{name}_grad"]: the gradient, against float64 finite differences."""
-    model = build_training_graph(_model_with_output("y"), loss="mse")
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    training = build_training_graph(_model_with_output("y"), loss="mse")
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
     labels = np.zeros((2, 3), np.float32)
-    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x, "labels": labels})))
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, training.feeds({"x": x, "labels": labels}))))
     w = np.ones(3)
     loss = lambda w: np.mean((x.astype(np.float64) * w) ** 2)  # noqa: E731
     step = 1e-6

@@ -63,7 +63,7 @@ def _torch_gradients(module, x, dy):
 def _assert_matches_torch(module, forward, x, seed=1):
     training = build_training_graph(forward)
     dy = np.random.default_rng(seed).standard_normal((x.shape[0], 3)).astype(np.float32)
-    results = run_training_graph(training, {"x": x, "y_grad": dy})
+    results = run_training_graph(training.model, training.feeds({"x": x, "y_grad": dy}))
     expected = _torch_gradients(module, x, dy)
     assert {n[: -len("_grad")] for n in results if n.endswith("_grad") and n != "y_grad"} == set(expected)
     largest = max(np.abs(g).max() for g in expected.values())
@@ -253,7 +253,7 @@ def test_torchscript_folded_constants_are_trained_with_a_warning(tmp_path, capsy
     with pytest.warns(TorchExportWarning, match=r"^4 trainable initializer\(s\) \(onnx::Mul_\d+, onnx::Add_\d+, onnx::Mul_\d+, "
                                                 r"\.\.\.\) look like constants torch's TorchScript exporter folded"):
         training = build_training_graph(forward)
-    assert any(o.name.startswith("onnx::Mul_") and o.name.endswith("_grad") for o in training.graph.output)
+    assert any(o.name.startswith("onnx::Mul_") and o.name.endswith("_grad") for o in training.model.graph.output)
     assert _cli(tmp_path, forward) == 0
     err = capsys.readouterr().err
     assert err.startswith("normgrad export: warning: 4 trainable initializer(s)") and err.count("\n") == 1
@@ -335,7 +335,8 @@ def test_a_shared_parameter_is_one_trainable_initializer_with_torchs_summed_grad
     recorded = json.loads(next(p.value for p in forward.metadata_props if p.key == METADATA_TORCH_PARAMETERS))
     assert list(recorded.values()) == ["embed.weight"]
     dy = np.random.default_rng(0).standard_normal((2, 3, 10)).astype(np.float32)
-    results = run_training_graph(build_training_graph(forward), {"ids": ids, "y_grad": dy})
+    training = build_training_graph(forward)
+    results = run_training_graph(training.model, training.feeds({"ids": ids, "y_grad": dy}))
     module(torch.tensor(ids)).backward(torch.tensor(dy))
     grad = results[f"{next(iter(recorded))}_grad"]
     np.testing.assert_allclose(grad, module.embed.weight.grad.numpy(), rtol=1e-5, atol=1e-5)

@@ -180,7 +180,6 @@ def _batch(make_input, output_shape, seed, n=BATCH):
 def _session_options(level):
     options = ort.SessionOptions()
     options.graph_optimization_level = level
-    options.log_severity_level = 3
     return options
 
 

@@ -51,7 +51,6 @@ def _step(loss="mse", kind="sgd", loss_options=None, **options):
 def _options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
     options = ort.SessionOptions()
     options.graph_optimization_level = level
-    options.log_severity_level = 3
     return options
 
 

@@ -39,6 +39,7 @@ import onnx.numpy_helper as onh
 from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS, AnyTrainingGraph, training_graph_parts
 from normgrad.graphs.portable import weights_as_inputs
 from normgrad.graphs.structure import subgraph_captures
+from normgrad.graphs.tidy import prune_unused_initializers
 
 __all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "check_metadata", "main"]
 
@@ -129,21 +130,23 @@ def _dims(info: onnx.ValueInfoProto, symbols: Dict[str, int], default: int) -> L
     return dims
 
 
-def random_feeds(model: onnx.ModelProto, seed: int = 0, batch: int = 2) -> Dict[str, np.ndarray]:
-    """Random values for every input of training graph ``model``.
+def random_feeds(training: AnyTrainingGraph, seed: int = 0, batch: int = 2) -> Dict[str, np.ndarray]:
+    """Random values for every input of training graph ``training`` (either form of
+    :func:`check_gradients`).
 
-    Trainable initializers get their stored values; float inputs standard normal values;
+    Trainable weights get their values (a :class:`~normgrad.graphs.TrainingGraph`'s, or
+    those a model alone stores as initializers); other float inputs standard normal values;
     ``labels`` of a cross-entropy loss class indices within the output's axis 1. Symbolic
     dims become ``batch``, but a seed gradient gets the shape its output has at run time.
     """
+    model, weights = training_graph_parts(training)
     rng = np.random.default_rng(seed)
-    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
     loss = _metadata(model, METADATA_LOSS)
     symbols: Dict[str, int] = {}
     feeds: Dict[str, np.ndarray] = {}
     for info in model.graph.input:
-        if info.name in initializers:
-            feeds[info.name] = initializers[info.name]
+        if info.name in weights:
+            feeds[info.name] = weights[info.name]
             continue
         elem_type = info.type.tensor_type.elem_type
         dtype = oh.tensor_dtype_to_np_dtype(elem_type)
@@ -325,17 +328,19 @@ def _float64_feeds(feeds: Dict[str, np.ndarray], names) -> Dict[str, np.ndarray]
     return {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in feeds.items() if k in names}
 
 
-def forward_function(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]], float]:
+def forward_function(training: AnyTrainingGraph) -> Callable[[Dict[str, np.ndarray]], float]:
     """The scalar the training graph differentiates, evaluated in float64 (no decision held).
 
     Returns:
-        ``f(feeds) -> float``: the loss, or the sum over seeded outputs of sum(y * y_grad).
+        ``f(feeds) -> float``: the loss, or the sum over seeded outputs of sum(y * y_grad);
+        weights ``feeds`` leaves out get their values from ``training``.
     """
+    model, weights = training_graph_parts(training)
     outputs, scalar = _objective(model)
     forward = _forward_model(model, outputs)
     run = _runner(forward)
     names = {i.name for i in forward.graph.input}
-    return lambda feeds: scalar(run(_float64_feeds(feeds, names)), feeds)
+    return lambda feeds: scalar(run(_float64_feeds({**weights, **feeds}, names)), feeds)
 
 
 # ------------------------------------------------------------------ held decisions
@@ -649,6 +654,9 @@ def check_gradients(
     decided = [n for n in _needed_decision_values(nodes, float_typed) if n not in graph_values]
     gradients = _metadata(model, METADATA_GRADIENTS)
     run_model = copy.deepcopy(model)
+    # a Constant the export left unread (e.g. the float source of a folded CastLike) would make
+    # onnxruntime warn about an unused initializer, about nothing the check runs
+    prune_unused_initializers(run_model.graph)
     outputs = {o.name for o in run_model.graph.output}
     run_model.graph.output.extend(oh.make_empty_tensor_value_info(n) for n in decided if n not in outputs)
     session = onnxruntime.InferenceSession(run_model.SerializeToString(), session_options, providers=["CPUExecutionProvider"])
