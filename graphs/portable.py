@@ -51,6 +51,7 @@ import onnx.numpy_helper as onh
 import onnx.shape_inference
 
 from normgrad.graphs.context import attr, describe, reserve_name
+from normgrad.graphs.tidy import read_names
 
 __all__ = ["make_portable", "as_exported", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -269,9 +270,11 @@ def _expand_function_ops(model: onnx.ModelProto, names: _Names) -> onnx.ModelPro
 
 def _fold_constant_casts(model: onnx.ModelProto) -> None:
     """Replaces CastLike(Constant, target) by a Constant of the target's element type, where
-    the target is a folded constant or shape inference knows its type."""
+    the target is a folded constant or shape inference knows its type; a source Constant
+    nothing reads any more goes (onnxruntime would warn that its initializer is unused)."""
     graph = model.graph
     constants: Dict[str, np.ndarray] = {}
+    sources: Set[str] = set()
     types = None
     for index, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx"):
@@ -289,9 +292,15 @@ def _fold_constant_casts(model: onnx.ModelProto) -> None:
                     continue
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
             value = constants[node.input[0]].astype(dtype)
+            sources.add(node.input[0])
             graph.node[index].CopyFrom(oh.make_node("Constant", [], [node.output[0]], name=node.name,
                                                     value=onh.from_array(value)))
             constants[node.output[0]] = value
+    unread = sources - read_names(graph) - {o.name for o in graph.output}
+    if unread:
+        kept = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in unread)]
+        del graph.node[:]
+        graph.node.extend(kept)
 
 
 def _read_names(nodes, functions: Dict[Tuple[str, str], onnx.FunctionProto]) -> Set[str]:
