@@ -280,11 +280,11 @@ def test_initializer_shadowed_by_an_input_is_not_a_constant():
     forward = model([_node("ReduceSum", ["x", "axes"], keepdims=0)], {"x": (2, 3, 3)}, ["y"],
                     {"axes": np.array([1], np.int64)})
     forward.graph.input.append(oh.make_tensor_value_info("axes", onnx.TensorProto.INT64, [1]))
-    training, weights = build_training_graph(forward)
+    training, initial = build_training_graph(forward)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((2, 3, 3)).astype(np.float32)
     dy = np.arange(6, dtype=np.float32).reshape(2, 3)
-    (grad,) = session.run(["x_grad"], {**weights, "x": x, "axes": np.array([2], np.int64), "y_grad": dy})
+    (grad,) = session.run(["x_grad"], {**initial, "x": x, "axes": np.array([2], np.int64), "y_grad": dy})
     np.testing.assert_array_equal(grad, np.broadcast_to(dy[:, :, None], (2, 3, 3)))
 
 

@@ -110,8 +110,8 @@ def test_gather_gradient_is_bitwise_the_same_for_any_thread_count(op_type):
     rng = np.random.default_rng(0)
     idx = rng.integers(0, 20, (32, 64)).astype(np.int64)
     shape = (20, 16) if op_type == "Gather" else (20, 64)
-    training, weights = build_training_graph(model([_node(op_type, ["x", "idx"])], {"x": shape}, ["y"], {"idx": idx}))
-    feeds = {**weights, "x": rng.standard_normal(shape).astype(np.float32)}
+    training, initial = build_training_graph(model([_node(op_type, ["x", "idx"])], {"x": shape}, ["y"], {"idx": idx}))
+    feeds = {**initial, "x": rng.standard_normal(shape).astype(np.float32)}
     feeds["y_grad"] = rng.standard_normal((32, 64, 16) if op_type == "Gather" else (32, 64)).astype(np.float32)
     results = []
     for threads in (1, 2, 3):
