@@ -205,11 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"normgrad export: out of memory exporting {args.model}; nothing was written", file=sys.stderr)
         return 1
     if args.optimizer:
-        print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in "
+        print(f"wrote {args.output}: {len(written.graph.node)} nodes, {args.optimizer} step; initial state in "
               f"{checkpoint_path}; evaluation graph in {eval_path}")
         return 0
-    grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
-    print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs; "
+    grads = [o.name for o in written.graph.output if o.name.endswith("_grad")]
+    print(f"wrote {args.output}: {len(written.graph.node)} nodes, {len(grads)} gradient outputs; "
           f"initial weights in {checkpoint_path}")
     return 0
 
