@@ -18,6 +18,15 @@ from normgrad.graphs.examples import (  # noqa: F401
 )
 
 
+def run_training(training, batch: dict) -> dict:
+    """Every output of ``training`` (a :class:`normgrad.graphs.TrainingGraph`) by name, run
+    in onnxruntime's CPU provider with its weights' initial values and ``batch``."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, training.feeds(batch))))
+
+
 def batch_norm_parameters(channels: int, seed: int = 0) -> dict:
     """Scale, bias, running mean and running variance ("s", "t", "m", "v") of a BatchNormalization."""
     import numpy as np

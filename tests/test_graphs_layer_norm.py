@@ -14,10 +14,10 @@ import onnx.numpy_helper as onh
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_training_graph
 from normgrad.graphs.patterns import _declarative
 
-from _graph_models import model
+from _graph_models import model, run_training
 from test_graphs_patterns import _backward_ops, _check
 
 needs_onnxscript = pytest.mark.skipif(not _declarative.AVAILABLE, reason="onnxscript is not installed: no chain patterns")
@@ -64,11 +64,11 @@ def test_layer_normalization_rule_matches_finite_differences(shape, axis, scale_
     ops = _backward_ops(forward, training)
     assert ops["LayerNormalizationGrad"] == 1, ops
     assert ops["ReduceMean"] == 0 and ops["Sqrt"] == 0, ops  # the forward's statistics, not recomputed
-    (norm,) = [n for n in training.graph.node if n.op_type == "LayerNormalization"]
+    (norm,) = [n for n in training.model.graph.node if n.op_type == "LayerNormalization"]
     assert len(norm.output) == 3 and all(norm.output), norm.output  # Mean and InvStdDev added
     bias_from_op = bias_shape in ("scale", None) or bias_shape == scale_shape
     assert (ops["ReduceSum"] == 0) == bias_from_op, ops  # dy summed to the bias only if it is shaped otherwise
-    outputs = {o.name for o in training.graph.output}
+    outputs = {o.name for o in training.model.graph.output}
     assert {"x_grad", "scale_grad"} | ({"bias_grad"} if bias_shape else set()) <= outputs
     _check(training)
 
@@ -76,9 +76,9 @@ def test_layer_normalization_rule_matches_finite_differences(shape, axis, scale_
 def test_layer_normalization_rule_reuses_existing_statistics_outputs():
     forward = layer_norm_model(stats=True)
     training = build_training_graph(forward)
-    (norm,) = [n for n in training.graph.node if n.op_type == "LayerNormalization"]
+    (norm,) = [n for n in training.model.graph.node if n.op_type == "LayerNormalization"]
     assert list(norm.output) == ["y", "mean", "inv_std_dev"]
-    (grad,) = [n for n in training.graph.node if n.op_type == "LayerNormalizationGrad"]
+    (grad,) = [n for n in training.model.graph.node if n.op_type == "LayerNormalizationGrad"]
     assert list(grad.input[3:]) == ["mean", "inv_std_dev"]
     _check(training)
 
@@ -99,13 +99,6 @@ def _skip_unless_runs(forward: onnx.ModelProto, feeds: Dict[str, np.ndarray]) ->
         pytest.skip(f"onnxruntime {ort.__version__} cannot run the forward model: {str(error).splitlines()[0]}")
 
 
-def _run(training: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    initializers = {t.name: onh.to_array(t) for t in training.graph.initializer}
-    feeds = dict(feeds, **{i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in training.graph.output], session.run(None, feeds)))
-
-
 def test_layer_normalization_rule_float16_runs_in_float16():
     """float16 x, scale, bias: LayerNormalizationGrad takes them as they are, with the float32
     statistics the forward writes; gradients agree with the float32 graph's to float16's precision."""
@@ -117,10 +110,10 @@ def test_layer_normalization_rule_float16_runs_in_float16():
         node = oh.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], epsilon=1e-3)
         forward = model([node], {"x": (2, 3, 8)}, ["y"], params, opset=17, elem_type=elem_type)
         training = build_training_graph(forward)
-        (grad,) = [n for n in training.graph.node if n.op_type == "LayerNormalizationGrad"]
-        assert not any(n.op_type == "Cast" for n in training.graph.node), "no casts around the grad op"
+        (grad,) = [n for n in training.model.graph.node if n.op_type == "LayerNormalizationGrad"]
+        assert not any(n.op_type == "Cast" for n in training.model.graph.node), "no casts around the grad op"
         try:
-            results[dtype] = _run(training, {"x": x.astype(dtype), "y_grad": dy.astype(dtype)})
+            results[dtype] = run_training(training, {"x": x.astype(dtype), "y_grad": dy.astype(dtype)})
         except Exception as error:  # onnxruntime without a float16 LayerNormalization kernel
             pytest.skip(f"onnxruntime cannot run the float16 graph: {error}")
     for name in ("x_grad", "scale_grad", "bias_grad"):
@@ -209,7 +202,7 @@ def test_layer_norm_chain_fused(square, divide, affine, swap):
     forward = layer_norm_chain(square=square, divide=divide, affine=affine, swap=swap)
     training = build_training_graph(forward)
     ops = _assert_fused(forward, training)
-    (grad,) = [n for n in training.graph.node if n.op_type == "LayerNormalizationGrad"]
+    (grad,) = [n for n in training.model.graph.node if n.op_type == "LayerNormalizationGrad"]
     assert grad.input[3] == "mean"  # the chain's own statistics
     if divide == "reciprocal":
         assert grad.input[4] == "inv_std" and ops["Reciprocal"] == 0, ops
@@ -237,7 +230,7 @@ def test_layer_norm_chain_with_a_broadcast_scale():
     _check(training)
 
 
-def _unfused(forward: onnx.ModelProto) -> onnx.ModelProto:
+def _unfused(forward: onnx.ModelProto) -> TrainingGraph:
     from test_graphs_patterns import _unfused as unfused
 
     return unfused(forward)
@@ -273,11 +266,11 @@ def test_float16_layer_norm_chain_with_casts(affine):
     training = build_training_graph(forward)
     ops = _backward_ops(forward, training)
     assert ops["LayerNormalizationGrad"] == 1 and ops["ReduceSum"] == 0, ops
-    (grad,) = [n for n in training.graph.node if n.op_type == "LayerNormalizationGrad"]
+    (grad,) = [n for n in training.model.graph.node if n.op_type == "LayerNormalizationGrad"]
     assert grad.input[1] == "x" and grad.input[2] != "centred64"
     feeds = {"x": x, "y_grad": rng.standard_normal((2, 3, 8)).astype(np.float16)}
-    fused, reference = _run(training, feeds), _run(_unfused(forward), feeds)
-    for name in [o.name for o in training.graph.output if o.name.endswith("_grad")]:
+    fused, reference = run_training(training, feeds), run_training(_unfused(forward), feeds)
+    for name in [o.name for o in training.model.graph.output if o.name.endswith("_grad")]:
         want, got = reference[name].astype(np.float32), fused[name].astype(np.float32)
         assert fused[name].dtype == np.float16 and np.abs(got - want).max() < 1e-2 * np.abs(want).max(), name
 
@@ -311,7 +304,7 @@ def test_layer_norm_chain_fallback(case):
     else:
         _assert_not_fused(forward, training)
     if case == "eps_trainable":
-        assert "eps_grad" in {o.name for o in training.graph.output}
+        assert "eps_grad" in {o.name for o in training.model.graph.output}
     _check(training)
 
 
@@ -365,7 +358,7 @@ def test_rms_norm_chain_fused(inverse, casts, affine, swap):
     forward = rms_norm_chain(inverse=inverse, cast_in=casts, cast_out=casts, affine=affine, swap=swap)
     training = build_training_graph(forward)
     ops = _assert_fused(forward, training, "RMSNormalizationGrad")
-    (grad,) = [n for n in training.graph.node if n.op_type == "RMSNormalizationGrad"]
+    (grad,) = [n for n in training.model.graph.node if n.op_type == "RMSNormalizationGrad"]
     assert grad.input[3] == ("rms" if inverse == "divide" else "inv") or ops["Reciprocal"] == 1
     if inverse != "divide":
         assert grad.input[3] == "inv" and ops["Reciprocal"] == 0, ops  # the chain's own 1 / rms
@@ -467,7 +460,7 @@ def test_torch_layers_match_autograd(layer, exporter, opset):
     out = module(xt)
     dy = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
     out.backward(torch.tensor(dy))
-    results = _run(training, {"x": x, "y_grad": dy})
+    results = run_training(training, {"x": x, "y_grad": dy})
     np.testing.assert_allclose(results["y"], out.detach().numpy(), rtol=1e-5, atol=1e-5)
     expected = {"x": xt.grad.numpy(), **{name: p.grad.numpy() for name, p in module.named_parameters()}}
     largest = max(np.abs(g).max() for g in expected.values())

@@ -10,13 +10,12 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
-import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import build_training_graph, patterns
+from normgrad.graphs import TrainingGraph, build_training_graph, patterns
 from normgrad.tools.check import check_gradients
 
-from _graph_models import model
+from _graph_models import model, run_training
 
 TOLERANCE = 1e-4
 
@@ -81,19 +80,19 @@ def torch_group_norm_block(
     return model(nodes, {"x": shape}, ["y"], params, opset=opset)
 
 
-def _backward_ops(forward: onnx.ModelProto, training: onnx.ModelProto) -> collections.Counter:
+def _backward_ops(forward: onnx.ModelProto, training: TrainingGraph) -> collections.Counter:
     """Op types of the nodes the exporter appended (the forward nodes come first)."""
-    return collections.Counter(n.op_type for n in training.graph.node[len(forward.graph.node):])
+    return collections.Counter(n.op_type for n in training.model.graph.node[len(forward.graph.node):])
 
 
-def _check(training: onnx.ModelProto) -> None:
+def _check(training: TrainingGraph) -> None:
     checks = check_gradients(training, directions=2)
     assert checks, "no gradient outputs"
     worst = max(checks, key=lambda c: c.error)
     assert worst.error < TOLERANCE, worst
 
 
-def _unfused(forward: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
+def _unfused(forward: onnx.ModelProto, **kwargs) -> TrainingGraph:
     """The training graph the per-node rules alone write."""
     saved = list(patterns._PATTERNS)
     patterns._PATTERNS.clear()
@@ -103,7 +102,7 @@ def _unfused(forward: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
         patterns._PATTERNS.extend(saved)
 
 
-def _assert_fused(forward: onnx.ModelProto, training: onnx.ModelProto, norms: int = 1, affine: bool = True) -> List[str]:
+def _assert_fused(forward: onnx.ModelProto, training: TrainingGraph, norms: int = 1, affine: bool = True) -> List[str]:
     """One GroupNormalizationGrad per GroupNorm, and the affine's gradient passes gone:
     against the per-node rules, at least two ReduceSum (dw, db: sums over the data) and two
     Mul (dy * w, dy * r) fewer per GroupNorm with a trainable affine, one Mul (dy * 1)
@@ -114,11 +113,11 @@ def _assert_fused(forward: onnx.ModelProto, training: onnx.ModelProto, norms: in
     assert ops["GroupNormalizationGrad"] == base["GroupNormalizationGrad"] == norms, ops
     assert base["ReduceSum"] - ops["ReduceSum"] >= (2 * norms if affine else 0), (ops, base)
     assert base["Mul"] - ops["Mul"] == (2 * norms if affine else norms), (ops, base)
-    grads = [n for n in training.graph.node if n.op_type == "GroupNormalizationGrad"]
+    grads = [n for n in training.model.graph.node if n.op_type == "GroupNormalizationGrad"]
     return [name for node in grads for name in node.output[1:] if name]
 
 
-def _assert_not_fused(forward: onnx.ModelProto, training: onnx.ModelProto) -> None:
+def _assert_not_fused(forward: onnx.ModelProto, training: TrainingGraph) -> None:
     ops = _backward_ops(forward, training)
     assert ops["GroupNormalizationGrad"] == 1, ops  # the InstanceNormalization rule's
     assert ops["ReduceSum"] >= 1, ops  # the Mul/Add rules' sums for the affine (or none: see caller)
@@ -133,7 +132,7 @@ def test_fused_gradient_matches_finite_differences(shape, groups, affine):
     assert len(wanted) == 2  # dgamma and dbeta from the one node
     ops = _backward_ops(forward, training)  # the only Mul: the recomputed variance's (x - mean)^2
     assert ops["ReduceSum"] == 0 and ops["Mul"] == 1, ops
-    outputs = {o.name for o in training.graph.output}
+    outputs = {o.name for o in training.model.graph.output}
     assert {"x_grad", "weight_grad", "bias_grad"} <= outputs
     _check(training)
 
@@ -154,7 +153,7 @@ def test_fused_without_affine(inline):
     training = build_training_graph(forward, inline=inline)
     if not inline:
         assert _assert_fused(forward, training, affine=False) == []
-    assert [o.name for o in training.graph.output] == ["y", "x_grad"]
+    assert [o.name for o in training.model.graph.output] == ["y", "x_grad"]
     _check(training)
 
 
@@ -209,7 +208,7 @@ def test_fallback_when_the_norm_scale_is_trainable():
     params["ones"] = np.ones(2, np.float32)
     forward = model(nodes, {"x": (2, 4, 3, 3)}, ["y"], params)
     training = build_training_graph(forward)
-    assert "ones_grad" in {o.name for o in training.graph.output}
+    assert "ones_grad" in {o.name for o in training.model.graph.output}
     _assert_not_fused(forward, training)
     _check(training)
 
@@ -274,18 +273,15 @@ def test_torchscript_group_norm_matches_autograd(tmp_path, case, shape, opset, f
     out = module(xt)
     dy = rng.standard_normal(tuple(out.shape)).astype(np.float32)
     out.backward(torch.tensor(dy))
-    initializers = {t.name: onh.to_array(t) for t in training.graph.initializer}
-    trainable = [i.name for i in training.graph.input if i.name in initializers]
-    feeds = {"x": x, "y_grad": dy, **{name: initializers[name] for name in trainable}}
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    results = dict(zip([o.name for o in training.graph.output], session.run(None, feeds)))
+    results = run_training(training, {"x": x, "y_grad": dy})
+    initial = training.weights
     np.testing.assert_allclose(results["y"], out.detach().numpy(), rtol=1e-4, atol=1e-5)
 
     # parameters by value: constant folding renames the [C, 1, 1] weight/bias initializers
     expected = {"x": xt.grad.numpy()}
-    for name in trainable:
-        (param,) = [p for p in module.parameters() if np.array_equal(p.detach().numpy().ravel(), initializers[name].ravel())]
-        expected[name] = param.grad.numpy().reshape(initializers[name].shape)
+    for name in initial:
+        (param,) = [p for p in module.parameters() if np.array_equal(p.detach().numpy().ravel(), initial[name].ravel())]
+        expected[name] = param.grad.numpy().reshape(initial[name].shape)
     assert len(expected) == 1 + sum(1 for _ in module.parameters())
     for name, grad in expected.items():
         got = results[f"{name}_grad"]

@@ -43,7 +43,7 @@ def test_erf():
 
     import onnxruntime as ort
 
-    training = build_training_graph(model([_node("Erf", ["x"])], {"x": (3, 4)}, ["y"]))
+    training, _ = build_training_graph(model([_node("Erf", ["x"])], {"x": (3, 4)}, ["y"]))
     x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
     dy = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     session = ort.InferenceSession(training.SerializeToString())
@@ -69,7 +69,7 @@ def test_unary_positive_domain(op_type):
 def test_clip():
     params = {"lo": np.array(-0.5, np.float32), "hi": np.array(0.7, np.float32)}
     forward = model([_node("Clip", ["x", "lo", "hi"])], {"x": (4, 5)}, ["y"], params)
-    training = build_training_graph(forward)
+    training, _ = build_training_graph(forward)
     assert [o.name for o in training.graph.output] == ["y", "x_grad"]
     _check(forward)
 
@@ -188,7 +188,7 @@ def test_non_differentiable_shape_path():
 
 def test_unused_float_input_gets_zero_gradient():
     forward = model([_node("Relu", ["x"])], {"x": (2, 3), "unused": (4,)}, ["y"])
-    training = build_training_graph(forward)
+    training, _ = build_training_graph(forward)
     assert "unused_grad" in [o.name for o in training.graph.output]
     _check(forward)
 
@@ -201,7 +201,7 @@ def test_batch_norm(training_mode, shape):
     outputs = ["y", "running_mean", "running_var"] if training_mode else ["y"]
     nodes = [oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], outputs, training_mode=training_mode, epsilon=1e-3)]
     forward = model(nodes, {"x": shape}, ["y"], params, opset=15)
-    training = build_training_graph(forward)
+    training, _ = build_training_graph(forward)
     names = {o.name for o in training.graph.output}
     assert {"x_grad", "s_grad", "t_grad"} <= names and not {"m_grad", "v_grad"} & names
     _check(forward)
@@ -216,7 +216,7 @@ def test_batch_norm_older_opsets(opset):
     outputs = ["y", "running_mean", "running_var"] + ([] if opset >= 14 else ["saved_mean", "saved_var"])
     nodes = [oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], outputs, **attrs)]
     forward = model(nodes, {"x": (4, 3, 2)}, ["y"], params, opset=opset)
-    training = build_training_graph(forward)
+    training, _ = build_training_graph(forward)
     assert training.opset_import[0].version >= 15
     _check(forward)
 
@@ -280,11 +280,11 @@ def test_initializer_shadowed_by_an_input_is_not_a_constant():
     forward = model([_node("ReduceSum", ["x", "axes"], keepdims=0)], {"x": (2, 3, 3)}, ["y"],
                     {"axes": np.array([1], np.int64)})
     forward.graph.input.append(oh.make_tensor_value_info("axes", onnx.TensorProto.INT64, [1]))
-    training = build_training_graph(forward)
+    training, initial = build_training_graph(forward)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((2, 3, 3)).astype(np.float32)
     dy = np.arange(6, dtype=np.float32).reshape(2, 3)
-    (grad,) = session.run(["x_grad"], {"x": x, "axes": np.array([2], np.int64), "y_grad": dy})
+    (grad,) = session.run(["x_grad"], {**initial, "x": x, "axes": np.array([2], np.int64), "y_grad": dy})
     np.testing.assert_array_equal(grad, np.broadcast_to(dy[:, :, None], (2, 3, 3)))
 
 
@@ -318,7 +318,7 @@ def test_output_that_is_an_input_keeps_the_gradient_name():
     """``x_grad`` is the gradient of input x even when x is also an output (its seed is renamed)."""
     forward = model([_node("Relu", ["x"])], {"x": (2, 3)}, ["y"])
     forward.graph.output.append(oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]))
-    training = build_training_graph(forward)
+    training, _ = build_training_graph(forward)
     gradients = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
     assert gradients == {"x_grad": "x"}
     assert "x_grad" not in [i.name for i in training.graph.input]

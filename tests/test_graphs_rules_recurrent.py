@@ -119,7 +119,7 @@ def _check(kind, tolerance=2e-4, **kwargs):
     forward, values, outputs = _case(kind, **kwargs)
     attrs = {a.name: oh.get_attribute_value(a) for a in forward.graph.node[0].attribute}
     acts = [a.decode() for a in attrs["activations"]] if "activations" in attrs else None
-    training = build_training_graph(forward)
+    training = build_training_graph(forward).model  # every weight is a graph input, in values
     rng = np.random.default_rng(1)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     def f(vals):
@@ -205,7 +205,7 @@ def test_bitwise_same_for_any_thread_count_and_optimization_level(kind):
     import onnxruntime as ort
 
     forward, values, outputs = _case(kind, steps=6, batch=5, size=7, hidden=9, direction="bidirectional", lens=[6, 3, 1, 5, 6])
-    training = build_training_graph(forward).SerializeToString()
+    training = build_training_graph(forward).model.SerializeToString()
     rng = np.random.default_rng(3)
     shapes = {"Y": (6, 2, 5, 9), "Y_h": (2, 5, 9), "Y_c": (2, 5, 9)}
     feeds = {**values, **{f"{o}_grad": rng.standard_normal(shapes[o]).astype(np.float32) for o in outputs}}

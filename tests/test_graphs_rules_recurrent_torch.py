@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import _torch_models as zoo  # noqa: E402
-
 import normgrad.torch  # noqa: E402
 from normgrad.graphs import build_training_graph  # noqa: E402
+
+from _graph_models import run_training  # noqa: E402
 
 
 class Wrapped(torch.nn.Module):
@@ -65,7 +65,7 @@ def test_matches_torch_autograd(tmp_path, exporter, kind, layers, bidirectional,
                                     exporter=exporter, input_names=list(data), output_names=outputs)
     training = build_training_graph(forward)
     seeds = {f"{o}_grad": rng.standard_normal(r.shape).astype(np.float32) for o, r in zip(outputs, reference)}
-    results = zoo.run_training_graph(training, {**data, **seeds})
+    results = run_training(training, {**data, **seeds})
 
     tensors = {k: torch.tensor(v, requires_grad=True) for k, v in data.items()}
     produced = module(*tensors.values())
@@ -75,7 +75,7 @@ def test_matches_torch_autograd(tmp_path, exporter, kind, layers, bidirectional,
     torch.autograd.backward(list(produced), [torch.tensor(seeds[f"{o}_grad"]) for o in outputs])
     expected = {k: t.grad.numpy() for k, t in tensors.items()}
     expected.update({name: p.grad.numpy() for name, p in module.named_parameters()})
-    gradient_of = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
+    gradient_of = json.loads(next(p.value for p in training.model.metadata_props if p.key == "normgrad.gradients"))
     trained = {source: grad for grad, source in gradient_of.items()}
     assert set(trained) == set(expected)
     largest = max(float(np.abs(g).max()) for g in expected.values())

@@ -13,7 +13,7 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_training_graph
 from normgrad.tools.check import _output_shapes, check_gradients
 
 from _graph_models import model, weights
@@ -98,7 +98,7 @@ def _forward_in_onnxruntime(monkeypatch) -> None:
 def _check_adjoint(forward: onnx.ModelProto, tolerance: float = 1e-5) -> None:
     """For an op linear in x (up to a constant): <dx, v> = <dy, y(v) - y(0)> for random v,
     the forward run in onnxruntime as exported (float32; it has no float64 Resize)."""
-    training = build_training_graph(forward)
+    training, initial = build_training_graph(forward)
     x = forward.graph.input[0]
     shape = [d.dim_value for d in x.type.tensor_type.shape.dim]
     rng = np.random.default_rng(0)
@@ -106,7 +106,7 @@ def _check_adjoint(forward: onnx.ModelProto, tolerance: float = 1e-5) -> None:
     y0 = run(None, {x.name: np.zeros(shape, np.float32)})[0].astype(np.float64)
     dy = rng.standard_normal(y0.shape).astype(np.float32)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    (dx,) = session.run([x.name + "_grad"], {x.name: np.zeros(shape, np.float32), "y_grad": dy})
+    (dx,) = session.run([x.name + "_grad"], {**initial, x.name: np.zeros(shape, np.float32), "y_grad": dy})
     for _ in range(3):
         v = rng.standard_normal(shape).astype(np.float32)
         yv = run(None, {x.name: v})[0].astype(np.float64) - y0
@@ -114,15 +114,13 @@ def _check_adjoint(forward: onnx.ModelProto, tolerance: float = 1e-5) -> None:
         assert abs(float(np.sum(dx.astype(np.float64) * v)) - expected) < tolerance * np.linalg.norm(dy) * np.linalg.norm(v)
 
 
-def _check_at(training: onnx.ModelProto, shapes, tolerance: float = TOLERANCE, seed: int = 0) -> None:
+def _check_at(training: TrainingGraph, shapes, tolerance: float = TOLERANCE, seed: int = 0) -> None:
     """Finite differences of ``training`` with its data inputs at ``shapes`` (the seeds
-    at their outputs' run-time shapes, trainable initializers at their values)."""
+    at their outputs' run-time shapes, trainable weights at their initial values)."""
     rng = np.random.default_rng(seed)
-    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    stored = {init.name: onnx.numpy_helper.to_array(init) for init in training.graph.initializer}
-    feeds.update({i.name: stored[i.name] for i in training.graph.input if i.name in stored})
-    seeds = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.seeds"))
-    for output, shape in _output_shapes(training, list(seeds), feeds).items():
+    feeds = training.feeds({name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()})
+    seeds = json.loads(next(p.value for p in training.model.metadata_props if p.key == "normgrad.seeds"))
+    for output, shape in _output_shapes(training.model, list(seeds), feeds).items():
         feeds[seeds[output]] = rng.standard_normal(shape).astype(np.float32)
     checks = check_gradients(training, feeds=feeds, directions=2)
     worst = max(checks, key=lambda c: c.error)
@@ -334,7 +332,7 @@ def test_resize_torch_sizes_at_dynamic_sizes():
     ]
     forward = model(nodes, {"x": ("N", 2, "H", "W")}, ["y"], _ints(zero=[0], two=[2], size=[5, 7]))
     training = build_training_graph(forward)
-    assert sum(node.op_type == "EyeLike" for node in training.graph.node) == 2
+    assert sum(node.op_type == "EyeLike" for node in training.model.graph.node) == 2
     for shape in [(2, 2, 3, 4), (1, 2, 6, 9)]:
         _check_at(training, {"x": shape})
 
@@ -356,7 +354,7 @@ def test_split_to_sequence_read_by_sequence_at(split, keepdims, positions):
     nodes += [oh.make_node("SequenceAt", ["seq", f"p{k}"], [f"a{k}"]) for k in range(len(positions))]
     nodes.append(oh.make_node("Concat", [f"a{k}" for k in range(len(positions))], ["y"], axis=1))
     forward = model(nodes, {"x": (2, 5, 3)}, ["y"], params)
-    training = build_training_graph(forward)
+    training, _ = build_training_graph(forward)
     assert not {"SplitToSequence", "SequenceAt"} & {node.op_type for node in training.graph.node}
     _check(forward)
 
@@ -389,9 +387,9 @@ def test_gradients_do_not_depend_on_the_thread_count():
                      nearest_mode="floor"),
         oh.make_node("GatherND", ["n", "rows"], ["y"]),
     ]
-    training = build_training_graph(model(nodes, {"x": (2, 8, 24, 20)}, ["y"], params))
+    training, initial = build_training_graph(model(nodes, {"x": (2, 8, 24, 20)}, ["y"], params))
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((2, 8, 24, 20)).astype(np.float32), "wt": params["wt"]}
+    feeds = {**initial, "x": rng.standard_normal((2, 8, 24, 20)).astype(np.float32)}
     feeds["y_grad"] = rng.standard_normal(_output_shapes(training, ["y"], feeds)["y"]).astype(np.float32)
     results = []
     for threads in (1, 3):
@@ -412,7 +410,7 @@ def test_common_slices_and_pads_avoid_scatter(op_type, inputs, attrs, params):
     """onnxruntime's ScatterElements is some hundred times slower than Pad/Slice: unit-step
     Slices and constant reflect/edge Pads are differentiated without it (and still right)."""
     forward = model([_node(op_type, inputs, **attrs)], {"x": (2, 3, 5, 4)}, ["y"], params)
-    assert "ScatterElements" not in {node.op_type for node in build_training_graph(forward).graph.node}
+    assert "ScatterElements" not in {node.op_type for node in build_training_graph(forward).model.graph.node}
     _check(forward)
 
 

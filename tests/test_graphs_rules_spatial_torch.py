@@ -32,9 +32,9 @@ def _assert_matches_torch(forward, module, x, rng):
     y = module(xt)
     dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
     y.backward(torch.tensor(dy))
-    results, initializers = _run_training(forward, {"x": x}, {"y": dy})
+    results, weights = _run_training(forward, {"x": x}, {"y": dy})
     np.testing.assert_allclose(results["y"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
-    _assert_gradients_match(results, initializers, module, {"x": xt.grad.numpy()})
+    _assert_gradients_match(results, weights, module, {"x": xt.grad.numpy()})
 
 
 def _compare(module, x_shape, exporter, seed=0):

@@ -10,7 +10,7 @@ import pytest
 from normgrad.graphs import build_training_graph
 from normgrad.tools.check import check_gradients
 
-from _graph_models import model
+from _graph_models import model, run_training
 
 TOLERANCE = 1e-4
 
@@ -69,12 +69,12 @@ def test_depth_to_space_dynamic_sizes():
     import onnxruntime as ort
 
     forward = model([oh.make_node("DepthToSpace", ["x"], ["y"], blocksize=3, mode="CRD")], {"x": ("N", 18, "H", "W")}, ["y"])
-    training = build_training_graph(forward)
+    training, initial = build_training_graph(forward)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     for shape in ((1, 18, 2, 3), (2, 18, 4, 1)):
         x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
         dy = np.random.default_rng(1).standard_normal((shape[0], 2, shape[2] * 3, shape[3] * 3)).astype(np.float32)
-        dx = session.run(["x_grad"], {"x": x, "y_grad": dy})[0]
+        dx = session.run(["x_grad"], {**initial, "x": x, "y_grad": dy})[0]
         # CRD: y[n, c, h*b + i, w*b + j] = x[n, c*b*b + i*b + j, h, w], so dx gathers dy the same way
         expected = dy.reshape(shape[0], 2, shape[2], 3, shape[3], 3).transpose(0, 1, 3, 5, 2, 4).reshape(shape)
         np.testing.assert_array_equal(dx, expected)
@@ -95,7 +95,6 @@ def test_embedding_bag_loop_matches_torch(tmp_path, mode, exporter):
     import json
 
     import normgrad.torch
-    from _torch_models import run_training_graph
 
     torch.manual_seed(0)
     bag = torch.nn.EmbeddingBag(9, 3, mode=mode)
@@ -104,13 +103,13 @@ def test_embedding_bag_loop_matches_torch(tmp_path, mode, exporter):
                                     output_names=["y"], exporter=exporter)
     assert any(n.op_type == "Loop" for n in forward.graph.node)
     training = build_training_graph(forward)
-    assert not any(n.op_type == "Loop" for n in training.graph.node)
+    assert not any(n.op_type == "Loop" for n in training.model.graph.node)
     dy = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
-    results = run_training_graph(training, {"ids": ids.numpy(), "offsets": offsets.numpy(), "y_grad": dy})
+    results = run_training(training, {"ids": ids.numpy(), "offsets": offsets.numpy(), "y_grad": dy})
     y = bag(ids, offsets)
     y.backward(torch.tensor(dy))
     np.testing.assert_allclose(results["y"], y.detach().numpy(), rtol=1e-6, atol=1e-6)
-    gradient_of = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
+    gradient_of = json.loads(next(p.value for p in training.model.metadata_props if p.key == "normgrad.gradients"))
     grad_name = next(g for g, source in gradient_of.items() if source == "weight")
     np.testing.assert_allclose(results[grad_name], bag.weight.grad.numpy(), rtol=1e-6, atol=1e-6)
 

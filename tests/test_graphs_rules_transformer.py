@@ -9,15 +9,15 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_training_graph
 
 from _graph_models import model, weights
 from test_graphs_rules import _check, _node
 
 
-def _run(training: onnx.ModelProto, feeds, outputs):
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(outputs, feeds)
+def _run(training: TrainingGraph, feeds, outputs):
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, training.feeds(feeds))
 
 
 @pytest.mark.parametrize("op_type", ["Sin", "Cos"])
@@ -30,7 +30,7 @@ def test_cast_like():
     params = {"like": np.zeros((), np.float64)}
     nodes = [oh.make_node("CastLike", ["x", "like"], ["d"]), oh.make_node("Mul", ["d", "d"], ["m"]),
              _node("Cast", ["m"], to=onnx.TensorProto.FLOAT)]
-    training = build_training_graph(model(nodes, {"x": (2, 3)}, ["y"], params))
+    training, _ = build_training_graph(model(nodes, {"x": (2, 3)}, ["y"], params))
     assert "like_grad" not in [o.name for o in training.graph.output]
     _check(model(nodes, {"x": (2, 3)}, ["y"], params))
 
@@ -110,8 +110,8 @@ def test_gather_gradient_is_bitwise_the_same_for_any_thread_count(op_type):
     rng = np.random.default_rng(0)
     idx = rng.integers(0, 20, (32, 64)).astype(np.int64)
     shape = (20, 16) if op_type == "Gather" else (20, 64)
-    training = build_training_graph(model([_node(op_type, ["x", "idx"])], {"x": shape}, ["y"], {"idx": idx}))
-    feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
+    training, initial = build_training_graph(model([_node(op_type, ["x", "idx"])], {"x": shape}, ["y"], {"idx": idx}))
+    feeds = {**initial, "x": rng.standard_normal(shape).astype(np.float32)}
     feeds["y_grad"] = rng.standard_normal((32, 64, 16) if op_type == "Gather" else (32, 64)).astype(np.float32)
     results = []
     for threads in (1, 2, 3):
@@ -151,7 +151,7 @@ def test_dropout_training_mode_with_ratio_zero():
 def test_dropout_training_mode_uses_the_forward_mask(mask_output):
     ratio = 0.4
     training = build_training_graph(_dropout_model(ratio, True, mask_output))
-    assert any(n.op_type == "Dropout" and len(n.output) == 2 and n.output[1] for n in training.graph.node)
+    assert any(n.op_type == "Dropout" and len(n.output) == 2 and n.output[1] for n in training.model.graph.node)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((6, 50)).astype(np.float32)
     dy = rng.standard_normal((6, 50)).astype(np.float32)

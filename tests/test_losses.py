@@ -5,13 +5,18 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs import build_training_graph, examples
+from normgrad.graphs import TrainingGraph, build_training_graph, examples
+
+
+def _outputs(training: TrainingGraph, names, batch):
+    """Outputs ``names`` of ``training`` run in onnxruntime with its weights and ``batch``."""
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(names, training.feeds(batch))
 
 
 def _run(loss, x, labels):
     training = build_training_graph(examples.mlp(), loss=loss)
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    y, value, w2_grad = session.run(["y", "loss", "w2_grad"], {"x": x, "labels": labels})
+    y, value, w2_grad = _outputs(training, ["y", "loss", "w2_grad"], {"x": x, "labels": labels})
     return y, float(value), w2_grad
 
 
@@ -41,8 +46,7 @@ def test_loss_gradient_matches_finite_differences(loss):
     x = (rng.standard_normal((6, 5)) * 3).astype(np.float32)
     labels = _labels(loss, rng, (6, 3))
     training = build_training_graph(examples.mlp(), loss=loss)
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    y, b2_grad = session.run(["y", "b2_grad"], {"x": x, "labels": labels})
+    y, b2_grad = _outputs(training, ["y", "b2_grad"], {"x": x, "labels": labels})
     y64, t = y.astype(np.float64), labels.astype(np.float64)
 
     def loss64(shift):
@@ -92,8 +96,7 @@ def _cross_entropy_case(shape, options, seed):
     if ignore is not None:
         labels.flat[::3] = ignore  # every third sample ignored
     training = build_training_graph(_additive_model(shape), loss="cross_entropy", loss_options=options)
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    y, value, x_grad = session.run(["y", "loss", "x_grad"], {"x": x, "labels": labels})
+    y, value, x_grad = _outputs(training, ["y", "loss", "x_grad"], {"x": x, "labels": labels})
     return y, labels, float(value), x_grad
 
 
@@ -132,8 +135,7 @@ def test_smooth_l1_beta_matches_torch_and_finite_differences(beta):
     x = (rng.standard_normal((6, 4)) * 2).astype(np.float32)
     labels = (rng.standard_normal((6, 4)) * 2).astype(np.float32)
     training = build_training_graph(_additive_model((6, 4)), loss="smooth_l1", loss_options={"beta": beta})
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    y, value, x_grad = session.run(["y", "loss", "x_grad"], {"x": x, "labels": labels})
+    y, value, x_grad = _outputs(training, ["y", "loss", "x_grad"], {"x": x, "labels": labels})
     d = y.astype(np.float64) - labels
 
     def loss64(d):
@@ -169,13 +171,11 @@ def test_loss_output_gradients_equal_the_mse_loss(loss_name):
     x = rng.standard_normal((4, 5)).astype(np.float32)
     target = rng.standard_normal((4, 3)).astype(np.float32)
     own = build_training_graph(examples.mlp_with_loss(loss_name), loss_output=loss_name)
-    assert "labels" not in {i.name for i in own.graph.input}
-    session = ort.InferenceSession(own.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert "labels" not in {i.name for i in own.model.graph.input}
     names = ["loss", "w1_grad", "b1_grad", "w2_grad", "b2_grad"]
-    got = dict(zip(names, session.run(names, {"x": x, "target": target})))
+    got = dict(zip(names, _outputs(own, names, {"x": x, "target": target})))
     mse = build_training_graph(examples.mlp(), loss="mse")
-    reference = ort.InferenceSession(mse.SerializeToString(), providers=["CPUExecutionProvider"])
-    expected = dict(zip(names, reference.run(names, {"x": x, "labels": target})))
+    expected = dict(zip(names, _outputs(mse, names, {"x": x, "labels": target})))
     for name in names:
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6 * max(1.0, np.abs(expected[name]).max()))
 
@@ -229,9 +229,8 @@ def test_causal_lm_matches_transformers_and_finite_differences(ignore_index):
     labels[0, 2] = labels[1, :2] = ignore_index
     options = {} if ignore_index == -100 else {"ignore_index": ignore_index}
     training = build_training_graph(_additive_model(shape), loss="causal_lm", loss_options=options)
-    assert [d.dim_value for d in next(i for i in training.graph.input if i.name == "labels").type.tensor_type.shape.dim] == [3, 5]
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    y, value, x_grad = session.run(["y", "loss", "x_grad"], {"x": x, "labels": labels})
+    assert [d.dim_value for d in next(i for i in training.model.graph.input if i.name == "labels").type.tensor_type.shape.dim] == [3, 5]
+    y, value, x_grad = _outputs(training, ["y", "loss", "x_grad"], {"x": x, "labels": labels})
     y64 = y.astype(np.float64)
     assert abs(value - _causal_lm64(y64, labels, ignore_index)) <= 1e-6 * max(1.0, abs(value))
     h, expected = 1e-6, np.zeros_like(y64)

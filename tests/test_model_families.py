@@ -25,6 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import _torch_models as zoo  # noqa: E402
+from _graph_models import run_training  # noqa: E402
 
 import normgrad.torch  # noqa: E402
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph  # noqa: E402
@@ -166,12 +167,12 @@ def _measure(model: str, exporter: str, tmp_path) -> dict:
         training = build_training_graph(forward)
     except UnsupportedOperatorError as error:
         return {"status": "blocked", "operators": _named_operators(str(error)), "error": str(error), "op_types": op_types}
-    gradient_of = json.loads(next(p.value for p in training.metadata_props if p.key == "normgrad.gradients"))
+    gradient_of = json.loads(next(p.value for p in training.model.metadata_props if p.key == "normgrad.gradients"))
     with torch.no_grad():  # the output shapes (an export may leave them symbolic)
         shapes = module(*(torch.tensor(v) for v in data.values()))
     shapes = [tuple(t.shape) for t in (shapes if isinstance(shapes, tuple) else (shapes,))]
     seeds = {output: rng.standard_normal(shape).astype(np.float32) for output, shape in zip(family.outputs, shapes)}
-    results = zoo.run_training_graph(training, dict(data, **{f"{k}_grad": v for k, v in seeds.items()}))
+    results = run_training(training, dict(data, **{f"{k}_grad": v for k, v in seeds.items()}))
 
     handles, dropping = _torch_with_masks(module, [results[m] for m in masks])
     assert dropping == len(masks), f"{dropping} dropping nn.Dropout modules, {len(masks)} dropping Dropout nodes"

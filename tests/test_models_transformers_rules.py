@@ -48,26 +48,22 @@ def _export(module, args, exporter, input_names, output_names):
 
 def _run_training(forward, feeds, seeds, extra_outputs=(), training=None):
     """The training graph's outputs by name (forward outputs, gradients and ``extra_outputs``)
-    and its initializer names; ``training``: the graph already built from ``forward``."""
-    training = build_training_graph(forward) if training is None else training
+    and its trainable weights' names; ``training``: the TrainingGraph already built from ``forward``."""
+    model, weights = build_training_graph(forward) if training is None else training
     for name in extra_outputs:
-        training.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
-    feeds = dict(feeds, **{f"{name}_grad": seed for name, seed in seeds.items()})
-    feeds.update({i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in training.graph.output]
-    return dict(zip(names, session.run(None, feeds))), set(initializers)
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    feeds = {**weights, **feeds, **{f"{name}_grad": seed for name, seed in seeds.items()}}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    return dict(zip(names, session.run(None, feeds))), set(weights)
 
 
-def _assert_gradients_match(results, initializers, module, extra=None):
-    """Every parameter (each an initializer of its own name) and ``extra`` against torch
+def _assert_gradients_match(results, weights, module, extra=None):
+    """Every parameter (each a trainable weight of its own name) and ``extra`` against torch
     autograd, to 1e-4 of the largest gradient."""
     expected = dict(extra or {})
     for name, param in module.named_parameters():
-        assert name in initializers, (name, sorted(initializers))
+        assert name in weights, (name, sorted(weights))
         expected[name] = param.grad.numpy()
     largest = max(np.abs(grad).max() for grad in expected.values())
     for name, grad in expected.items():
@@ -106,7 +102,7 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
             dropouts[0].output.append("")
         dropouts[0].output[1] = dropouts[0].output[1] or "dropout_mask"
         mask_name = [dropouts[0].output[1]]
-    results, initializers = _run_training(forward, {"x": x}, {"y": dy}, mask_name)
+    results, weights = _run_training(forward, {"x": x}, {"y": dy}, mask_name)
     mask = results[mask_name[0]] if mask_name else np.ones((16, 16), bool)
     if p:
         assert 0.1 < 1 - mask.mean() < 0.5
@@ -116,7 +112,7 @@ def test_classifier_with_training_mode_dropout_matches_torch_given_the_mask(expo
     handle.remove()
     y.backward(torch.tensor(dy))
     np.testing.assert_allclose(results["y"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
-    _assert_gradients_match(results, initializers, module, {"x": xt.grad.numpy()})
+    _assert_gradients_match(results, weights, module, {"x": xt.grad.numpy()})
 
 
 class _Outputs(nn.Module):
@@ -203,13 +199,13 @@ def _check_model(module, inputs, exporter, input_name, output_names, grad_op, no
     torch.autograd.backward(list(outputs), [torch.tensor(seeds[name]) for name in output_names])
     forward = _export(module, (torch.tensor(inputs),), exporter, [input_name], list(output_names))
     training = build_training_graph(forward)
-    ops = collections.Counter(node.op_type for node in training.graph.node)
+    ops = collections.Counter(node.op_type for node in training.model.graph.node)
     assert ops[grad_op] == norms, ops
-    results, initializers = _run_training(forward, {input_name: inputs}, seeds, training=training)
+    results, weights = _run_training(forward, {input_name: inputs}, seeds, training=training)
     for name, out in zip(output_names, outputs):
         np.testing.assert_allclose(results[name], out.detach().numpy(), rtol=1e-4, atol=1e-4)
     extra = {input_name: inputs_t.grad.numpy()} if inputs_t.grad is not None else {}
-    _assert_gradients_match(results, initializers, module, extra)
+    _assert_gradients_match(results, weights, module, extra)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
