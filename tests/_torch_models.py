@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from normgrad.graphs.builder import training_graph_parts
+
 
 def make_divisible(value: float, divisor: int = 8) -> int:
     """torchvision's _make_divisible: round to a multiple of divisor, losing at most 10%."""
@@ -538,12 +540,10 @@ class VAE(nn.Module):
         return self.vae(sample, sample_posterior=False).sample
 
 
-def run_training_graph(training: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Every output of ``training`` by name, run in onnxruntime with ``feeds`` plus the stored
-    values of the trainable initializers."""
-    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
-    feeds = dict(feeds, **{i.name: initializers[i.name] for i in training.graph.input if i.name in initializers})
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
+def run_training_graph(training, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Every output of ``training`` (a TrainingGraph or a model) by name, run in onnxruntime
+    with ``feeds`` plus the weights' values ``training`` carries."""
+    model, weights = training_graph_parts(training)
+    feeds = {**weights, **feeds}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))

@@ -30,7 +30,6 @@ TRAINING_CASES = [name for name in CASES if MANIFEST[name]["kind"] == "training"
 def _options(threads: int) -> ort.SessionOptions:
     options = normgrad.session_options("cpp") if cpp_available() else ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.log_severity_level = 3
     return options
 
 
