@@ -712,9 +712,10 @@ def bfloat16_in_float32(model: onnx.ModelProto) -> None:
     Cast(to=FLOAT) placed right before it. Cast(to=BFLOAT16), bfloat16 Constants and
     ConstantOfShape, and the dtype of random ops become float32, so that what the exporter
     computed in bfloat16 is computed in float32 (more precisely than torch, which rounds
-    each bfloat16 result). An output that was bfloat16 is Cast back to bfloat16 at the end:
-    the model's outputs keep their types. Only the main graph is rewritten (a subgraph
-    reading a bfloat16 value keeps reading it as it is)."""
+    each bfloat16 result). An output computed in bfloat16 (a causal LM's logits) becomes
+    float32, its value before torch's rounding to bfloat16: onnxruntime's Python API cannot
+    return bfloat16 arrays. Only the main graph is rewritten (a subgraph reading a bfloat16
+    value keeps reading it as it is)."""
     bfloat16, float32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
     graph = model.graph
 
@@ -766,14 +767,7 @@ def bfloat16_in_float32(model: onnx.ModelProto) -> None:
                 attribute.i = float32
         computed.update(outputs)
         nodes.append(node)
-    for output in graph.output:
-        if output.name in computed:
-            inner = fresh(f"{output.name}_float32")
-            for node in nodes:
-                node.input[:] = [inner if name == output.name else name for name in node.input]
-                node.output[:] = [inner if name == output.name else name for name in node.output]
-            nodes.append(oh.make_node("Cast", [inner], [output.name], name=fresh(f"{output.name}_cast"), to=bfloat16))
-    for info in graph.value_info:
+    for info in list(graph.value_info) + list(graph.output):
         if info.name in computed:
             info.type.tensor_type.elem_type = float32
     del graph.node[:]

@@ -63,10 +63,11 @@ def _base_weights(model: onnx.ModelProto) -> dict:
 
 def test_bfloat16_base_gradients(exported):
     """The adapter gradients are as close to float64 autograd (the same weights upcast) as
-    torch's own, computed through the bfloat16 base; the logits output stays bfloat16 as
-    torch's, and the base weights stay bfloat16 initializers."""
+    torch's own, computed through the bfloat16 base; the base weights stay bfloat16
+    initializers. The logits, bfloat16 in torch, are float32 (onnxruntime's Python API
+    returns no bfloat16 arrays)."""
     model, training, batch = exported["model"], exported["training"], exported["batch"]
-    assert {o.name: o.type.tensor_type.elem_type for o in training.graph.output}["logits"] == onnx.TensorProto.BFLOAT16
+    assert {o.name: o.type.tensor_type.elem_type for o in training.graph.output}["logits"] == onnx.TensorProto.FLOAT
     assert len(_base_weights(training)) >= 2 * len(TARGETS[exported["family"]])
     gradient_of = json.loads({p.key: p.value for p in training.metadata_props}["normgrad.gradients"])
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
