@@ -1,30 +1,121 @@
 """LoRA over a frozen bfloat16 base (peft keeps the adapters float32) on onnxruntime's CPU
 provider, which has no bfloat16 arithmetic kernels: the training graph computes in float32
 from the base weights stored as bfloat16 (normgrad.graphs.rewrites.bfloat16_in_float32), and
-the Trainer keeps onnxruntime from folding them into float32 copies. Against torch autograd
-in float64 and torch + peft in the same dtypes. Random tiny models, nothing downloaded."""
+the Trainer keeps onnxruntime from folding them into float32 copies. Against float64 NumPy
+(a small hand-written graph, without torch), torch autograd in float64 and torch + peft in
+the same dtypes. Random tiny models, nothing downloaded."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
 import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import onnxruntime as ort
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-pytest.importorskip("safetensors")
-pytest.importorskip("onnxscript")
+from normgrad import train
+from normgrad.graphs import build_step_graph, build_training_graph
+from normgrad.graphs.rewrites import bfloat16_values
 
-import onnxruntime as ort  # noqa: E402
-from test_lora import FAMILIES, LEVELS, Logits, _torch_name  # noqa: E402
+HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft", "safetensors", "onnxscript"))
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch, transformers, peft, safetensors and onnxscript")
+if HAVE_TORCH:
+    import peft
+    import torch
+    from test_lora import FAMILIES, Logits, _torch_name
 
-import normgrad.torch  # noqa: E402
-from normgrad import train  # noqa: E402
-from normgrad.graphs import build_step_graph, build_training_graph  # noqa: E402
-from normgrad.graphs.rewrites import bfloat16_values  # noqa: E402
+    import normgrad.torch
+else:
+    FAMILIES = {"llama": None, "gpt2": None}
+LEVELS = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "default": None}
+BF16 = onnx.TensorProto.BFLOAT16
+
+
+def _bfloat16(values: np.ndarray, name: str) -> onnx.TensorProto:
+    """A bfloat16 initializer of float32 values that bfloat16 holds exactly."""
+    bits = np.asarray(values, np.float32).reshape(-1).view(np.uint32) >> 16
+    assert np.array_equal((bits << 16).view(np.float32), np.reshape(values, -1))
+    return oh.make_tensor(name, BF16, values.shape, bits.astype(np.uint16).tobytes(), raw=True)
+
+
+def _small_model():
+    """out = (Cast(x, bfloat16) + E[ids]) @ W * 0.5 -> float32 @ A, everything before A
+    computed in bfloat16 as exported; E and W frozen bfloat16, A trainable float32."""
+    rng = np.random.default_rng(0)
+    weights = {name: (rng.standard_normal(shape) * 4).round() / 8 for name, shape in (("E", (5, 3)), ("W", (3, 4)))}
+    weights["A"] = rng.standard_normal((4, 2))
+    nodes = [
+        oh.make_node("Gather", ["E", "ids"], ["rows"]),
+        oh.make_node("Cast", ["x"], ["x16"], to=BF16),
+        oh.make_node("Add", ["x16", "rows"], ["s"]),
+        oh.make_node("MatMul", ["s", "W"], ["y"]),
+        oh.make_node("Constant", [], ["half"], value=_bfloat16(np.array(0.5, np.float32), "half")),
+        oh.make_node("Mul", ["y", "half"], ["y2"]),
+        oh.make_node("Cast", ["y2"], ["z"], to=onnx.TensorProto.FLOAT),
+        oh.make_node("MatMul", ["z", "A"], ["out"]),
+    ]
+    graph = oh.make_graph(
+        nodes, "bf16", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]),
+                        oh.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2])],
+        [oh.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [2, 2])],
+        [_bfloat16(weights["E"].astype(np.float32), "E"), _bfloat16(weights["W"].astype(np.float32), "W"),
+         onh.from_array(weights["A"].astype(np.float32), "A")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    return model, weights
+
+
+def test_bfloat16_graph_gradients_in_float32():
+    """Frozen bfloat16 initializers stay bfloat16 in the training graph, which onnxruntime's
+    CPU provider runs; the loss and the gradients of A and x are float64 NumPy's (with x not
+    rounded to bfloat16: the arithmetic is float32) within float32 rounding."""
+    model, weights = _small_model()
+    training = build_training_graph(model, loss="mse", frozen=["E", "W"])
+    assert {t.name: t.data_type for t in training.graph.initializer if t.name in "EW"} == {"E": BF16, "W": BF16}
+    x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+    ids, labels = np.array([3, 1]), np.random.default_rng(2).standard_normal((2, 2)).astype(np.float32)
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    loss, grad_a, grad_x = session.run(["loss", "A_grad", "x_grad"], {"x": x, "ids": ids, "labels": labels})
+    z = (x.astype(np.float64) + weights["E"][ids]) @ weights["W"] * 0.5
+    out = z @ weights["A"].astype(np.float32).astype(np.float64)
+    d_out = 2 * (out - labels) / out.size
+    np.testing.assert_allclose(loss, np.mean((out - labels) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(grad_a, z.T @ d_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad_x, d_out @ weights["A"].astype(np.float32).T @ weights["W"].T * 0.5, rtol=1e-5, atol=1e-6)
+
+
+def _running_weights(step: onnx.ModelProto, options) -> dict:
+    """{element type: elements} of the float initializers of the graph onnxruntime runs."""
+    _, running = train._session_and_running_graph(ort, step, options, ["CPUExecutionProvider"])
+    counted = {onnx.TensorProto.FLOAT: 0, BF16: 0}
+    for tensor in running.graph.initializer:
+        if tensor.data_type in counted:
+            counted[tensor.data_type] += int(np.prod(tensor.dims))
+    return counted
+
+
+def _check_trainer_keeps_bfloat16(step: onnx.ModelProto, initial: dict, base: int) -> None:
+    """By default onnxruntime folds each Cast of a bfloat16 initializer into a float32 one
+    (but a table a Gather reads); with the options the Trainer sets, the graph it runs holds
+    the ``base`` elements as bfloat16 and no float32 weight but the adapters (state)."""
+    adapters = sum(v.size for name, v in initial.items() if name in json.loads(
+        {p.key: p.value for p in step.metadata_props}["normgrad.parameters"]))
+    folded = _running_weights(step, ort.SessionOptions())
+    assert folded[onnx.TensorProto.FLOAT] >= base - folded[BF16]
+    options = ort.SessionOptions()
+    train.Trainer(step, initial, session_options=options)  # sets the options it creates its sessions with
+    kept = _running_weights(step, options)
+    assert kept[BF16] == base and kept[onnx.TensorProto.FLOAT] <= adapters, (kept, base, adapters)
+
+
+def test_trainer_keeps_a_small_graph_bfloat16():
+    model, _ = _small_model()
+    step, initial = build_step_graph(build_training_graph(model, loss="mse", frozen=["E", "W"]), "adamw")
+    _check_trainer_keeps_bfloat16(step, initial, base=5 * 3 + 3 * 4)
+
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_proj", "c_fc"]}
 STEPS, LR, WEIGHT_DECAY = 10, 1e-3, 0.01
@@ -61,6 +152,7 @@ def _base_weights(model: onnx.ModelProto) -> dict:
     return {t.name: t for t in model.graph.initializer if ".lora_" not in t.name and t.data_type == onnx.TensorProto.BFLOAT16}
 
 
+@needs_torch
 def test_bfloat16_base_gradients(exported):
     """The adapter gradients are as close to float64 autograd (the same weights upcast) as
     torch's own, computed through the bfloat16 base; the base weights stay bfloat16
@@ -90,6 +182,7 @@ def _adamw(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+@needs_torch
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_bfloat16_base_steps_match_torch(exported, level):
     """STEPS AdamW steps through the Trainer against torch + peft in the same dtypes and in
@@ -101,7 +194,8 @@ def test_bfloat16_base_steps_match_torch(exported, level):
     model, batch = _peft(exported["family"], torch.bfloat16), exported["batch"]  # untrained by the other tests
     step, initial = build_step_graph(exported["training"], "adamw", weight_decay=WEIGHT_DECAY)
     base = _base_weights(step)
-    named = {f"model.{n}": p.detach() for n, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    values = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    named = {f"model.{n}": p.detach() for n, p in values}  # GPT-2's tied lm_head and Llama's inv_freq too
     for name, tensor in base.items():
         assert np.array_equal(bfloat16_values(tensor), named[name].float().numpy()), name
     assert {v.dtype for v in initial.values()} == {np.dtype(np.float32)}
@@ -135,26 +229,10 @@ def test_bfloat16_base_steps_match_torch(exported, level):
         assert np.array_equal(bfloat16_values(tensor), named[name].float().numpy()), name
 
 
+@needs_torch
 def test_trainer_keeps_the_base_bfloat16(exported):
     """onnxruntime's constant folding turns each Cast of a bfloat16 initializer into a float32
     initializer (twice the base's memory in the session); the Trainer turns it off for such
-    models, so that the graph onnxruntime runs holds the base as bfloat16 and no float32
-    weight but the adapters'."""
+    models, so that the graph onnxruntime runs holds the base as bfloat16."""
     step, initial = build_step_graph(exported["training"], "adamw")
-    base = sum(int(np.prod(t.dims)) for t in _base_weights(step).values())
-    adapters = sum(v.size for name, v in initial.items() if ".lora_" in name and not name.endswith(("exp_avg", "exp_avg_sq")))
-
-    def running_elements(options):
-        _, running = train._session_and_running_graph(ort, step, options, ["CPUExecutionProvider"])
-        counted = {}
-        for tensor in running.graph.initializer:
-            if tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16):
-                counted[tensor.data_type] = counted.get(tensor.data_type, 0) + int(np.prod(tensor.dims))
-        return counted.get(onnx.TensorProto.BFLOAT16, 0), counted.get(onnx.TensorProto.FLOAT, 0)
-
-    folded_bf16, folded_f32 = running_elements(ort.SessionOptions())
-    assert folded_f32 >= base - folded_bf16  # by default: a float32 copy of every base weight a Gather does not read
-    options = ort.SessionOptions()
-    train.Trainer(step, initial, session_options=options)  # sets the options it creates its sessions with
-    kept_bf16, kept_f32 = running_elements(options)
-    assert kept_bf16 == base and kept_f32 <= adapters, (kept_bf16, base, kept_f32, adapters)
+    _check_trainer_keeps_bfloat16(step, initial, sum(int(np.prod(t.dims)) for t in _base_weights(step).values()))
