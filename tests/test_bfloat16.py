@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from normgrad import train
-from normgrad.graphs import build_step_graph, build_training_graph
+from normgrad.graphs import build_step_graph, build_training_graph, optimizers
 from normgrad.graphs.rewrites import bfloat16_values
 
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft", "safetensors", "onnxscript"))
@@ -68,23 +68,34 @@ def _small_model():
     return model, weights
 
 
+def _gradients(training, feeds: dict) -> tuple:
+    """(loss, {parameter: gradient}, step graph, its initial state) of one batch, from the gradient half of the
+    step graph of ``training`` (what build_training_graph returned)."""
+    step, initial = build_step_graph(training, "sgd")
+    gradient = optimizers.build_gradient_graph(step)
+    parameters = json.loads({p.key: p.value for p in gradient.metadata_props}["normgrad.parameters"])
+    sums = [p + optimizers.ACCUMULATOR_SUFFIX for p in parameters]
+    feeds = {**feeds, **initial, "grad_scale": np.array(1, np.float32), **{s: np.zeros_like(initial[p]) for s, p in zip(sums, parameters)}}
+    session = ort.InferenceSession(gradient.SerializeToString(), providers=["CPUExecutionProvider"])
+    read = {i.name for i in gradient.graph.input}
+    loss, *values = session.run(["loss"] + [optimizers.next_name(s) for s in sums], {k: v for k, v in feeds.items() if k in read})
+    return loss, dict(zip(parameters, values)), step, initial
+
+
 def test_bfloat16_graph_gradients_in_float32():
-    """Frozen bfloat16 initializers stay bfloat16 in the training graph, which onnxruntime's
-    CPU provider runs; the loss and the gradients of A and x are float64 NumPy's (with x not
-    rounded to bfloat16: the arithmetic is float32) within float32 rounding."""
+    """Frozen bfloat16 initializers stay bfloat16 in the step graph, which onnxruntime's CPU
+    provider runs; the loss and the gradient of A are float64 NumPy's (with x not rounded to
+    bfloat16: the arithmetic is float32) within float32 rounding."""
     model, weights = _small_model()
-    training = build_training_graph(model, loss="mse", frozen=["E", "W"])
-    assert {t.name: t.data_type for t in training.graph.initializer if t.name in "EW"} == {"E": BF16, "W": BF16}
     x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
     ids, labels = np.array([3, 1]), np.random.default_rng(2).standard_normal((2, 2)).astype(np.float32)
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    loss, grad_a, grad_x = session.run(["loss", "A_grad", "x_grad"], {"x": x, "ids": ids, "labels": labels})
+    loss, gradients, step, _ = _gradients(build_training_graph(model, loss="mse", frozen=["E", "W"]),
+                                       {"x": x, "ids": ids, "labels": labels})
+    assert {t.name: t.data_type for t in step.graph.initializer if t.name in "EW"} == {"E": BF16, "W": BF16}
     z = (x.astype(np.float64) + weights["E"][ids]) @ weights["W"] * 0.5
     out = z @ weights["A"].astype(np.float32).astype(np.float64)
-    d_out = 2 * (out - labels) / out.size
     np.testing.assert_allclose(loss, np.mean((out - labels) ** 2), rtol=1e-5)
-    np.testing.assert_allclose(grad_a, z.T @ d_out, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(grad_x, d_out @ weights["A"].astype(np.float32).T @ weights["W"].T * 0.5, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gradients["A"], z.T @ (2 * (out - labels) / out.size), rtol=1e-5, atol=1e-6)
 
 
 def _running_weights(step: onnx.ModelProto, options) -> dict:
@@ -134,7 +145,7 @@ def _peft(family, dtype):
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def exported(request, tmp_path_factory):
-    """(family, peft model with a bfloat16 base, its training graph, batch)."""
+    """(family, peft model with a bfloat16 base, build_training_graph's result, batch)."""
     family = request.param
     model = _peft(family, torch.bfloat16)
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
@@ -158,12 +169,11 @@ def test_bfloat16_base_gradients(exported):
     torch's own, computed through the bfloat16 base; the base weights stay bfloat16
     initializers. The logits, bfloat16 in torch, are float32 (onnxruntime's Python API
     returns no bfloat16 arrays)."""
-    model, training, batch = exported["model"], exported["training"], exported["batch"]
-    assert {o.name: o.type.tensor_type.elem_type for o in training.graph.output}["logits"] == onnx.TensorProto.FLOAT
-    assert len(_base_weights(training)) >= 2 * len(TARGETS[exported["family"]])
-    gradient_of = json.loads({p.key: p.value for p in training.metadata_props}["normgrad.gradients"])
-    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip(gradient_of, session.run(list(gradient_of), batch)))
+    model, batch = exported["model"], exported["batch"]
+    _, got, step, initial = _gradients(exported["training"], batch)
+    inference = optimizers.build_inference_model(step, initial)
+    assert {o.name: o.type.tensor_type.elem_type for o in inference.graph.output}["logits"] == onnx.TensorProto.FLOAT
+    assert len(_base_weights(step)) >= 2 * len(TARGETS[exported["family"]])
     tensors = {k: torch.from_numpy(v) for k, v in batch.items()}
     model.zero_grad()
     model(**tensors, use_cache=False).loss.backward()
@@ -171,10 +181,11 @@ def test_bfloat16_base_gradients(exported):
     model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     model64(**tensors, use_cache=False).loss.backward()
     bf16, exact = dict(model.named_parameters()), dict(model64.named_parameters())
-    for grad_name, name in gradient_of.items():
+    assert got and all(".lora_" in name for name in got)
+    for name, value in got.items():
         truth = exact[_torch_name(name)].grad.numpy()
         torch_error = float(np.abs(bf16[_torch_name(name)].grad.numpy() - truth).max())
-        error = float(np.abs(got[grad_name] - truth).max())
+        error = float(np.abs(value - truth).max())
         assert error <= torch_error, f"{name}: {error:.3g} vs torch bfloat16's {torch_error:.3g}"
 
 
