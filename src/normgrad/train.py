@@ -246,7 +246,7 @@ def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
         disabled = options.get_session_config_entry(_DISABLED_OPTIMIZERS)
     except RuntimeError:  # not set
         disabled = ""
-    if "ConstantFolding" not in disabled.split(";"):
+    if "ConstantFolding" not in disabled.split(";"):  # onnxruntime (1.19.2, 1.32) splits the names at ";", not ","
         options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [disabled, "ConstantFolding"])))
 
 
