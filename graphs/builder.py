@@ -80,6 +80,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
+    rewrites.bfloat16_in_float32(model)
     rewrites.split_sequences(model)
     rewrites.recurrent_layout_0(model)
     rewrites.embedding_bags(model)
@@ -451,7 +452,8 @@ def _assemble_training_graph(
     frozen = set(frozen) | _not_torch_parameters(model)
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
-    original_value_info = list(model.graph.value_info)
+    # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
+    original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
     model, opset = _prepare(model)
     graph = model.graph

@@ -233,6 +233,23 @@ def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
     return session, running
 
 
+_DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
+
+
+def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
+    """Turns off onnxruntime's constant folding for a model with bfloat16 initializers (a
+    frozen base, read through Casts to float32: rewrites.bfloat16_in_float32), which would
+    replace each by a float32 copy, twice its memory."""
+    if not any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
+        return
+    try:
+        disabled = options.get_session_config_entry(_DISABLED_OPTIMIZERS)
+    except RuntimeError:  # not set
+        disabled = ""
+    if "ConstantFolding" not in disabled.split(";"):  # onnxruntime (1.19.2, 1.32) splits the names at ";", not ","
+        options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [disabled, "ConstantFolding"])))
+
+
 class Trainer:
     """Trains with a step graph, keeping its state in onnxruntime.
 
@@ -328,6 +345,7 @@ class Trainer:
         self._device = (device, device_id)
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         options = session_options if session_options is not None else onnxruntime.SessionOptions()
+        _keep_bfloat16_initializers(model, options)
         if kernels is not None:
             import normgrad
 
