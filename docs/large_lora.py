@@ -159,7 +159,7 @@ def phase_torch(args, meter: Meter) -> dict:
         loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     meter.mark(f"{args.steps} steps")
     if args.merged:
         import numpy as np

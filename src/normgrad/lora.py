@@ -114,6 +114,8 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object],
     dtype, as peft merges) and the adapter branch removed: the Add that joins the base
     output and the adapter's becomes the base output.
 
+    ``base_dir``: the folder of the model's external data (default: the current folder).
+
     Raises:
         LoraError: an adapter or base weight that is not an initializer, or an adapter whose
             branch does not end in an Add with the base layer's output.
@@ -127,16 +129,11 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object],
         for part in ("A", "B", "base"):
             if layer[part] not in initializers:
                 raise LoraError(f"{part} weight {layer[part]!r} of a LoRA layer is not an initializer of the model")
-        down = numpy_helper.to_array(initializers[layer["A"]]).astype(np.float32)
-        up = numpy_helper.to_array(initializers[layer["B"]]).astype(np.float32)
-        delta = (up @ down) * np.float32(layer["scaling"])
-        base = numpy_helper.to_array(initializers[layer["base"]], os.fspath(base_dir or os.getcwd()))
-        delta = delta.T if layer["fan_in_fan_out"] else delta
-        if delta.shape != base.shape:
-            raise LoraError(f"B @ A of {layer['B']!r} has shape {list(delta.shape)}, base weight {layer['base']!r} "
-                            f"{list(base.shape)}")
-        initializers[layer["base"]].CopyFrom(numpy_helper.from_array(
-            (base.astype(np.float32) + delta).astype(base.dtype), layer["base"]))
+        rows, cols = (initializers[layer[part]].dims[i] for part, i in (("B", 0), ("A", 1)))
+        shape = [cols, rows] if layer["fan_in_fan_out"] else [rows, cols]
+        if list(initializers[layer["base"]].dims) != shape:
+            raise LoraError(f"B @ A of {layer['B']!r} has shape {shape}, base weight {layer['base']!r} "
+                            f"{list(initializers[layer['base']].dims)}")
         branch = _values_from(nodes, layer["B"])
         for i, node in enumerate(nodes):
             joined = [name in branch for name in node.input]
@@ -157,7 +154,20 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object],
     kept = [t for t in graph.initializer if t.name in read or t.name in {o.name for o in graph.output}]
     del graph.initializer[:]
     graph.initializer.extend(kept)
+    # checked while the base weights are still as they came (of the same types and shapes as
+    # the merged ones; in external data, not read), then merged one at a time: a large base
+    # is not copied for the check
     check_model(merged)
+    merged_weights = {t.name: t for t in graph.initializer}
+    folder = os.fspath(base_dir or os.getcwd())
+    for layer in info["layers"]:
+        down = numpy_helper.to_array(initializers[layer["A"]]).astype(np.float32)
+        up = numpy_helper.to_array(initializers[layer["B"]]).astype(np.float32)
+        delta = (up @ down) * np.float32(layer["scaling"])
+        base = numpy_helper.to_array(merged_weights[layer["base"]], folder)
+        delta = delta.T if layer["fan_in_fan_out"] else delta
+        merged_weights[layer["base"]].CopyFrom(numpy_helper.from_array(
+            (base.astype(np.float32) + delta).astype(base.dtype), layer["base"]))
     return merged
 
 
