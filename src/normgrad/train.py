@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike, save_models_external, uses_external_data
+from normgrad._files import PathLike, StagedFile, save_models_external, uses_external_data
 from normgrad.graphs import structure
 
 __all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
@@ -188,7 +188,7 @@ def _external_data_options(options, folder: str) -> None:
     sessions read them from there (not from the current folder), and the graph onnxruntime
     writes while creating a session (see :func:`_session_and_running_graph`) keeps them in
     a data file beside it instead of past protobuf's 2 GiB limit."""
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+    options.add_session_config_entry(_EXTERNAL_FOLDER, folder)
     options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "running.onnx.data")
 
 
@@ -233,15 +233,37 @@ def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
         options.optimized_model_filepath = path
         options.log_severity_level = max(saved_severity, 3)  # the warning that an optimized ALL-level graph is machine-specific
         try:
-            session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+            session = _session(ort, model, options, providers)
             running = onnx.load(path, load_external_data=False)
         except Exception:
             session, running = None, None
         finally:
             options.optimized_model_filepath, options.log_severity_level = saved_path, saved_severity
     if session is None:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        session = _session(ort, model, options, providers)
     return session, running
+
+
+_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def _session(ort, model: onnx.ModelProto, options, providers):
+    """An onnxruntime session of ``model``. With external data in a folder named by the
+    options (:func:`_external_data_options`) on onnxruntime older than 1.21, which has no
+    such option and reads an in-memory model's external data from the current folder, the
+    model is loaded from a temporary file in that folder."""
+    try:
+        folder = options.get_session_config_entry(_EXTERNAL_FOLDER)
+    except Exception:  # no such entry
+        folder = None
+    version = tuple(int(part) for part in ort.__version__.split(".")[:2] if part.isdigit())
+    if folder is None or version >= (1, 21):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    staged = StagedFile(os.path.join(folder, "normgrad-session.onnx"), [model.SerializeToString()])
+    try:
+        return ort.InferenceSession(staged.temporary, options, providers=providers)
+    finally:
+        staged.discard()
 
 
 class Trainer:
