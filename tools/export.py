@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, refuse_same_file, stage_models_external
+from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, refuse_same_file, stage_models_external, uses_external_data
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
@@ -202,13 +202,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MemoryError:
         print(f"normgrad export: out of memory exporting {args.model}; nothing was written", file=sys.stderr)
         return 1
+    folder = os.path.dirname(args.output)
+    data = sorted({os.path.join(folder, entry.value) for t in training.graph.initializer if uses_external_data(t)
+                   for entry in t.external_data if entry.key == "location"})
+    frozen = f"; frozen weights in {', '.join(data)}" if data else ""
     if args.optimizer:
         print(f"wrote {args.output}: {len(training.graph.node)} nodes, {args.optimizer} step; initial state in "
-              f"{checkpoint_path}; evaluation graph in {eval_path}")
+              f"{checkpoint_path}; evaluation graph in {eval_path}{frozen}")
         return 0
     grads = [o.name for o in training.graph.output if o.name.endswith("_grad")]
     print(f"wrote {args.output}: {len(training.graph.node)} nodes, {len(grads)} gradient outputs; "
-          f"initial weights in {checkpoint_path}")
+          f"initial weights in {checkpoint_path}{frozen}")
     return 0
 
 
