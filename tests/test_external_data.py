@@ -145,6 +145,29 @@ def test_adapter_and_merged_model(exported, tmp_path, monkeypatch):
     assert np.abs(expected - untuned).max() > 1e-4  # the adapters changed the logits
 
 
+def test_python_api_from_another_folder(exported, tmp_path, monkeypatch):
+    """The in-memory route from a current folder without the base: build_step_graph on the
+    export loaded without its external data, Trainer(ModelProto, external_data_folder=),
+    and lora.merged_model(..., base_dir): losses within 1e-6 of normgrad export's step graph."""
+    from normgrad import lora
+    from normgrad.graphs import build_step_graph, build_training_graph
+
+    monkeypatch.chdir(tmp_path)
+    forward = onnx.load(exported["folder"] / "forward.onnx", load_external_data=False)
+    step, initial = build_step_graph(build_training_graph(forward, loss="causal_lm"), "adamw")
+    assert sorted(_external(step)) == sorted(exported["external"])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    trainer = Trainer(step, initial, lr=LR, session_options=options, external_data_folder=exported["folder"])
+    losses = [trainer.step(**exported["batch"]) for _ in range(STEPS)]
+    # normgrad export's step graph also has its portable rewrites (as_exported): close, not bitwise
+    np.testing.assert_allclose(losses, exported["losses"], rtol=1e-6, atol=0)
+    merged = lora.merged_model(step, trainer.state_dict(), exported["folder"])
+    save_models_external({tmp_path / "merged.onnx": merged}, exported["folder"])
+    session = ort.InferenceSession(str(tmp_path / "merged.onnx"), providers=["CPUExecutionProvider"])
+    assert session.run(["logits"], {"input_ids": exported["batch"]["input_ids"]})[0].shape == (2, 8, 64)
+
+
 def _two_layer_model():
     """x [4, 32] -> Relu(x @ w1) @ w2 [4, 8]: w1 (to freeze) and w2 (to train) 1 KiB or more."""
     rng = np.random.default_rng(0)
