@@ -18,6 +18,7 @@ import onnx.shape_inference
 
 import normgrad
 from normgrad._api import add_functions_in_place
+from normgrad._files import check_model
 from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
@@ -593,5 +594,5 @@ def _assemble_training_graph(
 
         result = inline_normgrad(result)
     result.ir_version = IR_VERSION
-    onnx.checker.check_model(result, full_check=True)
+    check_model(result)
     return result

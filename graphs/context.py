@@ -53,7 +53,9 @@ class GradientContext:
         fed = {i.name for i in graph.input}
         for init in graph.initializer:
             self._types.setdefault(init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)))
-            if init.name not in fed:  # an initializer that is also an input (IR < 4 style) is only a default
+            # an initializer that is also an input (IR < 4 style) is only a default; one in
+            # external data (a frozen base) is a weight no rule reads, not loaded
+            if init.name not in fed and init.data_location != onnx.TensorProto.EXTERNAL:
                 self._constants[init.name] = onh.to_array(init)
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:

@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
+from normgrad._files import check_model
 from normgrad.graphs import rewrites
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.tidy import tidy
@@ -330,7 +331,7 @@ def build_optimizer_graph(
         "normgrad.optimizer": json.dumps(hyperparameters),
         WEIGHT_DECAY_METADATA: json.dumps(decays),
     })
-    onnx.checker.check_model(model, full_check=True)
+    check_model(model)
     return model
 
 
@@ -369,7 +370,7 @@ def _sub_model(step: onnx.ModelProto, name: str, nodes: List[onnx.NodeProto], in
     model.ir_version = IR_VERSION
     helper.set_model_props(model, dict(properties))
     if check:
-        onnx.checker.check_model(model, full_check=True)
+        check_model(model)
     return model
 
 
@@ -444,7 +445,7 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
                        [onnx.ValueInfoProto(name=o) for o in outputs], {}, trained, check=False)
     _infer_output_types(model)
-    onnx.checker.check_model(model, full_check=True)
+    check_model(model)
     return model
 
 
@@ -567,7 +568,7 @@ def build_eval_graph(step: onnx.ModelProto) -> onnx.ModelProto:
                        [onnx.ValueInfoProto(name=o) for o in outputs], properties, check=False)
     _infer_output_types(model)
     tidy(model)
-    onnx.checker.check_model(model, full_check=True)
+    check_model(model)
     return model
 
 
@@ -693,7 +694,7 @@ def build_step_graph(
         [o.name for o in graph.output if o.name != "loss" and o.name not in gradients])
     helper.set_model_props(model, {**metadata, **step_metadata, "normgrad.data_inputs": json.dumps(data_inputs)})
     tidy(model)
-    onnx.checker.check_model(model, full_check=True)
+    check_model(model)
     initial = {n: np.array(weights[n], copy=True) for n in trainable}
     for n in trainable:
         for name in optimizer_state_names(n, kind, options.get("momentum", 0.0), options.get("amsgrad", False)):

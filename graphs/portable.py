@@ -50,6 +50,7 @@ import onnx.inliner
 import onnx.numpy_helper as onh
 import onnx.shape_inference
 
+from normgrad._files import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 
@@ -377,7 +378,7 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         _fold_constant_casts(model)
     if "unused_inputs_last" not in skip:
         _unused_inputs_last(model)
-    onnx.checker.check_model(model, full_check=True)
+    check_model(model)
     return model, moved
 
 

@@ -45,8 +45,10 @@ def _tensors(graph):
                 yield from _tensors(sub)
 
 
-def load_model(path: str):
-    """``onnx.load(path)``, with its external data.
+def load_model(path: str, keep_external=None):
+    """``onnx.load(path)``, with its external data (``keep_external(model)``: the names of
+    the initializers whose data stay in their files instead, checked present; their
+    locations stay relative to the model's folder).
 
     Raises:
         CommandError: the file cannot be read, is empty or not an ONNX model, or its
@@ -76,8 +78,13 @@ def load_model(path: str):
             raise CommandError(f"{path}: external data of tensor '{tensor.name}' at {location!r} is outside the model's folder")
         if not os.path.isfile(target):
             raise CommandError(f"{path}: external data of tensor '{tensor.name}' is missing: no file {target}")
+    kept = keep_external(model) if keep_external is not None else set()
     try:
-        onnx.external_data_helper.load_external_data_for_model(model, folder)
+        for tensor in _tensors(model.graph):
+            if onnx.external_data_helper.uses_external_data(tensor) and tensor.name not in kept:
+                onnx.external_data_helper.load_external_data_for_tensor(tensor, folder)
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
     except (OSError, ValueError, onnx.checker.ValidationError) as error:
         raise CommandError(f"{path}: cannot read its external data: {one_line(error)}") from error
     return model

@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import StagedFile, refuse_same_file
+from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, refuse_same_file, stage_models_external, uses_external_data
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
@@ -141,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
     target = args.output
     try:
-        forward = load_model(args.model)
+        forward = load_model(args.model, keep_external=lambda model: _frozen_weights(model, args.freeze, args.trainable))
         _refuse_beyond_memory(args.model, forward)
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
         with warnings.catch_warnings(record=True) as caught:
@@ -176,11 +176,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             written, initial = training
         # every file is built before any is written; the graphs wait, flushed under temporary
-        # names, until the checkpoint is in place
+        # names, until the checkpoint is in place. A frozen base in external data stays there
+        # (graphs in the input's folder) or is copied to OUTPUT.data, which both graphs share.
+        graphs = {args.output: written, **({eval_path: evaluation} if evaluation is not None else {})}
         try:
-            staged = [StagedFile(args.output, [written.SerializeToString()])]
-            if evaluation is not None:
-                staged.append(StagedFile(eval_path, [evaluation.SerializeToString()]))
+            staged = stage_models_external(graphs, os.path.dirname(os.path.abspath(args.model)), share=True)
         except ValueError as error:
             raise CommandError(f"cannot write {args.output}: {one_line(error)}") from None
         try:
@@ -204,13 +204,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MemoryError:
         print(f"normgrad export: out of memory exporting {args.model}; nothing was written", file=sys.stderr)
         return 1
+    folder = os.path.dirname(args.output)
+    data = sorted({os.path.join(folder, entry.value) for t in written.graph.initializer if uses_external_data(t)
+                   for entry in t.external_data if entry.key == "location"})
+    frozen = f"; frozen weights in {', '.join(data)}" if data else ""
     if args.optimizer:
         print(f"wrote {args.output}: {len(written.graph.node)} nodes, {args.optimizer} step; initial state in "
-              f"{checkpoint_path}; evaluation graph in {eval_path}")
+              f"{checkpoint_path}; evaluation graph in {eval_path}{frozen}")
         return 0
     grads = [o.name for o in written.graph.output if o.name.endswith("_grad")]
     print(f"wrote {args.output}: {len(written.graph.node)} nodes, {len(grads)} gradient outputs; "
-          f"initial weights in {checkpoint_path}")
+          f"initial weights in {checkpoint_path}{frozen}")
     return 0
 
 
@@ -248,6 +252,21 @@ def _refuse_beyond_memory(path: str, forward) -> None:
         raise CommandError(f"exporting {path} ({len(forward.graph.node):,} nodes) needs about "
                            f"{needed / 2**30:.1f} GiB of memory; {max(available, 0) / 2**30:.1f} GiB are available; "
                            "nothing was written")
+
+
+def _frozen_weights(forward, freeze, trainable) -> set:
+    """The initializers whose data may stay in the input's external data files: the frozen
+    float weights (``--freeze``/``--trainable``, and with normgrad.torch.export's metadata
+    every one that is no torch parameter with requires_grad) of 1 KiB or more. No graph
+    builder reads their values; every other tensor is loaded."""
+    from normgrad.graphs.builder import _not_torch_parameters, frozen_parameters
+
+    import numpy as np
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    frozen = frozen_parameters(forward, freeze, trainable) | _not_torch_parameters(forward)
+    return {t.name for t in forward.graph.initializer if t.name in frozen and
+            np.prod(t.dims) * tensor_dtype_to_np_dtype(t.data_type).itemsize >= EXTERNAL_TENSOR_MIN_BYTES}
 
 
 def _refuse_one_path(output: str, checkpoint_path: str) -> None:

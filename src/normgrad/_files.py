@@ -13,11 +13,13 @@ import os
 import pathlib
 import re
 import tempfile
-from typing import Iterable, Union
+from typing import Iterable, List, Mapping, Optional, Union
 
 import onnx
 
-__all__ = ["write_bytes_atomic", "write_chunks_atomic", "StagedFile", "save_model_atomic", "refuse_same_file", "PathOutsideFolderError",
+__all__ = ["write_bytes_atomic", "write_chunks_atomic", "StagedFile", "save_model_atomic", "save_models_external",
+           "stage_models_external",
+           "check_model", "uses_external_data", "refuse_same_file", "PathOutsideFolderError",
            "path_inside", "write_inside", "remove_inside", "remove_stale_temporaries"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -119,6 +121,136 @@ class StagedFile:
 def save_model_atomic(model: onnx.ModelProto, path: PathLike) -> None:
     """``onnx.save`` through :func:`write_bytes_atomic` (models under protobuf's 2 GiB limit)."""
     write_bytes_atomic(path, model.SerializeToString())
+
+
+INLINE_MODEL_BYTES = 1 << 30
+"""Inline tensor bytes above which :func:`save_models_external` moves a model's tensors to
+external data (protobuf refuses to serialize a message of 2 GiB or more)."""
+
+EXTERNAL_TENSOR_MIN_BYTES = 1024
+"""Tensors moved to external data are those of at least this many bytes."""
+
+
+def uses_external_data(tensor: onnx.TensorProto) -> bool:
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """``onnx.checker.check_model(model, full_check=True)`` for a model whose initializers
+    may keep their data in external files, from any current folder: onnx's checker looks for
+    an in-memory model's external data in the current folder, so the check runs on a copy
+    in which each external initializer is a graph input of its type and shape (its data is
+    not read; :func:`save_models_external` and the sessions resolve it against the model's
+    folder)."""
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    if not external:
+        onnx.checker.check_model(model, full_check=True)
+        return
+    names = {t.name for t in external}
+    checked = onnx.ModelProto()
+    checked.CopyFrom(model)
+    kept = [t for t in checked.graph.initializer if t.name not in names]
+    del checked.graph.initializer[:]
+    checked.graph.initializer.extend(kept)
+    declared = {i.name for i in checked.graph.input}
+    checked.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                               for t in external if t.name not in declared)
+    onnx.checker.check_model(checked, full_check=True)
+
+
+def _external_bytes(tensor: onnx.TensorProto, base_dir: str) -> bytes:
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    location = path_inside(base_dir, info.get("location", ""), f"external data of tensor {tensor.name!r}")
+    offset, length = int(info.get("offset", 0)), info.get("length")
+    with open(location, "rb") as file:
+        file.seek(offset)
+        data = file.read(-1 if length is None else int(length))
+    if length is not None and len(data) != int(length):
+        raise OSError(f"the external data of tensor {tensor.name!r} in {location} is cut short "
+                      f"({len(data)} of {length} bytes)")
+    return data
+
+
+def save_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
+                         share: bool = False) -> None:
+    """Writes each model of ``{path: model}`` atomically (:func:`stage_models_external`, then
+    the data file and the models renamed into place, in that order)."""
+    staged = stage_models_external(models, base_dir, share)
+    try:
+        for file in staged:
+            file.commit()
+    finally:
+        for file in staged:
+            file.discard()
+
+
+def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
+                          share: bool = False) -> List[StagedFile]:
+    """Each model of ``{path: model}`` as a :class:`StagedFile`, keeping large tensors out of its
+    protobuf: the tensors whose data are in external files (locations relative to
+    ``base_dir``, default the current folder) and then, or when a model's inline tensors
+    pass :data:`INLINE_MODEL_BYTES`, its inline tensors of :data:`EXTERNAL_TENSOR_MIN_BYTES`
+    or more too go to one data file, the first path + ``.data``, each tensor once (the models,
+    in one folder, may share tensors: by name and source); with ``share`` and the models in
+    ``base_dir``, external tensors stay in the files they reference. The data file, if any,
+    is staged first (streamed, one tensor at a time), then the models; the models' tensors
+    are changed in place to reference it. Nothing is in place until each file is committed.
+
+    Raises:
+        PathOutsideFolderError: an external location outside ``base_dir``.
+        OSError: a file cannot be read or written; the targets are then unchanged.
+    """
+    paths = [os.fspath(p) for p in models]
+    folder = os.path.dirname(os.path.abspath(paths[0]))
+    if any(os.path.dirname(os.path.abspath(p)) != folder for p in paths):
+        raise ValueError(f"models written with one data file must be in one folder; got {paths}")
+    base = os.fspath(base_dir) if base_dir is not None else os.getcwd()
+    same_folder = os.path.realpath(base) == os.path.realpath(folder)
+    data_path = paths[0] + ".data"
+    location = os.path.basename(data_path)
+    moving = []
+    for model in models.values():
+        external = [t for t in model.graph.initializer if uses_external_data(t)]
+        copied = [] if share and same_folder else external
+        inline = [t for t in model.graph.initializer if not uses_external_data(t)]
+        if copied or sum(len(t.raw_data) for t in inline) > INLINE_MODEL_BYTES:
+            copied += [t for t in inline if len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
+        moving += copied
+
+    def source(tensor):
+        if not uses_external_data(tensor):
+            return ("inline", id(tensor))
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        return (tensor.name, info.get("location"), info.get("offset"), info.get("length"))
+
+    def chunks():
+        written, offset = {}, 0
+        for tensor in moving:
+            key = source(tensor)
+            if key not in written:
+                data = tensor.raw_data if key[0] == "inline" else _external_bytes(tensor, base)
+                written[key] = (offset, len(data))
+                offset += len(data)
+                yield data
+                del data
+            start, length = written[key]
+            tensor.ClearField("external_data")
+            tensor.ClearField("raw_data")
+            for name, value in (("location", location), ("offset", str(start)), ("length", str(length))):
+                tensor.external_data.add(key=name, value=value)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+
+    staged = []
+    try:
+        if moving:
+            staged.append(StagedFile(data_path, chunks()))
+        for path, model in models.items():
+            staged.append(StagedFile(path, [model.SerializeToString()]))
+    except BaseException:
+        for file in staged:
+            file.discard()
+        raise
+    return staged
 
 
 def refuse_same_file(source: PathLike, target: PathLike, what: str = "output") -> None:

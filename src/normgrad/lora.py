@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Mapping, Union
+from typing import Dict, List, Mapping, Optional, Union
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, write_bytes_atomic
+from normgrad._files import PathLike, check_model, write_bytes_atomic
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merge_adapters",
@@ -84,12 +84,18 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
     return paths
 
 
-def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
+                 base_dir: Optional[PathLike] = None) -> onnx.ModelProto:
     """The step graph's inference model (:func:`normgrad.graphs.build_inference_model`) with
-    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`)."""
+    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`).
+    ``base_dir``: the folder of the step graph's external data (a frozen base), default the
+    current folder; the base weights the adapters change are read from it and become inline
+    tensors, the others stay external (write the model with
+    :func:`normgrad._files.save_models_external`, as :meth:`normgrad.Trainer.export_merged_model`
+    does)."""
     from normgrad.graphs.optimizers import build_inference_model
 
-    return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model))
+    return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
 
 
 def _values_from(nodes: List[onnx.NodeProto], source: str) -> set:
@@ -101,11 +107,14 @@ def _values_from(nodes: List[onnx.NodeProto], source: str) -> set:
     return reached
 
 
-def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object]) -> onnx.ModelProto:
+def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object],
+                   base_dir: Optional[PathLike] = None) -> onnx.ModelProto:
     """``model`` (an inference model reading the adapters as initializers) with each layer's
     base weight replaced by W + scaling * B @ A (computed in float32, then cast to W's
     dtype, as peft merges) and the adapter branch removed: the Add that joins the base
     output and the adapter's becomes the base output.
+
+    ``base_dir``: the folder of the model's external data (default: the current folder).
 
     Raises:
         LoraError: an adapter or base weight that is not an initializer, or an adapter whose
@@ -120,16 +129,11 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object]) -> onnx.M
         for part in ("A", "B", "base"):
             if layer[part] not in initializers:
                 raise LoraError(f"{part} weight {layer[part]!r} of a LoRA layer is not an initializer of the model")
-        down = numpy_helper.to_array(initializers[layer["A"]]).astype(np.float32)
-        up = numpy_helper.to_array(initializers[layer["B"]]).astype(np.float32)
-        delta = (up @ down) * np.float32(layer["scaling"])
-        base = numpy_helper.to_array(initializers[layer["base"]])
-        delta = delta.T if layer["fan_in_fan_out"] else delta
-        if delta.shape != base.shape:
-            raise LoraError(f"B @ A of {layer['B']!r} has shape {list(delta.shape)}, base weight {layer['base']!r} "
-                            f"{list(base.shape)}")
-        initializers[layer["base"]].CopyFrom(numpy_helper.from_array(
-            (base.astype(np.float32) + delta).astype(base.dtype), layer["base"]))
+        rows, cols = (initializers[layer[part]].dims[i] for part, i in (("B", 0), ("A", 1)))
+        shape = [cols, rows] if layer["fan_in_fan_out"] else [rows, cols]
+        if list(initializers[layer["base"]].dims) != shape:
+            raise LoraError(f"B @ A of {layer['B']!r} has shape {shape}, base weight {layer['base']!r} "
+                            f"{list(initializers[layer['base']].dims)}")
         branch = _values_from(nodes, layer["B"])
         for i, node in enumerate(nodes):
             joined = [name in branch for name in node.input]
@@ -150,7 +154,20 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object]) -> onnx.M
     kept = [t for t in graph.initializer if t.name in read or t.name in {o.name for o in graph.output}]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    onnx.checker.check_model(merged, full_check=True)
+    # checked while the base weights are still as they came (of the same types and shapes as
+    # the merged ones; in external data, not read), then merged one at a time: a large base
+    # is not copied for the check
+    check_model(merged)
+    merged_weights = {t.name: t for t in graph.initializer}
+    folder = os.fspath(base_dir or os.getcwd())
+    for layer in info["layers"]:
+        down = numpy_helper.to_array(initializers[layer["A"]]).astype(np.float32)
+        up = numpy_helper.to_array(initializers[layer["B"]]).astype(np.float32)
+        delta = (up @ down) * np.float32(layer["scaling"])
+        base = numpy_helper.to_array(merged_weights[layer["base"]], folder)
+        delta = delta.T if layer["fan_in_fan_out"] else delta
+        merged_weights[layer["base"]].CopyFrom(numpy_helper.from_array(
+            (base.astype(np.float32) + delta).astype(base.dtype), layer["base"]))
     return merged
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnx
 
 from normgrad import lora
-from normgrad._files import save_model_atomic, write_bytes_atomic
+from normgrad._files import save_model_atomic, write_chunks_atomic
 from normgrad.graphs.tidy import tidy
 from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION
@@ -85,9 +85,8 @@ def export(
         external_data: write the frozen initializers (no ``requires_grad``; 1 KiB or more)
             to ``PATH.data`` beside the model, which references them (relative location):
             the route for models past protobuf's 2 GiB limit. The returned model holds the
-            references too; onnx's checker (which normgrad's graph builders run) resolves
-            them against the current folder, so build the training and step graphs with
-            the model's folder as the current one.
+            references too (relative to the model's folder: the graph builders do not read
+            them; give the Trainer the step graph by path, or ``external_data_folder``).
 
     Returns:
         The model written: IR version 10, metadata ``normgrad.torch_parameters`` = JSON
@@ -148,16 +147,21 @@ def _frozen_to_external_data(model: onnx.ModelProto, trained: set, path) -> None
     from onnx import external_data_helper
 
     location = os.path.basename(os.fspath(path)) + ".data"
-    chunks, offset = [], 0
-    for tensor in model.graph.initializer:
-        if tensor.name in trained or len(tensor.raw_data) < EXTERNAL_DATA_MIN_BYTES:
-            continue
-        chunks.append(tensor.raw_data)
-        external_data_helper.set_external_data(tensor, location, offset, len(tensor.raw_data))
-        offset += len(tensor.raw_data)
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-    write_bytes_atomic(os.path.join(os.path.dirname(os.path.abspath(path)), location), b"".join(chunks))
+    moving = [t for t in model.graph.initializer
+              if t.name not in trained and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_DATA_MIN_BYTES]
+
+    def chunks():  # one tensor's bytes at a time: a base of several GiB is not held twice
+        offset = 0
+        for tensor in moving:
+            data = tensor.raw_data
+            external_data_helper.set_external_data(tensor, location, offset, len(data))
+            offset += len(data)
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            yield data
+            del data
+
+    write_chunks_atomic(os.path.join(os.path.dirname(os.path.abspath(path)), location), chunks())
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:

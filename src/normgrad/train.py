@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike, save_model_atomic
+from normgrad._files import PathLike, StagedFile, save_models_external, uses_external_data
 from normgrad.graphs import structure
 
 __all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
@@ -173,12 +173,23 @@ _SPLIT_LOSS = "normgrad.loss"
 
 
 def _load_step_graph(path: PathLike) -> onnx.ModelProto:
+    """The graph at ``path``; its external data (a frozen base) stays in its files, which the
+    sessions read from the graph's folder."""
     try:
-        return onnx.load(os.fspath(path))
+        return onnx.load(os.fspath(path), load_external_data=False)
     except OSError as error:
         raise TrainerError(f"cannot read the step graph {os.fspath(path)!r}: {error.strerror or error}") from None
     except Exception as error:  # protobuf's DecodeError and what a cut file raises
         raise TrainerError(f"{os.fspath(path)!r} is not an ONNX model (corrupt or truncated: {error})") from None
+
+
+def _external_data_options(options, folder: str) -> None:
+    """Session options for a graph whose initializers keep their data in ``folder``: the
+    sessions read them from there (not from the current folder), and the graph onnxruntime
+    writes while creating a session (see :func:`_session_and_running_graph`) keeps them in
+    a data file beside it instead of past protobuf's 2 GiB limit."""
+    options.add_session_config_entry(_EXTERNAL_FOLDER, folder)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "running.onnx.data")
 
 
 def _metadata_json(metadata: Mapping[str, str], key: str, kind: type):
@@ -222,14 +233,14 @@ def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
         options.optimized_model_filepath = path
         options.log_severity_level = max(saved_severity, 3)  # the warning that an optimized ALL-level graph is machine-specific
         try:
-            session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+            session = _session(ort, model, options, providers)
             running = onnx.load(path, load_external_data=False)
         except Exception:
             session, running = None, None
         finally:
             options.optimized_model_filepath, options.log_severity_level = saved_path, saved_severity
     if session is None:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        session = _session(ort, model, options, providers)
     return session, running
 
 
@@ -248,6 +259,28 @@ def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
         disabled = ""
     if "ConstantFolding" not in disabled.split(";"):  # onnxruntime (1.19.2, 1.32) splits the names at ";", not ","
         options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [disabled, "ConstantFolding"])))
+
+
+_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def _session(ort, model: onnx.ModelProto, options, providers):
+    """An onnxruntime session of ``model``. With external data in a folder named by the
+    options (:func:`_external_data_options`) on onnxruntime older than 1.21, which has no
+    such option and reads an in-memory model's external data from the current folder, the
+    model is loaded from a temporary file in that folder."""
+    try:
+        folder = options.get_session_config_entry(_EXTERNAL_FOLDER)
+    except Exception:  # no such entry
+        folder = None
+    version = tuple(int(part) for part in ort.__version__.split(".")[:2] if part.isdigit())
+    if folder is None or version >= (1, 21):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    staged = StagedFile(os.path.join(folder, "normgrad-session.onnx"), [model.SerializeToString()])
+    try:
+        return ort.InferenceSession(staged.temporary, options, providers=providers)
+    finally:
+        staged.discard()
 
 
 class Trainer:
@@ -277,6 +310,10 @@ class Trainer:
             step and the micro-batch (:func:`normgrad.graphs.rewrites.seed_dropout`). None:
             the checkpoint's seed if it has one, else the step graph's (``normgrad export
             --seed``, default 0). Saved in every checkpoint.
+        external_data_folder: the folder the external data of the step graph (and evaluation
+            graph) is in, e.g. a frozen base that :func:`normgrad.torch.export` wrote with
+            ``external_data=True``; default: the step graph's folder when it is given by
+            path, else the current folder.
         nonfinite: what a step whose loss or a gradient is NaN or infinite does (its updates
             are never written): ``"raise"`` a :class:`TrainerError`, or ``"skip"`` it (the
             step count stays; :attr:`skipped_steps` counts such steps).
@@ -302,6 +339,7 @@ class Trainer:
         eval_model: Union[PathLike, onnx.ModelProto, None] = None,
         seed: Optional[int] = None,
         nonfinite: str = "raise",
+        external_data_folder: Optional[PathLike] = None,
     ):
         import onnxruntime
 
@@ -309,6 +347,9 @@ class Trainer:
 
         self._ort = onnxruntime
         model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
+        if external_data_folder is None and not isinstance(step_model, onnx.ModelProto):
+            external_data_folder = os.path.dirname(os.path.abspath(os.fspath(step_model)))
+        self.external_data_folder = os.path.abspath(os.fspath(external_data_folder or os.getcwd()))
         metadata = {e.key: e.value for e in model.metadata_props}
         missing = [k for k in ("normgrad.state", "normgrad.parameters", "normgrad.data_inputs", "normgrad.optimizer")
                    if k not in metadata]
@@ -346,6 +387,8 @@ class Trainer:
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         options = session_options if session_options is not None else onnxruntime.SessionOptions()
         _keep_bfloat16_initializers(model, options)
+        if any(uses_external_data(t) for t in model.graph.initializer):
+            _external_data_options(options, self.external_data_folder)
         if kernels is not None:
             import normgrad
 
@@ -780,7 +823,7 @@ class Trainer:
             if source is None:
                 model = optimizers.build_eval_graph(self.step_model)
             else:
-                model = source if isinstance(source, onnx.ModelProto) else onnx.load(os.fspath(source))
+                model = source if isinstance(source, onnx.ModelProto) else _load_step_graph(source)
             step_inputs = {i.name: i for i in self.step_model.graph.input}
             for info in model.graph.input:
                 if info.name in self._expected:
@@ -815,9 +858,10 @@ class Trainer:
         return build_inference_model(self.step_model, self.state_dict())
 
     def export_inference_model(self, path: PathLike) -> None:
-        """Writes :meth:`inference_model` to ``path`` atomically."""
+        """Writes :meth:`inference_model` to ``path`` atomically (with a frozen base in external
+        data, or past 1 GiB of weights, its weights in ``PATH.data`` beside it)."""
         if self.is_saving_rank:
-            save_model_atomic(self.inference_model(), path)
+            self._save_model(self.inference_model(), path)
 
     def save_adapter(self, directory: PathLike) -> None:
         """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
@@ -830,8 +874,15 @@ class Trainer:
 
     def export_merged_model(self, path: PathLike) -> None:
         """Writes the inference model with the trained LoRA adapters folded into their base
-        weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically."""
+        weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
+        external data, or past 1 GiB of weights, its weights in ``PATH.data`` beside it)."""
         from normgrad import lora
 
         if self.is_saving_rank:
-            save_model_atomic(lora.merged_model(self.step_model, self.state_dict()), path)
+            self._save_model(lora.merged_model(self.step_model, self.state_dict(), self.external_data_folder), path)
+
+    def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
+        """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
+        past :data:`normgrad._files.INLINE_MODEL_BYTES` keeps its large tensors in
+        ``PATH.data`` beside it."""
+        save_models_external({path: model}, self.external_data_folder)
