@@ -26,7 +26,8 @@ the adapters train, on every side). They are exported with the dynamo exporter (
 only; BERT's flattened to [tokens, vocabulary]); ``torch`` is then transformers' own loss
 (``labels=``) and ``torch.optim.AdamW`` over the trainable parameters (+ peft for LoRA);
 ``ort-training`` gets the decoders' logits shifted and flattened by two appended nodes
-(its CrossEntropyLoss wants [N, C]) and the labels shifted to match. They have no
+(its CrossEntropyLoss wants [N, C]) and the labels shifted to match, and the exporter's
+LayerNormalization and SplitToSequence in forms it has gradients for (see the worker). They have no
 ``functions`` column (the C++ kernels are what the speed target is about, and the column
 would add a minute per row).
 ``--quick`` shrinks every model (CI smoke test). torch (and transformers and peft for the
@@ -94,7 +95,6 @@ LOSSES = {"bert": "cross_entropy", "gpt2": "causal_lm", "llama": "causal_lm"}
 def transformer_model(name: str, quick: bool):
     """The transformers model of row ``name`` (seeded, random weights, dropout off), wrapped
     by peft LoRA for the ``_lora`` rows."""
-    import peft
     import torch
     import transformers
 
@@ -117,6 +117,8 @@ def transformer_model(name: str, quick: bool):
         model = transformers.LlamaForCausalLM(config)
     model.train()
     if lora:
+        import peft  # only here: its import takes as long as torch's
+
         config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[family],
                                  fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores W transposed
         model = peft.get_peft_model(model, config)
