@@ -66,13 +66,16 @@ def _by_op(*profile_paths):
     return result
 
 
-def _normgrad(variant, forward_path, x, labels, threads):
+def _normgrad(variant, forward_path, x, labels, threads, loss):
     import onnx
 
     from normgrad.graphs import build_step_graph, build_training_graph
     from normgrad.train import Trainer
 
-    training = build_training_graph(onnx.load(forward_path), loss="cross_entropy")
+    forward = onnx.load(forward_path)
+    x_name = forward.graph.input[0].name
+    training = build_training_graph(forward, loss=loss)
+    del forward
     step_graph, initial = build_step_graph(training, "adamw", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     del training
     kernels = "cpp" if variant == "cpp" else None
@@ -93,7 +96,7 @@ def _normgrad(variant, forward_path, x, labels, threads):
                 normgrad.session_options("cpp", options)
             session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
                                                    providers=["CPUExecutionProvider"])
-            feeds = {**trainer.state_dict(), "x": x, "labels": labels, "lr": np.array(LR, np.float32),
+            feeds = {**trainer.state_dict(), x_name: x, "labels": labels, "lr": np.array(LR, np.float32),
                      "step": np.array(1, np.float32)}
             feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
             for _ in range(2):
@@ -111,12 +114,17 @@ def _torch(name, state_path, x, labels, threads, quick):
     torch.set_num_threads(threads)
     model = torch_model(name, quick)
     model.load_state_dict(torch.load(state_path))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # peft LoRA: the adapters alone
+    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
+    if x.dtype == np.int64:  # a transformers model (token ids): its own loss, as a torch user computes it
+        forward = lambda: model(input_ids=tx, labels=tl).loss  # noqa: E731
+    else:
+        forward = lambda: torch.nn.functional.cross_entropy(model(tx), tl)  # noqa: E731
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(tx), tl)
+        loss = forward()
         loss.backward()
         optimizer.step()
         return float(loss)
@@ -124,17 +132,97 @@ def _torch(name, state_path, x, labels, threads, quick):
     return step, None
 
 
-def _ort_training(forward_path, x, labels, threads):
+def _shift_logits(forward):
+    """Appends to ``forward`` the causal-LM shift of its logits [batch, sequence, vocabulary]:
+    positions 0..sequence-2, flattened to [tokens, vocabulary] (CrossEntropyLoss's layout)."""
+    from onnx import helper, numpy_helper
+
+    logits = forward.graph.output[0]
+    batch, sequence, vocabulary = (d.dim_value for d in logits.type.tensor_type.shape.dim)
+    constants = {"shift_starts": [0], "shift_ends": [-1], "shift_axes": [1], "shift_shape": [-1, vocabulary]}
+    forward.graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in constants.items())
+    forward.graph.node.extend([
+        helper.make_node("Slice", [logits.name, "shift_starts", "shift_ends", "shift_axes"], ["shift_kept"]),
+        helper.make_node("Reshape", ["shift_kept", "shift_shape"], ["shifted_logits"]),
+    ])
+    del forward.graph.output[:]
+    # with its shape: CrossEntropyLoss derives the labels' shape from it
+    forward.graph.output.append(helper.make_tensor_value_info("shifted_logits", logits.type.tensor_type.elem_type,
+                                                              [batch * (sequence - 1), vocabulary]))
+
+
+def _constant(forward, name):
+    from onnx import numpy_helper
+
+    for t in forward.graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    for n in forward.graph.node:
+        if n.op_type == "Constant" and n.output[0] == name and n.attribute[0].name == "value":
+            return numpy_helper.to_array(n.attribute[0].t)
+    return None
+
+
+def _ort_training_forms(forward):
+    """Rewrites what the dynamo exporter writes into forms onnxruntime-training has gradients
+    for, computing the same: LayerNormalization with its mean and inverse-std outputs (its
+    gradient builder reads them) and SplitToSequence + SequenceAt at constant indices as Split
+    (it has no gradient for sequence ops)."""
+    from onnx import helper, numpy_helper
+
+    for node in forward.graph.node:
+        if node.op_type == "LayerNormalization" and len(node.output) == 1:
+            node.output.extend([node.output[0] + "_mean", node.output[0] + "_inv_std"])
+    readers = {}
+    for node in forward.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    replaced, dropped = {}, set()
+    for node in forward.graph.node:
+        if node.op_type != "SplitToSequence" or len(node.input) < 2:
+            continue
+        sizes = _constant(forward, node.input[1])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if sizes is not None and sizes.ndim == 0:  # a chunk size: the sizes from the input's shape
+            dims = [d.dim_value for v in forward.graph.value_info if v.name == node.input[0]
+                    for d in v.type.tensor_type.shape.dim]
+            whole = dims[axis] if dims and dims[axis] > 0 else None
+            sizes = None if whole is None else np.array([min(sizes, whole - at) for at in range(0, whole, int(sizes))])
+        takers = readers.get(node.output[0], [])
+        indices = [_constant(forward, t.input[1]) if t.op_type == "SequenceAt" else None for t in takers]
+        if sizes is None or any(i is None for i in indices):
+            continue
+        outputs = [f"{node.output[0]}_{i}" for i in range(len(sizes))]
+        for taker, index in zip(takers, indices):
+            outputs[int(index) % len(sizes)] = taker.output[0]
+            dropped.add(id(taker))
+        sizes_name = node.output[0] + "_sizes"
+        forward.graph.initializer.append(numpy_helper.from_array(sizes.astype(np.int64), sizes_name))
+        replaced[id(node)] = helper.make_node("Split", [node.input[0], sizes_name], outputs, axis=axis)
+    nodes = [replaced.get(id(n), n) for n in forward.graph.node if id(n) not in dropped]
+    del forward.graph.node[:]
+    forward.graph.node.extend(nodes)
+
+
+def _ort_training(forward_path, x, labels, threads, loss):
     import onnx
     from onnxruntime.training import artifacts, onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
     folder = tempfile.mkdtemp()
     forward = onnx.load(forward_path)
-    params = [t.name for t in forward.graph.initializer
-              if not any(s in t.name for s in ("running_mean", "running_var", "num_batches_tracked"))
-              and t.data_type == onnx.TensorProto.FLOAT]
-    artifacts.generate_artifacts(forward, requires_grad=params, frozen_params=[],
+    _ort_training_forms(forward)
+    if loss == "causal_lm":
+        _shift_logits(forward)
+        labels = np.ascontiguousarray(labels[:, 1:].reshape(-1))
+    floats = [t.name for t in forward.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    metadata = {p.key: p.value for p in forward.metadata_props}
+    if "normgrad.torch_parameters" in metadata:  # torch's requires_grad (peft: the adapters alone)
+        params = list(json.loads(metadata["normgrad.torch_parameters"]))
+    else:
+        params = [name for name in floats if not any(s in name for s in ("running_mean", "running_var"))]
+    frozen = [name for name in floats if name not in set(params)]
+    artifacts.generate_artifacts(forward, requires_grad=params, frozen_params=frozen,
                                  loss=artifacts.LossType.CrossEntropyLoss,
                                  # its OptimType.AdamW has eps 1e-6 and no weight decay
                                  optimizer=onnxblock.optim.AdamW(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
@@ -184,12 +272,13 @@ def main():
     variant, name, paths, threads, quick = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
     x, labels = np.load(paths["x.npy"]), np.load(paths["labels.npy"])
     try:
+        loss = paths.get("loss", "cross_entropy")
         if variant in ("cpp", "functions"):
-            step, profile = _normgrad(variant, paths["onnx"], x, labels, threads)
+            step, profile = _normgrad(variant, paths["onnx"], x, labels, threads, loss)
         elif variant == "torch":
             step, profile = _torch(name, paths["pt"], x, labels, threads, quick)
         else:
-            step, profile = _ort_training(paths["onnx"], x, labels, threads)
+            step, profile = _ort_training(paths["onnx"], x, labels, threads, loss)
     except Exception as error:
         print(json.dumps({"error": _describe(error)}), flush=True)
         return

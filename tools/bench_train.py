@@ -16,7 +16,22 @@ opset 17): a ResNet basic block with a GAP/Linear head (x [16, 64, 56, 56]), a R
 the skip, GAP/Linear head, x [8, 128, 32, 32]) and an EfficientNet MBConv block (1x1 expand,
 BN-SiLU, depthwise 3x3, BN-SiLU, squeeze-excite, 1x1 project, BN, skip; x [16, 40, 28, 28]) and an LSTM classifier (2-layer nn.LSTM, hidden 256, batch first,
 the last step to a Linear head; x [32, 128, 64]).
-``--quick`` shrinks them (CI smoke test). torch must be installed to build them.
+
+The transformer rows are transformers models at random initialization (nothing is
+downloaded): a BERT encoder (``BertForMaskedLM``, cross-entropy over every position), a
+GPT-2 and a Llama decoder (``GPT2LMHeadModel``, ``LlamaForCausalLM``, causal-LM loss), each
+4 layers, hidden 256, vocabulary 8192, input_ids [8, 128], dropout off; each as full
+fine-tuning and with peft LoRA (r 8, alpha 16, on the attention and MLP projections; only
+the adapters train, on every side). They are exported with the dynamo exporter (logits
+only; BERT's flattened to [tokens, vocabulary]); ``torch`` is then transformers' own loss
+(``labels=``) and ``torch.optim.AdamW`` over the trainable parameters (+ peft for LoRA);
+``ort-training`` gets the decoders' logits shifted and flattened by two appended nodes
+(its CrossEntropyLoss wants [N, C]) and the labels shifted to match, and the exporter's
+LayerNormalization and SplitToSequence in forms it has gradients for (see the worker). They have no
+``functions`` column (the C++ kernels are what the speed target is about, and the column
+would add a minute per row).
+``--quick`` shrinks every model (CI smoke test). torch (and transformers and peft for the
+transformer rows) must be installed to build them.
 
 How it is measured: every variant runs in its own worker process (``tools/_train_worker.py``;
 ``--threads`` intra-op threads, spinning off, torch ``set_num_threads``), which builds its
@@ -47,7 +62,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["main", "MODELS", "torch_model"]
+__all__ = ["main", "MODELS", "TRANSFORMERS", "torch_model"]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_train_worker.py")
 
@@ -61,8 +76,71 @@ MODELS: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], int]] = {
 }
 
 
+# name: (transformers family, LoRA)
+TRANSFORMERS: Dict[str, Tuple[str, bool]] = {
+    "bert": ("bert", False), "bert_lora": ("bert", True),
+    "gpt2": ("gpt2", False), "gpt2_lora": ("gpt2", True),
+    "llama": ("llama", False), "llama_lora": ("llama", True),
+}
+# batch, sequence, vocabulary, hidden, layers, heads
+TRANSFORMER_SIZES = {False: (8, 128, 8192, 256, 4, 4), True: (2, 16, 128, 32, 2, 2)}
+LORA_TARGETS = {
+    "bert": r".*encoder\.layer\.\d+\..*(query|key|value|dense)",  # not the MLM head's transform
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+LOSSES = {"bert": "cross_entropy", "gpt2": "causal_lm", "llama": "causal_lm"}
+
+
+def transformer_model(name: str, quick: bool):
+    """The transformers model of row ``name`` (seeded, random weights, dropout off), wrapped
+    by peft LoRA for the ``_lora`` rows."""
+    import torch
+    import transformers
+
+    family, lora = TRANSFORMERS[name]
+    _, sequence, vocabulary, hidden, layers, heads = TRANSFORMER_SIZES[quick]
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocabulary, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    if family == "bert":
+        config = transformers.BertConfig(**common, intermediate_size=4 * hidden, max_position_embeddings=sequence,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.BertForMaskedLM(config)
+    elif family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocabulary, n_embd=hidden, n_layer=layers, n_head=heads,
+                                         n_positions=sequence, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         use_cache=False)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(**common, intermediate_size=4 * hidden, num_key_value_heads=heads,
+                                          max_position_embeddings=sequence, use_cache=False)
+        model = transformers.LlamaForCausalLM(config)
+    model.train()
+    if lora:
+        import peft  # only here: its import takes as long as torch's
+
+        config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[family],
+                                 fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores W transposed
+        model = peft.get_peft_model(model, config)
+    return model
+
+
+def transformer_batch(name: str, quick: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """input_ids and labels of row ``name``: the input tokens for the decoders (the causal-LM
+    loss shifts them), other random tokens for BERT, one per position [batch * sequence]."""
+    batch, sequence, vocabulary = TRANSFORMER_SIZES[quick][:3]
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, vocabulary, (batch, sequence)).astype(np.int64)
+    if LOSSES[TRANSFORMERS[name][0]] == "causal_lm":
+        return input_ids, input_ids.copy()
+    # flat, as the logits of the exported model are; transformers' loss flattens them too
+    return input_ids, rng.integers(0, vocabulary, batch * sequence).astype(np.int64)
+
+
 def torch_model(name: str, quick: bool):
     """The torch module of benchmark model ``name`` (seeded; ``quick``: 1/8 the widths of resnet18)."""
+    if name in TRANSFORMERS:
+        return transformer_model(name, quick)
     import torch
     from torch import nn
 
@@ -150,8 +228,44 @@ def torch_model(name: str, quick: bool):
     return model.train()
 
 
+def _export_transformer(name: str, quick: bool, paths: Dict[str, str]) -> None:
+    import contextlib
+    import io
+
+    import torch
+
+    import normgrad.torch
+
+    model = transformer_model(name, quick)
+    input_ids, labels = transformer_batch(name, quick)
+    torch.save(model.state_dict(), paths["pt"])
+    flatten = LOSSES[TRANSFORMERS[name][0]] == "cross_entropy"  # normgrad's cross_entropy wants [N, classes]
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            logits = self.model(input_ids=input_ids).logits
+            return logits.reshape(-1, logits.shape[-1]) if flatten else logits
+
+    # the dynamo exporter reports its progress on stdout, which is the bench's table
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normgrad.torch.export(Logits(model), (torch.from_numpy(input_ids),), paths["onnx"], exporter="dynamo",
+                              input_names=["input_ids"], output_names=["logits"])
+    np.save(paths["x.npy"], input_ids)
+    np.save(paths["labels.npy"], labels)
+
+
 def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
     """Writes the model's forward ONNX, torch state, x and labels into ``folder``."""
+    paths = {k: os.path.join(folder, f"{name}.{k}") for k in ("onnx", "x.npy", "labels.npy", "pt")}
+    if name in TRANSFORMERS:
+        _export_transformer(name, quick, paths)
+        paths["loss"] = LOSSES[TRANSFORMERS[name][0]]
+        return paths
     import torch
 
     shape, quick_shape, classes = MODELS[name]
@@ -160,7 +274,6 @@ def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape, dtype=np.float32)
     labels = rng.integers(0, classes, shape[0]).astype(np.int64)
-    paths = {k: os.path.join(folder, f"{name}.{k}") for k in ("onnx", "x.npy", "labels.npy", "pt")}
     torch.save(model.state_dict(), paths["pt"])  # before the export: tracing in training mode moves the BN statistics
     import io
 
@@ -184,7 +297,8 @@ WORKER_TIMEOUT = 600.0
 class _Worker:
     """One variant in its own process: JSON lines over stdin/stdout."""
 
-    def __init__(self, python: str, variant: str, name: str, paths: Dict[str, str], threads: int, quick: bool):
+    def __init__(self, python: str, variant: str, name: str, paths: Dict[str, str], threads: int, quick: bool,
+                 wait: bool = True):
         env = dict(os.environ)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         command = [python, WORKER, variant, name, json.dumps(paths), str(threads), "1" if quick else "0"]
@@ -193,6 +307,12 @@ class _Worker:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                         text=True, env=env)
         self.error: Optional[str] = None
+        self.ready: dict = {}
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits for the worker's build (its first reply: the RSS after building)."""
         self.ready = self._reply()
 
     def _reply(self) -> dict:
@@ -238,13 +358,29 @@ def _top(profile: Dict[str, float], count: int = 5) -> str:
     return ", ".join(f"{op} {t / total:.0%}" for op, t in top)
 
 
+def _title(name: str, quick: bool) -> Tuple[str, str]:
+    """The model's heading (name, input shape, loss) and the label of its torch variant."""
+    if name not in TRANSFORMERS:
+        return f"{name} x {list(MODELS[name][1 if quick else 0])}: training step (forward, cross-entropy", "torch"
+    family, lora = TRANSFORMERS[name]
+    batch, sequence, vocabulary, hidden, layers, _ = TRANSFORMER_SIZES[quick]
+    loss = "causal-LM loss" if LOSSES[family] == "causal_lm" else "cross-entropy"
+    what = "LoRA r 8" if lora else "full fine-tuning"
+    return (f"{name} x [{batch}, {sequence}] ({layers} layers, hidden {hidden}, vocabulary {vocabulary}, {what}): "
+            f"training step (forward, {loss}"), "torch+peft" if lora else "torch"
+
+
 def _model_group(name: str, args, folder: str, out) -> bool:
-    shape = MODELS[name][1 if args.quick else 0]
     paths = _export(name, args.quick, folder)
     variants = [("cpp", sys.executable), ("functions", sys.executable), ("torch", sys.executable)]
+    if name in TRANSFORMERS:
+        variants.remove(("functions", sys.executable))
     if args.ort_training_python:
         variants.append(("ort-training", args.ort_training_python))
-    workers = {v: _Worker(python, v, name, paths, args.threads, args.quick) for v, python in variants}
+    # the workers build at once (imports, graph building, sessions); the timed steps are one at a time
+    workers = {v: _Worker(python, v, name, paths, args.threads, args.quick, wait=False) for v, python in variants}
+    for worker in workers.values():
+        worker.wait()
     losses: Dict[str, List[float]] = {}
     for _ in range(2):  # warm-up steps; their losses are the agreement check
         for v, worker in workers.items():
@@ -262,16 +398,19 @@ def _model_group(name: str, args, folder: str, out) -> bool:
     for worker in workers.values():
         worker.close()
 
-    print(f"\n{name} x {list(shape)}: training step (forward, cross-entropy, backward, AdamW), "
-          f"{args.threads} threads, median of {args.repeat} interleaved rounds", file=out)
+    title, torch_label = _title(name, args.quick)
+    print(f"\n{title}, backward, AdamW), {args.threads} threads, median of {args.repeat} interleaved rounds", file=out)
     ok = True
     reference = losses.get("cpp")
     medians = {v: statistics.median(t) for v, t in times.items() if t}
     print(f"  {'variant':<14}{'median':>10}{'range':>22}{'/torch':>8}{'/ort-tr':>9}{'peak RSS':>11}{'step RSS':>11}"
           f"  check (losses of steps 1, 2)", file=out)
     for v, worker in workers.items():
+        label = torch_label if v == "torch" else v
         if worker.error or v not in medians:
-            print(f"  {v:<14}failed: {worker.error or 'no timing'}", file=out)
+            # onnxruntime-training lacks some gradients: a row it cannot do is not the bench failing
+            state = "n/a" if v == "ort-training" else "failed"
+            print(f"  {label:<14}{state}: {worker.error or 'no timing'}", file=out)
             continue
         t = times[v]
         ratio = lambda other: f"{medians[v] / medians[other]:.2f}x" if other in medians else "-"  # noqa: E731
@@ -282,7 +421,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
             good = error <= 1e-3
             ok &= good
             check = f"{losses[v][0]:.5f} {losses[v][1]:.5f} (vs cpp {error:.1e}{'' if good else ' MISMATCH'})"
-        print(f"  {v:<14}{medians[v] * 1e3:8.1f}ms  {min(t) * 1e3:8.1f}-{max(t) * 1e3:8.1f}ms{ratio('torch'):>8}"
+        print(f"  {label:<14}{medians[v] * 1e3:8.1f}ms  {min(t) * 1e3:8.1f}-{max(t) * 1e3:8.1f}ms{ratio('torch'):>8}"
               f"{ratio('ort-training'):>9}{peak or 0:9.0f}MB{(peak or 0) - (ready or 0):9.0f}MB  {check}", file=out)
     for v, reply in profiles.items():
         if reply.get("profile"):
@@ -298,7 +437,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, 3 rounds (CI smoke test)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every variant (2)")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models to time")
+    parser.add_argument("--models", nargs="+", choices=[*MODELS, *TRANSFORMERS], default=[*MODELS, *TRANSFORMERS],
+                        help="models to time")
     parser.add_argument("--ort-training-python", default=None, metavar="PATH",
                         help="a Python with onnxruntime-training (1.19.2): adds its column")
     args = parser.parse_args(argv)

@@ -1,0 +1,57 @@
+"""``normgrad bench --train``'s transformer rows at ``--quick`` sizes: every row is printed
+with a timing and numeric ratios for normgrad (cpp) and torch (+ peft for LoRA), and the
+losses of the first two steps agree with cpp's (exit status 0). Timings are not asserted."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("onnxscript")
+
+from normgrad.tools import bench_train, cli  # noqa: E402
+
+NUMBER = r"\d+\.\d+"
+
+
+def test_transformer_rows_quick(capsys):
+    names = list(bench_train.TRANSFORMERS)
+    assert names == ["bert", "bert_lora", "gpt2", "gpt2_lora", "llama", "llama_lora"]
+    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", *names]) == 0
+    out = capsys.readouterr().out
+    groups = out.split("\n\n")[1:]
+    assert len(groups) == len(names), out
+    for name, group in zip(names, groups):
+        lora = name.endswith("_lora")
+        loss = "causal-LM loss" if name.startswith(("gpt2", "llama")) else "cross-entropy"
+        heading = group.splitlines()[0]
+        what = "LoRA r 8" if lora else "full fine-tuning"
+        assert heading.startswith(f"{name} x [2, 16] (2 layers, hidden 32, vocabulary 128, {what}): "
+                                  f"training step (forward, {loss},"), group
+        for variant in ("cpp", "torch+peft" if lora else "torch"):
+            rows = [line for line in group.splitlines() if line.split()[:1] == [variant] and "ms " in line]
+            assert len(rows) == 1, group
+            # median, range, ratio to torch, peak and step RSS, the two losses and their agreement with cpp
+            pattern = (rf"  {re.escape(variant)} +{NUMBER}ms +{NUMBER}- +{NUMBER}ms +{NUMBER}x +- +\d+MB +-?\d+MB"
+                       rf"  {NUMBER} {NUMBER} \(vs cpp {NUMBER}e[-+]\d+\)$")
+            assert re.fullmatch(pattern, rows[0]), rows[0]
+        assert "functions" not in group and "failed" not in group and "MISMATCH" not in group
+        assert "cpp profile (op types by share of node time): " in group
+
+
+@pytest.mark.skipif(not os.environ.get("NORMGRAD_ORT_TRAINING_PYTHON"),
+                    reason="NORMGRAD_ORT_TRAINING_PYTHON (a Python with onnxruntime-training 1.19.2) is not set")
+def test_ort_training_column_on_gpt2(capsys):
+    """GPT-2 needs every adaptation the onnxruntime-training side makes (the shifted logits,
+    LayerNormalization's statistics outputs, Split for SplitToSequence): its losses agree with cpp's."""
+    python = os.environ["NORMGRAD_ORT_TRAINING_PYTHON"]
+    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", "gpt2",
+                     "--ort-training-python", python]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("  ort-training ") and "ms " in line]
+    assert len(rows) == 1 and re.search(rf" {NUMBER}x +1\.00x .*\(vs cpp {NUMBER}e[-+]\d+\)$", rows[0]), rows
