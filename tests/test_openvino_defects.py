@@ -25,8 +25,8 @@ import onnx.numpy_helper as onh
 import pytest
 
 from normgrad.graphs import examples
-from normgrad.graphs.builder import training_graph_with_stored_weights
 from normgrad.graphs.portable import make_portable
+from normgrad.ops import IR_VERSION
 
 from _providers import CPU, OPENVINO_CPU, first_line, max_relative_error, requires_openvino, run
 
@@ -153,15 +153,43 @@ def test_portable_refuses_training_mode_batch_norm():
 #    "Output names mismatch" at run time when the batch size is symbolic.
 
 def _onehot_case():
-    """normgrad's cross_entropy loss of Relu(x) as the gradient rules write it, before any
-    portable rewrite (training_graph_with_stored_weights; there is no weight): the graph
-    build_training_graph returned before it made the export's rewrites."""
+    """The cross-entropy training graph of Relu(x) as normgrad wrote it before its loss
+    gradient lost the one-hot tensor (and as a user's model may still hold one): OneHot of
+    the labels with a run-time depth and CastLike'd values, softmax minus it, over the count."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 3)).astype(np.float32)
     labels = np.array([0, 2, 1, 2], np.int64)
-    forward = examples.model([oh.make_node("Relu", ["x"], ["y"])], {"x": ("N", 3)}, ["y"])
-    model = training_graph_with_stored_weights(forward, loss="cross_entropy")
-    assert any(n.op_type == "OneHot" for n in model.graph.node)
+    f32 = onnx.TensorProto.FLOAT
+    nodes = [
+        oh.make_node("Relu", ["x"], ["y"]),
+        oh.make_node("LogSoftmax", ["y"], ["log_probs"], axis=1),
+        oh.make_node("Constant", [], ["one"], value_ints=[1]),
+        oh.make_node("Unsqueeze", ["labels", "one"], ["index"]),
+        oh.make_node("GatherElements", ["log_probs", "index"], ["picked"], axis=1),
+        oh.make_node("ReduceMean", ["picked"], ["mean"], keepdims=0),
+        oh.make_node("Neg", ["mean"], ["loss"]),
+        oh.make_node("Shape", ["y"], ["classes"], start=1, end=2),
+        oh.make_node("Constant", [], ["zero"], value_ints=[0]),
+        oh.make_node("Squeeze", ["classes", "zero"], ["depth"]),
+        oh.make_node("Constant", [], ["off_on"], value=onh.from_array(np.array([0.0, 1.0], np.float32))),
+        oh.make_node("CastLike", ["off_on", "y"], ["values"]),
+        oh.make_node("OneHot", ["labels", "depth", "values"], ["onehot"], axis=1),
+        oh.make_node("Softmax", ["y"], ["probabilities"], axis=1),
+        oh.make_node("Size", ["labels"], ["size"]),
+        oh.make_node("CastLike", ["size", "y"], ["count"]),
+        oh.make_node("Sub", ["probabilities", "onehot"], ["difference"]),
+        oh.make_node("Div", ["difference", "count"], ["y_grad"]),
+        oh.make_node("Constant", [], ["zero_f"], value=onh.from_array(np.array(0.0, np.float32))),
+        oh.make_node("Greater", ["x", "zero_f"], ["positive"]),
+        oh.make_node("CastLike", ["positive", "x"], ["mask"]),
+        oh.make_node("Mul", ["y_grad", "mask"], ["x_grad"]),
+    ]
+    graph = oh.make_graph(nodes, "onehot_cross_entropy",
+                          [oh.make_tensor_value_info("x", f32, ["N", 3]),
+                           oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["N"])],
+                          [oh.make_tensor_value_info("loss", f32, []), oh.make_tensor_value_info("x_grad", f32, ["N", 3])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=IR_VERSION)
+    onnx.checker.check_model(model, full_check=True)
     y = np.maximum(x.astype(np.float64), 0.0)
     e = np.exp(y - y.max(axis=1, keepdims=True))
     probabilities = e / e.sum(axis=1, keepdims=True)
