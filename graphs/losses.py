@@ -69,16 +69,19 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
     masked = (lambda value: value) if valid is None else (lambda value: ctx.op("Mul", value, valid))
     index = ctx.unsqueeze(safe, [1])
     picked = ctx.op("Squeeze", ctx.op("GatherElements", log_probs, index, axis=1), ctx.ints([1]))
-    total = ctx.reduce("ReduceSum", masked(picked), None, keepdims=False)
-    if label_smoothing:
-        # the classes' count C as a scalar
-        depth = ctx.op("CastLike", ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0])), output)
-        smoothing_per_class = ctx.op("Div", ctx.scalar(label_smoothing, output), depth)
-        total = ctx.op("Mul", total, ctx.scalar(1.0 - label_smoothing, output))
-        class_sum = ctx.reduce("ReduceSum", masked(ctx.reduce("ReduceSum", log_probs, [1], keepdims=False)), None,
-                               keepdims=False)
-        total = ctx.op("Add", total, ctx.op("Mul", class_sum, smoothing_per_class))
-    loss = ctx.op("Neg", ctx.op("Div", total, count))
+    if valid is None and not label_smoothing:  # a plain mean (OpenVINO's EP leaves a ReduceSum to a scalar on the CPU)
+        loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
+    else:
+        total = ctx.reduce("ReduceSum", masked(picked), None, keepdims=False)
+        if label_smoothing:
+            # the classes' count C as a scalar
+            depth = ctx.op("CastLike", ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0])), output)
+            smoothing_per_class = ctx.op("Div", ctx.scalar(label_smoothing, output), depth)
+            total = ctx.op("Mul", total, ctx.scalar(1.0 - label_smoothing, output))
+            class_sum = ctx.reduce("ReduceSum", masked(ctx.reduce("ReduceSum", log_probs, [1], keepdims=False)), None,
+                                   keepdims=False)
+            total = ctx.op("Add", total, ctx.op("Mul", class_sum, smoothing_per_class))
+        loss = ctx.op("Neg", ctx.op("Div", total, count))
     weight = ctx.op("Div", ctx.scalar(1.0, output), count) if valid is None else ctx.unsqueeze(
         ctx.op("Div", valid, count), [1])
     grad = ctx.op("Mul", ctx.op("Softmax", output, axis=1), weight)
