@@ -36,16 +36,9 @@ input_ids = torch.randint(0, 8192, (8, 128))
 labels = input_ids.clone()
 
 
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-forward = normgrad.torch.export(Logits(model), (input_ids,), f"fine_tuning_speed_{mode}.onnx", exporter="dynamo",
+forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), f"fine_tuning_speed_{mode}.onnx", exporter="dynamo",
                                 input_names=["input_ids"], output_names=["logits"])
 step_graph, initial = build_step_graph(build_training_graph(forward, loss="causal_lm"), "adamw")
 options = ort.SessionOptions()

@@ -74,18 +74,6 @@ def _model(args):
     return model, _input_ids(args)
 
 
-def _logits(model):
-    import torch
-
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids, use_cache=False).logits
-
-    return Logits(model)
 
 
 def phase_export(args, meter: Meter) -> dict:
@@ -94,7 +82,7 @@ def phase_export(args, meter: Meter) -> dict:
     model, input_ids = _model(args)
     parameters = sum(p.numel() for p in model.parameters())
     meter.mark("torch + peft model built")
-    normgrad.torch.export(_logits(model), (input_ids,), os.path.join(args.folder, "forward.onnx"), exporter="dynamo",
+    normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), os.path.join(args.folder, "forward.onnx"), exporter="dynamo",
                           input_names=["input_ids"], output_names=["logits"], external_data=True)
     meter.mark("dynamo export, frozen base to forward.onnx.data")
     return {"parameters": parameters}

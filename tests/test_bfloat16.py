@@ -26,7 +26,7 @@ needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch, transforme
 if HAVE_TORCH:
     import peft
     import torch
-    from test_lora import FAMILIES, Logits, _torch_name
+    from test_lora import FAMILIES, _torch_name
 
     import normgrad.torch
 else:
@@ -153,7 +153,7 @@ def exported(request, tmp_path_factory):
     input_ids = torch.randint(0, 64, (2, 8), generator=generator)
     labels = input_ids.clone()
     labels[0, :3] = -100
-    forward = normgrad.torch.export(Logits(model), (input_ids,), tmp_path_factory.mktemp(family) / "forward.onnx",
+    forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), tmp_path_factory.mktemp(family) / "forward.onnx",
                                     exporter="dynamo", input_names=["input_ids"], output_names=["logits"])
     return dict(family=family, model=model, training=build_training_graph(forward, loss="causal_lm"),
                 batch={"input_ids": input_ids.numpy(), "labels": labels.numpy()})

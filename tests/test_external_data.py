@@ -63,7 +63,7 @@ def exported(tmp_path_factory):
     batch = {"input_ids": input_ids.numpy(), "labels": input_ids.numpy()}
     model, base_state = test_lora._peft_model("llama")
     folder = tmp_path_factory.mktemp("model")
-    forward = normgrad.torch.export(test_lora.Logits(model), (input_ids,), folder / "forward.onnx", exporter="dynamo",
+    forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), folder / "forward.onnx", exporter="dynamo",
                                     input_names=["input_ids"], output_names=["logits"], external_data=True)
     external = _external(forward)
     assert external and not [n for n in external if ".lora_" in n]

@@ -45,15 +45,6 @@ def _gpt2():
 FAMILIES = {"llama": _llama, "gpt2": _gpt2}
 
 
-class Logits(torch.nn.Module):
-    """input_ids -> logits of a causal LM (the export's single output)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def _peft_model(family):
@@ -79,7 +70,7 @@ def exported(request, tmp_path_factory):
     input_ids = torch.randint(0, 64, (2, 8), generator=generator)
     labels = input_ids.clone()
     labels[0, :3] = -100  # a masked prompt
-    forward = normgrad.torch.export(Logits(model), (input_ids,), tmp_path_factory.mktemp(family) / "forward.onnx",
+    forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), tmp_path_factory.mktemp(family) / "forward.onnx",
                                     exporter="dynamo", input_names=["input_ids"], output_names=["logits"])
     step, initial = build_step_graph(build_training_graph(forward, loss="causal_lm"), "adamw", weight_decay=WEIGHT_DECAY)
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -118,7 +109,7 @@ def _train(exported, level):
 def test_only_adapters_train(exported):
     """The state is the adapters and their AdamW moments; no base weight has a gradient node."""
     step = exported["step"]
-    adapters = {n for n, p in Logits(exported["model"]).named_parameters() if p.requires_grad}
+    adapters = {n for n, p in normgrad.torch.causal_lm_logits(exported["model"]).named_parameters() if p.requires_grad}
     parameters = json.loads({p.key: p.value for p in step.metadata_props}["normgrad.parameters"])
     assert set(parameters) == adapters and all(".lora_" in n for n in parameters)
     assert set(exported["initial"]) == {f"{p}{s}" for p in parameters for s in ("", ".exp_avg", ".exp_avg_sq")}
@@ -203,7 +194,7 @@ def half_exported(tmp_path_factory):
     input_ids = torch.randint(0, 64, (2, 8), generator=generator)
     labels = input_ids.clone()
     labels[0, :3] = -100
-    forward = normgrad.torch.export(Logits(model), (input_ids,), tmp_path_factory.mktemp("half") / "forward.onnx",
+    forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), tmp_path_factory.mktemp("half") / "forward.onnx",
                                     exporter="dynamo", input_names=["input_ids"], output_names=["logits"])
     return dict(model=model, config=config, training=build_training_graph(forward, loss="causal_lm"),
                 batch={"input_ids": input_ids.numpy(), "labels": labels.numpy()})
@@ -271,7 +262,7 @@ def test_frozen_base_in_external_data(tmp_path, monkeypatch):
     and the Trainer's steps on them are bitwise those of the same model with the base inline."""
     model, _ = _peft_model("gpt2")
     input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    forward = normgrad.torch.export(Logits(model), (input_ids,), tmp_path / "forward.onnx", exporter="dynamo",
+    forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), tmp_path / "forward.onnx", exporter="dynamo",
                                     input_names=["input_ids"], output_names=["logits"], external_data=True)
     external = [t.name for t in forward.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
     assert external and not [n for n in external if ".lora_" in n]

@@ -52,6 +52,23 @@ def _import_torch():
     return torch
 
 
+def causal_lm_logits(model):
+    """A module ``input_ids -> logits`` around a transformers causal language model (or the
+    peft model wrapping one): what to export for training with ``loss="causal_lm"``, one
+    output and no key/value cache. Its parameters keep the model's names under ``model.``."""
+    torch = _import_torch()
+
+    class CausalLMLogits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    return CausalLMLogits()
+
+
 def export(
     module: Any,
     example_inputs: Any,
