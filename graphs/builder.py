@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import inspect
 import json
 import warnings
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
@@ -427,21 +428,16 @@ def training_graph_with_stored_weights(model: onnx.ModelProto, **options) -> onn
     the form whose trainable weights are graph inputs *and* initializers holding their
     initial values, without the portable rewrites: the form a runtime that ignores fed
     weights gets wrong (the corpus's ``_stored_weights`` cases test exactly that)."""
-    return _assemble_training_graph(model, **options)
+    if "portable" in options:
+        raise TypeError("training_graph_with_stored_weights makes no portable rewrite: drop portable=")
+    arguments = inspect.signature(build_training_graph).bind(model, **options)
+    arguments.apply_defaults()
+    del arguments.arguments["portable"]
+    return _assemble_training_graph(*arguments.args)
 
 
-def _assemble_training_graph(
-    model: onnx.ModelProto,
-    loss: Optional[str] = None,
-    inline: bool = False,
-    frozen: Iterable[str] = (),
-    loss_options: Optional[Mapping[str, object]] = None,
-    loss_output: Optional[str] = None,
-    batch_norm_all_reduce: Optional[batch_norm.AllReduce] = None,
-    data_parallel: bool = False,
-    sync_batch_norm: bool = False,
-    bucket_bytes: int = data_parallel_rules.DEFAULT_BUCKET_BYTES,
-) -> onnx.ModelProto:
+def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_output, batch_norm_all_reduce,
+                             data_parallel, sync_batch_norm, bucket_bytes) -> onnx.ModelProto:
     """:func:`build_training_graph` before the weights leave the initializers."""
     if inline and (data_parallel or sync_batch_norm or batch_norm_all_reduce):
         raise ValueError("inline=True writes AllReduce as its function body, the identity: it cannot be combined "
