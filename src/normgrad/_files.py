@@ -17,7 +17,7 @@ from typing import Iterable, List, Mapping, Optional, Union
 
 import onnx
 
-__all__ = ["write_bytes_atomic", "write_chunks_atomic", "StagedFile", "save_model_atomic", "save_models_external",
+__all__ = ["write_bytes_atomic", "write_chunks_atomic", "StagedFile", "save_model_atomic", "save_models_external", "external_data_chunks",
            "stage_models_external",
            "check_model", "uses_external_data", "refuse_same_file", "PathOutsideFolderError",
            "path_inside", "write_inside", "remove_inside", "remove_stale_temporaries"]
@@ -171,6 +171,35 @@ def _external_bytes(tensor: onnx.TensorProto, base_dir: str) -> bytes:
     return data
 
 
+def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
+                         base_dir: Optional[str] = None) -> Iterable[bytes]:
+    """The bytes of one data file named ``location`` holding ``tensors``, one tensor at a time
+    (a base of several GiB is never held twice); as each is yielded, the tensor is changed in
+    place to reference its place there. A tensor whose data is already external is read from
+    ``base_dir``; tensors with the same source are written once."""
+    def source(tensor):
+        if not uses_external_data(tensor):
+            return ("inline", id(tensor))
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        return (tensor.name, info.get("location"), info.get("offset"), info.get("length"))
+
+    written, offset = {}, 0
+    for tensor in tensors:
+        key = source(tensor)
+        if key not in written:
+            data = tensor.raw_data if key[0] == "inline" else _external_bytes(tensor, base_dir or os.getcwd())
+            written[key] = (offset, len(data))
+            offset += len(data)
+            yield data
+            del data
+        start, length = written[key]
+        tensor.ClearField("external_data")
+        tensor.ClearField("raw_data")
+        for name, value in (("location", location), ("offset", str(start)), ("length", str(length))):
+            tensor.external_data.add(key=name, value=value)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
 def save_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
                          share: bool = False) -> None:
     """Writes each model of ``{path: model}`` atomically (:func:`stage_models_external`, then
@@ -217,33 +246,10 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
             copied += [t for t in inline if len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
         moving += copied
 
-    def source(tensor):
-        if not uses_external_data(tensor):
-            return ("inline", id(tensor))
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        return (tensor.name, info.get("location"), info.get("offset"), info.get("length"))
-
-    def chunks():
-        written, offset = {}, 0
-        for tensor in moving:
-            key = source(tensor)
-            if key not in written:
-                data = tensor.raw_data if key[0] == "inline" else _external_bytes(tensor, base)
-                written[key] = (offset, len(data))
-                offset += len(data)
-                yield data
-                del data
-            start, length = written[key]
-            tensor.ClearField("external_data")
-            tensor.ClearField("raw_data")
-            for name, value in (("location", location), ("offset", str(start)), ("length", str(length))):
-                tensor.external_data.add(key=name, value=value)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-
     staged = []
     try:
         if moving:
-            staged.append(StagedFile(data_path, chunks()))
+            staged.append(StagedFile(data_path, external_data_chunks(moving, location, base)))
         for path, model in models.items():
             staged.append(StagedFile(path, [model.SerializeToString()]))
     except BaseException:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnx
 
 from normgrad import lora
-from normgrad._files import save_model_atomic, write_chunks_atomic
+from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, external_data_chunks, save_model_atomic, write_chunks_atomic
 from normgrad.graphs.tidy import tidy
 from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION
@@ -154,31 +154,15 @@ def export(
     return model
 
 
-EXTERNAL_DATA_MIN_BYTES = 1024
-"""Frozen initializers of at least this size go to the external data file with ``external_data=True``."""
-
-
 def _frozen_to_external_data(model: onnx.ModelProto, trained: set, path) -> None:
-    """Moves every frozen initializer of EXTERNAL_DATA_MIN_BYTES or more into ``PATH.data``
-    (written atomically), leaving references relative to the model's folder."""
-    from onnx import external_data_helper
-
+    """Moves every frozen initializer of EXTERNAL_TENSOR_MIN_BYTES or more into ``PATH.data``
+    (written atomically, streamed), leaving references relative to the model's folder."""
     location = os.path.basename(os.fspath(path)) + ".data"
     moving = [t for t in model.graph.initializer
-              if t.name not in trained and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_DATA_MIN_BYTES]
-
-    def chunks():  # one tensor's bytes at a time: a base of several GiB is not held twice
-        offset = 0
-        for tensor in moving:
-            data = tensor.raw_data
-            external_data_helper.set_external_data(tensor, location, offset, len(data))
-            offset += len(data)
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            yield data
-            del data
-
-    write_chunks_atomic(os.path.join(os.path.dirname(os.path.abspath(path)), location), chunks())
+              if t.name not in trained and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
+    if moving:  # nothing frozen (full fine-tuning): no empty data file beside the model
+        write_chunks_atomic(os.path.join(os.path.dirname(os.path.abspath(path)), location),
+                            external_data_chunks(moving, location))
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:
