@@ -39,7 +39,6 @@ import onnx.numpy_helper as onh
 from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS, AnyTrainingGraph, training_graph_parts
 from normgrad.graphs.portable import weights_as_inputs
 from normgrad.graphs.structure import subgraph_captures
-from normgrad.graphs.tidy import prune_unused_initializers
 
 __all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "check_metadata", "main"]
 
@@ -654,9 +653,6 @@ def check_gradients(
     decided = [n for n in _needed_decision_values(nodes, float_typed) if n not in graph_values]
     gradients = _metadata(model, METADATA_GRADIENTS)
     run_model = copy.deepcopy(model)
-    # a Constant the export left unread (e.g. the float source of a folded CastLike) would make
-    # onnxruntime warn about an unused initializer, about nothing the check runs
-    prune_unused_initializers(run_model.graph)
     outputs = {o.name for o in run_model.graph.output}
     run_model.graph.output.extend(oh.make_empty_tensor_value_info(n) for n in decided if n not in outputs)
     session = onnxruntime.InferenceSession(run_model.SerializeToString(), session_options, providers=["CPUExecutionProvider"])
