@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import normgrad._files
 from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
 from normgrad.tools.export import main as export_main
-from normgrad.train import Trainer
+from normgrad.train import Trainer, TrainerError
 
 STEPS, LR = 3, 1e-3
 
@@ -40,9 +40,7 @@ def _write_step_graph(source, output, *options):
 
 
 def _train(step_path, batch):
-    options = ort.SessionOptions()  # one per Trainer: a second registration of the kernels fails
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    trainer = Trainer(step_path, str(step_path).replace(".onnx", ".ckpt"), lr=LR, session_options=options)
+    trainer = Trainer(step_path, str(step_path).replace(".onnx", ".ckpt"), lr=LR)  # default session options
     return trainer, [trainer.step(**batch) for _ in range(STEPS)]
 
 
@@ -215,6 +213,18 @@ def test_plain_model_with_external_data(tmp_path, monkeypatch):
     w1 = numpy_helper.to_array(model.graph.initializer[0])
     np.testing.assert_allclose(session.run(["y"], {"x": batch["x"]})[0], np.maximum(batch["x"] @ w1, 0) @ w2,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_missing_external_data_is_a_trainer_error(tmp_path):
+    """A step graph whose data file is not where it says: one TrainerError naming the tensor
+    and the file, not onnxruntime's failure at session creation."""
+    onnx.save(_two_layer_model(), tmp_path / "model.onnx", save_as_external_data=True, location="weights.bin",
+              size_threshold=0)
+    _write_step_graph(tmp_path / "model.onnx", tmp_path / "step.onnx", "--loss", "mse", "--optimizer", "sgd",
+                      "--freeze", "w1")
+    os.rename(tmp_path / "weights.bin", tmp_path / "moved.bin")
+    with pytest.raises(TrainerError, match=r"external data of tensor 'w1' is missing: no file .*weights\.bin"):
+        Trainer(tmp_path / "step.onnx", tmp_path / "step.ckpt", lr=LR)
 
 
 def test_large_inline_weights_go_to_external_data(tmp_path, monkeypatch):

@@ -41,7 +41,8 @@ import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike, StagedFile, save_models_external, uses_external_data
+from normgrad._files import (PathLike, PathOutsideFolderError, StagedFile, path_inside, save_models_external,
+                             uses_external_data)
 from normgrad.graphs import structure
 
 __all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
@@ -188,8 +189,37 @@ def _external_data_options(options, folder: str) -> None:
     sessions read them from there (not from the current folder), and the graph onnxruntime
     writes while creating a session (see :func:`_session_and_running_graph`) keeps them in
     a data file beside it instead of past protobuf's 2 GiB limit."""
-    options.add_session_config_entry(_EXTERNAL_FOLDER, folder)
-    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "running.onnx.data")
+    _set_config_entry(options, _EXTERNAL_FOLDER, folder)
+    _set_config_entry(options, "session.optimized_model_external_initializers_file_name", "running.onnx.data")
+
+
+def _refuse_missing_external_data(model: onnx.ModelProto, folder: str) -> None:
+    """TrainerError naming the first external tensor whose data file is not in ``folder``
+    (onnxruntime would fail at session creation with its own message)."""
+    for tensor in model.graph.initializer:
+        if uses_external_data(tensor):
+            location = {entry.key: entry.value for entry in tensor.external_data}.get("location", "")
+            what = f"the external data of tensor {tensor.name!r}"
+            try:
+                target = path_inside(folder, location, what)
+            except PathOutsideFolderError as error:
+                raise TrainerError(str(error)) from None
+            if not target.is_file():
+                raise TrainerError(f"{what} is missing: no file {target} (external_data_folder is {folder})")
+
+
+def _config_entry(options, key: str) -> Optional[str]:
+    try:
+        return options.get_session_config_entry(key)
+    except Exception:  # not set
+        return None
+
+
+def _set_config_entry(options, key: str, value: str) -> None:
+    """Sets a session config entry unless it has that value (onnxruntime warns on each
+    overwrite: a SessionOptions shared by two Trainers)."""
+    if _config_entry(options, key) != value:
+        options.add_session_config_entry(key, value)
 
 
 def _metadata_json(metadata: Mapping[str, str], key: str, kind: type):
@@ -253,10 +283,7 @@ def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
     replace each by a float32 copy, twice its memory."""
     if not any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
         return
-    try:
-        disabled = options.get_session_config_entry(_DISABLED_OPTIMIZERS)
-    except RuntimeError:  # not set
-        disabled = ""
+    disabled = _config_entry(options, _DISABLED_OPTIMIZERS) or ""
     if "ConstantFolding" not in disabled.split(";"):  # onnxruntime (1.19.2, 1.32) splits the names at ";", not ","
         options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [disabled, "ConstantFolding"])))
 
@@ -269,10 +296,7 @@ def _session(ort, model: onnx.ModelProto, options, providers):
     options (:func:`_external_data_options`) on onnxruntime older than 1.21, which has no
     such option and reads an in-memory model's external data from the current folder, the
     model is loaded from a temporary file in that folder."""
-    try:
-        folder = options.get_session_config_entry(_EXTERNAL_FOLDER)
-    except Exception:  # no such entry
-        folder = None
+    folder = _config_entry(options, _EXTERNAL_FOLDER)
     version = tuple(int(part) for part in ort.__version__.split(".")[:2] if part.isdigit())
     if folder is None or version >= (1, 21):
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
@@ -388,6 +412,7 @@ class Trainer:
         options = session_options if session_options is not None else onnxruntime.SessionOptions()
         _keep_bfloat16_initializers(model, options)
         if any(uses_external_data(t) for t in model.graph.initializer):
+            _refuse_missing_external_data(model, self.external_data_folder)
             _external_data_options(options, self.external_data_folder)
         if kernels is not None:
             import normgrad
