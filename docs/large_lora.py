@@ -24,6 +24,18 @@ import subprocess
 import sys
 import time
 
+from normgrad._files import write_bytes_atomic
+
+
+def _save_array(path: str, array) -> None:
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    write_bytes_atomic(path, buffer.getvalue())
+
 
 def _status(key: str) -> int:
     with open("/proc/self/status") as status:
@@ -122,7 +134,7 @@ def phase_train(args, meter: Meter) -> dict:
         meter.mark("export_merged_model")
         session = ort.InferenceSession(os.path.join(folder, "merged.onnx"), providers=["CPUExecutionProvider"])
         logits = session.run(["logits"], {"input_ids": input_ids})[0]
-        np.save(os.path.join(folder, "merged_logits.npy"), logits)
+        _save_array(os.path.join(folder, "merged_logits.npy"), logits)
         del session
         meter.mark("merged model run")
     return {"losses": [float(loss) for loss in losses]}
@@ -155,7 +167,7 @@ def phase_torch(args, meter: Meter) -> dict:
         with torch.no_grad():
             merged = model.merge_and_unload()
             logits = merged(input_ids=input_ids, use_cache=False).logits.numpy()
-        np.save(os.path.join(args.folder, "torch_merged_logits.npy"), logits)
+        _save_array(os.path.join(args.folder, "torch_merged_logits.npy"), logits)
         meter.mark("merge_and_unload + logits")
     return {"losses": losses}
 
@@ -184,8 +196,7 @@ def main(argv=None) -> int:
         meter = Meter()
         result = PHASES[args.phase](args, meter)
         result.update(phase=args.phase, parts=meter.parts, peak_rss_gib=max(p["peak_rss_gib"] for p in meter.parts))
-        with open(os.path.join(args.folder, f"{args.phase}.json"), "w") as file:
-            json.dump(result, file, indent=1)
+        write_bytes_atomic(os.path.join(args.folder, f"{args.phase}.json"), json.dumps(result, indent=1).encode())
         return 0
     passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "all"]
     results = {}
