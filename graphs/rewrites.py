@@ -40,7 +40,8 @@ import onnx.numpy_helper as onh
 import onnx.version_converter
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
-from normgrad.graphs.context import attr, describe
+from normgrad.graphs.context import attr, describe, reserve_name
+from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants", "seed_dropout",
@@ -718,28 +719,14 @@ def bfloat16_in_float32(model: onnx.ModelProto) -> None:
     value keeps reading it as it is)."""
     bfloat16, float32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
     graph = model.graph
-
-    def value_types(graph: onnx.GraphProto) -> dict:
-        types = {info.name: info.type.tensor_type.elem_type
-                 for info in list(graph.input) + list(graph.value_info) + list(graph.output)}
-        types.update({t.name: t.data_type for t in graph.initializer})
-        for node in graph.node:
-            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-                types[node.output[0]] = node.attribute[0].t.data_type
-        return types
-
-    if bfloat16 not in value_types(graph).values() and not any(
-            node.op_type == "Cast" and attr(node, "to", None) == bfloat16 for node in graph.node):
+    if not (any(t.data_type == bfloat16 for t in graph.initializer)
+            or any(i.type.tensor_type.elem_type == bfloat16 for i in graph.input)
+            or any((node.op_type == "Cast" and attr(node, "to", None) == bfloat16)
+                   or (node.op_type == "Constant" and any(a.t.data_type == bfloat16 for a in node.attribute))
+                   for node in graph.node)):
         return
-    types = value_types(onnx.shape_inference.infer_shapes(model).graph)
-    names = {n for node in graph.node for n in list(node.input) + list(node.output)} | set(types)
-
-    def fresh(hint: str) -> str:
-        k = 0
-        while f"{hint}_{k}" in names:
-            k += 1
-        names.add(f"{hint}_{k}")
-        return f"{hint}_{k}"
+    types = {name: value.tensor_type.elem_type for name, value in value_types(model).items()}
+    names = {n for node in graph.node for n in [*node.input, *node.output, node.name]} | set(types)
 
     stored = {name for name in [i.name for i in graph.input] + [t.name for t in graph.initializer] if types.get(name) == bfloat16}
     computed: Set[str] = set()  # values that were bfloat16 and are now float32
@@ -757,8 +744,8 @@ def bfloat16_in_float32(model: onnx.ModelProto) -> None:
             continue
         casts = {}
         for name in dict.fromkeys(read):
-            casts[name] = fresh(f"{name}_float32")
-            nodes.append(oh.make_node("Cast", [name], [casts[name]], name=fresh(f"{node.name or node.op_type}_cast"), to=float32))
+            casts[name] = reserve_name(names, f"{name}_float32")
+            nodes.append(oh.make_node("Cast", [name], [casts[name]], name=reserve_name(names, f"{node.name or node.op_type}_cast"), to=float32))
         node.input[:] = [casts.get(name, name) for name in node.input]
         for attribute in node.attribute:
             if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == bfloat16:
