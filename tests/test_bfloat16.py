@@ -17,7 +17,7 @@ import onnx.numpy_helper as onh
 import onnxruntime as ort
 import pytest
 
-from normgrad import train
+from normgrad import _session, train
 from normgrad.graphs import build_step_graph, build_training_graph, optimizers
 from normgrad.graphs.rewrites import bfloat16_values
 
@@ -100,7 +100,7 @@ def test_bfloat16_graph_gradients_in_float32():
 
 def _running_weights(step: onnx.ModelProto, options) -> dict:
     """{element type: elements} of the float initializers of the graph onnxruntime runs."""
-    _, running = train._session_and_running_graph(ort, step, options, ["CPUExecutionProvider"])
+    _, running = _session._session_and_running_graph(ort, step, options, ["CPUExecutionProvider"])
     counted = {onnx.TensorProto.FLOAT: 0, BF16: 0}
     for tensor in running.graph.initializer:
         if tensor.data_type in counted:

@@ -1,0 +1,200 @@
+"""The Trainer's onnxruntime plumbing: loading a step graph, its sessions and the graph
+onnxruntime actually runs, external data, session config entries, and the gate that makes
+a step's state updates all-or-nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+
+from normgrad._files import PathLike, PathOutsideFolderError, StagedFile, path_inside, uses_external_data
+from normgrad.graphs import structure
+
+
+class TrainerError(ValueError):
+    """A step graph, checkpoint, batch or option the trainer cannot use."""
+
+
+APPLIED = "normgrad.applied"
+"""Boolean output the trainer adds to the graphs it runs: whether the step's updates were
+written (the loss and every gradient finite) or every state tensor kept its value."""
+
+
+def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradients: Sequence[str],
+                        loss: Optional[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose every state update (``NAME.next``) is
+    Where(finite, update, NAME), finite = loss + sum of every gradient's sum is finite (a NaN
+    or inf anywhere reaches it; the sum overflows only past 3e38), and output :data:`APPLIED`.
+    Every write then waits for the loss and every gradient: a failing forward or backward node
+    writes nothing, and every reader of a weight precedes its update (so it may be in place)."""
+    from onnx import helper
+
+    gated = copy.deepcopy(model)
+    graph = gated.graph
+    produced = {name for node in graph.node for name in node.output}
+    terms = [loss] if loss else []
+    nodes = []
+    if loss and loss not in produced and loss not in {i.name for i in graph.input}:
+        graph.input.append(helper.make_tensor_value_info(loss, onnx.TensorProto.FLOAT, []))
+    for gradient in gradients:
+        if gradient in produced or gradient in {i.name for i in graph.input}:
+            nodes.append(helper.make_node("ReduceSum", [gradient], [f"{gradient}.gate_sum"], keepdims=0))
+            terms.append(f"{gradient}.gate_sum")
+    nodes.append(helper.make_node("Sum", terms, ["normgrad.gate_total"]))
+    nodes.append(helper.make_node("Sub", ["normgrad.gate_total", "normgrad.gate_total"], ["normgrad.gate_zero"]))
+    nodes.append(helper.make_node("Equal", ["normgrad.gate_zero", "normgrad.gate_zero"], [APPLIED]))  # NaN != NaN
+    renamed = {next_value: f"{next_value}.ungated" for next_value in state.values() if next_value in produced}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            node.input[index] = renamed.get(name, name)
+        for index, name in enumerate(node.output):
+            node.output[index] = renamed.get(name, name)
+    for value, next_value in state.items():
+        if next_value in renamed:
+            nodes.append(helper.make_node("Where", [APPLIED, renamed[next_value], value], [next_value]))
+    graph.node.extend(nodes)
+    graph.output.append(helper.make_tensor_value_info(APPLIED, onnx.TensorProto.BOOL, []))
+    return gated
+
+
+_SPLIT_LOSS = "normgrad.loss"
+"""Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
+
+
+def _load_step_graph(path: PathLike) -> onnx.ModelProto:
+    """The graph at ``path``; its external data (a frozen base) stays in its files, which the
+    sessions read from the graph's folder."""
+    try:
+        return onnx.load(os.fspath(path), load_external_data=False)
+    except OSError as error:
+        raise TrainerError(f"cannot read the step graph {os.fspath(path)!r}: {error.strerror or error}") from None
+    except Exception as error:  # protobuf's DecodeError and what a cut file raises
+        raise TrainerError(f"{os.fspath(path)!r} is not an ONNX model (corrupt or truncated: {error})") from None
+
+
+def _external_data_options(options, folder: str) -> None:
+    """Session options for a graph whose initializers keep their data in ``folder``: the
+    sessions read them from there (not from the current folder), and the graph onnxruntime
+    writes while creating a session (see :func:`_session_and_running_graph`) keeps them in
+    a data file beside it instead of past protobuf's 2 GiB limit."""
+    _set_config_entry(options, _EXTERNAL_FOLDER, folder)
+    _set_config_entry(options, "session.optimized_model_external_initializers_file_name", "running.onnx.data")
+
+
+def _refuse_missing_external_data(model: onnx.ModelProto, folder: str) -> None:
+    """TrainerError naming the first external tensor whose data file is not in ``folder``
+    (onnxruntime would fail at session creation with its own message)."""
+    for tensor in model.graph.initializer:
+        if uses_external_data(tensor):
+            location = {entry.key: entry.value for entry in tensor.external_data}.get("location", "")
+            what = f"the external data of tensor {tensor.name!r}"
+            try:
+                target = path_inside(folder, location, what)
+            except PathOutsideFolderError as error:
+                raise TrainerError(str(error)) from None
+            if not target.is_file():
+                raise TrainerError(f"{what} is missing: no file {target} (external_data_folder is {folder})")
+
+
+def _config_entry(options, key: str) -> Optional[str]:
+    try:
+        return options.get_session_config_entry(key)
+    except Exception:  # not set
+        return None
+
+
+def _set_config_entry(options, key: str, value: str) -> None:
+    """Sets a session config entry unless it has that value (onnxruntime warns on each
+    overwrite: a SessionOptions shared by two Trainers)."""
+    if _config_entry(options, key) != value:
+        options.add_session_config_entry(key, value)
+
+
+def _metadata_json(metadata: Mapping[str, str], key: str, kind: type):
+    try:
+        value = json.loads(metadata[key])
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        raise TrainerError(f"corrupt step graph: metadata {key} must be a JSON {kind.__name__}; got {metadata[key][:80]!r}")
+    return value
+
+
+def _np_dtype(info: onnx.ValueInfoProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
+
+
+class _Part:
+    """One onnxruntime session of the trainer and its reused IOBinding.
+
+    ``state`` maps state inputs to the outputs holding their next value."""
+
+    def __init__(self, ort, model: onnx.ModelProto, options, providers, state: Mapping[str, str]):
+        self.inputs = {i.name: i for i in model.graph.input}
+        self.state = {name: state[name] for name in self.inputs if name in state}
+        self.outputs = {o.name: o for o in model.graph.output}
+        self.session, running = _session_and_running_graph(ort, model, options, providers)
+        self.binding = self.session.io_binding()
+        self.in_place = structure.in_place_updates(running.graph, self.state) if running is not None else set()
+
+
+def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
+    """An onnxruntime session of ``model`` and the graph it runs (after onnxruntime's graph
+    optimizations at ``options``' level and its partitioning), which onnxruntime writes out
+    while it creates the session. The graph is None where onnxruntime cannot write it (a
+    provider that compiles nodes): then nothing is updated in place."""
+    import tempfile
+
+    saved_path, saved_severity = options.optimized_model_filepath, options.log_severity_level
+    with tempfile.TemporaryDirectory(prefix="normgrad-trainer-") as folder:
+        path = os.path.join(folder, "running.onnx")
+        options.optimized_model_filepath = path
+        options.log_severity_level = max(saved_severity, 3)  # the warning that an optimized ALL-level graph is machine-specific
+        try:
+            session = _session(ort, model, options, providers)
+            running = onnx.load(path, load_external_data=False)
+        except Exception:
+            session, running = None, None
+        finally:
+            options.optimized_model_filepath, options.log_severity_level = saved_path, saved_severity
+    if session is None:
+        session = _session(ort, model, options, providers)
+    return session, running
+
+
+_DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
+
+
+def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
+    """Turns off onnxruntime's constant folding for a model with bfloat16 initializers (a
+    frozen base, read through Casts to float32: rewrites.bfloat16_in_float32), which would
+    replace each by a float32 copy, twice its memory."""
+    if not any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
+        return
+    disabled = _config_entry(options, _DISABLED_OPTIMIZERS) or ""
+    if "ConstantFolding" not in disabled.split(";"):  # onnxruntime (1.19.2, 1.32) splits the names at ";", not ","
+        options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [disabled, "ConstantFolding"])))
+
+
+_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def _session(ort, model: onnx.ModelProto, options, providers):
+    """An onnxruntime session of ``model``. With external data in a folder named by the
+    options (:func:`_external_data_options`) on onnxruntime older than 1.21, which has no
+    such option and reads an in-memory model's external data from the current folder, the
+    model is loaded from a temporary file in that folder."""
+    folder = _config_entry(options, _EXTERNAL_FOLDER)
+    version = tuple(int(part) for part in ort.__version__.split(".")[:2] if part.isdigit())
+    if folder is None or version >= (1, 21):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    staged = StagedFile(os.path.join(folder, "normgrad-session.onnx"), [model.SerializeToString()])
+    try:
+        return ort.InferenceSession(staged.temporary, options, providers=providers)
+    finally:
+        staged.discard()
