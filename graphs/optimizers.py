@@ -50,7 +50,13 @@ __all__ = [
     "WEIGHT_DECAY_METADATA",
     "check_hyperparameters",
     "hyperparameter_defaults",
+    "HYPERPARAMETER_INPUTS",
+    "hyperparameter_feeds",
 ]
+
+HYPERPARAMETER_INPUTS = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening", "max_grad_norm")
+"""Every hyperparameter a step or optimizer graph can take as a scalar input (of that name;
+:func:`hyperparameter_defaults` says which one graph takes)."""
 
 ACCUMULATOR_SUFFIX = "_grad.sum"
 """``P_grad.sum``: the gradient accumulator input of :func:`build_gradient_graph` for parameter ``P``."""
@@ -193,6 +199,19 @@ def hyperparameter_defaults(kind: str, *, lr: float = 1e-3, weight_decay: float 
     return {name: float(value) for name, value in hyper.items()}
 
 
+def hyperparameter_feeds(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
+    """{input: scalar array} of the export values of every hyperparameter input of a step or
+    optimizer graph (from its ``normgrad.optimizer`` metadata; lr 1e-3 for a graph written
+    before lr had a default), in the inputs' dtypes: the feeds a session of the graph takes
+    besides the batch, the state and ``step``."""
+    kind, options = optimizer_options(model)
+    exported = hyperparameter_defaults(kind, **{k: v for k, v in options.items() if k in (
+        "lr", "weight_decay", "momentum", "dampening", "betas", "eps", "clip_grad_norm")})
+    inputs = {i.name for i in model.graph.input}
+    return {name: np.array(value, np.float32 if name == "lr" else np.float64)
+            for name, value in exported.items() if name in inputs}
+
+
 _OPTION_DEFAULTS = dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                         amsgrad=False, clip_grad_norm=None)
 
@@ -221,7 +240,9 @@ def build_optimizer_graph(
     """An ONNX model doing one optimizer step on float32 ``parameters`` ({name: shape}).
 
     The hyperparameters are scalar inputs of the graph (:func:`hyperparameter_defaults`: lr
-    float32, the others float64), whose defaults (initializers) are the values given here;
+    float32, the others float64), whose defaults are the values given here, recorded in the
+    ``normgrad.optimizer`` metadata (:func:`hyperparameter_feeds`; no initializer: tract and
+    the portable graphs take no input that is also an initializer);
     which of them the graph takes is decided here: momentum and dampening only with a momentum
     buffer (``momentum`` != 0), max_grad_norm only with ``clip_grad_norm``.
 
@@ -259,8 +280,6 @@ def build_optimizer_graph(
                                     betas=betas, eps=eps, clip_grad_norm=clip_grad_norm)
     inputs += [value_info("lr", []), value_info("step", [])]
     inputs += [helper.make_tensor_value_info(name, TensorProto.DOUBLE, []) for name in hyper if name != "lr"]
-    g.initializers += [numpy_helper.from_array(np.array(value, np.float32 if name == "lr" else np.float64), name)
-                       for name, value in hyper.items()]
     # the hyperparameters are float64 inputs, as torch's Python floats; each is rounded to
     # float32 where the arithmetic is float32, as torch does (1 - beta1 in float64 first)
     as_float = lambda name: g.op("Cast", name, to=TensorProto.FLOAT)  # noqa: E731

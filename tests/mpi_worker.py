@@ -29,6 +29,7 @@ import numpy as np
 
 from normgrad import mpi
 from normgrad.ops import all_reduce, harness
+from normgrad.graphs.optimizers import hyperparameter_feeds
 
 TOLERANCE = {np.dtype(np.float16): 2e-3, np.dtype(ml_dtypes.bfloat16): 1.6e-2}
 
@@ -201,7 +202,7 @@ def check_training(mode: str) -> None:
     single_state = dict(state)
     single_session = _session(build_step_graph(plain, "sgd", momentum=MOMENTUM)[0]) if sync else None
     for step, (x, labels) in enumerate(batches, start=1):
-        feeds = {"lr": np.array(LR, np.float32), "step": np.array(step, np.float32)}
+        feeds = {**hyperparameter_feeds(step_model), "lr": np.array(LR, np.float32), "step": np.array(step, np.float32)}
         out = _run(session, {**state, "x": mpi.shard(x), "labels": mpi.shard(labels), **feeds})
         state = {name: out[meta["normgrad.state"][name]] for name in state}
         if sync:
@@ -329,7 +330,7 @@ def check_unconfigured() -> None:
     assert mpi.launched_ranks() == 2 and not mpi.initialized()
     model, initial = _mlp_step()
     rng = np.random.default_rng(mpi.launched_ranks())
-    feeds = {**initial, "x": rng.standard_normal((2, 4)).astype(np.float32),
+    feeds = {**hyperparameter_feeds(model), **initial, "x": rng.standard_normal((2, 4)).astype(np.float32),
              "labels": rng.standard_normal((2, 3)).astype(np.float32),
              "lr": np.array(0.1, np.float32), "step": np.array(1, np.float32)}
     session = onnxruntime.InferenceSession(model.SerializeToString(), normgrad.session_options("cpp"))

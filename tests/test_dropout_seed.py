@@ -18,7 +18,7 @@ import pytest
 
 from normgrad import checkpoint
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
-from normgrad.graphs.optimizers import build_gradient_graph
+from normgrad.graphs.optimizers import build_gradient_graph, hyperparameter_feeds
 from normgrad.train import SEED_METADATA, Trainer, TrainerError
 
 N, D = 6, 5
@@ -167,7 +167,7 @@ def test_plain_session_masks_are_the_documented_generator_in_forward_and_backwar
     masks = _mask_names()
     probe = _with_outputs(model, masks + ["y"])
     for seed, step in [(11, 1), (11, 2), (-5, 7), (2**62 + 12345, 123456)]:
-        feeds = {**initial, **_feeds(step, seed)}
+        feeds = {**hyperparameter_feeds(model), **initial, **_feeds(step, seed)}
         out = _run_plain(runtime, probe, feeds, tmp_path)
         expected = _masks(seed, step, 0, [(N, D)] * 2, RATIOS)
         for name, mask in zip(masks, expected):
@@ -196,7 +196,7 @@ def test_masks_are_bitwise_the_same_across_threads_optimization_levels_and_runti
     fuse other float ops)."""
     model, initial = _step(seed=3, kind="adamw")
     model = _with_outputs(model, _mask_names())
-    feeds = {**initial, **_feeds(4)}
+    feeds = {**hyperparameter_feeds(model), **initial, **_feeds(4)}
     runs = {(runtime, threads, level): _run_plain(runtime, model, feeds, tmp_path, threads, level)
             for runtime in ("current", "old") if runtime == "current" or os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
             for threads in (1, 2) for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_ALL")}
@@ -216,7 +216,8 @@ def test_keep_rate_and_independence():
     masks = _mask_names(ratios=(0.3, 0.3), n=n, d=d)
     session = ort.InferenceSession(_with_outputs(model, masks).SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
-    base = {**initial, "x": rng.standard_normal((n, d)).astype(np.float32), "labels": np.zeros((n, d), np.float32),
+    base = {**hyperparameter_feeds(model), **initial, "x": rng.standard_normal((n, d)).astype(np.float32),
+            "labels": np.zeros((n, d), np.float32),
             "lr": np.array(0.0, np.float32)}
     draw = lambda step, seed=0: session.run(masks, {  # noqa: E731
         **base, "step": np.array(step, np.float32), "dropout_seed": np.array(seed, np.int64)})
@@ -237,7 +238,7 @@ def test_keep_rate_and_independence():
 def test_runtime_training_mode_masks_only_in_training():
     model, initial = _step(seed=2, runtime_training=True)
     session = ort.InferenceSession(_with_outputs(model, ["d1"]).SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {**initial, **_feeds(1, seed=2)}
+    feeds = {**hyperparameter_feeds(model), **initial, **_feeds(1, seed=2)}
     off = session.run(["d1"], {**feeds, "training": np.array(False)})[0]
     np.testing.assert_array_equal(off, feeds["x"] * initial["W"])
     on = session.run(["d1"], {**feeds, "training": np.array(True)})[0]
@@ -277,7 +278,8 @@ def test_trainer_step_is_the_plain_session_of_the_step_graph():
     loss = trainer.step(x, labels)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    out = dict(zip(names, session.run(None, {**initial, "x": x, "labels": labels, "lr": np.array(LR, np.float32),
+    out = dict(zip(names, session.run(None, {**hyperparameter_feeds(model), **initial, "x": x, "labels": labels,
+                                            "lr": np.array(LR, np.float32),
                                              "step": np.array(1, np.float32),
                                              "dropout_seed": np.array(9, np.int64)})))
     assert np.float32(loss) == out["loss"]

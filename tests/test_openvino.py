@@ -21,6 +21,7 @@ from normgrad.graphs import build_step_graph, build_training_graph, examples
 from normgrad.graphs.portable import make_portable
 from normgrad.ops import harness
 from normgrad.tools.corpus import float64_outputs
+from normgrad.graphs.optimizers import hyperparameter_feeds
 
 import _runtimes
 from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, run, session
@@ -73,7 +74,7 @@ def _step_loop(step_model, state, batches, run_step):
     meta = {p.key: json.loads(p.value) for p in step_model.metadata_props}
     losses = []
     for k, batch in enumerate(batches, start=1):
-        out = run_step({**state, **batch, "lr": np.array(0.1, np.float32), "step": np.array(k, np.float32)})
+        out = run_step({**hyperparameter_feeds(step_model), **state, **batch, "lr": np.array(0.1, np.float32), "step": np.array(k, np.float32)})
         losses.append(out["loss"])
         state = {name: out[meta["normgrad.state"][name]] for name in state}
     return losses, state

@@ -4,7 +4,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from normgrad.graphs.optimizers import build_optimizer_graph, next_name, optimizer_state_names
+from normgrad.graphs.optimizers import build_optimizer_graph, hyperparameter_feeds, next_name, optimizer_state_names
 
 torch = pytest.importorskip("torch")
 
@@ -46,7 +46,7 @@ def test_matches_torch_optim(kind, options):
         if "clip_grad_norm" in options:
             torch.nn.utils.clip_grad_norm_(list(tensors.values()), options["clip_grad_norm"])
         optimizer.step()
-        feeds = {**state, **{f"{n}_grad": g for n, g in grads.items()},
+        feeds = {**hyperparameter_feeds(model), **state, **{f"{n}_grad": g for n, g in grads.items()},
                  "lr": np.array(lr, np.float32), "step": np.array(step, np.float32)}
         result = dict(zip(outputs, session.run(None, feeds)))
         state = {name: result[next_name(name)] for name in state}
@@ -94,7 +94,7 @@ def test_step_graph_of_an_mlp_matches_torch():
         torch_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(labels))
         torch_loss.backward()
         optimizer.step()
-        result = dict(zip(outputs, session.run(None, {**state, "x": x, "labels": labels,
+        result = dict(zip(outputs, session.run(None, {**hyperparameter_feeds(model), **state, "x": x, "labels": labels,
                                                      "lr": np.array(0.1, np.float32), "step": np.array(step, np.float32)})))
         assert abs(result["loss"] - torch_loss.item()) <= 1e-5 * abs(torch_loss.item())
         state = {name: result[meta["normgrad.state"][name]] for name in state}
@@ -117,7 +117,7 @@ def test_cli_writes_step_graph_and_checkpoint(tmp_path, capsys):
     model = onnx.load(str(target))
     state = checkpoint.load(tmp_path / "mlp_step.ckpt")
     inputs = {i.name: i for i in model.graph.input}
-    assert set(state.tensors) == set(inputs) - {"x", "labels", "lr", "step"}
+    assert set(state.tensors) == set(inputs) - {"x", "labels", "step", *hyperparameter_feeds(model)}
     assert not set(state.tensors) & {t.name for t in model.graph.initializer}
     w1 = {t.name: t for t in examples.mlp().graph.initializer}["w1"]
     assert state.tensors["w1"].tobytes() == onnx.numpy_helper.to_array(w1).tobytes()
@@ -158,7 +158,8 @@ def test_frozen_weights_get_no_gradient_and_stay_bitwise(tmp_path):
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(2)
     outputs = [o.name for o in session.get_outputs()]
-    feeds = {**state, "x": rng.standard_normal((4, 5)).astype(np.float32), "labels": np.array([0, 1, 2, 1]),
+    feeds = {**hyperparameter_feeds(model), **state, "x": rng.standard_normal((4, 5)).astype(np.float32),
+             "labels": np.array([0, 1, 2, 1]),
              "lr": np.array(0.1, np.float32), "step": np.array(1, np.float32)}
     result = dict(zip(outputs, session.run(None, feeds)))
     assert not np.array_equal(result["w2.next"], state["w2"])

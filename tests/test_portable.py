@@ -18,6 +18,7 @@ from normgrad.graphs.builder import training_graph_with_stored_weights
 from normgrad.graphs.portable import make_portable
 from normgrad.ops import harness
 from normgrad.tools import export as export_tool
+from normgrad.graphs.optimizers import hyperparameter_feeds
 
 from _providers import CPU, run
 from test_corpus import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
@@ -159,7 +160,7 @@ def test_step_graph_portable_same_step():
     assert_portable(portable)
     assert portable_state.keys() == state.keys()
     rng = np.random.default_rng(4)
-    feeds = {**state, "x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
+    feeds = {**hyperparameter_feeds(plain), **state, "x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
              "labels": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),
              "lr": np.array(0.01, np.float32), "step": np.array(1, np.float32)}
     want, got = run(plain, feeds, CPU), run(portable, feeds, CPU)

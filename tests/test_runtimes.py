@@ -26,6 +26,7 @@ from normgrad.graphs import build_step_graph, build_training_graph, examples
 from normgrad.graphs.inline import inline_normgrad
 from normgrad.graphs.portable import as_exported
 from normgrad.tools.corpus import fed_weights
+from normgrad.graphs.optimizers import hyperparameter_feeds
 
 import _runtimes
 from _providers import max_relative_error
@@ -125,7 +126,7 @@ def _loop(step, state, batches, run):
     meta = {p.key: json.loads(p.value) for p in step.metadata_props if p.key == "normgrad.state"}["normgrad.state"]
     losses = []
     for k, batch in enumerate(batches, start=1):
-        feeds = {**state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32)}
+        feeds = {**hyperparameter_feeds(step), **state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32)}
         out = run({i.name: feeds[i.name] for i in step.graph.input})
         losses.append(out["loss"])
         state = {name: out[meta[name]] for name in state}

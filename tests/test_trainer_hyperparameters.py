@@ -10,6 +10,7 @@ import pytest
 
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.train import Trainer, TrainerError
+from normgrad.graphs.optimizers import hyperparameter_feeds
 from test_trainer_trust import _linear_tanh_linear, _mse_batch, _options, _step
 
 
@@ -233,7 +234,8 @@ def test_step_graph_fed_nan_epsilon_keeps_every_weight(backend):
     session = ort.InferenceSession(step.SerializeToString(), options, providers=["CPUExecutionProvider"])
     state_map = json.loads({e.key: e.value for e in step.metadata_props}["normgrad.state"])
     names = [o.name for o in session.get_outputs()]
-    outputs = dict(zip(names, session.run(None, {**_mse_batch(), **initial, "lr": np.array(0.01, np.float32),
+    outputs = dict(zip(names, session.run(None, {**hyperparameter_feeds(step), **_mse_batch(), **initial,
+                                                 "lr": np.array(0.01, np.float32),
                                                  "step": np.array(1, np.float32), "eps": np.array(np.nan)})))
     for name, next_name in state_map.items():
         assert outputs[next_name].tobytes() == initial[name].tobytes(), name
@@ -255,3 +257,25 @@ def test_inline_step_graph_takes_the_hyperparameters():
         runs.append(trainer.state_dict())
     for name, value in runs[0].items():
         np.testing.assert_allclose(runs[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_exported_step_graph_keeps_its_defaults(tmp_path):
+    """normgrad export records the export values (no initializer: weights and hyperparameters
+    are pure inputs); the Trainer starts from them and hyperparameter_feeds gives them."""
+    import onnx
+
+    from normgrad.graphs.optimizers import hyperparameter_feeds
+    from normgrad.tools import export as export_tool
+
+    onnx.save(_linear_tanh_linear(), tmp_path / "net.onnx")
+    assert export_tool.main([str(tmp_path / "net.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "mse",
+                             "--optimizer", "sgd", "--momentum", "0.9", "--dampening", "0.25",
+                             "--weight-decay", "0.1"]) == 0
+    step = onnx.load(str(tmp_path / "step.onnx"))
+    assert not {i.name for i in step.graph.input} & {t.name for t in step.graph.initializer}
+    feeds = hyperparameter_feeds(step)
+    assert {k: (v.dtype, float(v)) for k, v in feeds.items()} == {
+        "lr": (np.float32, float(np.float32(1e-3))), "weight_decay": (np.float64, 0.1), "momentum": (np.float64, 0.9),
+        "dampening": (np.float64, 0.25)}
+    trainer = Trainer(step, tmp_path / "step.ckpt", session_options=_options())
+    assert dict(trainer.hyperparameters) == {k: float(v) for k, v in feeds.items()}

@@ -20,6 +20,7 @@ import normgrad
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.rewrites import DROPOUT_SEED_INPUT
 from normgrad.train import Trainer
+from normgrad.graphs.optimizers import hyperparameter_feeds
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -193,7 +194,7 @@ def _reference_steps(step, initial, batches, lr, level):
     seed = {DROPOUT_SEED_INPUT: np.array(0, np.int64)} if DROPOUT_SEED_INPUT in {i.name for i in session.get_inputs()} else {}
     state = dict(initial)
     for number, batch in enumerate(batches, 1):
-        feeds = {**batch, **state, **seed, "lr": np.array(lr, np.float32), "step": np.array(number, np.float32)}
+        feeds = {**hyperparameter_feeds(step), **batch, **state, **seed, "lr": np.array(lr, np.float32), "step": np.array(number, np.float32)}
         outputs = dict(zip(names, session.run(None, feeds)))
         state = {name: outputs[next_name] for name, next_name in state_map.items()}
     return state

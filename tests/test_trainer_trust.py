@@ -16,6 +16,7 @@ import normgrad
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.ops import IR_VERSION
 from normgrad.train import Trainer, TrainerError
+from normgrad.graphs.optimizers import hyperparameter_feeds
 
 LEVELS = [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
           ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, ort.GraphOptimizationLevel.ORT_ENABLE_ALL]
@@ -65,7 +66,7 @@ def _session_step(step, state, batch, lr, number, level):
                                    providers=["CPUExecutionProvider"])
     state_map = json.loads({e.key: e.value for e in step.metadata_props}["normgrad.state"])
     outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {
-        **batch, **state, "lr": np.array(lr, np.float32), "step": np.array(number, np.float32)})))
+        **hyperparameter_feeds(step), **batch, **state, "lr": np.array(lr, np.float32), "step": np.array(number, np.float32)})))
     return {name: outputs[next_name] for name, next_name in state_map.items()}
 
 

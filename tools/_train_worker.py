@@ -70,6 +70,7 @@ def _normgrad(variant, forward_path, x, labels, threads, loss):
     import onnx
 
     from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.train import Trainer
 
     forward = onnx.load(forward_path)
@@ -96,7 +97,8 @@ def _normgrad(variant, forward_path, x, labels, threads, loss):
                 normgrad.session_options("cpp", options)
             session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
                                                    providers=["CPUExecutionProvider"])
-            feeds = {**trainer.state_dict(), x_name: x, "labels": labels, "lr": np.array(LR, np.float32),
+            feeds = {**hyperparameter_feeds(step_graph), **trainer.state_dict(), x_name: x, "labels": labels,
+                     "lr": np.array(LR, np.float32),
                      "step": np.array(1, np.float32)}
             feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
             for _ in range(2):

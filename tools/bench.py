@@ -768,6 +768,7 @@ def _print_step_table(width: int, threads: int, repeat: int, out) -> None:
 
     import normgrad
     from normgrad.graphs import build_step_graph, build_training_graph, examples
+    from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.train import Trainer
 
     step, initial = build_step_graph(build_training_graph(examples.digits_cnn(width=width), loss="cross_entropy"), "adamw")
@@ -781,7 +782,7 @@ def _print_step_table(width: int, threads: int, repeat: int, out) -> None:
     state = dict(initial)
 
     def numpy_loop():
-        feeds = {**state, "x": x, "labels": labels, "lr": np.array(1e-3, np.float32), "step": np.array(1, np.float32)}
+        feeds = {**hyperparameter_feeds(step), **state, "x": x, "labels": labels, "lr": np.array(1e-3, np.float32), "step": np.array(1, np.float32)}
         outputs = dict(zip(names, session.run(None, feeds)))
         state.update({name: outputs[next_of[name]] for name in state})
 

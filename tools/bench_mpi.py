@@ -43,6 +43,7 @@ def _worker(shape: List[int], threads: int) -> None:
 
     from normgrad import mpi
     from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.tools._bench_options import bench_session_options
     from normgrad.tools.bench import _resnet_forward
 
@@ -72,7 +73,7 @@ def _worker(shape: List[int], threads: int) -> None:
 
         def run():
             current["k"] += 1
-            feeds = {**current["state"], "x": x, "labels": labels, "lr": np.array(0.01, np.float32),
+            feeds = {**hyperparameter_feeds(step_model), **current["state"], "x": x, "labels": labels, "lr": np.array(0.01, np.float32),
                      "step": np.array(current["k"], np.float32)}
             out = dict(zip(names, sess.run(None, feeds)))
             current["state"] = {name: out[meta["normgrad.state"][name]] for name in current["state"]}

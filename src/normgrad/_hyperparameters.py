@@ -14,14 +14,10 @@ import onnx
 
 from normgrad._session import TrainerError
 
-NAMES = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening", "max_grad_norm")
-"""Every hyperparameter a step graph can take as an input (of the same name), in this order."""
+from normgrad.graphs.optimizers import HYPERPARAMETER_INPUTS as NAMES
 
 CHECKPOINT_METADATA = "normgrad.hyperparameters"
 """Checkpoint metadata key: JSON {name: value} of the hyperparameters the next step uses."""
-
-DEFAULT_LR = 1e-3
-"""The learning rate of a step graph that stores none (written before lr had a default)."""
 
 _OPTION_NAMES = {"max_grad_norm": "clip_grad_norm"}  # the export option each name was given as, where it differs
 
@@ -144,27 +140,10 @@ class Hyperparameters(MutableMapping):
 
 def graph_defaults(model: onnx.ModelProto) -> Dict[str, float]:
     """{name: default} for every hyperparameter input of a step or optimizer graph: its
-    initializer's value (``lr`` without one: :data:`DEFAULT_LR`)."""
-    from onnx import numpy_helper
+    export value (:func:`normgrad.graphs.optimizers.hyperparameter_feeds`)."""
+    from normgrad.graphs.optimizers import hyperparameter_feeds
 
-    inputs = {i.name for i in model.graph.input}
-    initializers = {t.name: t for t in model.graph.initializer if t.name in inputs}
-    defaults = {}
-    for name in NAMES:
-        if name in inputs:
-            defaults[name] = float(numpy_helper.to_array(initializers[name])) if name in initializers else DEFAULT_LR
-    return defaults
-
-
-def drop_defaults(model: onnx.ModelProto) -> None:
-    """Removes the default values (initializers) of ``model``'s hyperparameter inputs, in
-    place: the trainer feeds them at every step, and onnxruntime's IOBinding binds no
-    initializer (nor does it fold such inputs, with a warning at session creation)."""
-    inputs = {i.name for i in model.graph.input}
-    kept = [t for t in model.graph.initializer if not (t.name in NAMES and t.name in inputs)]
-    if len(kept) != len(model.graph.initializer):
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
+    return {name: float(value) for name, value in hyperparameter_feeds(model).items()}
 
 
 def from_checkpoint(metadata: Mapping[str, str]) -> Dict[str, float]:
