@@ -561,7 +561,12 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     new_graph.initializer.extend(graph.initializer)
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
     new_graph.value_info.extend(original_value_info)
-    new_graph.node.extend(graph.node)
+    if ctx.forward_replacements:
+        for node in graph.node:
+            replacement = ctx.forward_replacements.get(next((name for name in node.output if name), ""))
+            new_graph.node.extend([node] if replacement is None else replacement)
+    else:
+        new_graph.node.extend(graph.node)
     new_graph.node.extend(ctx.nodes)
     loss_of = float_outputs[0].name
     # a reference to any part of the prepared forward model or of the emitted nodes keeps
