@@ -24,7 +24,7 @@ from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
-from normgrad.graphs.portable import COSTLY_REWRITES, make_portable
+from normgrad.graphs.portable import COSTLY_REWRITES, make_portable, scan_bodies_self_contained
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
 from normgrad.graphs.tidy import tidy
 from normgrad.ops import DOMAIN, IR_VERSION
@@ -594,6 +594,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         from normgrad.graphs.inline import inline_normgrad
 
         result = inline_normgrad(result)
+        scan_bodies_self_contained(result)  # standard ops for other runtimes: OpenVINO's reads no outer scope
     result.ir_version = IR_VERSION
     check_model(result)
     return result

@@ -33,6 +33,12 @@ minimal reproducer of each:
   provider (none with the fold; ``tests/test_openvino.py`` checks the corpus case). Each
   becomes a Constant of the target's type when that type is known. No minimal reproducer
   was found: in small graphs only the Cast itself stays on the CPU provider.
+* **Scan bodies that read no outer-scope value** (measured on OpenVINO's own runtime
+  2026.4.1: "Number of Scan node inputs is less than required based on body graph
+  parameters", e.g. the LSTM training graph's Scans read R from outside): each such value
+  becomes a loop-carried state the body passes on unchanged. It costs a copy per step on
+  onnxruntime's CPU provider (4% of the LSTM benchmark's step): a costly rewrite, also made
+  by ``--inline``.
 * **no training-mode BatchNormalization**: OpenVINO refuses ``training_mode=1`` at
   compile time without falling back to the CPU provider; the exporter writes the batch
   statistics explicitly, and a graph that still has such a node is refused here.
@@ -54,7 +60,7 @@ from normgrad._files import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 
-__all__ = ["make_portable", "as_exported", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
+__all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
 EXPANDED_OPS = ("GroupNormalization",)
 """Default-domain function ops replaced by their ONNX function bodies."""
@@ -334,11 +340,42 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 
 REWRITES = ("group_normalization_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
-            "constant_casts_folded", "unused_inputs_last")
+            "constant_casts_folded", "scan_bodies_self_contained", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
-COSTLY_REWRITES = ("onehot_as_equal",)
+COSTLY_REWRITES = ("onehot_as_equal", "scan_bodies_self_contained")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``): only ``normgrad export --portable`` makes them."""
+
+
+def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
+    """Makes each outer-scope value a main-graph Scan's body reads directly a loop-carried
+    state that the body passes on (Identity) and the Scan's final value of which nobody reads."""
+    types = None
+    for node in model.graph.node:
+        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        produced = {i.name for i in body.input} | {t.name for t in body.initializer} | {
+            o for n in body.node for o in n.output}
+        outer = sorted({i for n in body.node for i in n.input if i and i not in produced})
+        if not outer:
+            continue
+        types = types or value_types(model)
+        names = _Names(model.graph)
+        names.used.update(produced | {n.name for n in body.node})
+        inner = {name: names(f"{node.name or 'scan'}/carried") for name in outer}
+        for body_node in body.node:
+            body_node.input[:] = [inner.get(i, i) for i in body_node.input]
+        passed = [names(f"{node.name or 'scan'}/carried_out") for _ in outer]
+        body.node.extend(oh.make_node("Identity", [inner[name]], [out], name=f"{out}/Identity")
+                         for name, out in zip(outer, passed))
+        carried_types = [types.get(name, onnx.TypeProto()) for name in outer]
+        body_inputs, body_outputs = list(body.input), list(body.output)
+        del body.input[:], body.output[:]
+        body.input.extend([oh.make_value_info(inner[name], t) for name, t in zip(outer, carried_types)] + body_inputs)
+        body.output.extend([oh.make_value_info(out, t) for out, t in zip(passed, carried_types)] + body_outputs)
+        node.input[:] = outer + list(node.input)
+        node.output[:] = [names(f"{node.name or 'scan'}/carried_final") for _ in outer] + list(node.output)
 
 
 def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bool = False
@@ -376,6 +413,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         _unshare_conv_transpose_weights(model.graph, names)
     if "constant_casts_folded" not in skip:
         _fold_constant_casts(model)
+    if "scan_bodies_self_contained" not in skip:
+        scan_bodies_self_contained(model)
     if "unused_inputs_last" not in skip:
         _unused_inputs_last(model)
     check_model(model)
