@@ -67,6 +67,9 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return f"model-local functions ({', '.join(ops)}): export with --inline"
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
+    if runtime == "openvino" and any(_reads_outer_scope(n) for n in model.graph.node if n.op_type == "Scan"):
+        return "Scan bodies that read outer-scope values ('Number of Scan node inputs ... is less than required'): " \
+               "export with --inline or --portable"
     if runtime == "tract":
         if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
             return "bfloat16 tensors"
@@ -75,7 +78,15 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         for node in model.graph.node:
             if node.op_type == "BatchNormalization" and any(name not in constants for name in node.input[1:5]):
                 return "BatchNormalization fed computed batch statistics ('Params are not const')"
+            if node.op_type == "Scan":  # the recurrent training graphs' Scans
+                return "Scan bodies whose shapes it infers as [1, batch, n] where they are [batch, n] ('Impossible to unify')"
     return None
+
+
+def _reads_outer_scope(scan: onnx.NodeProto) -> bool:
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    produced = {i.name for i in body.input} | {o for n in body.node for o in n.output}
+    return any(i and i not in produced for n in body.node for i in n.input)
 
 
 def _inputs_also_initializers(model: onnx.ModelProto) -> bool:

@@ -232,16 +232,47 @@ TORCH_OPTIMIZERS = {
 }
 
 
+def _conv_groupnorm(torch):
+    """Conv without bias (Adam would turn its ~0 gradient into noise), GroupNorm, SiLU, Linear."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.GroupNorm(2, 4), torch.nn.SiLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 3))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    return net
+
+
+def _recurrent(kind):
+    def make(torch):
+        class Classifier(torch.nn.Module):
+            """2-layer batch-first recurrent network, its last step to a Linear."""
+
+            def __init__(self):
+                super().__init__()
+                self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=2, batch_first=True)
+                self.fc = torch.nn.Linear(4, 3)
+
+            def forward(self, x):
+                return self.fc(self.rnn(x)[0][:, -1])
+
+        return Classifier()
+    return make
+
+
+TORCH_NETS = {"conv_groupnorm": (_conv_groupnorm, (4, 3, 5, 5)), "lstm": (_recurrent("LSTM"), (4, 5, 3)),
+              "gru": (_recurrent("GRU"), (4, 5, 3))}
+
+
 def _torch_params():
-    return [pytest.param(runtime, optimizer, inline, marks=[] if runtime == "onnxruntime" else _runtimes.requires(runtime))
-            for runtime in ("onnxruntime",) + _runtimes.RUNTIMES for optimizer in TORCH_OPTIMIZERS
+    return [pytest.param(runtime, net, optimizer, inline,
+                         marks=[] if runtime == "onnxruntime" else _runtimes.requires(runtime))
+            for runtime in ("onnxruntime",) + _runtimes.RUNTIMES for net in TORCH_NETS for optimizer in TORCH_OPTIMIZERS
             for inline in (False, True)]
 
 
-@pytest.mark.parametrize("runtime, optimizer, inline", _torch_params())
-def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
-    """A torch model (Conv without bias: Adam would turn its ~0 gradient into noise; GroupNorm,
-    SiLU, Linear) exported with normgrad.torch.export and
+@pytest.mark.parametrize("runtime, net_name, optimizer, inline", _torch_params())
+def test_torch_model_trains_as_torch(runtime, net_name, optimizer, inline, tmp_path):
+    """A torch model (:data:`TORCH_NETS`) exported with normgrad.torch.export and
     `normgrad export` defaults (plus --inline): 5 steps on the runtime, weights read from the
     checkpoint and fed back each step, match torch.optim's 5 steps."""
     torch = pytest.importorskip("torch")
@@ -250,12 +281,9 @@ def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
     from normgrad.tools import export as export_tool
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.GroupNorm(2, 4), torch.nn.SiLU(),
-                              torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 3))
-    with torch.no_grad():
-        net[1].weight.uniform_(0.5, 1.5)
-        net[1].bias.uniform_(-0.5, 0.5)
-    forward = torch_export(net, torch.randn(4, 3, 5, 5), tmp_path / "net.onnx", input_names=["x"], output_names=["y"])
+    make_net, x_shape = TORCH_NETS[net_name]
+    net = make_net(torch)
+    forward = torch_export(net, torch.randn(*x_shape), tmp_path / "net.onnx", input_names=["x"], output_names=["y"])
     flags, make_optimizer = TORCH_OPTIMIZERS[optimizer]
     argv = [str(tmp_path / "net.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "cross_entropy"] + flags
     assert export_tool.main(argv + (["--inline"] if inline else [])) == 0
@@ -263,7 +291,7 @@ def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
     state = dict(checkpoint.load(tmp_path / "step.ckpt").tensors)
     names = json.loads({p.key: p.value for p in forward.metadata_props}["normgrad.torch_parameters"])
     rng = np.random.default_rng(3)
-    batches = [{"x": rng.standard_normal((4, 3, 5, 5)).astype(np.float32),
+    batches = [{"x": rng.standard_normal(x_shape).astype(np.float32),
                 "labels": rng.integers(0, 3, 4).astype(np.int64)} for _ in range(5)]
     parameters = dict(net.named_parameters())
     torch_optimizer = make_optimizer(torch, list(parameters.values()))
@@ -286,4 +314,4 @@ def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
     if runtime == "onnxruntime":
         attempt()
     else:
-        _expect(runtime, f"training/torch_conv_groupnorm/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
+        _expect(runtime, f"training/torch_{net_name}/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
