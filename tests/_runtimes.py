@@ -56,6 +56,10 @@ def _elem_types(model: onnx.ModelProto):
 
 def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     """What ``runtime`` lacks to run ``model``, measured (docs/runtimes.md), or None."""
+    if runtime in ("openvino", "openvino-ep") and any(_reads_outer_scope(n) for n in model.graph.node
+                                                      if n.op_type == "Scan"):
+        return "Scan bodies that read outer-scope values (OpenVINO: 'Number of Scan node inputs ... is less than " \
+               "required'; the EP: 'node not found in graph cache'): export with --inline or --portable"
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
@@ -67,9 +71,6 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return f"model-local functions ({', '.join(ops)}): export with --inline"
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
-    if runtime == "openvino" and any(_reads_outer_scope(n) for n in model.graph.node if n.op_type == "Scan"):
-        return "Scan bodies that read outer-scope values ('Number of Scan node inputs ... is less than required'): " \
-               "export with --inline or --portable"
     if runtime == "tract":
         if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
             return "bfloat16 tensors"

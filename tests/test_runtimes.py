@@ -98,12 +98,37 @@ LOOPS = [
     # AdamW where no gradient is ~0 (a conv bias before a normalization has a zero gradient,
     # which Adam turns into steps of size lr made of rounding noise)
     ("mlp", "cross_entropy", "adamw", dict(weight_decay=0.01)),
+    ("lstm_block", "cross_entropy", "adamw", dict(weight_decay=0.01)),
+    ("gru_block", "cross_entropy", "sgd", dict(momentum=0.9)),
 ]
+
+
+def _recurrent_block(kind: str, direction: str) -> onnx.ModelProto:
+    """x [N, 5, 3] batch first, transposed to time-major, a recurrent node (hidden 4), its
+    last hidden states [D, N, 4] flattened per sample to 3 logits."""
+    gates, hidden, directions = {"LSTM": 4, "GRU": 3}[kind], 4, 2 if direction == "bidirectional" else 1
+    params = examples.weights(11, W=(directions, gates * hidden, 3), R=(directions, gates * hidden, hidden),
+                              B=(directions, 2 * gates * hidden), w_out=(directions * hidden, 3), b_out=(3,))
+    params["flat"] = np.array([0, -1], np.int64)
+    nodes = [
+        onnx.helper.make_node("Transpose", ["x"], ["x_time"], perm=[1, 0, 2]),
+        onnx.helper.make_node(kind, ["x_time", "W", "R", "B"], ["", "h_last"], hidden_size=hidden, direction=direction),
+        onnx.helper.make_node("Transpose", ["h_last"], ["h_batch"], perm=[1, 0, 2]),
+        onnx.helper.make_node("Reshape", ["h_batch", "flat"], ["h_flat"]),
+        onnx.helper.make_node("MatMul", ["h_flat", "w_out"], ["z"]),
+        onnx.helper.make_node("Add", ["z", "b_out"], ["y"]),
+    ]
+    return examples.model(nodes, {"x": ("N", 5, 3)}, ["y"], params)
+
+
+BLOCKS = {"lstm_block": lambda: _recurrent_block("LSTM", "bidirectional"),
+          "gru_block": lambda: _recurrent_block("GRU", "forward")}
+"""Training-loop models of this file's own, beside :mod:`normgrad.graphs.examples`'s."""
 
 
 def _step_graph(block, loss, optimizer, options, inline):
     """(step graph as ``normgrad export`` writes it, initial state with fed weights, batches)."""
-    forward = getattr(examples, block)()
+    forward = BLOCKS[block]() if block in BLOCKS else getattr(examples, block)()
     training = build_training_graph(forward, loss=loss, inline=inline)
     step, state = build_step_graph(training, optimizer, **options)
     step, _ = as_exported(step)
