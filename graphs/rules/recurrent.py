@@ -21,8 +21,7 @@ inputs and outputs reversed in time within each sequence's length (``ReverseSequ
 With ``sequence_lens`` the steps past a sequence's end keep the state and write zeros to Y;
 there the state gradient passes through unchanged and the gate gradients are zero. Every
 Scan runs forward (a reverse-time one on sequences reversed by a Slice: onnx's reference
-evaluator runs no other Scan direction), and its body declares the rank of every value
-(tract infers the body's shapes from them).
+evaluator runs no other Scan direction), and its body declares the rank of every value.
 """
 
 from __future__ import annotations
