@@ -199,3 +199,33 @@ def test_schedules_another_hyperparameter():
         scheduler.step()
         assert holder.hyperparameters["weight_decay"] == pytest.approx(0.04 * 0.5 ** (step // 10), rel=1e-12)
         assert holder.hyperparameters["lr"] == 0.1
+
+
+def test_scheduler_drives_a_trainer_as_torch_drives_its_optimizer():
+    """A real Trainer with torch's OneCycleLR/SequentialLR call pattern (step, then
+    scheduler.step()): bitwise the run of a Trainer given torch's learning rates as a
+    schedule function; a Trainer whose lr is a function refuses a scheduler."""
+    from normgrad.train import Trainer
+    from test_trainer_trust import _mse_batch, _options, _step
+
+    step_graph, initial = _step("mse", "adamw")
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_scheduler = _sequential(optimizer, lr_scheduler)
+        torch_lrs = []
+        for _ in range(40):
+            torch_lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            torch_scheduler.step()
+    driven = Trainer(step_graph, initial, lr=0.01, session_options=_options())
+    scheduler = _sequential(driven, schedules)
+    reference = Trainer(step_graph, initial, lr=lambda k: torch_lrs[k - 1], session_options=_options())
+    for k in range(1, 41):
+        batch = _mse_batch(seed=k)
+        assert driven.step(**batch) == reference.step(**batch)
+        scheduler.step()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(driven.state_dict().values(), reference.state_dict().values()))
+    with pytest.raises(TrainerError, match="cannot both drive lr"):
+        schedules.StepLR(reference, step_size=3)

@@ -72,10 +72,11 @@ def _hyperparameters(trainer, name: str) -> MutableMapping[str, float]:
     values = getattr(trainer, "hyperparameters", None)
     if not isinstance(values, MutableMapping):
         raise TrainerError(f"a scheduler drives a Trainer (an object with a hyperparameters mapping); got {type(trainer).__name__}")
-    if name not in values:
+    if name not in list(values):  # (not `in values`: that evaluates a schedule function)
         raise TrainerError(f"the step graph has no hyperparameter {name!r} to schedule; it has "
                            f"{', '.join(map(repr, values)) or 'none'}")
-    if callable(getattr(trainer, "schedule_of", lambda _: None)(name)):
+    schedule_of = getattr(values, "schedule", None)  # Trainer.hyperparameters: a name's f(step), if it has one
+    if callable(schedule_of) and schedule_of(name) is not None:
         raise TrainerError(f"the Trainer's {name} is a schedule function (Trainer({name}=f)); a scheduler object and a "
                            f"function cannot both drive {name}: give the Trainer a number and let the scheduler move it")
     return values
