@@ -635,6 +635,14 @@ class Trainer:
                          if epoch > 1 else "")
                 raise TrainerError(f"batches yielded no batch in epoch {epoch}{again}")
 
+    def fit(self, train, **options):
+        """Epochs over ``train`` with evaluation, callbacks, early stopping, a scheduler,
+        checkpoints, resume and logs: :func:`normgrad.loop.fit` (its arguments, its
+        :class:`normgrad.loop.FitResult`)."""
+        from normgrad.loop import fit
+
+        return fit(self, train, **options)
+
     def evaluate(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> EvalResult:
         """The loss and forward outputs of a batch in eval mode (BatchNorm on its running
         statistics, Dropout off, as torch's ``model.eval()``) with the current state, and no
