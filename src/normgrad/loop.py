@@ -47,7 +47,8 @@ class Callback:
     ``trainer``, ``epoch``, ``history`` (step records), ``evaluations`` (evaluation
     records); set ``loop.should_stop = True`` to end the run after the current step.
     A callback with state to carry over a resume returns it from :meth:`state_dict` (JSON
-    values) and takes it back in :meth:`load_state_dict`."""
+    values) and takes it back in :meth:`load_state_dict` (matched by its class and its rank
+    among the callbacks of that class)."""
 
     def on_fit_start(self, loop) -> None:
         """Before the first step (after a resume's state is restored)."""
@@ -259,7 +260,7 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
         state = {"epoch": loop.epoch, "batch": loop.batch, "history": loop.history, "evaluations": loop.evaluations,
                  "since_evaluation": loop.since_evaluation, "best": loop.best,
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "callbacks": [c.state_dict() for c in callbacks]}
+                 "callbacks": {key: c.state_dict() for key, c in _keyed(callbacks).items() if c.state_dict()}}
         name = f"{prefix}-{trainer.step_count:08d}"
         trainer.save(os.path.join(folder, name + ".ckpt"))
         write_bytes_atomic(os.path.join(folder, name + ".json"), json.dumps(state).encode("utf-8"))
@@ -416,11 +417,22 @@ def _resume(loop: _Loop, folder: str, scheduler, callbacks: Sequence[Callback]) 
     if (saved_scheduler is None) != (scheduler is None):
         raise TrainerError(f"cannot resume from {path}: it was written by a run {'with' if saved_scheduler else 'without'} "
                            "a scheduler; give fit the same scheduler")
-    if len(saved_callbacks) != len(callbacks):
-        raise TrainerError(f"cannot resume from {path}: it holds the state of {len(saved_callbacks)} callbacks "
-                           f"(with the loggers); this run has {len(callbacks)}: give fit the same callbacks and log_dir")
+    keyed = _keyed(callbacks)
+    missing = sorted(set(saved_callbacks) - set(keyed))
+    if missing:
+        raise TrainerError(f"cannot resume from {path}: it holds the state of callback {missing[0]}, which this run "
+                           "lacks: give fit the same callbacks")
     loop.trainer.load(path[:-5] + ".ckpt")
     if scheduler is not None:
         scheduler.load_state_dict(saved_scheduler)
-    for callback, saved in zip(callbacks, saved_callbacks):
-        callback.load_state_dict(saved)
+    for key, saved in saved_callbacks.items():
+        keyed[key].load_state_dict(saved)
+
+
+def _keyed(callbacks: Sequence[Callback]) -> Dict[str, Callback]:
+    """``{"EarlyStopping#0": callback, ...}``: each callback by its class and its rank among those of its class."""
+    keyed: Dict[str, Callback] = {}
+    for callback in callbacks:
+        name = type(callback).__name__
+        keyed[f"{name}#{sum(key.startswith(name + '#') for key in keyed)}"] = callback
+    return keyed

@@ -331,10 +331,11 @@ class OneCycleLR(LRScheduler):
         values = _hyperparameters(trainer, name)
         self.momentum = None
         if cycle_momentum:
-            self.momentum = next((m for m in ("beta1", "momentum") if m in values), None)
+            self.momentum = next((m for m in ("beta1", "momentum") if m in list(values)), None)
             if self.momentum is None:
-                raise TrainerError("OneCycleLR(cycle_momentum=True) needs an optimizer with beta1 or momentum; "
-                                   f"the step graph's hyperparameters are {', '.join(map(repr, values))}")
+                raise TrainerError("OneCycleLR(cycle_momentum=True) needs beta1 (Adam, AdamW) or momentum (SGD) among "
+                                   f"the step graph's hyperparameters, which are {', '.join(map(repr, values))}; "
+                                   "pass cycle_momentum=False to cycle the learning rate only")
             _hyperparameters(trainer, self.momentum)
             values[self.momentum] = float(max_momentum)
         _INITIAL.setdefault(trainer, {})[name] = self.values["initial"]
