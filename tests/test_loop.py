@@ -201,3 +201,60 @@ def test_metrics_match_torch(shape):
         assert metrics.top_k_accuracy(k)(outputs, labels) == pytest.approx(expected, abs=1e-12)
     expected = torch.exp(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100)).item()
     assert metrics.perplexity(outputs, labels) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_fit_on_a_tiny_bert(tmp_path):
+    """A tiny transformers BERT classifier (random weights, Dropout on, seeded): fit with
+    early stopping stops where a hand-written loop does with the same states; the best
+    checkpoint evaluates to the best val_loss; a crashed run resumed from its folder ends bitwise."""
+    transformers = pytest.importorskip("transformers")
+    import normgrad.torch
+    from normgrad.graphs import build_step_graph, build_training_graph
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=2,
+                                     attn_implementation="eager")
+    forward = normgrad.torch.export(transformers.BertForSequenceClassification(config).train(),
+                                    (torch.randint(1, 50, (8, 10)),), os.fspath(tmp_path / "bert.onnx"),
+                                    input_names=["input_ids"], output_names=["logits"], dynamic_axes={"input_ids": [0]})
+    step_graph, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "adamw")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50, (192, 10))
+    labels = (ids == 7).any(axis=1).astype(np.int64)
+    train = loop.array_batches({"input_ids": ids[:128], "labels": labels[:128]}, 16, shuffle=True)
+    validation = loop.array_batches({"input_ids": ids[128:], "labels": labels[128:]}, 32)
+    patience, epochs = 2, 10
+
+    def run(folder, crash=None, resume=False):
+        trainer = Trainer(step_graph, initial, lr=3e-2, seed=5)
+        callbacks = [loop.EarlyStopping("val_loss", patience=patience)] + ([crash] if crash else [])
+        result = trainer.fit(train, epochs=epochs, evaluation=validation, metrics={"accuracy": metrics.accuracy},
+                             callbacks=callbacks, checkpoint_dir=folder, checkpoint_every=3, resume=resume,
+                             progress=False)
+        return trainer, result
+
+    trainer, result = run(tmp_path / "a")
+    reference = Trainer(step_graph, initial, lr=3e-2, seed=5)
+    best, wait, losses = None, 0, []
+    for epoch in range(1, epochs + 1):
+        for batch in train(epoch):
+            reference.step(batch)
+        losses.append(_validation_loss(reference, validation(epoch)))
+        if best is None or losses[-1] < best:
+            best, wait = losses[-1], 0
+        else:
+            wait += 1
+            if wait >= patience:
+                break
+    assert len(losses) < epochs and result.stopped_early
+    assert [r["val_loss"] for r in result.evaluations] == losses
+    _same_state(trainer.state_dict(), reference.state_dict())
+    assert _validation_loss(Trainer(step_graph, result.best_checkpoint), validation(1)) == min(losses)
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path / "b", crash=_Crash(20))
+    resumed, resumed_result = run(tmp_path / "b", resume=True)
+    _same_state(resumed.state_dict(), trainer.state_dict())
+    assert resumed_result.history == result.history and resumed_result.evaluations == result.evaluations
