@@ -177,12 +177,10 @@ def test_resume_with_another_setup_is_refused(digits, tmp_path):
         Trainer(step_graph, initial).fit(iter(train(1)), epochs=2, progress=False)
 
 
-torch = pytest.importorskip("torch")
-
-
 @pytest.mark.parametrize("shape", [(40, 7), (6, 7, 5), (4, 3, 7)])
 def test_metrics_match_torch(shape):
     """accuracy, top-k and perplexity against torch, class axis 1 or last, -100 labels ignored."""
+    torch = pytest.importorskip("torch")
     rng = np.random.default_rng(sum(shape))
     outputs = rng.standard_normal(shape).astype(np.float32)
     class_axis = 1 if shape != (4, 3, 7) else -1
@@ -208,6 +206,7 @@ def test_fit_on_a_tiny_bert(tmp_path):
     """A tiny transformers BERT classifier (random weights, Dropout on, seeded): fit with
     early stopping stops where a hand-written loop does with the same states; the best
     checkpoint evaluates to the best val_loss; a crashed run resumed from its folder ends bitwise."""
+    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import normgrad.torch
     from normgrad.graphs import build_step_graph, build_training_graph
@@ -258,3 +257,29 @@ def test_fit_on_a_tiny_bert(tmp_path):
     resumed, resumed_result = run(tmp_path / "b", resume=True)
     _same_state(resumed.state_dict(), trainer.state_dict())
     assert resumed_result.history == result.history and resumed_result.evaluations == result.evaluations
+
+
+def test_plateau_scheduler_and_evaluations_every_n_steps(digits):
+    """evaluate_every=3 over two epochs of 8 steps: evaluations at steps 3, 6, 8 (the epoch's
+    end), 9, 12, 15, 16; ReduceLROnPlateau stepped with each val_loss sets the lr of the
+    steps after it as torch's ReduceLROnPlateau fed the same values."""
+    torch = pytest.importorskip("torch")
+    step_graph, initial, train, validation = digits
+    trainer = Trainer(step_graph, initial, lr=2e-2)
+    scheduler = schedules.ReduceLROnPlateau(trainer, patience=0, factor=0.5, threshold=0.05)
+    result = trainer.fit(train, epochs=2, evaluation=validation, evaluate_every=3, scheduler=scheduler, progress=False)
+    assert [r["step"] for r in result.evaluations] == [3, 6, 8, 9, 12, 15, 16]
+    assert [r["epoch"] for r in result.evaluations] == [1, 1, 1, 2, 2, 2, 2]
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=2e-2)
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5, threshold=0.05)
+    expected = {}
+    for record in result.evaluations:
+        reference.step(record["val_loss"])
+        expected[record["step"] + 1] = optimizer.param_groups[0]["lr"]
+    lr = 2e-2
+    for record in result.history:
+        lr = expected.get(record["step"], lr)
+        assert record["lr"] == np.float32(lr), record
+    assert len(set(r["lr"] for r in result.history)) > 1  # the plateau reduced it

@@ -8,9 +8,8 @@ a torch scheduler, checkpoints in ``--checkpoint-dir`` (``--resume`` continues f
 latest), logs (CSV, TensorBoard, PNG) and the inference model in ``--out``. The arrays
 (``.npz``, or ``NAME.npy`` / ``NAME=FILE.npy`` files) are named as the graph's data inputs.
 
-Without STEP, the built-in example:
-
-The whole path of the README's walk-through, with nothing downloaded: a forward ONNX model
+Without STEP (also ``normgrad demo train``), the built-in example, the whole path of the
+README's walk-through with nothing downloaded: a forward ONNX model
 built in code (:func:`normgrad.graphs.examples.digits_cnn`: Conv-BatchNorm-ReLU-MaxPool
 twice, then Gemm), its step graph (cross-entropy loss, AdamW), and
 :class:`normgrad.train.Trainer` with a cosine schedule; after each epoch the inference
