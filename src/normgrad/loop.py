@@ -219,7 +219,8 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (from the start
             when it holds none).
         log_dir: writes ``metrics.csv``, TensorBoard events (when the tensorboard package
-            is installed) and ``training.png`` (when matplotlib is) there.
+            is installed) and ``training.png`` (when matplotlib is) there. A data-parallel
+            trainer (:mod:`normgrad.mpi`) logs, shows progress and writes files on rank 0 only.
         progress: a tqdm progress bar per epoch (when tqdm is installed).
 
     Raises:
@@ -250,7 +251,9 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
     evaluation_columns = ["train_loss"] + (["val_loss"] + [f"val_{m}" for m in metrics] if evaluation is not None else [])
     loop = _Loop(trainer, ["epoch", "step", "loss", "lr"] + evaluation_columns)
     folder = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
-    callbacks = list(callbacks) + _loggers(log_dir)
+    saving = getattr(trainer, "is_saving_rank", True)
+    callbacks = list(callbacks) + (_loggers(log_dir) if saving else [])
+    progress = progress and saving
     if folder is not None:
         os.makedirs(folder, exist_ok=True)
         if resume:
@@ -263,8 +266,9 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
                  "callbacks": {key: c.state_dict() for key, c in _keyed(callbacks).items() if c.state_dict()}}
         name = f"{prefix}-{trainer.step_count:08d}"
         trainer.save(os.path.join(folder, name + ".ckpt"))
-        write_bytes_atomic(os.path.join(folder, name + ".json"), json.dumps(state).encode("utf-8"))
-        _prune(folder, prefix, 1 if prefix == "best" else keep_last)
+        if trainer.is_saving_rank:  # (a data-parallel trainer: rank 0 writes)
+            write_bytes_atomic(os.path.join(folder, name + ".json"), json.dumps(state).encode("utf-8"))
+            _prune(folder, prefix, 1 if prefix == "best" else keep_last)
 
     def evaluate_now() -> None:
         record = {"epoch": loop.epoch, "step": trainer.step_count,
