@@ -229,3 +229,39 @@ def test_scheduler_drives_a_trainer_as_torch_drives_its_optimizer():
     assert all(a.tobytes() == b.tobytes() for a, b in zip(driven.state_dict().values(), reference.state_dict().values()))
     with pytest.raises(TrainerError, match="cannot both drive lr"):
         schedules.StepLR(reference, step_size=3)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_onecycle_cycles_a_trainers_beta1_or_momentum(optimizer):
+    """OneCycleLR on a real Trainer moves lr and beta1 (momentum) as torch's moves its
+    optimizer's: bitwise the run of a Trainer given torch's values as schedule functions."""
+    from normgrad.train import Trainer
+    from test_trainer_trust import _mse_batch, _options, _step
+
+    options = {"momentum": 0.9} if optimizer == "sgd" else {}
+    step_graph, initial = _step("mse", optimizer, **options)
+    driven = Trainer(step_graph, initial, lr=0.01, session_options=_options())
+    name = "beta1" if optimizer == "adamw" else "momentum"
+    if name not in list(driven.hyperparameters):
+        pytest.skip(f"the step graph takes no {name} input (hyperparameters as step inputs not merged)")
+    theirs, _ = _pair(optimizer, lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_scheduler = lr_scheduler.OneCycleLR(theirs, max_lr=0.05, total_steps=30)
+        values = []
+        for _ in range(30):
+            values.append(_torch_values(theirs))
+            theirs.step()
+            torch_scheduler.step()
+    scheduler = schedules.OneCycleLR(driven, max_lr=0.05, total_steps=30)
+    functions = {"lr": lambda k: values[k - 1]["lr"]}
+    if optimizer == "adamw":
+        functions["betas"] = (lambda k: values[k - 1]["beta1"], 0.999)
+    else:
+        functions["momentum"] = lambda k: values[k - 1]["momentum"]
+    reference = Trainer(step_graph, initial, session_options=_options(), **functions)
+    for k in range(1, 30):
+        batch = _mse_batch(seed=k)
+        assert driven.step(**batch) == reference.step(**batch)
+        scheduler.step()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(driven.state_dict().values(), reference.state_dict().values()))
