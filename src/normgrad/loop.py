@@ -270,7 +270,7 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
             write_bytes_atomic(os.path.join(folder, name + ".json"), json.dumps(state).encode("utf-8"))
             _prune(folder, prefix, 1 if prefix == "best" else keep_last)
 
-    def evaluate_now() -> None:
+    def evaluate_now() -> Dict[str, float]:
         record = {"epoch": loop.epoch, "step": trainer.step_count,
                   "train_loss": float(np.mean(loop.since_evaluation)) if loop.since_evaluation else float("nan")}
         if evaluation is not None:
