@@ -181,7 +181,7 @@ def test_bad_arguments_refused():
     holder = HyperparameterHolder(lr=0.1, weight_decay=0.0)
     with pytest.raises(TrainerError, match="no hyperparameter 'beta1'"):
         schedules.StepLR(holder, step_size=3, hyperparameter="beta1")
-    with pytest.raises(TrainerError, match="beta1 or momentum"):
+    with pytest.raises(TrainerError, match=r"needs beta1 \(Adam, AdamW\) or momentum \(SGD\)"):
         schedules.OneCycleLR(holder, max_lr=1.0, total_steps=10)
     with pytest.raises(TrainerError, match="step_size must be an integer >= 1"):
         schedules.StepLR(holder, step_size=0)
