@@ -118,3 +118,10 @@ def test_version(capsys):
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"normgrad {version('normgrad')}\n"
+
+
+def test_demo_train_is_the_digits_demo_of_train(capsys):
+    assert cli.main(["demo", "train", "--help"]) == 0
+    demo_help = capsys.readouterr().out
+    assert cli.main(["train", "--help"]) == 0
+    assert demo_help == capsys.readouterr().out and demo_help.startswith("usage: normgrad train")
