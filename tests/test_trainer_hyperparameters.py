@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
+from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.train import Trainer, TrainerError
-from test_trainer_trust import _mse_batch, _options, _step
+from test_trainer_trust import _linear_tanh_linear, _mse_batch, _options, _step
 
 
 def _states_equal(a, b):
@@ -37,7 +38,7 @@ def test_assignment_replaces_a_schedule():
     assert trainer.lr() == pytest.approx(0.1) and trainer.lr(3) == pytest.approx(0.3)
     trainer.hyperparameters["lr"] = 0.5
     assert trainer.lr(3) == 0.5 and trainer.schedule(7) == 0.5
-    assert dict(trainer.hyperparameters) == {"lr": 0.5}
+    assert dict(trainer.hyperparameters) == {"lr": 0.5, "weight_decay": 0.0}
 
 
 @pytest.mark.parametrize("value", [None, float("nan"), float("inf"), -0.1, 1e39, 10**400, "0.1", True])
@@ -84,3 +85,127 @@ def test_learning_rate_defaults_to_the_graphs():
     step, initial = _step("mse", "sgd")
     trainer = Trainer(step, initial, session_options=_options())
     assert math.isclose(trainer.hyperparameters["lr"], 1e-3, rel_tol=1e-7)
+
+
+# -- against torch.optim, with the same param_group edits mid-run -----------------------------------
+
+# (kind, export options, {step: {hyperparameter: value}}): each change is made before that step,
+# in trainer.hyperparameters and in torch's param_groups
+CHANGES = {
+    "sgd_weight_decay": ("sgd", {}, {4: {"weight_decay": 0.2}, 8: {"lr": 0.02, "weight_decay": 0.05}}),
+    "sgd_momentum": ("sgd", dict(momentum=0.9, dampening=0.1, weight_decay=0.01),
+                     {3: {"momentum": 0.5, "dampening": 0.3}, 6: {"weight_decay": 0.1, "momentum": 0.95, "dampening": 0.0}}),
+    "sgd_nesterov": ("sgd", dict(momentum=0.9, nesterov=True), {4: {"momentum": 0.6, "weight_decay": 0.05}}),
+    "adam": ("adam", {}, {3: {"beta1": 0.8, "beta2": 0.99}, 5: {"eps": 1e-4, "weight_decay": 0.1}, 8: {"beta1": 0.95}}),
+    "adamw": ("adamw", dict(no_weight_decay=["*.bias"]),
+              {3: {"beta1": 0.5, "beta2": 0.9, "weight_decay": 0.3}, 6: {"eps": 1e-3, "lr": 0.05}}),
+    "adam_amsgrad": ("adam", dict(amsgrad=True), {3: {"beta2": 0.9, "weight_decay": 0.1}, 6: {"eps": 1e-5}}),
+    "adamw_amsgrad": ("adamw", dict(amsgrad=True, weight_decay=0.1), {4: {"beta1": 0.7, "weight_decay": 0.0}}),
+    "sgd_clip": ("sgd", dict(momentum=0.9, clip_grad_norm=1.0), {3: {"max_grad_norm": 0.05}, 7: {"max_grad_norm": 5.0}}),
+    "adamw_clip": ("adamw", dict(clip_grad_norm=0.5), {4: {"max_grad_norm": 0.01, "beta2": 0.95}}),
+}
+STEPS = 10
+
+
+def _torch_trajectory(torch, kind, options, changes, initial, lr):
+    names = ["a.weight", "a.bias", "b.weight", "b.bias"]
+    params = {n: torch.nn.Parameter(torch.from_numpy(initial[n].copy())) for n in names}
+    decayed = [n for n in names if not n.endswith(".bias") or "no_weight_decay" not in options]
+    groups = [{"params": [params[n] for n in decayed]},
+              {"params": [params[n] for n in names if n not in decayed], "weight_decay": 0.0}]
+    torch_options = {k: v for k, v in options.items() if k not in ("no_weight_decay", "clip_grad_norm")}
+    optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
+        [g for g in groups if g["params"]], lr=lr, **{"weight_decay": 0.0, **torch_options})  # the graphs' default
+    max_norm = options.get("clip_grad_norm")
+    trajectory = []
+    for k in range(1, STEPS + 1):
+        for name, value in changes.get(k, {}).items():
+            if name == "max_grad_norm":
+                max_norm = value
+            for group in optimizer.param_groups:
+                if name in ("beta1", "beta2"):
+                    betas = list(group["betas"])
+                    betas[name == "beta2"] = value
+                    group["betas"] = tuple(betas)
+                elif name != "weight_decay" or group is optimizer.param_groups[0]:
+                    group[name] = value
+        batch = _mse_batch(seed=k)
+        x, labels = (torch.from_numpy(batch[n]) for n in ("x", "labels"))
+        hidden = torch.tanh(x @ params["a.weight"].T + params["a.bias"])
+        loss = torch.nn.functional.mse_loss(hidden @ params["b.weight"].T + params["b.bias"], labels)
+        optimizer.zero_grad()
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+        optimizer.step()
+        trajectory.append({n: p.detach().numpy().copy() for n, p in params.items()})
+    return trajectory
+
+
+@pytest.mark.parametrize("case", list(CHANGES))
+@pytest.mark.parametrize("split", [False, True], ids=["step", "accumulation"])
+def test_hyperparameter_changes_mid_run_follow_torch(case, split):
+    torch = pytest.importorskip("torch")
+    kind, options, changes = CHANGES[case]
+    training = build_training_graph(_linear_tanh_linear(), loss="mse")
+    step, initial = build_step_graph(training, kind, **options)
+    lr = 0.01
+    trainer = Trainer(step, initial, lr=lr, session_options=_options(), accumulation=2 if split else 1)
+    expected = _torch_trajectory(torch, kind, options, changes, initial, lr)
+    for k in range(1, STEPS + 1):
+        for name, value in changes.get(k, {}).items():
+            trainer.hyperparameters[name] = value
+        batch = _mse_batch(seed=k)
+        if split:  # two micro-batches of a batch twice as large average to the same gradient
+            batch = {n: np.concatenate([v, v]) for n, v in batch.items()}
+        trainer.step(**batch)
+        state = trainer.state_dict()
+        for name, value in expected[k - 1].items():
+            np.testing.assert_allclose(state[name], value, rtol=2e-5, atol=2e-6, err_msg=f"{case} step {k} {name}")
+
+
+def test_hyperparameters_as_trainer_arguments_and_schedules():
+    """Trainer(betas=(schedule, number), eps=..., weight_decay=...) is the same run as assigning
+    the same values to trainer.hyperparameters before each step, bitwise."""
+    step, initial = _step("mse", "adamw")
+    beta1 = lambda k: 0.9 - 0.01 * k  # noqa: E731
+    given = Trainer(step, initial, betas=(beta1, 0.95), eps=1e-6, weight_decay=0.2, session_options=_options())
+    written = Trainer(step, initial, session_options=_options())
+    assert given.hyperparameters["beta1"] == pytest.approx(0.89)
+    for k in range(1, 5):
+        written.hyperparameters.update(beta1=beta1(k), beta2=0.95, eps=1e-6, weight_decay=0.2)
+        assert given.step(**_mse_batch(seed=k)) == written.step(**_mse_batch(seed=k))
+    assert _states_equal(given.state_dict(), written.state_dict())
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("beta1", 1.0, r"betas\[0\] must be in \[0, 1\)"), ("beta2", -0.1, r"betas\[1\] must be in \[0, 1\)"),
+    ("eps", float("nan"), "eps must be a finite number"), ("eps", -1e-8, "eps must be finite and >= 0"),
+    ("weight_decay", None, "weight_decay must be a finite number"), ("weight_decay", True, "weight_decay must be a finite"),
+])
+def test_bad_adam_values_are_refused(name, value, message):
+    step, initial = _step("mse", "adam")
+    trainer = Trainer(step, initial, session_options=_options())
+    before = dict(trainer.hyperparameters)
+    with pytest.raises(TrainerError, match=message):
+        trainer.hyperparameters[name] = value
+    assert dict(trainer.hyperparameters) == before
+    if value is None:  # Trainer(weight_decay=None): the checkpoint's or graph's value
+        return
+    with pytest.raises(TrainerError, match=message):
+        Trainer(step, initial, **({"betas": (value, 0.999)} if name == "beta1" else {"betas": (0.9, value)} if name == "beta2"
+                                  else {name: value}), session_options=_options()).step(**_mse_batch())
+
+
+
+def test_bad_sgd_values_are_refused():
+    step, initial = _step("mse", "sgd", momentum=0.9, nesterov=True)
+    trainer = Trainer(step, initial, session_options=_options())
+    with pytest.raises(TrainerError, match="nesterov needs momentum > 0 and dampening 0"):
+        trainer.hyperparameters["dampening"] = 0.1
+    step, initial = _step("mse", "sgd", momentum=0.9)
+    trainer = Trainer(step, initial, session_options=_options())
+    with pytest.raises(TrainerError, match="momentum must stay > 0"):
+        trainer.hyperparameters["momentum"] = 0.0
+    with pytest.raises(TrainerError, match="the momentum schedule returned -1 for step 1"):
+        Trainer(step, initial, momentum=lambda k: -1, session_options=_options()).step(**_mse_batch())

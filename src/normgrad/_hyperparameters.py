@@ -156,6 +156,17 @@ def graph_defaults(model: onnx.ModelProto) -> Dict[str, float]:
     return defaults
 
 
+def drop_defaults(model: onnx.ModelProto) -> None:
+    """Removes the default values (initializers) of ``model``'s hyperparameter inputs, in
+    place: the trainer feeds them at every step, and onnxruntime's IOBinding binds no
+    initializer (nor does it fold such inputs, with a warning at session creation)."""
+    inputs = {i.name for i in model.graph.input}
+    kept = [t for t in model.graph.initializer if not (t.name in NAMES and t.name in inputs)]
+    if len(kept) != len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+
+
 def from_checkpoint(metadata: Mapping[str, str]) -> Dict[str, float]:
     """The hyperparameter values a checkpoint saved ({} for one written before they were saved)."""
     text = metadata.get(CHECKPOINT_METADATA)

@@ -43,7 +43,8 @@ import onnx
 
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_models_external, uses_external_data
-from normgrad._hyperparameters import CHECKPOINT_METADATA, Hyperparameters, from_checkpoint, graph_defaults
+from normgrad._hyperparameters import (CHECKPOINT_METADATA, Hyperparameters, drop_defaults, from_checkpoint,
+                                       graph_defaults)
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _external_data_options, _gate_state_updates,
                                _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
                                _refuse_missing_external_data)
@@ -242,6 +243,7 @@ class Trainer:
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
             gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
+            drop_defaults(gated)
             self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
             self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
@@ -249,6 +251,7 @@ class Trainer:
         else:
             exposed = optimizers.expose_forward_outputs(model, self.forward_outputs)
             gated = _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
+            drop_defaults(gated)
             self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
         parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
