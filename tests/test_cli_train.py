@@ -40,6 +40,7 @@ def _train(folder, out, *extra):
     return cli.main(["train", os.fspath(folder / "step.onnx"), "--data", os.fspath(folder / "train.npz"),
                      "--eval", os.fspath(folder / "val.npz"), "--batch-size", "40", "--lr", "0.004",
                      "--scheduler", "StepLR(step_size=1, gamma=0.5)", "--metrics", "accuracy", "top5",
+                     "--weight-decay", "0.002", "--betas", "0.85", "0.995",
                      "--out", os.fspath(out), "--no-progress", "--seed", "7", *extra])
 
 
@@ -49,7 +50,8 @@ def test_train_an_exported_step_graph_on_npz(exported, tmp_path, capsys):
     assert _train(exported, out, "--epochs", "2") == 0
     assert "wrote" in capsys.readouterr().out
 
-    reference = Trainer(os.fspath(exported / "step.onnx"), os.fspath(exported / "step.ckpt"), lr=0.004)
+    reference = Trainer(os.fspath(exported / "step.onnx"), os.fspath(exported / "step.ckpt"), lr=0.004,
+                        weight_decay=0.002, betas=(0.85, 0.995))
     with np.load(exported / "train.npz") as archive:
         batches = loop.array_batches({"x": archive["x"], "labels": archive["labels"]}, 40, shuffle=True, seed=7)
     for epoch in (1, 2, 3):
@@ -60,7 +62,8 @@ def test_train_an_exported_step_graph_on_npz(exported, tmp_path, capsys):
             last = Trainer(os.fspath(exported / "step.onnx"), os.fspath(out / "checkpoints" / "step-00000016.ckpt"))
             assert last.step_count == reference.step_count == 16  # 8 batches (the last of 20) per epoch
             assert all(last.state_dict()[k].tobytes() == v.tobytes() for k, v in reference.state_dict().items())
-            assert last.hyperparameters["lr"] == reference.hyperparameters["lr"]
+            assert dict(last.hyperparameters) == dict(reference.hyperparameters)
+            assert last.hyperparameters["beta1"] == 0.85 and last.hyperparameters["weight_decay"] == 0.002
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     evaluations = [r for r in rows if r["val_loss"]]
     assert len(evaluations) == 2 and all(0 <= float(r["val_top5"]) <= 1 for r in evaluations)
