@@ -67,7 +67,8 @@ def test_train_an_exported_step_graph_on_npz(exported, tmp_path, capsys):
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     evaluations = [r for r in rows if r["val_loss"]]
     assert len(evaluations) == 2 and all(0 <= float(r["val_top5"]) <= 1 for r in evaluations)
-    assert [float(r["lr"]) for r in rows if r["loss"]] == [np.float32(0.004)] * 8 + [np.float32(0.002)] * 8
+    assert [float(r["lr"]) for r in rows if r["loss"]] == [0.004] * 8 + [0.002] * 8
+    assert {float(r["beta1"]) for r in rows if r["loss"]} == {0.85}
     assert (out / "training.png").stat().st_size > 0 and (out / "inference.onnx").is_file()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out))
 

@@ -3,7 +3,8 @@
 event writer (:class:`TensorBoardLogger`; the ``train`` extra), and a PNG of the loss and
 metric curves (:class:`PlotLogger`, matplotlib).
 
-Each writes what the loop records: a row per optimizer step (``epoch, step, loss, lr``) and
+Each writes what the loop records: a row per optimizer step (``epoch, step, loss, lr`` and
+the trainer's other hyperparameters) and
 a row per evaluation (``epoch, step, train_loss`` and the validation loss and metrics,
 ``val_loss, val_accuracy, ...``). On a resumed run the CSV is rewritten from the
 checkpoint's history (atomically) and TensorBoard gets a session start at the resumed step,
@@ -25,8 +26,9 @@ __all__ = ["CSVLogger", "TensorBoardLogger", "PlotLogger"]
 
 
 class CSVLogger(Callback):
-    """Rows to ``path`` as the run goes (columns ``epoch, step, loss, lr, train_loss,
-    val_loss, val_<metric>...``; a row fills its own). Flushed after each evaluation."""
+    """Rows to ``path`` as the run goes (columns ``epoch, step, loss, lr``, the other
+    hyperparameters, ``train_loss, val_loss, val_<metric>...``; a row fills its own).
+    Flushed after each evaluation."""
 
     def __init__(self, path: PathLike):
         self.path = os.fspath(path)

@@ -5,8 +5,9 @@ calls :class:`Callback` hooks, stops early (:class:`EarlyStopping`), steps a sch
 from the latest of them bitwise, shows a tqdm progress bar, and logs to CSV, TensorBoard and
 a PNG (:mod:`normgrad.logs`). Everything is optional.
 
-What the loop records: a *step record* per optimizer step, ``{"epoch", "step", "loss",
-"lr"}``, and an *evaluation record* at each epoch's end (and every ``evaluate_every``
+What the loop records: a *step record* per optimizer step, ``{"epoch", "step", "loss"}``
+with the hyperparameters the step used (``lr``, and those of ``trainer.hyperparameters``:
+``weight_decay``, ``beta1``, ...; the values a scheduler set, as torch's), and an *evaluation record* at each epoch's end (and every ``evaluate_every``
 steps), ``{"epoch", "step", "train_loss"}`` (the mean training loss since the previous
 evaluation) with, given validation batches, ``val_loss`` and ``val_<metric>``. Early
 stopping, the best checkpoint and ReduceLROnPlateau judge evaluation records.
@@ -249,7 +250,7 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
         raise TrainerError("metrics need validation batches (evaluation=...)")
     plateau = isinstance(scheduler, schedules.ReduceLROnPlateau)
     evaluation_columns = ["train_loss"] + (["val_loss"] + [f"val_{m}" for m in metrics] if evaluation is not None else [])
-    loop = _Loop(trainer, ["epoch", "step", "loss", "lr"] + evaluation_columns)
+    loop = _Loop(trainer, ["epoch", "step", "loss"] + _hyperparameter_names(trainer) + evaluation_columns)
     folder = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     saving = getattr(trainer, "is_saving_rank", True)
     callbacks = list(callbacks) + (_loggers(log_dir) if saving else [])
@@ -301,10 +302,11 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
                 position += 1
                 if position <= loop.batch:  # done before the checkpoint this run resumed from
                     continue
+                used = {name: float(trainer.hyperparameters[name]) for name in _hyperparameter_names(trainer)}
                 result = (trainer.step(*batch, outputs=[]) if isinstance(batch, (tuple, list))
                           else trainer.step(batch, outputs=[]))
                 loop.batch = position
-                record = {"epoch": loop.epoch, "step": trainer.step_count, "loss": result.loss, "lr": result.lr}
+                record = {"epoch": loop.epoch, "step": trainer.step_count, "loss": result.loss, **used}
                 loop.history.append(record)
                 loop.since_evaluation.append(result.loss)
                 for callback in callbacks:
@@ -313,7 +315,7 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
                     scheduler.step()
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.3g}", refresh=False)
+                    bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{used['lr']:.3g}", refresh=False)
                 if evaluate_every is not None and trainer.step_count % evaluate_every == 0:
                     evaluate_now()
                     if folder is not None:
@@ -353,6 +355,12 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
     return FitResult(history=loop.history, evaluations=loop.evaluations, stopped_early=loop.should_stop,
                      best=loop.best, best_checkpoint=_latest(folder, "best", ".ckpt"),
                      last_checkpoint=_latest(folder, "step", ".ckpt"))
+
+
+def _hyperparameter_names(trainer) -> List[str]:
+    """lr first, then the trainer's other hyperparameters (a trainer without the mapping: lr)."""
+    names = list(getattr(trainer, "hyperparameters", None) or ["lr"])
+    return ["lr"] + [name for name in names if name != "lr"]
 
 
 def _loggers(log_dir: Optional[PathLike]) -> List[Callback]:
