@@ -209,3 +209,49 @@ def test_bad_sgd_values_are_refused():
         trainer.hyperparameters["momentum"] = 0.0
     with pytest.raises(TrainerError, match="the momentum schedule returned -1 for step 1"):
         Trainer(step, initial, momentum=lambda k: -1, session_options=_options()).step(**_mse_batch())
+
+
+# -- issue 30 item 5: epsilon NaN fed to a step graph, on every backend --------------------------
+
+@pytest.mark.parametrize("backend", ["cpp", "functions", "inline"])
+def test_step_graph_fed_nan_epsilon_keeps_every_weight(backend):
+    """A step graph run by a plain session (no Trainer check in between) with eps=NaN: the C++
+    kernel, the function bodies (Trainer(kernels=None), other runtimes) and the inlined graph
+    all leave the parameters and moments unchanged instead of NaN."""
+    import json
+
+    import onnxruntime as ort
+
+    import normgrad
+    from conftest import cpp_available
+
+    if backend == "cpp" and not cpp_available():
+        pytest.skip("needs the C++ library")
+    training = build_training_graph(_linear_tanh_linear(), loss="mse", inline=backend == "inline")
+    step, initial = build_step_graph(training, "adamw", weight_decay=0.1)
+    options = normgrad.session_options("cpp", _options()) if backend == "cpp" else _options()
+    session = ort.InferenceSession(step.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    state_map = json.loads({e.key: e.value for e in step.metadata_props}["normgrad.state"])
+    names = [o.name for o in session.get_outputs()]
+    outputs = dict(zip(names, session.run(None, {**_mse_batch(), **initial, "lr": np.array(0.01, np.float32),
+                                                 "step": np.array(1, np.float32), "eps": np.array(np.nan)})))
+    for name, next_name in state_map.items():
+        assert outputs[next_name].tobytes() == initial[name].tobytes(), name
+
+
+def test_inline_step_graph_takes_the_hyperparameters():
+    """--inline (standard domains only): the same hyperparameter inputs, the same run as the
+    step graph with normgrad's kernels, changes mid-run included."""
+    runs = []
+    for inline in (False, True):
+        training = build_training_graph(_linear_tanh_linear(), loss="mse", inline=inline)
+        step, initial = build_step_graph(training, "adam", weight_decay=0.01)
+        trainer = Trainer(step, initial, lr=0.01, session_options=_options())
+        assert list(trainer.hyperparameters) == ["lr", "weight_decay", "beta1", "beta2", "eps"]
+        for k in range(1, 5):
+            if k == 3:
+                trainer.hyperparameters.update(beta1=0.5, eps=1e-3, weight_decay=0.2)
+            trainer.step(**_mse_batch(seed=k))
+        runs.append(trainer.state_dict())
+    for name, value in runs[0].items():
+        np.testing.assert_allclose(runs[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
