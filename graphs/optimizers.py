@@ -49,6 +49,7 @@ __all__ = [
     "ACCUMULATOR_SUFFIX",
     "WEIGHT_DECAY_METADATA",
     "check_hyperparameters",
+    "hyperparameter_defaults",
 ]
 
 ACCUMULATOR_SUFFIX = "_grad.sum"
@@ -177,6 +178,21 @@ class _Nodes:
         return output
 
 
+def hyperparameter_defaults(kind: str, *, lr: float = 1e-3, weight_decay: float = 0.0, momentum: float = 0.0,
+                            dampening: float = 0.0, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                            clip_grad_norm: Optional[float] = None) -> Dict[str, float]:
+    """{input name: default} of the hyperparameter inputs of a ``kind`` optimizer graph built
+    with these options, in the order of its inputs."""
+    hyper = {"lr": lr, "weight_decay": weight_decay}
+    if kind == "sgd" and momentum != 0:
+        hyper.update(momentum=momentum, dampening=dampening)
+    elif kind != "sgd":
+        hyper.update(beta1=betas[0], beta2=betas[1], eps=eps)
+    if clip_grad_norm is not None:
+        hyper["max_grad_norm"] = clip_grad_norm
+    return {name: float(value) for name, value in hyper.items()}
+
+
 _OPTION_DEFAULTS = dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                         amsgrad=False, clip_grad_norm=None)
 
@@ -191,6 +207,7 @@ def build_optimizer_graph(
     parameters: Mapping[str, Sequence[int]],
     kind: str,
     *,
+    lr: float = 1e-3,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
@@ -203,6 +220,11 @@ def build_optimizer_graph(
 ) -> onnx.ModelProto:
     """An ONNX model doing one optimizer step on float32 ``parameters`` ({name: shape}).
 
+    The hyperparameters are scalar inputs of the graph (:func:`hyperparameter_defaults`: lr
+    float32, the others float64), whose defaults (initializers) are the values given here;
+    which of them the graph takes is decided here: momentum and dampening only with a momentum
+    buffer (``momentum`` != 0), max_grad_norm only with ``clip_grad_norm``.
+
     ``no_weight_decay``: fnmatch patterns of parameters that get no weight decay (e.g.
     ``["*.bias", "*norm*"]``), as a torch param_group with ``weight_decay=0`` beside one with
     the others (:func:`decayed_parameters`).
@@ -214,16 +236,16 @@ def build_optimizer_graph(
         TypeError: an option of another optimizer given a value other than its default
             (``betas`` for sgd, ``momentum`` for adam...), as torch refuses it.
     """
-    given = dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
+    given = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
                  eps=eps, amsgrad=amsgrad, clip_grad_norm=clip_grad_norm)
     check_hyperparameters(kind, **{name: value for name, value in given.items()
-                                   if kind not in _KINDS or name in _OPTIONS[kind] + _COMMON_OPTIONS
+                                   if kind not in _KINDS or name in _OPTIONS[kind] + _COMMON_OPTIONS + ("lr",)
                                    or _differs(value, _OPTION_DEFAULTS[name])})
     if not parameters:
         raise ValueError("build_optimizer_graph needs at least one parameter")
     no_weight_decay = [no_weight_decay] if isinstance(no_weight_decay, str) else list(no_weight_decay)
-    decays = {p: weight_decay if decayed else 0.0
-              for p, decayed in decayed_parameters(list(parameters), no_weight_decay).items()}
+    decayed_map = decayed_parameters(list(parameters), no_weight_decay)
+    decays = {p: weight_decay if decayed else 0.0 for p, decayed in decayed_map.items()}
 
     g = _Nodes()
     value_info = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
@@ -233,82 +255,89 @@ def build_optimizer_graph(
     for p, s in parameters.items():
         for name in optimizer_state_names(p, kind, momentum, amsgrad):
             inputs.append(value_info(name, s))
+    hyper = hyperparameter_defaults(kind, lr=lr, weight_decay=weight_decay, momentum=momentum, dampening=dampening,
+                                    betas=betas, eps=eps, clip_grad_norm=clip_grad_norm)
     inputs += [value_info("lr", []), value_info("step", [])]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.DOUBLE, []) for name in hyper if name != "lr"]
+    g.initializers += [numpy_helper.from_array(np.array(value, np.float32 if name == "lr" else np.float64), name)
+                       for name, value in hyper.items()]
+    # the hyperparameters are float64 inputs, as torch's Python floats; each is rounded to
+    # float32 where the arithmetic is float32, as torch does (1 - beta1 in float64 first)
+    as_float = lambda name: g.op("Cast", name, to=TensorProto.FLOAT)  # noqa: E731
+    one_minus = lambda name: as_float(g.op("Sub", g.const(1.0, np.float64), name))  # noqa: E731
+    decay = as_float("weight_decay")
 
     grads = {p: f"{p}_grad" for p in parameters}
-    # Adam/AdamW are AdamUpdate nodes, which scale the gradient themselves; Adam's L2 weight
-    # decay is added to the scaled gradient before, as torch does
+    # Adam/AdamW are AdamUpdate nodes, which scale the gradient and add Adam's L2 weight decay themselves
     fused = kind != "sgd" and not amsgrad
-    fused_scale = fused and not (kind == "adam" and weight_decay != 0)
     grad_scale = None
     if clip_grad_norm is not None:
         squares = [g.op("ReduceSumSquare", grads[p], keepdims=0) for p in parameters]
         total = g.op("Sqrt", g.op("Sum", *squares))
-        coefficient = g.op("Div", g.const(clip_grad_norm), g.op("Add", total, g.const(1e-6)))
+        coefficient = g.op("Div", as_float("max_grad_norm"), g.op("Add", total, g.const(1e-6)))
         clamped = g.op("Min", coefficient, g.const(1.0))
-        if fused_scale:
+        if fused:
             grad_scale = clamped
         else:
             grads = {p: g.op("Mul", grads[p], clamped) for p in parameters}
-    param_scale = None
-    if kind == "adamw" and weight_decay != 0:
-        param_scale = g.op("Sub", g.const(1.0), g.op("Mul", "lr", g.const(weight_decay)))
+    param_scale = g.op("Sub", g.const(1.0), g.op("Mul", "lr", decay)) if kind == "adamw" else None
 
     if kind != "sgd":
         # bias corrections in float64, as torch computes them (Python floats): in float32,
         # 1 - 0.999**step loses about 5 digits to cancellation in the first steps
-        beta1, beta2 = betas
         step64 = g.op("Cast", "step", to=TensorProto.DOUBLE)
         one = g.const(1.0, np.float64)
-        correction1 = g.op("Sub", one, g.op("Pow", g.const(beta1, np.float64), step64))
-        correction2 = g.op("Sub", one, g.op("Pow", g.const(beta2, np.float64), step64))
+        correction1 = g.op("Sub", one, g.op("Pow", "beta1", step64))
+        correction2 = g.op("Sub", one, g.op("Pow", "beta2", step64))
         step_size = g.op("Cast", g.op("Div", g.op("Cast", "lr", to=TensorProto.DOUBLE), correction1), to=TensorProto.FLOAT)
         correction2_sqrt = g.op("Cast", g.op("Sqrt", correction2), to=TensorProto.FLOAT)
+        moments = [one_minus("beta1"), as_float("beta2"), one_minus("beta2"), as_float("eps")]
+    else:
+        sgd_momentum = as_float("momentum") if momentum != 0 else None
+        undamped = one_minus("dampening") if momentum != 0 else None
 
     outputs = []
     for p, s in parameters.items():
-        grad, param, decay = grads[p], p, decays[p]
+        grad, param, decayed = grads[p], p, decayed_map[p]
         if kind == "sgd":
-            if decay != 0:
-                grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
+            if decayed:
+                grad = g.op("Add", grad, g.op("Mul", param, decay))
             if momentum != 0:
                 buffer = f"{p}.momentum_buffer"
-                later = g.op("Add", g.op("Mul", buffer, g.const(momentum)), g.op("Mul", grad, g.const(1 - dampening)))
+                later = g.op("Add", g.op("Mul", buffer, sgd_momentum), g.op("Mul", grad, undamped))
                 first = g.op("Equal", "step", g.const(1.0))
                 new_buffer = g.op("Where", first, grad, later, output=next_name(buffer))
                 state[buffer] = new_buffer
-                grad = g.op("Add", grad, g.op("Mul", new_buffer, g.const(momentum))) if nesterov else new_buffer
+                grad = g.op("Add", grad, g.op("Mul", new_buffer, sgd_momentum)) if nesterov else new_buffer
             g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
         elif fused:
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            if kind == "adam" and decay != 0:
-                grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
             g.nodes.append(helper.make_node(
                 "AdamUpdate",
-                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt,
-                 param_scale if decay != 0 and param_scale else "", grad_scale or ""],
-                [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN,
-                beta2=float(np.float32(beta2)), one_minus_beta1=float(np.float32(1 - beta1)),
-                one_minus_beta2=float(np.float32(1 - beta2)), epsilon=float(np.float32(eps))))
+                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, *moments,
+                 param_scale if decayed and param_scale else "", grad_scale or "",
+                 decay if decayed and kind == "adam" else ""],
+                [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN))
             while not g.nodes[-1].input[-1]:
                 g.nodes[-1].input.pop()
             state[exp_avg], state[exp_avg_sq] = next_name(exp_avg), next_name(exp_avg_sq)
         else:  # amsgrad: the same step as separate ops, with the running maximum
-            if decay != 0:
+            one_minus_beta1, beta2_float, one_minus_beta2, eps_float = moments
+            if decayed:
                 if kind == "adamw":
                     param = g.op("Mul", param, param_scale)
                 else:
-                    grad = g.op("Add", grad, g.op("Mul", param, g.const(decay)))
+                    grad = g.op("Add", grad, g.op("Mul", param, decay))
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            new_avg = g.op("Add", exp_avg, g.op("Mul", g.op("Sub", grad, exp_avg), g.const(1 - beta1)),
+            new_avg = g.op("Add", exp_avg, g.op("Mul", g.op("Sub", grad, exp_avg), one_minus_beta1),
                            output=next_name(exp_avg))
-            new_sq = g.op("Add", g.op("Mul", exp_avg_sq, g.const(beta2)),
-                          g.op("Mul", g.op("Mul", grad, grad), g.const(1 - beta2)), output=next_name(exp_avg_sq))
+            new_sq = g.op("Add", g.op("Mul", exp_avg_sq, beta2_float),
+                          g.op("Mul", g.op("Mul", grad, grad), one_minus_beta2), output=next_name(exp_avg_sq))
             state[exp_avg], state[exp_avg_sq] = new_avg, new_sq
             max_sq = f"{p}.max_exp_avg_sq"
             second_moment = g.op("Max", max_sq, new_sq, output=next_name(max_sq))
             state[max_sq] = second_moment
-            denominator = g.op("Add", g.op("Div", g.op("Sqrt", second_moment), correction2_sqrt), g.const(eps))
+            denominator = g.op("Add", g.op("Div", g.op("Sqrt", second_moment), correction2_sqrt), eps_float)
             update = g.op("Mul", g.op("Div", new_avg, denominator), step_size)
             g.op("Sub", param, update, output=next_name(p))
         outputs.append(value_info(next_name(p), s))
@@ -318,7 +347,7 @@ def build_optimizer_graph(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = IR_VERSION
     model = normgrad.add_functions(model)
-    hyperparameters = {"kind": kind, "lr": "input", "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
+    hyperparameters = {"kind": kind, "lr": lr, "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
     if no_weight_decay:
         hyperparameters["no_weight_decay"] = no_weight_decay
     if kind == "sgd":
@@ -596,7 +625,8 @@ def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
         raise ValueError("the model has no normgrad.optimizer metadata: not a step graph written by normgrad")
     options = json.loads(metadata["normgrad.optimizer"])
     kind = options.pop("kind")
-    options.pop("lr", None)
+    if not isinstance(options.get("lr", 0.0), (int, float)):  # "input": written before lr had a default
+        options.pop("lr")
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     return kind, options
@@ -640,7 +670,8 @@ def build_step_graph(
         if weights[name].dtype != np.float32:
             raise ValueError(f"trainable weight {name!r} is not float32; step graphs are float32")
     names = input_names | {o for n in graph.node for o in n.output} | set(initializers)
-    for reserved in ("lr", "step"):
+    for reserved in ("lr", "step", *hyperparameter_defaults(kind, momentum=options.get("momentum", 0.0),
+                                                           clip_grad_norm=options.get("clip_grad_norm"))):
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
     if not trainable and from_model_alone:

@@ -149,8 +149,8 @@ def attribute_int(ctx, name: str, default: int) -> int:
 
 def make_schema(op_type: str, doc: str, inputs, outputs, type_docs, infer, attributes=(), types=FLOAT_TYPES):
     """An ``OpSchema`` of the normgrad domain: deterministic, with type constraints T and U
-    over ``types`` (default :data:`FLOAT_TYPES`; ``type_docs`` says what each covers) and
-    ``infer`` as its type and shape inference."""
+    over ``types`` (default :data:`FLOAT_TYPES`; ``type_docs`` says what each covers, or
+    gives ``(its types, text)``) and ``infer`` as its type and shape inference."""
     from onnx.defs import OpSchema
 
     op_schema = OpSchema(
@@ -160,7 +160,8 @@ def make_schema(op_type: str, doc: str, inputs, outputs, type_docs, infer, attri
         doc,
         inputs=list(inputs),
         outputs=list(outputs),
-        type_constraints=[(name, list(types), text) for name, text in type_docs.items()],
+        type_constraints=[(name, list(text[0]), text[1]) if isinstance(text, tuple) else (name, list(types), text)
+                          for name, text in type_docs.items()],
         attributes=list(attributes),
         node_determinism=OpSchema.NodeDeterminism.Deterministic,
     )

@@ -110,7 +110,7 @@ def _invoke(kernel_id, feed, attributes):
 _KERNEL_IDS = {
     onnx_op(
         op_type=f"{DOMAIN}::{module.OP_TYPE}",
-        inputs=[_FLOAT] * len(module.INPUTS),
+        inputs=[PyCustomOpDef.dt_bool if name in getattr(module, "BOOL_INPUTS", ()) else _FLOAT for name in module.INPUTS],
         outputs=[_FLOAT] * len(module.OUTPUTS),
         attrs={name: PyCustomOpDef.dt_float if isinstance(default, float) else PyCustomOpDef.dt_int64
                for name, default in module.ATTRIBUTES.items()},

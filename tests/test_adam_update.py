@@ -1,6 +1,7 @@
 """AdamUpdate: the float64 reference against torch.optim's single step, every backend against
 the reference and bitwise against each other, thread-count independence, in-place buffers,
-and errors that name the input or attribute."""
+skipped updates (applied false, a hyperparameter such as epsilon NaN) alike on every backend,
+and errors that name the input."""
 
 from __future__ import annotations
 
@@ -11,46 +12,56 @@ import pytest
 from conftest import cpp_available
 from normgrad.ops import NormgradInputError, adam_update, harness
 
-ATTRIBUTES = {"beta2": 0.999, "one_minus_beta1": 0.1, "one_minus_beta2": 0.001, "epsilon": 1e-8}
+HYPERPARAMETERS = {"one_minus_beta1": 0.1, "beta2": 0.999, "one_minus_beta2": 0.001, "epsilon": 1e-8}
+BACKENDS = ["functions", "python"] + (["cpp"] if cpp_available() else [])
 
 
-def _inputs(shape=(3, 70001), seed=0, step=3, lr=1e-2, weight_decay=0.01, grad_scale=0.5):
+def _inputs(shape=(3, 70001), seed=0, step=3, lr=1e-2, weight_decay=0.01, grad_scale=0.5, l2=0.1):
     rng = np.random.default_rng(seed)
     tensors = {name: rng.standard_normal(shape).astype(np.float32) for name in adam_update.INPUTS[:4]}
     tensors["exp_avg_sq"] = np.abs(tensors["exp_avg_sq"]) * 1e-2
-    scalars = {"param_scale": 1 - lr * weight_decay, "step_size": lr / (1 - 0.9**step),
-               "correction2_sqrt": np.sqrt(1 - 0.999**step), "grad_scale": grad_scale}
-    return {**tensors, **{k: np.array(v, np.float32) for k, v in scalars.items()}}
+    scalars = {"step_size": lr / (1 - 0.9**step), "correction2_sqrt": np.sqrt(1 - 0.999**step), **HYPERPARAMETERS,
+               "param_scale": 1 - lr * weight_decay, "grad_scale": grad_scale, "weight_decay": l2}
+    return {**tensors, **{k: np.array(v, np.float32) for k, v in scalars.items()}, "applied": np.array(True)}
 
 
-def test_reference_is_one_torch_adamw_step():
+def _without(inputs, *names):
+    return {name: value for name, value in inputs.items() if name not in names}
+
+
+@pytest.mark.parametrize("optimizer_name", ["AdamW", "Adam"])
+def test_reference_is_one_torch_step(optimizer_name):
+    """AdamW's decoupled weight decay through param_scale, Adam's L2 weight decay through weight_decay."""
     torch = pytest.importorskip("torch")
-    inputs = _inputs(shape=(5, 7), weight_decay=0.01, grad_scale=1.0)
+    unused = "weight_decay" if optimizer_name == "AdamW" else "param_scale"
+    inputs = _without(_inputs(shape=(5, 7), weight_decay=0.01, grad_scale=1.0, l2=0.01), unused)
     param = torch.nn.Parameter(torch.from_numpy(inputs["param"].copy()))
-    optimizer = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    optimizer = getattr(torch.optim, optimizer_name)([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     state = optimizer.state[param]
     state["step"] = torch.tensor(2.0)  # torch increments it to 3, the step of _inputs
     state["exp_avg"] = torch.from_numpy(inputs["exp_avg"].copy())
     state["exp_avg_sq"] = torch.from_numpy(inputs["exp_avg_sq"].copy())
     param.grad = torch.from_numpy(inputs["grad"].copy())
     optimizer.step()
-    result = adam_update.reference(**inputs, **ATTRIBUTES)
+    result = adam_update.reference(**inputs)
     np.testing.assert_allclose(result.param_next, param.detach().numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(result.exp_avg_next, state["exp_avg"].numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(result.exp_avg_sq_next, state["exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("given", [(), ("param_scale",), ("grad_scale",), ("param_scale", "grad_scale")])
+@pytest.mark.parametrize("given", [(), ("param_scale",), ("grad_scale",), ("param_scale", "grad_scale"), ("weight_decay",),
+                                   ("grad_scale", "weight_decay"), ("applied",), adam_update.OPTIONAL])
 def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given):
     """Each subset of the optional inputs: an omitted one is no operation on every backend."""
     inputs = {name: value for name, value in _inputs().items() if name not in adam_update.OPTIONAL or name in given}
-    attributes = ATTRIBUTES
-    expected = adam_update.reference(**inputs, **attributes)
+    expected = adam_update.reference(**inputs)
     if "grad_scale" not in given:  # omitted is multiplying by 1
         assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, adam_update.reference(
-            **inputs, grad_scale=np.float32(1), **attributes)))
-    backends = ["functions", "python"] + (["cpp"] if cpp_available() else [])
-    results = {b: harness.run(b, adam_update.OP_TYPE, inputs, attributes=attributes) for b in backends}
+            **inputs, grad_scale=np.float32(1))))
+    if "weight_decay" not in given:  # omitted is no L2 term, as 0 is (torch: if weight_decay != 0)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, adam_update.reference(
+            **inputs, weight_decay=np.float32(0))))
+    results = {b: harness.run(b, adam_update.OP_TYPE, inputs) for b in BACKENDS}
     for backend, result in results.items():
         for name, value in zip(adam_update.OUTPUTS, expected):
             np.testing.assert_allclose(result[name], value, rtol=2e-6, atol=1e-7, err_msg=f"{backend} {name}")
@@ -65,7 +76,7 @@ def test_kernel_is_thread_count_independent_and_updates_in_place():
     import onnxruntime as ort
 
     inputs = _inputs()
-    model = harness.node_model(adam_update.OP_TYPE, inputs, attributes=ATTRIBUTES)
+    model = harness.node_model(adam_update.OP_TYPE, inputs)
     first = harness.run_model(model, inputs, "cpp", threads=1)
     for threads in (2, 3, 7):
         again = harness.run_model(model, inputs, "cpp", threads=threads)
@@ -97,30 +108,58 @@ def test_bad_inputs_name_the_input(change, message):
             harness.run("cpp", adam_update.OP_TYPE, inputs, static_shapes=False)
 
 
+@pytest.mark.parametrize("skip", [
+    {"applied": np.array(False)}, {"epsilon": np.float32("nan")}, {"epsilon": np.float32(-1e-8)},
+    {"one_minus_beta1": np.float32("inf")}, {"beta2": np.float32(-0.5)}, {"step_size": np.float32("nan")},
+    {"grad_scale": np.float32("-inf")}, {"weight_decay": np.float32("nan")},
+], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_skipped_update_keeps_every_input_on_every_backend(skip):
+    """applied false, or a scalar breaking the rule (issue 30 item 5: epsilon NaN would make every
+    weight NaN): each backend, the function body included, gives the inputs back bitwise."""
+    inputs = {**_inputs(shape=(3, 1001)), **{k: np.asarray(v) for k, v in skip.items()}}
+    assert adam_update.skip_reason(inputs)
+    for backend in BACKENDS:
+        result = harness.run(backend, adam_update.OP_TYPE, inputs)
+        for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
+            assert result[output].tobytes() == inputs[state].tobytes(), f"{backend} {output}"
+
+
 @pytest.mark.skipif(not cpp_available(), reason="needs the C++ library")
-def test_attribute_of_the_wrong_type_is_named():
-    inputs = _inputs(shape=(2, 3))
-    model = harness.node_model(adam_update.OP_TYPE, inputs, attributes=ATTRIBUTES)
-    node = model.graph.node[0]
-    for attribute in node.attribute:
-        if attribute.name == "epsilon":
-            attribute.CopyFrom(onnx.helper.make_attribute("epsilon", 1))  # INT where FLOAT is required
-    with pytest.raises(Exception, match="attribute 'epsilon' must be of type FLOAT; got INT"):
-        harness.run_model(model, inputs, "cpp")
-    with pytest.raises(NormgradInputError, match="attribute 'epsilon' must be a finite float >= 0"):
-        adam_update.reference(**inputs, epsilon=float("nan"))
+def test_skipped_update_in_place_writes_nothing():
+    import onnxruntime as ort
+
+    inputs = {**_inputs(shape=(2, 3001)), "epsilon": np.array(np.nan, np.float32)}
+    session = harness.make_session(harness.node_model(adam_update.OP_TYPE, inputs), "cpp", threads=2)
+    binding = session.io_binding()
+    buffers = {name: ort.OrtValue.ortvalue_from_numpy(value.copy()) for name, value in inputs.items()}
+    for name, value in buffers.items():
+        binding.bind_ortvalue_input(name, value)
+    for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
+        binding.bind_ortvalue_output(output, buffers[state])
+    session.run_with_iobinding(binding)
+    for state in ("param", "exp_avg", "exp_avg_sq"):
+        assert buffers[state].numpy().tobytes() == inputs[state].tobytes(), state
 
 
-def test_float64_evaluation_keeps_the_float_attributes():
+def test_applied_must_be_bool():
+    inputs = {**_inputs(shape=(2, 3)), "applied": np.array(1.0, np.float32)}
+    with pytest.raises(NormgradInputError, match="input 'applied' must be bool; got float32"):
+        adam_update.reference(**inputs)
+    if cpp_available():
+        with pytest.raises(Exception):  # onnxruntime refuses the type against the schema
+            harness.run("cpp", adam_update.OP_TYPE, inputs, static_shapes=False)
+
+
+def test_float64_evaluation_takes_the_scalar_inputs():
     """The corpus tool's float64 evaluator (what the OpenVINO training tests compare with)
-    runs the node by the reference with its float attributes intact."""
+    runs the node by the reference with its hyperparameter inputs."""
     from normgrad.tools.corpus import float64_outputs
 
-    inputs = _inputs(shape=(4, 5))
-    attributes = {"beta2": 0.99, "one_minus_beta1": 0.2, "one_minus_beta2": 0.01, "epsilon": 1e-6}
-    model = harness.node_model(adam_update.OP_TYPE, inputs, attributes=attributes)
+    inputs = {**_inputs(shape=(4, 5)), **{k: np.array(v, np.float32) for k, v in
+                                          {"beta2": 0.99, "one_minus_beta1": 0.2, "one_minus_beta2": 0.01, "epsilon": 1e-6}.items()}}
+    model = harness.node_model(adam_update.OP_TYPE, inputs)
     got = float64_outputs(model, inputs)
-    expected = adam_update.reference(**{k: v.astype(np.float64) for k, v in inputs.items()}, **attributes)
+    expected = adam_update.reference(**{k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()})
     for name, value in zip(adam_update.OUTPUTS, expected):
         assert got[name].dtype == np.float64
         np.testing.assert_allclose(got[name], value, rtol=1e-12, atol=0)

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <utility>
 
 #include "ops.h"
 
@@ -18,28 +17,16 @@ namespace {
 constexpr const char* kOp = "AdamUpdate";
 constexpr size_t kChunk = size_t(1) << 14;  // a multiple of kBlock
 constexpr size_t kBlock = 64;
-constexpr int kInputs = 8;
-const char* const kNames[kInputs] = {"param",     "grad",             "exp_avg",     "exp_avg_sq",
-                                     "step_size", "correction2_sqrt", "param_scale", "grad_scale"};
-constexpr int kOptional = 6;  // param_scale and grad_scale: omitted, no multiplication at all
+constexpr int kInputs = 14;
+const char* const kNames[kInputs] = {"param",          "grad",    "exp_avg",         "exp_avg_sq", "step_size",
+                                     "correction2_sqrt", "one_minus_beta1", "beta2", "one_minus_beta2",
+                                     "epsilon",        "param_scale", "grad_scale",   "weight_decay", "applied"};
+enum : int { kStepSize = 4, kOneMinusBeta1 = 6, kBeta2, kOneMinusBeta2, kEpsilon, kParamScale, kGradScale,
+             kWeightDecay, kApplied };
+constexpr int kOptional = kParamScale;  // omitted: no operation at all
 
 struct AdamUpdate final : KernelBase {
-  float beta2, one_minus_beta1, one_minus_beta2, epsilon;
-
-  explicit AdamUpdate(const OrtKernelInfo* info)
-      : beta2(attribute_float(info, kOp, "beta2", 0.999f)),
-        one_minus_beta1(attribute_float(info, kOp, "one_minus_beta1", 0.1f)),
-        one_minus_beta2(attribute_float(info, kOp, "one_minus_beta2", 0.001f)),
-        epsilon(attribute_float(info, kOp, "epsilon", 1e-8f)) {
-    // the contract's rule (ops/adam_update.py validate): refused at session creation
-    const std::pair<const char*, float> attributes[] = {
-        {"beta2", beta2}, {"one_minus_beta1", one_minus_beta1}, {"one_minus_beta2", one_minus_beta2}, {"epsilon", epsilon}};
-    for (const auto& [name, value] : attributes) {
-      if (!std::isfinite(value) || value < 0.0f) {
-        fail(std::string(kOp) + ": attribute '" + name + "' must be a finite float >= 0; got " + std::to_string(value));
-      }
-    }
-  }
+  explicit AdamUpdate(const OrtKernelInfo*) {}
   const char* name() const override { return kOp; }
 
   void compute(OrtKernelContext* ctx) override {
@@ -50,14 +37,16 @@ struct AdamUpdate final : KernelBase {
         if (i >= kOptional) continue;
         fail(std::string(kOp) + ": input '" + kNames[i] + "' is required");
       }
-      if (in[i].onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-        fail(std::string(kOp) + ": input '" + kNames[i] + "' must be float32; got " + dtype_name(in[i].onnx_type));
+      const auto wanted = i == kApplied ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      if (in[i].onnx_type != wanted) {
+        fail(std::string(kOp) + ": input '" + kNames[i] + "' must be " + (i == kApplied ? "bool" : "float32") +
+             "; got " + dtype_name(in[i].onnx_type));
       }
       if (i >= 1 && i < 4 && in[i].shape != in[0].shape) {
         fail(std::string(kOp) + ": input '" + kNames[i] + "' must have the shape of 'param' " + shape_str(in[0].shape) +
              "; got " + shape_str(in[i].shape));
       }
-      if (i >= 4 && in[i].size != 1) {
+      if (i >= kStepSize && in[i].size != 1) {
         fail(std::string(kOp) + ": input '" + kNames[i] + "' must be a scalar; got shape " + shape_str(in[i].shape));
       }
     }
@@ -65,15 +54,31 @@ struct AdamUpdate final : KernelBase {
     const float* g = static_cast<const float*>(in[1].data);
     const float* m = static_cast<const float*>(in[2].data);
     const float* v = static_cast<const float*>(in[3].data);
-    const float step_size = *static_cast<const float*>(in[4].data);
-    const float correction2_sqrt = *static_cast<const float*>(in[5].data);
-    const bool decay = in[6].present, clip = in[7].present;
-    const float param_scale = decay ? *static_cast<const float*>(in[6].data) : 1.0f;
-    const float grad_scale = clip ? *static_cast<const float*>(in[7].data) : 1.0f;
+    auto scalar = [&](int i, float omitted) { return in[i].present ? *static_cast<const float*>(in[i].data) : omitted; };
+    const float step_size = scalar(kStepSize, 0.0f), correction2_sqrt = scalar(kStepSize + 1, 0.0f);
+    const float one_minus_beta1 = scalar(kOneMinusBeta1, 0.0f), beta2 = scalar(kBeta2, 0.0f);
+    const float one_minus_beta2 = scalar(kOneMinusBeta2, 0.0f), epsilon = scalar(kEpsilon, 0.0f);
+    const bool decay = in[kParamScale].present, clip = in[kGradScale].present;
+    const float param_scale = scalar(kParamScale, 1.0f), grad_scale = scalar(kGradScale, 1.0f);
+    const float weight_decay = scalar(kWeightDecay, 0.0f);
+    const bool l2 = weight_decay != 0.0f;  // torch: if weight_decay != 0
+    // the update is skipped (outputs = inputs) unless applied and the scalars keep the rule
+    // (ops/adam_update.py skip_reason): every one finite, the hyperparameters >= 0
+    bool run = !in[kApplied].present || *static_cast<const bool*>(in[kApplied].data);
+    for (int i = kStepSize; i < kApplied; ++i) {
+      const float value = scalar(i, 0.0f);
+      run = run && std::isfinite(value) && (i < kOneMinusBeta1 || i > kEpsilon || value >= 0.0f);
+    }
     float* p_next = static_cast<float*>(get_output(ctx, 0, in[0].shape));
     float* m_next = static_cast<float*>(get_output(ctx, 1, in[0].shape));
     float* v_next = static_cast<float*>(get_output(ctx, 2, in[0].shape));
     const size_t n = in[0].size;
+    if (!run) {  // in place: nothing to write
+      if (p_next != p) std::copy(p, p + n, p_next);
+      if (m_next != m) std::copy(m, m + n, m_next);
+      if (v_next != v) std::copy(v, v + n, v_next);
+      return;
+    }
     // Blocks go through local arrays: the arithmetic loop then has a fixed trip count and
     // no possible aliasing, so it vectorizes even when the outputs are the inputs' buffers
     // (the compiler's overlap check would send the in-place case down a scalar loop).
@@ -88,7 +93,8 @@ struct AdamUpdate final : KernelBase {
         std::copy(m + begin, m + begin + len, in_m);
         std::copy(v + begin, v + begin + len, in_v);
         for (size_t i = 0; i < kBlock; ++i) {
-          const float gi = clip ? in_g[i] * grad_scale : in_g[i];
+          const float scaled = clip ? in_g[i] * grad_scale : in_g[i];
+          const float gi = l2 ? scaled + in_p[i] * weight_decay : scaled;
           const float avg_next = in_m[i] + (gi - in_m[i]) * one_minus_beta1;
           const float sq_next = in_v[i] * beta2 + (gi * gi) * one_minus_beta2;
           const float denominator = std::sqrt(sq_next) / correction2_sqrt + epsilon;
@@ -108,7 +114,7 @@ struct AdamUpdate final : KernelBase {
 }  // namespace
 
 extern const OpDescriptor kAdamUpdate = {
-    kOp, kInputs, 3, "TTTTTTTT", "00000011", "TTT", "000", 'd', 0, &create_kernel<AdamUpdate>,
+    kOp, kInputs, 3, "TTTTTTTTTTTTTB", "00000000001111", "TTT", "000", 'd', 0, &create_kernel<AdamUpdate>,
 };
 
 }  // namespace normgrad

@@ -6,13 +6,13 @@
 namespace normgrad {
 
 // Where an input or output takes its element type from.
-enum TypeClass : char { kClassT = 'T', kClassU = 'U' };
+enum TypeClass : char { kClassT = 'T', kClassU = 'U', kClassBool = 'B' };
 
 struct OpDescriptor {
   const char* name;
   int num_inputs;
   int num_outputs;
-  const char* input_classes;    // one 'T' or 'U' per input
+  const char* input_classes;    // one 'T', 'U' or 'B' (bool) per input
   const char* input_optional;   // one '0' or '1' per input
   const char* output_classes;   // one 'T' or 'U' per output
   const char* output_optional;  // one '0' or '1' per output

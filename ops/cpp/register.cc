@@ -198,7 +198,7 @@ struct OpVariant : OrtCustomOp {
   // Set for the catch-all variants: each input's declared type (UNDEFINED = any), and
   // every output UNDEFINED.
   bool any = false;
-  ONNXTensorElementDataType input_types[8] = {};
+  ONNXTensorElementDataType input_types[16] = {};
 
   static const OpVariant& self(const OrtCustomOp* op) { return *static_cast<const OpVariant*>(op); }
 
@@ -212,6 +212,7 @@ struct OpVariant : OrtCustomOp {
     GetInputType = [](const OrtCustomOp* op, size_t i) {
       const OpVariant& v = self(op);
       if (v.any) return v.input_types[i];
+      if (v.desc->input_classes[i] == kClassBool) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
       return v.desc->input_classes[i] == kClassT ? v.t : v.u;
     };
     GetInputTypeCount = [](const OrtCustomOp* op) { return static_cast<size_t>(self(op).desc->num_inputs); };
@@ -282,6 +283,10 @@ std::vector<OpVariant*>* build_ops() {
       }
       auto* v = new OpVariant(d, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
       v->any = true;
+      // a bool input stays bool: onnxruntime types the outputs after the last untyped input
+      for (int i = 0; i < d->num_inputs; ++i) {
+        if (d->input_classes[i] == kClassBool) v->input_types[i] = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+      }
       ops->push_back(v);
       continue;
     }

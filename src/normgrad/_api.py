@@ -146,10 +146,16 @@ def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
                     if not node.input[index]:
                         prefix = f"{node.name or op_type}/{name}_omitted"
                         value, cast = fresh(f"{prefix}_float"), fresh(prefix)
-                        rewritten.append(onnx.helper.make_node(
-                            "Constant", [], [value], name=fresh(value),
-                            value=onnx.numpy_helper.from_array(np.asarray(scalars[name], np.float32))))
-                        rewritten.append(onnx.helper.make_node("CastLike", [value, node.input[1]], [cast], name=fresh(cast)))
+                        if isinstance(scalars[name], bool):  # a bool input: its value as it is
+                            rewritten.append(onnx.helper.make_node(
+                                "Constant", [], [cast], name=fresh(cast),
+                                value=onnx.numpy_helper.from_array(np.asarray(scalars[name]))))
+                        else:
+                            rewritten.append(onnx.helper.make_node(
+                                "Constant", [], [value], name=fresh(value),
+                                value=onnx.numpy_helper.from_array(np.asarray(scalars[name], np.float32))))
+                            rewritten.append(onnx.helper.make_node("CastLike", [value, node.input[1]], [cast],
+                                                                   name=fresh(cast)))
                         node.input[index] = cast
             rewritten.append(node)
         del nodes[:]
@@ -287,7 +293,8 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
 
     * every attribute it does not set is written with its default (``ATTRIBUTES``);
     * an omitted optional input listed in ``ONES_IF_OMITTED`` (BatchNormReduceBackward's
-      ``weight``, both BatchNorm operators' ``relu_output``) is fed ones, made at run time
+      ``weight``, both BatchNorm operators' ``relu_output``, AdamUpdate's optional scalars) is
+      fed ones (its ``SCALAR_IF_OMITTED`` value where it has one), made at run time
       (``Shape`` + ``ConstantOfShape``) in the shape the declaration names;
     * every omitted output gets a named placeholder (``NODE/unused_OUTPUT``) that nothing
       reads; a flag attribute (``OUTPUT_FLAGS``) that is 0 while every output it enables is
@@ -347,8 +354,10 @@ def _bridge_node(node: onnx.NodeProto, module, fresh) -> list:
         shape, ones = fresh(f"{prefix}/{name}_shape"), fresh(f"{prefix}/{name}_ones")
         source_value = node.input[module.INPUTS.index(source)]
         before.append(onnx.helper.make_node("Shape", [source_value], [shape], name=fresh(shape), **bounds))
+        fill = getattr(module, "SCALAR_IF_OMITTED", {}).get(name, 1.0)  # what omitting it means; ones by default
+        fill = np.asarray([fill], np.bool_ if isinstance(fill, bool) else np.float32)
         before.append(onnx.helper.make_node(
-            "ConstantOfShape", [shape], [ones], name=fresh(ones), value=onnx.numpy_helper.from_array(np.ones(1, np.float32))
+            "ConstantOfShape", [shape], [ones], name=fresh(ones), value=onnx.numpy_helper.from_array(fill)
         ))
         node.input[index] = ones
     omitted = {name for name, value in zip(module.OUTPUTS, node.output) if not value}

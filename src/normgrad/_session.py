@@ -27,12 +27,17 @@ written (the loss and every gradient finite) or every state tensor kept its valu
 
 def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradients: Sequence[str],
                         loss: Optional[str]) -> onnx.ModelProto:
-    """A copy of ``model`` whose every state update (``NAME.next``) is
-    Where(finite, update, NAME), finite = loss + sum of every gradient's sum is finite (a NaN
-    or inf anywhere reaches it; the sum overflows only past 3e38), and output :data:`APPLIED`.
-    Every write then waits for the loss and every gradient: a failing forward or backward node
-    writes nothing, and every reader of a weight precedes its update (so it may be in place)."""
+    """A copy of ``model`` that outputs :data:`APPLIED` = loss + sum of every gradient's sum is
+    finite (a NaN or inf anywhere reaches it; the sum overflows only past 3e38) and writes its
+    state updates (``NAME.next``) only when it is true: an AdamUpdate node takes it as its
+    ``applied`` input (no update, no copy: its outputs are its inputs), every other update
+    becomes Where(APPLIED, update, NAME). Every write then waits for the loss and every
+    gradient: a failing forward or backward node writes nothing, and every reader of a weight
+    precedes its update (so it may be in place)."""
     from onnx import helper
+
+    from normgrad._api import add_functions_in_place
+    from normgrad.ops import DOMAIN, adam_update
 
     gated = copy.deepcopy(model)
     graph = gated.graph
@@ -48,7 +53,22 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     nodes.append(helper.make_node("Sum", terms, ["normgrad.gate_total"]))
     nodes.append(helper.make_node("Sub", ["normgrad.gate_total", "normgrad.gate_total"], ["normgrad.gate_zero"]))
     nodes.append(helper.make_node("Equal", ["normgrad.gate_zero", "normgrad.gate_zero"], [APPLIED]))  # NaN != NaN
-    renamed = {next_value: f"{next_value}.ungated" for next_value in state.values() if next_value in produced}
+    updates = set(state.values())
+    applied_index = adam_update.INPUTS.index("applied")
+    gated_inside = set()
+    for node in graph.node:
+        if node.domain == DOMAIN and node.op_type == adam_update.OP_TYPE and set(node.output) <= updates:
+            node.input.extend([""] * (applied_index - len(node.input)))
+            node.input.append(APPLIED)
+            gated_inside.update(node.output)
+    if gated_inside and any(f.domain == DOMAIN and f.name == adam_update.OP_TYPE for f in gated.functions):
+        # the function body (kernels=None) must read the new input
+        kept = [f for f in gated.functions if not (f.domain == DOMAIN and f.name == adam_update.OP_TYPE)]
+        del gated.functions[:]
+        gated.functions.extend(kept)
+        add_functions_in_place(gated)
+    renamed = {next_value: f"{next_value}.ungated" for next_value in state.values()
+               if next_value in produced and next_value not in gated_inside}
     for node in graph.node:
         for index, name in enumerate(node.input):
             node.input[index] = renamed.get(name, name)

@@ -43,6 +43,8 @@ import onnx
 
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_models_external, uses_external_data
+from normgrad._hyperparameters import (CHECKPOINT_METADATA, Hyperparameters, drop_defaults, from_checkpoint,
+                                       graph_defaults)
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _external_data_options, _gate_state_updates,
                                _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
                                _refuse_missing_external_data)
@@ -108,7 +110,11 @@ class Trainer:
             :meth:`save` wrote), the checkpoint's ``ModelProto``, a
             :class:`normgrad.checkpoint.Checkpoint`, or ``{name: array}`` (the initial state
             ``build_step_graph`` returns).
-        lr: a float, or a schedule ``f(step) -> lr`` of the 1-based optimizer step.
+        lr, weight_decay, betas, eps, momentum, dampening, max_grad_norm: the optimizer's
+            hyperparameters, each a number or a schedule ``f(step) -> value`` of the 1-based
+            optimizer step (``betas``: a pair of them); None keeps the checkpoint's value, else
+            the step graph's (its export value; lr 1e-3 for a graph that stores none). Only those
+            the step graph takes (:attr:`hyperparameters`); set them between steps there.
         accumulation: micro-batches per optimizer step: :meth:`step` splits its batch along
             axis 0 into this many equal parts and averages their gradients.
         providers: onnxruntime execution providers (default ``["CPUExecutionProvider"]``).
@@ -144,7 +150,13 @@ class Trainer:
         step_model: Union[PathLike, onnx.ModelProto],
         checkpoint: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint, Mapping[str, np.ndarray]],
         *,
-        lr: Union[float, Schedule] = 1e-3,
+        lr: Union[float, Schedule, None] = None,
+        weight_decay: Union[float, Schedule, None] = None,
+        betas: Optional[Tuple[Union[float, Schedule], Union[float, Schedule]]] = None,
+        eps: Union[float, Schedule, None] = None,
+        momentum: Union[float, Schedule, None] = None,
+        dampening: Union[float, Schedule, None] = None,
+        max_grad_norm: Union[float, Schedule, None] = None,
         accumulation: int = 1,
         providers: Optional[Sequence] = None,
         session_options=None,
@@ -179,7 +191,6 @@ class Trainer:
             raise TrainerError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        self.schedule: Schedule = lr if callable(lr) else constant(lr)
         self.accumulation = accumulation
         self.step_model = model
         self._state_map: Dict[str, str] = _metadata_json(metadata, "normgrad.state", dict)
@@ -232,6 +243,7 @@ class Trainer:
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
             gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
+            drop_defaults(gated)
             self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
             self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
@@ -239,6 +251,7 @@ class Trainer:
         else:
             exposed = optimizers.expose_forward_outputs(model, self.forward_outputs)
             gated = _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
+            drop_defaults(gated)
             self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
         parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
@@ -249,9 +262,37 @@ class Trainer:
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
         self._applied = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
         self._seed = self._initial_seed(metadata, seed)
+        self.hyperparameters = self._hyperparameters(model, self._step_part.inputs if not self.split
+                                                     else self._optimizer.inputs)
         self._set_state(checkpoint)
         if seed is not None:
             self._seed = int(seed)
+        given = dict(lr=lr, weight_decay=weight_decay, eps=eps, momentum=momentum, dampening=dampening,
+                     max_grad_norm=max_grad_norm)
+        if betas is not None:
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise TrainerError(f"betas must be a pair (beta1, beta2) of numbers or schedules; got {betas!r}")
+            given.update(beta1=betas[0], beta2=betas[1])
+        for name, value in given.items():
+            if value is not None:
+                self.hyperparameters.set(name, value)
+
+    def _hyperparameters(self, model: onnx.ModelProto, inputs) -> Hyperparameters:
+        """The step graph's hyperparameters at their defaults (:func:`graph_defaults`)."""
+        from normgrad.graphs import optimizers
+
+        try:
+            kind, options = optimizers.optimizer_options(model)
+        except (ValueError, KeyError, TypeError) as error:
+            raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
+        structural = {name: options[name] for name in ("nesterov", "amsgrad") if name in options}
+        self._hyperparameter_inputs = inputs
+        return Hyperparameters(kind, graph_defaults(model), structural, lambda: self._step + 1)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The learning rate as a function of the 1-based step (``hyperparameters["lr"]``'s)."""
+        return self.hyperparameters.schedule("lr") or constant(self.hyperparameters["lr"])
 
     # -- hooks for data-parallel subclasses -------------------------------------------------
 
@@ -310,6 +351,7 @@ class Trainer:
                 self._buffers[accumulator] = [self._ortvalue(zeros.numpy()), self._ortvalue(zeros.numpy())]
                 self._current[accumulator] = 0
         self._step = int(step_text)
+        self.hyperparameters.restore(from_checkpoint(ckpt.metadata))
         seed_text = ckpt.metadata.get(SEED_METADATA)
         if seed_text is not None:
             try:
@@ -356,7 +398,8 @@ class Trainer:
         same folder, then renamed; a crash leaves the previous file). Reloading it gives
         bitwise the same state, and training on from it bitwise the same steps."""
         if self.is_saving_rank:
-            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed)})
+            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed),
+                                                       CHECKPOINT_METADATA: self.hyperparameters.saved()})
 
     def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
         """Replaces the state and step count (and the Dropout seed, if it holds one) with a checkpoint's.
@@ -499,7 +542,7 @@ class Trainer:
         fetched = self._requested(outputs)
         feeds = self._batch(batch, named)
         step = self._step + 1
-        scalars = {"lr": self._learning_rate(step), "step": np.array(step, np.float32)}
+        scalars = {**self.hyperparameters.feeds(step, self._hyperparameter_inputs), "step": np.array(step, np.float32)}
         if not self.split:
             loss = self._run(self._step_part, {**feeds, **scalars, **self._dropout_feeds(self._step_part)}, fetched=fetched)
         else:
@@ -535,22 +578,6 @@ class Trainer:
     def _restore(self, kept: Mapping[str, np.ndarray]) -> None:
         for name, value in kept.items():
             self._value(name).update_inplace(value)
-
-    def _learning_rate(self, step: int) -> np.ndarray:
-        """The schedule's lr for ``step`` as float32, refused unless a finite number >= 0."""
-        value = self.schedule(step)
-        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-        if ok:
-            try:
-                with np.errstate(over="ignore"):
-                    lr = np.array(value, np.float32)
-                ok = bool(np.isfinite(lr)) and math.isfinite(float(value)) and value >= 0
-            except OverflowError:  # an int beyond float64
-                ok = False
-        if not ok:
-            raise TrainerError(f"the lr schedule returned {value!r} for step {step}; a learning rate must be a "
-                               "finite number >= 0 that float32 holds")
-        return lr
 
     def _accumulate(self, feeds: Dict[str, np.ndarray], step: np.ndarray,
                     fetched: Optional[Dict[str, object]] = None) -> float:
@@ -611,6 +638,14 @@ class Trainer:
                          if epoch > 1 else "")
                 raise TrainerError(f"batches yielded no batch in epoch {epoch}{again}")
 
+    def fit(self, train, **options):
+        """Epochs over ``train`` with evaluation, callbacks, early stopping, a scheduler,
+        checkpoints, resume and logs: :func:`normgrad.loop.fit` (its arguments, its
+        :class:`normgrad.loop.FitResult`)."""
+        from normgrad.loop import fit
+
+        return fit(self, train, **options)
+
     def evaluate(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> EvalResult:
         """The loss and forward outputs of a batch in eval mode (BatchNorm on its running
         statistics, Dropout off, as torch's ``model.eval()``) with the current state, and no
@@ -664,7 +699,7 @@ class Trainer:
 
     def lr(self, step: Optional[int] = None) -> float:
         """The learning rate of ``step`` (default: the next step)."""
-        return self.schedule(self._step + 1 if step is None else step)
+        return self.hyperparameters.value("lr", self._step + 1 if step is None else step)
 
     def inference_model(self) -> onnx.ModelProto:
         """The forward model with the trained weights and running statistics as initializers,
