@@ -117,6 +117,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     gemm,
     group_norm,
     layer_norm,
+    loss,
     matmul,
     non_differentiable,
     pad,
