@@ -331,12 +331,15 @@ class _Emitter:
         its 32-bit output for each element of ``counter`` under ``key``."""
         high = self.const(1 << 32)
         rotate = lambda v: self.op("Add", self.op("Mul", v, high), self.shift_right(v, 32))  # noqa: E731
+        # v * v as -(v * -v) (the same mod 2**64): tract turns Mul(v, v) into a Square it
+        # has no int64 kernel for ("Square does not support I64")
+        square = lambda v: self.op("Neg", self.op("Mul", v, self.op("Neg", v)))  # noqa: E731
         y = self.op("Mul", counter, key)
         z = self.op("Add", y, key)
-        x = rotate(self.op("Add", self.op("Mul", y, y), y))
-        x = rotate(self.op("Add", self.op("Mul", x, x), z))
-        x = rotate(self.op("Add", self.op("Mul", x, x), y))
-        return self.shift_right(self.op("Add", self.op("Mul", x, x), z), 64 - bits)
+        x = rotate(self.op("Add", square(y), y))
+        x = rotate(self.op("Add", square(x), z))
+        x = rotate(self.op("Add", square(x), y))
+        return self.shift_right(self.op("Add", square(x), z), 64 - bits)
 
     def next_key(self, values: str, key: str) -> str:
         """An odd 64-bit key per element of the 1-D ``values``, from two squares draws under ``key``."""

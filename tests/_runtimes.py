@@ -32,6 +32,12 @@ _REQUIRED = {"openvino": "NORMGRAD_REQUIRE_OPENVINO_RUNTIME", "tract": "NORMGRAD
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+SEEDED_DROPOUT_OPENVINO = ("64-bit integer arithmetic (the CPU plugin computes int64 Mul in 32 bits, so the seeded "
+                           "Dropout mask differs from onnxruntime's: wrong values)")
+SEEDED_DROPOUT_TRACT = ("onnxruntime's int64 results for the seeded Dropout mask generator (tract 0.23.9 draws other "
+                        "masks: wrong values)")
+
+
 def available(runtime: str) -> bool:
     if runtime == "openvino-ep":  # tests/_providers.py checks NORMGRAD_REQUIRE_OPENVINO
         import onnxruntime
@@ -56,6 +62,9 @@ def _elem_types(model: onnx.ModelProto):
 
 def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     """What ``runtime`` lacks to run ``model``, measured (docs/runtimes.md), or None."""
+    seeded = any(i.name == "dropout_seed" for i in model.graph.input)
+    if runtime == "openvino-ep" and seeded:
+        return SEEDED_DROPOUT_OPENVINO
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
@@ -67,7 +76,11 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return f"model-local functions ({', '.join(ops)}): export with --inline"
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
+    if runtime == "openvino" and seeded:
+        return SEEDED_DROPOUT_OPENVINO
     if runtime == "tract":
+        if seeded:
+            return SEEDED_DROPOUT_TRACT
         if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
             return "bfloat16 tensors"
         constants = {t.name for t in model.graph.initializer} | {n.output[0] for n in model.graph.node

@@ -98,6 +98,8 @@ LOOPS = [
     # AdamW where no gradient is ~0 (a conv bias before a normalization has a zero gradient,
     # which Adam turns into steps of size lr made of rounding noise)
     ("mlp", "cross_entropy", "adamw", dict(weight_decay=0.01)),
+    # LayerNormalization and training-mode Dropout (the step graph's seeded mask)
+    ("transformer_block", "mse", "sgd", dict(momentum=0.9)),
 ]
 
 
@@ -125,7 +127,8 @@ def _loop(step, state, batches, run):
     meta = {p.key: json.loads(p.value) for p in step.metadata_props if p.key == "normgrad.state"}["normgrad.state"]
     losses = []
     for k, batch in enumerate(batches, start=1):
-        feeds = {**state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32)}
+        feeds = {**state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32),
+                 "dropout_seed": np.array(3, np.int64)}
         out = run({i.name: feeds[i.name] for i in step.graph.input})
         losses.append(out["loss"])
         state = {name: out[meta[name]] for name in state}
