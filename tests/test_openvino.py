@@ -166,11 +166,6 @@ def test_trainer_on_openvino():
     losses = [trainer.step(**batch) for batch in batches]
     want_losses, want = _step_loop(step_model, {k: v.astype(np.float64) for k, v in state.items()}, batches,
                                    lambda feeds: float64_outputs(step_model, feeds))
-    if block == "transformer_block_dropout":
-        assert_lacks = max(max_relative_error(got, expected) for got, expected in zip(losses, want_losses)) > 1e-4
-        assert assert_lacks, "the seeded Dropout mask now matches on OpenVINO: drop the xfail"
-        _runtimes.record("openvino-ep", f"training/{block}_{loss}/{optimizer}/portable", f"lacks {INT64_IN_32_BITS}")
-        pytest.xfail(INT64_IN_32_BITS)
     for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
         assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}"
     final = trainer.state_dict()
