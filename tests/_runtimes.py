@@ -63,6 +63,8 @@ def _elem_types(model: onnx.ModelProto):
 def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     """What ``runtime`` lacks to run ``model``, measured (docs/runtimes.md), or None."""
     seeded = any(i.name == "dropout_seed" for i in model.graph.input)
+    if runtime == "openvino-ep" and any(n.op_type == "LayerNormalization" and any(n.output[1:]) for n in model.graph.node):
+        return "LayerNormalization with its Mean/InvStdDev outputs read ('expects 1 output tensor'; --portable computes them beside it)"
     if runtime == "openvino-ep" and seeded:
         return SEEDED_DROPOUT_OPENVINO
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
