@@ -21,9 +21,13 @@ minimal reproducer of each:
   falls back to the CPU provider.
 * **LayerNormalization statistics beside it**: OpenVINO takes a LayerNormalization with
   its Y output only ("LayerNormalization expects 1 output tensor ... Got: 3 outputs"), and
-  the gradient reads its Mean and InvStdDev. They are computed beside the node instead.
+  the gradient reads its Mean and InvStdDev. They are computed beside the node instead. (No
+  minimal reproducer: a lone such node runs, on the CPU provider; the transformer layer's
+  graph fails to compile without the rewrite, ``tests/test_openvino.py``.)
 * **seeded Dropout** (a training graph's; a step graph's always is): OpenVINO refuses
   training-mode Dropout; the mask is drawn from the ``dropout_seed`` input by standard ops.
+  OpenVINO then runs it, but computes the generator's int64 products in 32 bits, so the mask
+  differs from onnxruntime's (``test_openvino_defects.py``: int64_in_32_bits).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
