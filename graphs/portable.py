@@ -25,7 +25,8 @@ minimal reproducer of each:
   minimal reproducer: a lone such node runs, on the CPU provider; the transformer layer's
   graph fails to compile without the rewrite, ``tests/test_openvino.py``.)
 * **seeded Dropout** (a training graph's; a step graph's always is): OpenVINO refuses
-  training-mode Dropout; the mask is drawn from the ``dropout_seed`` input by standard ops.
+  training-mode Dropout; the mask is drawn from the ``dropout_seed`` and ``step`` inputs by
+  standard ops, as the step graph draws it.
   OpenVINO then runs it, but computes the generator's int64 products in 32 bits, so the mask
   differs from onnxruntime's (``test_openvino_defects.py``: int64_in_32_bits).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
@@ -275,10 +276,12 @@ def _layer_norm_statistics_beside(model: onnx.ModelProto, names: _Names) -> None
 
 def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> None:
     """Training-mode Dropout of a training graph as the step graph writes it: a mask drawn by
-    standard integer ops from the new int64 input ``dropout_seed`` (at step 0;
-    :func:`normgrad.graphs.rewrites.seed_dropout`), which the gradient reads as it read the
-    node's mask. OpenVINO refuses training-mode Dropout ("Training mode is not supported for
-    Dropout op"). Feed another seed per call for other masks."""
+    standard integer ops from two new scalar inputs, ``dropout_seed`` (int64) and ``step``
+    (float, the step graph's 1-based optimizer step; :func:`normgrad.graphs.rewrites.seed_dropout`),
+    which the gradient reads as it read the node's mask. OpenVINO refuses training-mode
+    Dropout ("Training mode is not supported for Dropout op"). A step graph is built from the
+    training graph before this rewrite (``build_step_graph(training, ..., portable=True)``;
+    ``normgrad export --portable --optimizer`` does so): it draws its own masks."""
     import json
 
     from normgrad.graphs import rewrites
@@ -286,14 +289,15 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> None:
     graph = model.graph
     if not rewrites._training_dropouts(graph):
         return
-    step = names("dropout_step")
-    outputs = rewrites.seed_dropout(graph, step, 0)  # its key chain, which reads the step, goes first
+    if "step" in names.used:
+        raise ValueError("the graph already has a value named 'step', the input a seeded Dropout mask needs")
+    names("step")
+    outputs = rewrites.seed_dropout(graph, "step", 0)
+    graph.input.insert(len(graph.input) - 1, oh.make_tensor_value_info("step", onnx.TensorProto.FLOAT, []))
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     kept = [n for n in graph.node if n.op_type != "Constant" or n.output[0] in read]  # the ratio/mode constants
     del graph.node[:]
     graph.node.extend(kept)
-    graph.node.insert(0, oh.make_node("Constant", [], [step], name=names("dropout_step/Constant"),
-                                      value=onh.from_array(np.asarray(0, np.int64))))
     meta = {entry.key: entry for entry in model.metadata_props}
     value = json.dumps({"seed": 0, "outputs": outputs})
     if rewrites.METADATA_DROPOUT in meta:

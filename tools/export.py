@@ -150,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
                                             loss_options=loss_options, loss_output=args.loss_output,
                                             data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                            bucket_bytes=bucket_bytes, portable=args.portable)
+                                            bucket_bytes=bucket_bytes,
+                                            portable=args.portable and not args.optimizer)  # the step graph's, below
             del forward  # the training graph holds all of it
         for warning in caught:
             if issubclass(warning.category, TorchExportWarning):
