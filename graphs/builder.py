@@ -26,6 +26,7 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.portable import COSTLY_REWRITES, make_portable, scan_bodies_self_contained
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
+from normgrad.graphs.sequences import rewrite_sequences
 from normgrad.graphs.tidy import tidy
 from normgrad.ops import DOMAIN, IR_VERSION
 
@@ -83,7 +84,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
     rewrites.bfloat16_in_float32(model)
-    rewrites.split_sequences(model)
+    rewrite_sequences(model)
     rewrites.recurrent_layout_0(model)
     rewrites.embedding_bags(model)
     rewrites.fold_integer_constants(model)

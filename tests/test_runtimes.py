@@ -100,6 +100,8 @@ LOOPS = [
     ("mlp", "cross_entropy", "adamw", dict(weight_decay=0.01)),
     ("lstm_block", "cross_entropy", "adamw", dict(weight_decay=0.01)),
     ("gru_block", "cross_entropy", "sgd", dict(momentum=0.9)),
+    # LayerNormalization and training-mode Dropout (the step graph's seeded mask)
+    ("transformer_block", "mse", "sgd", dict(momentum=0.9)),
 ]
 
 
@@ -150,7 +152,8 @@ def _loop(step, state, batches, run):
     meta = {p.key: json.loads(p.value) for p in step.metadata_props if p.key == "normgrad.state"}["normgrad.state"]
     losses = []
     for k, batch in enumerate(batches, start=1):
-        feeds = {**state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32)}
+        feeds = {**state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32),
+                 "dropout_seed": np.array(3, np.int64)}
         out = run({i.name: feeds[i.name] for i in step.graph.input})
         losses.append(out["loss"])
         state = {name: out[meta[name]] for name in state}

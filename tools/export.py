@@ -43,8 +43,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
     parser.add_argument("--portable", action="store_true",
                         help="also the portable rewrites that cost time on onnxruntime's CPU provider (OneHot as "
-                             "Equal + Where), for OpenVINO; without it every other rewrite is made (weights are "
-                             "always pure inputs, their initial values in the checkpoint)")
+                             "Equal + Where, LayerNorm statistics computed beside it, training-mode Dropout as a "
+                             "mask seeded by a dropout_seed input), for OpenVINO; without it every other rewrite is "
+                             "made (weights are always pure inputs, their initial values in the checkpoint)")
     parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
@@ -149,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
                                             loss_options=loss_options, loss_output=args.loss_output,
                                             data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                            bucket_bytes=bucket_bytes, portable=args.portable)
+                                            bucket_bytes=bucket_bytes,
+                                            portable=args.portable and not args.optimizer)  # the step graph's, below
             del forward  # the training graph holds all of it
         for warning in caught:
             if issubclass(warning.category, TorchExportWarning):
