@@ -36,8 +36,10 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "test_api": ("test_bench_train_quick_runs_and_agrees",),  # benchmark smoke test
     "test_bfloat16": ("test_bfloat16_base_steps_match_torch[",),  # GPT-2 and Llama bases trained against torch
-    # docs pages that train or run whole models (each a fresh process)
-    "test_docs": ("test_code_blocks_run[docs/errors.md:page]",),
+    # docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more)
+    "test_docs": tuple(f"test_code_blocks_run[{page}:page]" for page in (
+        "README.md", "docs/errors.md", "docs/fine-tuning.md", "docs/how-to/build-training-graph.md",
+        "docs/tutorials/train-a-cnn.md", "docs/tutorials/fine-tune-a-transformer.md", "docs/tutorials/data-parallel-mpi.md")),
 }
 
 
