@@ -36,6 +36,8 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "test_api": ("test_bench_train_quick_runs_and_agrees",),  # benchmark smoke test
     "test_bfloat16": ("test_bfloat16_base_steps_match_torch[",),  # GPT-2 and Llama bases trained against torch
+    # every bad-input case in its own Python process at once (about 90 CPU-s); test_bad_input.py stays quick
+    "test_cpp_kernels": ("test_bad_inputs_are_rejected_without_crashing",),
     # docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more)
     "test_docs": tuple(f"test_code_blocks_run[{page}:page]" for page in (
         "README.md", "docs/errors.md", "docs/fine-tuning.md", "docs/how-to/build-training-graph.md",
