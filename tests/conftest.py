@@ -38,6 +38,7 @@ SLOW_TESTS = {
     "test_bfloat16": ("test_bfloat16_base_steps_match_torch[",),  # GPT-2 and Llama bases trained against torch
     # every bad-input case in its own Python process at once (about 90 CPU-s); test_bad_input.py stays quick
     "test_cpp_kernels": ("test_bad_inputs_are_rejected_without_crashing",),
+    "test_quiet": ("test_dynamo_export_of_a_transformer_is_quiet",),  # torch's dynamo export of a transformer
     # docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more)
     "test_docs": tuple(f"test_code_blocks_run[{page}:page]" for page in (
         "README.md", "docs/errors.md", "docs/fine-tuning.md", "docs/how-to/build-training-graph.md",
