@@ -28,7 +28,7 @@ import onnx
 __all__ = ["write_bytes_atomic", "write_chunks_atomic", "StagedFile", "save_model_atomic", "save_models_external", "external_data_chunks",
            "stage_models_external", "stage_data_file", "staging", "commit_files", "complete_interrupted_commits", "owned_data_files",
            "external_data_files", "external_data_extent", "ExternalDataError", "refuse_aliases", "PathAliasError", "refuse_irregular_file",
-           "check_model", "uses_external_data", "refuse_same_file", "PathOutsideFolderError",
+           "check_model", "uses_external_data", "PathOutsideFolderError",
            "path_inside", "write_inside", "remove_inside", "remove_stale_temporaries"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -391,15 +391,15 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
 
 
 def save_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                         share: bool = False, external: Sequence[onnx.TensorProto] = ()) -> None:
+                         share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> None:
     """Writes each model of ``{path: model}`` as one set (:func:`stage_models_external`, then
     :func:`commit_files`: the data file under its new content-addressed name first, then
     the models; the replaced models' old data files are removed last)."""
-    commit_files(stage_models_external(models, base_dir, share, external))
+    commit_files(stage_models_external(models, base_dir, share, move))
 
 
 def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                          share: bool = False, external: Sequence[onnx.TensorProto] = ()) -> List[StagedFile]:
+                          share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> List[StagedFile]:
     """Each model of ``{path: model}`` as a :class:`StagedFile`, keeping large tensors out of its
     protobuf: the tensors whose data are in external files (locations relative to
     ``base_dir``, default the current folder) and then, or when a model's inline tensors
@@ -407,7 +407,7 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     or more too go to one data file, ``FIRST.HASH.data`` beside the first path
     (:func:`stage_data_file`), each tensor once (the models, in one folder, may share tensors:
     by name and source); with ``share`` and the models in ``base_dir``, external tensors stay
-    in the files they reference; the inline tensors in ``external`` go to the data file too.
+    in the files they reference; the inline tensors in ``move`` go to the data file too.
     The data file, if any, is staged first (streamed, one
     tensor at a time), then the models; the models' tensors are changed in place to
     reference it. Nothing is in place until :func:`commit_files`.
@@ -431,7 +431,7 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
             copied += [t for t in inline if len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
         moving += copied
     chosen = {id(t) for t in moving}
-    moving += [t for t in external if id(t) not in chosen]
+    moving += [t for t in move if id(t) not in chosen]
 
     with staging() as staged:
         if moving:
@@ -542,13 +542,6 @@ def refuse_aliases(outputs: Mapping[str, PathLike],
                     via = "" if written == path else f" (whose data file {written!r} it replaces)"
                     raise PathAliasError(f"the {what} {path!r}{via} is {input_what} {os.fspath(source)!r}; "
                                          "write to another path")
-
-
-def refuse_same_file(source: PathLike, target: PathLike, what: str = "output") -> None:
-    """Raises ValueError when ``target`` names the same file as ``source`` (in-place writes
-    would destroy the input)."""
-    if os.path.exists(target) and os.path.exists(source) and os.path.samefile(source, target):
-        raise ValueError(f"the {what} {os.fspath(target)!r} is the input file itself; write to another path")
 
 
 class PathOutsideFolderError(ValueError):

@@ -153,7 +153,7 @@ def export(
     moving = [t for t in model.graph.initializer if external_data and t.name not in trained
               and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
     # nothing frozen (full fine-tuning): no empty data file beside the model
-    save_models_external({path: model}, external=moving)
+    save_models_external({path: model}, move=moving)
     return model
 
 
