@@ -147,12 +147,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     target = args.output
     try:
-        forward = load_model(args.model, keep_external=lambda model: _frozen_weights(model, args.freeze, args.trainable))
+        input_files = [("the input model", args.model)]
+
+        def keep_external(model):  # sees the model before its external data is read
+            input_files.extend(("a data file of the input model", path)
+                               for path in external_data_files(model, os.path.dirname(os.path.abspath(args.model))))
+            return _frozen_weights(model, args.freeze, args.trainable)
+
+        forward = load_model(args.model, keep_external=keep_external)
         _refuse_beyond_memory(args.model, forward)
-        inputs = {"the input model": args.model, **{f"a data file of the input model ({path})": path for path in
-                                                   external_data_files(forward, os.path.dirname(os.path.abspath(args.model)))}}
         try:
-            refuse_aliases(outputs, inputs)
+            refuse_aliases(outputs, input_files)
         except ValueError as error:
             print(f"normgrad export: {error}", file=sys.stderr)
             return 2

@@ -206,7 +206,7 @@ def commit_files(files: Sequence[StagedFile]) -> None:
        references) are renamed into place;
     3. the commit point: for one other file, its rename; for several, the rename of a journal
        ``.FIRST.normgrad-commit`` beside the first, listing every (temporary, target) pair,
-       after a copy of it in the folder of each other target. The targets are then renamed
+       after a copy of it in the folder of each other target (``--checkpoint`` elsewhere). The targets are then renamed
        in order and the journals removed. A kill before the commit point leaves the old
        set (the temporaries are removed by the next write there); after it, the new set is
        completed by :func:`complete_interrupted_commits`, which every normgrad reader and
@@ -249,24 +249,19 @@ def _remove_obsolete(paths: Iterable[str]) -> None:
 
 
 def _commit_journaled(renames: Sequence[tuple], obsolete: Sequence[str]) -> None:
-    journals = [_journal_path(target) for _, target in renames]
-    primary, others = journals[0], sorted(set(journals[1:]) - {journals[0]})
+    """Writes the journal beside the first target (the commit point) after a copy in the
+    folder of each other target, then makes the renames."""
+    by_folder = {}
+    for _, target in renames:
+        by_folder.setdefault(os.path.dirname(os.path.abspath(target)), _journal_path(target))
+    primary = _journal_path(renames[0][1])
+    others = [journal for journal in by_folder.values() if journal != primary]
     text = json.dumps({"primary": primary, "others": others, "pid": os.getpid(),
                        "renames": [[os.path.abspath(t), os.path.abspath(p)] for t, p in renames],
                        "remove": list(obsolete)}).encode()
     for journal in others + [primary]:
-        _write_journal(journal, text)
+        StagedFile(journal, [text]).commit()
     _apply_journal(json.loads(text))
-
-
-def _write_journal(path: str, text: bytes) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=f"{os.path.basename(path)}.", suffix=".tmp",
-                                         dir=os.path.dirname(path))
-    with os.fdopen(handle, "wb") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
 
 
 def _apply_journal(journal: dict) -> None:
