@@ -414,3 +414,121 @@ def test_item6_7_the_data_parallel_trainer_keeps_the_frozen_base_in_its_file(tmp
     done = subprocess.run(run, capture_output=True, text=True, timeout=300, env=mpi.mpirun_environment())
     assert done.returncode != 0, done.stderr[-2000:]
     assert "external data of tensor 'w1' is missing" in done.stdout and "forward.onnx.data" in done.stdout
+
+
+# ------------------------------------------------------------------ 8, 14: names and weights of the graphs built
+
+
+def _model_with_weights(names, shapes=((32, 32), (32, 8))) -> onnx.ModelProto:
+    """_two_layer_model with its weights named ``names``."""
+    model = _two_layer_model()
+    renames = dict(zip(("w1", "w2"), names))
+    for tensor in model.graph.initializer:
+        tensor.name = renames[tensor.name]
+    for node in model.graph.node:
+        node.input[:] = [renames.get(name, name) for name in node.input]
+    return model
+
+
+def test_item8_a_weight_missing_from_training_graph_weights_is_refused():
+    from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.graphs.builder import TrainingGraph
+
+    training = build_training_graph(_two_layer_model(), loss="mse")
+    weights = dict(training.weights)
+    del weights["w1"]
+    with pytest.raises(ValueError, match="no value for the trainable weight 'w1'"):
+        build_step_graph(TrainingGraph(training.model, weights), "sgd")
+    weights = {**training.weights, "w1": np.ones((32, 31), np.float32)}
+    with pytest.raises(ValueError, match=r"weights\['w1'\] has shape \[32, 31\]; the training graph's input 'w1' is \[32, 32\]"):
+        build_step_graph(TrainingGraph(training.model, weights), "sgd")
+    step, state = build_step_graph(training, "sgd")  # the intact pair builds, with both weights trained
+    assert sorted(state) == ["w1", "w2"]
+
+
+@pytest.mark.parametrize("names, kind", [(("W1", "W1.exp_avg"), "adam"), (("W1", "W1.next"), "sgd"),
+                                         (("W1", "W1.momentum_buffer"), "sgd-momentum")])
+def test_item14_a_weight_named_like_an_optimizer_state_is_refused(names, kind):
+    from normgrad.graphs import build_step_graph, build_training_graph
+
+    options = {"momentum": 0.9} if kind == "sgd-momentum" else {}
+    training = build_training_graph(_model_with_weights(names), loss="mse")
+    with pytest.raises(ValueError, match=f"value named '{names[1]}', the name the .* step gives a state tensor of "
+                                         "weight 'W1'"):
+        build_step_graph(training, kind.split("-")[0], **options)
+
+
+@pytest.mark.parametrize("name", ["grad_scale", "normgrad.applied", "normgrad.loss", "dropout_micro_batch"])
+def test_item14_a_weight_named_like_a_trainer_value_is_one_trainer_error(tmp_path, name):
+    onnx.save(_model_with_weights(("w1", name)), tmp_path / "forward.onnx")
+    assert _export(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
+    with pytest.raises(TrainerError, match=f"value named '{name}', a name the trainer gives"):
+        Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", kernels=None, accumulation=2)
+
+
+# ------------------------------------------------------------------ 16, 17, 19: normgrad check
+
+
+def _check(*arguments):
+    from normgrad.tools import cli
+
+    return cli.main(["check", *map(str, arguments)])
+
+
+def test_item16_check_refuses_an_input_beyond_memory_in_one_line(tmp_path, capsys):
+    from normgrad.graphs import build_training_graph
+
+    model = _two_layer_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2**40
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 2**40
+    onnx.save(build_training_graph(model, loss="mse").model, tmp_path / "t.onnx")
+    assert _check(tmp_path / "t.onnx") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "input 'x'" in err and "memory" in err
+
+
+def test_item17_check_refuses_another_models_checkpoint(tmp_path, capsys):
+    onnx.save(_two_layer_model(), tmp_path / "a.onnx")
+    onnx.save(_model_with_weights(("w1", "v2")), tmp_path / "b.onnx")
+    for name in ("a", "b"):
+        assert export_main([str(tmp_path / f"{name}.onnx"), "-o", str(tmp_path / f"{name}_train.onnx"), "--loss",
+                            "mse"]) == 0
+    assert _check(tmp_path / "a_train.onnx") == 0
+    capsys.readouterr()
+    assert _check(tmp_path / "a_train.onnx", "--checkpoint", tmp_path / "b_train.ckpt") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'v2' is no input" in err
+    state = checkpoint.load(tmp_path / "a_train.ckpt").tensors
+    checkpoint.save(tmp_path / "partial.ckpt", {"w1": state["w1"]})
+    assert _check(tmp_path / "a_train.onnx", "--checkpoint", tmp_path / "partial.ckpt") == 1
+    assert "no tensor for weight 'w2'" in capsys.readouterr().err
+
+
+def test_item19_a_zero_size_weight_passes_the_gradient_check(tmp_path, capsys):
+    """y = Concat(x @ v, w) with w of shape [4, 0]: its gradient is empty, trivially right
+    (main reported FAIL rel.err nan and exit 1); v's is still checked."""
+    rng = np.random.default_rng(19)
+    v = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "v")
+    w = numpy_helper.from_array(np.zeros((4, 0), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "v"], ["h"]), helper.make_node("Concat", ["h", "w"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "empty_weight", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [v, w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, tmp_path / "m.onnx")
+    assert export_main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "t.onnx"), "--loss", "mse"]) == 0
+    assert _check(tmp_path / "t.onnx") == 0
+    out = capsys.readouterr().out
+    assert "OK   w_grad" in out and "OK   v_grad" in out and "nan" not in out
+
+
+# ------------------------------------------------------------------ FIFOs
+
+
+@pytest.mark.parametrize("command", ["check", "export"])
+def test_check_and_export_refuse_a_fifo_instead_of_blocking(tmp_path, command):
+    os.mkfifo(tmp_path / "model.onnx")
+    arguments = [str(tmp_path / "model.onnx")] + (["-o", str(tmp_path / "out.onnx")] if command == "export" else [])
+    done = subprocess.run([sys.executable, "-m", "normgrad.tools.cli", command, *arguments], capture_output=True,
+                          text=True, timeout=120)  # a hang guard: main blocked forever
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "not a regular file" in done.stderr

@@ -145,6 +145,23 @@ def _check_step_metadata(model: onnx.ModelProto, what: str = "step graph") -> No
             raise TrainerError(f"corrupt {what}: metadata {entry.key} must be {rule[0]}; got {entry.value[:80]!r}")
 
 
+def _check_reserved_names(model: onnx.ModelProto) -> None:
+    """TrainerError naming a value of the step graph that has a name the trainer gives a value
+    of the graphs it runs (the step gate, the split optimizer's loss input, the gradient
+    graph's ``grad_scale`` and micro-batch index)."""
+    from normgrad.graphs import rewrites
+
+    graph = model.graph
+    given = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    names = given | {o.name for o in graph.output} | {name for node in graph.node for name in node.output}
+    reserved = {APPLIED, _SPLIT_LOSS, "normgrad.gate_total", "normgrad.gate_zero", "grad_scale"}
+    for name in sorted(names):
+        if name in reserved or name.endswith((".gate_sum", ".ungated")) or (
+                name == rewrites.DROPOUT_MICRO_BATCH_INPUT and name in given):
+            raise TrainerError(f"the step graph has a value named {name!r}, a name the trainer gives a value of the "
+                               "graphs it runs: rename it in the forward model and export again")
+
+
 def _files_read(model: onnx.ModelProto, path: Optional[PathLike], folder: str, what: str) -> list:
     """``(description, path)`` of the graph file at ``path`` (if given by path) and of the
     external-data files it reads: what the Trainer's writers must not replace."""

@@ -43,7 +43,8 @@ import onnx
 
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_models_external, uses_external_data
-from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_step_metadata,
+from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
+                               _check_step_metadata,
                                _external_data_options, _files_read, _gate_state_updates, _keep_bfloat16_initializers,
                                _load_step_graph, _metadata_json, _np_dtype, _Part, _refuse_overwriting)
 from normgrad.schedules import Schedule, constant, cosine, linear_warmup
@@ -184,6 +185,7 @@ class Trainer:
             external_data_folder = os.path.dirname(os.path.abspath(os.fspath(step_model)))
         self.external_data_folder = os.path.abspath(os.fspath(external_data_folder or os.getcwd()))
         _check_step_metadata(model)
+        _check_reserved_names(model)
         metadata = {e.key: e.value for e in model.metadata_props}
         missing = [k for k in ("normgrad.state", "normgrad.parameters", "normgrad.data_inputs", "normgrad.optimizer")
                    if k not in metadata]
