@@ -704,7 +704,7 @@ class Trainer:
 
     def export_inference_model(self, path: PathLike) -> None:
         """Writes :meth:`inference_model` to ``path`` atomically (with a frozen base in external
-        data, or past 1 GiB of weights, its weights in ``PATH.data`` beside it)."""
+        data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
         if self.is_saving_rank:
             self._refuse_overwriting({"inference model": path})
             self._save_model(self.inference_model(), path)
@@ -723,7 +723,7 @@ class Trainer:
     def export_merged_model(self, path: PathLike) -> None:
         """Writes the inference model with the trained LoRA adapters folded into their base
         weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
-        external data, or past 1 GiB of weights, its weights in ``PATH.data`` beside it)."""
+        external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
         from normgrad import lora
 
         if self.is_saving_rank:
@@ -739,5 +739,5 @@ class Trainer:
     def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
         """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
         past :data:`normgrad._files.INLINE_MODEL_BYTES` keeps its large tensors in
-        ``PATH.data`` beside it."""
+        ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
         save_models_external({path: model}, self.external_data_folder)
