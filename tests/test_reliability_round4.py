@@ -292,6 +292,7 @@ def test_item9_a_killed_save_adapter_leaves_the_old_pair_or_the_new_one(tmp_path
     """Run A (lora_alpha 4) saved, run B (16) killed at each rename: after normgrad's
     recovery, the weights and adapter_config.json are both of run A or both of run B (a
     weight's value is its run's lora_alpha here)."""
+    pytest.importorskip("safetensors")
     from safetensors.numpy import load_file
 
     from normgrad import lora
