@@ -365,7 +365,7 @@ CLI_CASES = {
     "directions_-1": (lambda d: ["check", "t.onnx", "--directions", "-1"], 2, "--directions"),
     "step_0": (lambda d: ["check", "t.onnx", "--step", "0"], 2, "--step"),
     "export_in_place": (lambda d: ["export", _save(d, _forward([helper.make_node("Relu", ["x"], ["y"])])), "-o",
-                                   os.path.join(d, "m.onnx")], 2, "is the input file itself"),
+                                   os.path.join(d, "m.onnx")], 2, "is the input model"),
 }
 
 

@@ -119,7 +119,7 @@ def test_export_writes_neither_file_when_the_checkpoint_cannot_be_written(forwar
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save", full_disk)
+    monkeypatch.setattr(checkpoint, "stage", full_disk)
     code = cli.main(["export", str(forward_path), "-o", str(output), "--loss", "mse", "--optimizer", "sgd"])
     assert code == 1
     assert output.read_bytes() == b"old graph"
