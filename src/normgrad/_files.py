@@ -297,10 +297,13 @@ def complete_interrupted_commits(folder: PathLike) -> None:
             continue
         if pid != os.getpid() and _process_alive(pid):
             continue
-        if os.path.exists(journal["primary"]):
-            _apply_journal(journal)
-        else:
-            _remove_obsolete([path])
+        try:
+            if os.path.exists(journal["primary"]):
+                _apply_journal(journal)
+            else:
+                _remove_obsolete([path])
+        except (OSError, KeyError, TypeError, ValueError):
+            continue  # left for the next reader; what it names stays as it is
 
 
 def save_model_atomic(model: onnx.ModelProto, path: PathLike) -> None:
