@@ -31,10 +31,17 @@ case                            dx ConvT      dx flip Conv dW big-kernel    dW p
 which it keeps.
 
 So dW is one GEMM per kernel tap for ungrouped convs with at most 9 taps (batched over
-the samples for large images: see :func:`_per_tap_weight_gradient`) (the big-kernel Conv
-is 2-10x slower there; an im2col with one GEMM measured between the two), the big-kernel Conv
-otherwise (a 7x7 stem on 3 channels: 49 thin GEMMs lose); dx is the flipped Conv for
-ungrouped stride-1 convs and ConvTranspose otherwise (depthwise: 4x faster as ConvTranspose).
+the samples for large images; one im2col GEMM where the output channels outnumber the
+pixels: see :func:`_per_tap_weight_gradient`) (the big-kernel Conv is 2-10x slower there),
+the big-kernel Conv otherwise (a 7x7 stem on 3 channels: 49 thin GEMMs lose); dx is the
+flipped Conv for ungrouped stride-1 convs and ConvTranspose otherwise (depthwise: 4x faster
+as ConvTranspose).
+
+Every graph form of dW copies x once per tap (Slice, or inside the Conv's im2col), which
+torch's direct (mkldnn) backward need not; the other graph forms lose at 1 thread on
+ResNet-18's shapes (batch 16, 112x112; the 20 convs' dW, stem included, one run of medians):
+a Gemm per tap 513 ms, the big-kernel Conv 759, a Gather im2col 930 (Gather copies element
+by element). Reading x in place needs a kernel with a GEMM of MLAS's speed inside the library.
 """
 
 from __future__ import annotations
