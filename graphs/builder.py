@@ -24,13 +24,14 @@ from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
-from normgrad.graphs.portable import COSTLY_REWRITES, make_portable
+from normgrad.graphs.portable import COSTLY_REWRITES, make_portable, scan_bodies_self_contained
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
+from normgrad.graphs.sequences import rewrite_sequences
 from normgrad.graphs.tidy import tidy
 from normgrad.ops import DOMAIN, IR_VERSION
 
 __all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS",
-           "METADATA_BATCH_NORM"]
+           "METADATA_BATCH_NORM", "METADATA_WEIGHTS"]
 
 MIN_OPSET = 15
 """The lowest default-domain opset of a training graph (normgrad function bodies need it)."""
@@ -39,6 +40,9 @@ METADATA_SEEDS = "normgrad.seeds"
 """Model metadata key: JSON {forward output: its seed-gradient input}."""
 METADATA_GRADIENTS = "normgrad.gradients"
 """Model metadata key: JSON {gradient output: the input or initializer it is the gradient of}."""
+METADATA_WEIGHTS = "normgrad.weights"
+"""Model metadata key: JSON list of the trainable weights (pure inputs whose initial values
+:class:`TrainingGraph` ``.weights`` holds)."""
 METADATA_BATCH_NORM = "normgrad.batch_norm"
 """Model metadata key: JSON list, per training-mode BatchNormalization, of {"output": its Y,
 "running_mean", "running_var": its inputs 3 and 4, "running_mean_next", "running_var_next":
@@ -83,7 +87,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
         model = onnx.inliner.inline_local_functions(model)
     opset = _default_opset(model)
     rewrites.bfloat16_in_float32(model)
-    rewrites.split_sequences(model)
+    rewrite_sequences(model)
     rewrites.recurrent_layout_0(model)
     rewrites.embedding_bags(model)
     rewrites.fold_integer_constants(model)
@@ -338,10 +342,32 @@ AnyTrainingGraph = Union[TrainingGraph, onnx.ModelProto]
 ``normgrad export`` wrote, whose weights are in its checkpoint)."""
 
 
+def _check_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> None:
+    """ValueError naming the first trainable weight (:data:`METADATA_WEIGHTS`) that ``weights``
+    lacks or gives in another shape than the graph's input, or a value ``weights`` gives for
+    no input of the graph (a weight left out would silently become a data input)."""
+    listed = next((json.loads(p.value) for p in model.metadata_props if p.key == METADATA_WEIGHTS), None)
+    inputs = {i.name: i for i in model.graph.input}
+    for name in listed or []:
+        if name not in weights:
+            raise ValueError(f"TrainingGraph.weights has no value for the trainable weight {name!r}: every weight "
+                             "the training graph trains needs its initial value (build_training_graph returns them)")
+    for name, value in weights.items():
+        if name not in inputs:
+            raise ValueError(f"TrainingGraph.weights gives {name!r}, which is no input of the training graph")
+        dims = inputs[name].type.tensor_type.shape.dim
+        declared = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+        shape = list(np.shape(value))
+        if len(declared) != len(shape) or any(d is not None and d != n for d, n in zip(declared, shape)):
+            raise ValueError(f"TrainingGraph.weights[{name!r}] has shape {shape}; the training graph's input "
+                             f"{name!r} is {[d if d is not None else '?' for d in declared]}")
+
+
 def training_graph_parts(training: AnyTrainingGraph) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """(model, {weight: initial value}) of either form; a model alone has the values of the
     weights it still stores as initializers (an older normgrad's form), none otherwise."""
     if isinstance(training, TrainingGraph):
+        _check_weights(training.model, training.weights)
         return training.model, training.weights
     if not isinstance(training, onnx.ModelProto):
         raise TypeError(f"expected a TrainingGraph or an onnx.ModelProto; got {type(training).__name__}")
@@ -561,15 +587,22 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     new_graph.initializer.extend(graph.initializer)
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
     new_graph.value_info.extend(original_value_info)
-    new_graph.node.extend(graph.node)
+    if ctx.forward_replacements:
+        for node in graph.node:
+            replacement = ctx.forward_replacements.get(next((name for name in node.output if name), ""))
+            new_graph.node.extend([node] if replacement is None else replacement)
+    else:
+        new_graph.node.extend(graph.node)
     new_graph.node.extend(ctx.nodes)
     loss_of = float_outputs[0].name
+    weight_names = [info.name for info in trainable_inputs]
     # a reference to any part of the prepared forward model or of the emitted nodes keeps
     # all of it alive
     del graph, ctx, types, wanted, trainable_inputs, extra_inputs, extra_outputs, float_outputs, new_graph, model
     metadata = {
         METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
         METADATA_GRADIENTS: json.dumps(gradients),
+        METADATA_WEIGHTS: json.dumps(weight_names),
         METADATA_LOSS: json.dumps(
             {"kind": loss, "output": loss_of, **({"options": dict(loss_options)} if loss_options else {})}
             if loss else {"kind": "output", "output": loss_output} if loss_output else None),
@@ -589,6 +622,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         from normgrad.graphs.inline import inline_normgrad
 
         result = inline_normgrad(result)
+        scan_bodies_self_contained(result)  # standard ops for other runtimes: OpenVINO's reads no outer scope
     result.ir_version = IR_VERSION
     check_model(result)
     return result

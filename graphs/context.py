@@ -74,6 +74,9 @@ class GradientContext:
         self._counters: Dict[str, int] = {}  # per scope: fresh names continue, never probe from 1 again
         self.batch_statistics: Dict[str, "BatchStatistics"] = {}
         """{Y of a training-mode BatchNormalization: its forward statistics}, set by the builder."""
+        self.forward_replacements: Dict[str, List[onnx.NodeProto]] = {}
+        """{first output of a forward node: the nodes the training graph computes it with instead}
+        (:meth:`replace_forward`); the builder puts them in the node's place."""
 
     # ----------------------------------------------------------------- forward graph facts
     def needs_grad(self, name: str) -> bool:
@@ -346,6 +349,11 @@ class GradientContext:
         """A tensor of zeros with the runtime shape and dtype of forward value ``name``."""
         zero = self.scalar(0.0, name)
         return self.op("Expand", zero, self.shape_of(name))
+
+    def replace_forward(self, node: onnx.NodeProto, nodes: Sequence[onnx.NodeProto]) -> None:
+        """Has the training graph compute forward ``node``'s outputs (same names) with
+        ``nodes`` in its place, e.g. a form that also keeps what the backward reads."""
+        self.forward_replacements[next(name for name in node.output if name)] = list(nodes)
 
     def ensure_output(self, node: onnx.NodeProto, index: int, hint: str) -> str:
         """The name of forward ``node``'s output ``index``, adding the output if it is omitted."""

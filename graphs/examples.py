@@ -131,6 +131,50 @@ def mlp(classes: int = 3) -> onnx.ModelProto:
     return model(nodes, {"x": ("N", 5)}, ["y"], params)
 
 
+def transformer_block(dropout: float = 0.1, width: int = 8, hidden: int = 16) -> onnx.ModelProto:
+    """A post-norm transformer encoder layer over x [N, T, width]: one-head self-attention
+    (softmax(q k^T / sqrt(width)), training-mode Dropout on the attention weights and on the
+    feed-forward output when ``dropout`` > 0), residual + LayerNormalization, a Gelu-as-Erf
+    feed-forward, residual + LayerNormalization (opset 17)."""
+    params = weights(11, wq=(width, width), wk=(width, width), wv=(width, width), wo=(width, width),
+                     w1=(width, hidden), b1=(hidden,), w2=(hidden, width), b2=(width,))
+    params.update(g1=np.ones(width, np.float32), n1=np.zeros(width, np.float32),
+                  g2=np.full(width, 1.1, np.float32), n2=np.full(width, 0.1, np.float32))
+    constants = dict(scale=np.asarray(1 / np.sqrt(width), np.float32), half=np.asarray(0.5, np.float32),
+                     one=np.asarray(1.0, np.float32), root_half=np.asarray(np.sqrt(0.5), np.float32),
+                     ratio=np.asarray(dropout, np.float32), training=np.asarray(True))
+    dropped = lambda value, out: ([oh.make_node("Dropout", [value, "ratio", "training"], [out])]  # noqa: E731
+                                  if dropout else [oh.make_node("Identity", [value], [out])])
+    nodes = [oh.make_node("Constant", [], [name], value=onh.from_array(value)) for name, value in constants.items()]
+    nodes += [
+        oh.make_node("MatMul", ["x", "wq"], ["q"]),
+        oh.make_node("MatMul", ["x", "wk"], ["k"]),
+        oh.make_node("MatMul", ["x", "wv"], ["v"]),
+        oh.make_node("Transpose", ["k"], ["k_t"], perm=[0, 2, 1]),
+        oh.make_node("MatMul", ["q", "k_t"], ["scores_raw"]),
+        oh.make_node("Mul", ["scores_raw", "scale"], ["scores"]),
+        oh.make_node("Softmax", ["scores"], ["attention_full"], axis=-1),
+        *dropped("attention_full", "attention"),
+        oh.make_node("MatMul", ["attention", "v"], ["mixed"]),
+        oh.make_node("MatMul", ["mixed", "wo"], ["attended"]),
+        oh.make_node("Add", ["x", "attended"], ["r1"]),
+        oh.make_node("LayerNormalization", ["r1", "g1", "n1"], ["h1"], axis=-1),
+        oh.make_node("MatMul", ["h1", "w1"], ["f0"]),
+        oh.make_node("Add", ["f0", "b1"], ["f1"]),
+        oh.make_node("Mul", ["f1", "root_half"], ["f2"]),
+        oh.make_node("Erf", ["f2"], ["f3"]),
+        oh.make_node("Add", ["f3", "one"], ["f4"]),
+        oh.make_node("Mul", ["f1", "f4"], ["f5"]),
+        oh.make_node("Mul", ["f5", "half"], ["f6"]),
+        oh.make_node("MatMul", ["f6", "w2"], ["f7"]),
+        oh.make_node("Add", ["f7", "b2"], ["f8"]),
+        *dropped("f8", "f9"),
+        oh.make_node("Add", ["h1", "f9"], ["r2"]),
+        oh.make_node("LayerNormalization", ["r2", "g2", "n2"], ["y"], axis=-1),
+    ]
+    return model(nodes, {"x": ("N", 4, width)}, ["y"], params, opset=17)
+
+
 def mlp_with_loss(loss_name: str = "total") -> onnx.ModelProto:
     """:func:`mlp` (batch 4) computing its own loss: outputs ``y`` and the scalar
     ``loss_name`` = mean((y - target)^2) against a ``target`` input [4, 3]."""

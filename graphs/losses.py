@@ -16,7 +16,7 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext
 
-__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "append_loss"]
+__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "append_loss", "softmax_cross_entropy_gradient"]
 
 
 @dataclasses.dataclass
@@ -51,10 +51,9 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
     (1 - ls)(-log_softmax(y)[label]) + ls/C (-sum_c log_softmax(y)_c);
     d/dy = (softmax(y) - (1 - ls) onehot - ls/C) / count on those samples, 0 on the others.
 
-    The gradient is written without a one-hot tensor: softmax(y) times each sample's weight
-    (1/count, 0 where ignored), then its entry at the label lowered by (1 - ls) times the
-    weight (GatherElements, ScatterElements); over a vocabulary, every [samples, classes]
-    tensor is a pass over memory (OneHot alone cost onnxruntime 200 ms at [1024, 8192])."""
+    The gradient is softmax(y) times each sample's weight (1/count, 0 where ignored), its
+    entry at the label lowered by (1 - ls) times the weight
+    (:func:`softmax_cross_entropy_gradient`)."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     log_probs = ctx.op("LogSoftmax", output, axis=1)
@@ -84,12 +83,26 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
         loss = ctx.op("Neg", ctx.op("Div", total, count))
     weight = ctx.op("Div", ctx.scalar(1.0, output), count) if valid is None else ctx.unsqueeze(
         ctx.op("Div", valid, count), [1])
-    grad = ctx.op("Mul", ctx.op("Softmax", output, axis=1), weight)
-    if label_smoothing:
-        grad = ctx.op("Sub", grad, ctx.op("Mul", weight, smoothing_per_class))
+    shift = ctx.op("Mul", weight, smoothing_per_class) if label_smoothing else None
     lowered = ctx.op("Mul", weight, ctx.scalar(1.0 - label_smoothing, output)) if label_smoothing else weight
-    at_label = ctx.op("Sub", ctx.op("GatherElements", grad, index, axis=1), lowered)
-    return loss, ctx.op("ScatterElements", grad, index, at_label, axis=1)
+    return loss, softmax_cross_entropy_gradient(ctx, ctx.op("Softmax", output, axis=1), index, weight, lowered, shift)
+
+
+def softmax_cross_entropy_gradient(ctx: GradientContext, probs: str, index: str, weight: str,
+                                   lowered: Optional[str] = None, shift: Optional[str] = None) -> str:
+    """probs * weight - shift, with each sample's entry at its label lowered by ``lowered``
+    (``weight`` when None): the gradient of a weighted cross-entropy over the logits whose
+    softmax (axis 1) is ``probs``. ``index`` holds the labels with a size-1 axis 1
+    ([N, 1, d1, ...]); ``weight``, ``lowered`` and ``shift`` are scalars or shaped like ``index``.
+
+    Written without a one-hot tensor: over a vocabulary, every [samples, classes] tensor is a
+    pass over memory (OneHot alone cost onnxruntime 200 ms at [1024, 8192]); the label entries
+    are read and written back with GatherElements and ScatterElements."""
+    grad = ctx.op("Mul", probs, weight)
+    if shift is not None:
+        grad = ctx.op("Sub", grad, shift)
+    at_label = ctx.op("Sub", ctx.op("GatherElements", grad, index, axis=1), lowered or weight)
+    return ctx.op("ScatterElements", grad, index, at_label, axis=1)
 
 
 def _causal_lm(ctx: GradientContext, output: str, labels: str, ignore_index: int = -100) -> tuple:

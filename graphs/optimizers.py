@@ -651,6 +651,17 @@ def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
     return kind, options
 
 
+def _refuse_clashing_names(names: set, trainable: List[str], kind: str, options: Mapping[str, object]) -> None:
+    """ValueError naming a value of the training graph that has a name the optimizer step
+    gives a state tensor or its next value (e.g. a weight ``W.exp_avg`` beside a weight ``W``)."""
+    for weight in trainable:
+        state = [weight] + optimizer_state_names(weight, kind, options.get("momentum", 0.0), options.get("amsgrad", False))
+        for name in state[1:] + [next_name(n) for n in state]:
+            if name in names:
+                raise ValueError(f"the training graph has a value named {name!r}, the name the {kind} step gives a "
+                                 f"state tensor of weight {weight!r} or its next value: rename it in the forward model")
+
+
 def build_step_graph(
     training: "AnyTrainingGraph", kind: str, portable: bool = False, *, dropout_seed: int = 0, **options
 ) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
@@ -700,6 +711,7 @@ def build_step_graph(
     if not trainable:
         raise ValueError("the training graph has no trainable weight (every initializer frozen, or none reaches the "
                          "loss): a step graph needs at least one")
+    _refuse_clashing_names(names, trainable, kind, options)
     optimizer = build_optimizer_graph({n: list(weights[n].shape) for n in trainable}, kind, **options)
     statistics = running_statistics(training)
     nodes = list(graph.node) + [helper.make_node("Identity", [updated], [next_name(stat)])

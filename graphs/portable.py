@@ -19,6 +19,16 @@ minimal reproducer of each:
   OpenVINO parts (the mse loss's Size of the model output) that makes the partition cyclic:
   the session fails ("the graph is not acyclic") or, in larger graphs, the forward pass
   falls back to the CPU provider.
+* **LayerNormalization statistics beside it**: OpenVINO takes a LayerNormalization with
+  its Y output only ("LayerNormalization expects 1 output tensor ... Got: 3 outputs"), and
+  the gradient reads its Mean and InvStdDev. They are computed beside the node instead. (No
+  minimal reproducer: a lone such node runs, on the CPU provider; the transformer layer's
+  graph fails to compile without the rewrite, ``tests/test_openvino.py``.)
+* **seeded Dropout** (a training graph's; a step graph's always is): OpenVINO refuses
+  training-mode Dropout; the mask is drawn from the ``dropout_seed`` and ``step`` inputs by
+  standard ops, as the step graph draws it.
+  OpenVINO then runs it, but computes the generator's int64 products in 32 bits, so the mask
+  differs from onnxruntime's (``test_openvino_defects.py``: int64_in_32_bits).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -33,6 +43,12 @@ minimal reproducer of each:
   provider (none with the fold; ``tests/test_openvino.py`` checks the corpus case). Each
   becomes a Constant of the target's type when that type is known. No minimal reproducer
   was found: in small graphs only the Cast itself stays on the CPU provider.
+* **Scan bodies that read no outer-scope value** (measured on OpenVINO's own runtime
+  2026.4.1: "Number of Scan node inputs is less than required based on body graph
+  parameters", e.g. the LSTM training graph's Scans read R from outside): each such value
+  becomes a loop-carried state the body passes on unchanged. It costs a copy per step on
+  onnxruntime's CPU provider (4% of the LSTM benchmark's step): a costly rewrite, also made
+  by ``--inline``.
 * **no training-mode BatchNormalization**: OpenVINO refuses ``training_mode=1`` at
   compile time without falling back to the CPU provider; the exporter writes the batch
   statistics explicitly, and a graph that still has such a node is refused here.
@@ -54,7 +70,7 @@ from normgrad._files import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 
-__all__ = ["make_portable", "as_exported", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
+__all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
 EXPANDED_OPS = ("GroupNormalization",)
 """Default-domain function ops replaced by their ONNX function bodies."""
@@ -211,6 +227,91 @@ def _size_as_shape_product(graph: onnx.GraphProto, names: _Names) -> None:
     graph.node.extend(nodes)
 
 
+def _layer_norm_statistics_beside(model: onnx.ModelProto, names: _Names) -> None:
+    """A LayerNormalization whose Mean or InvStdDev output is read (the gradient reads both)
+    keeps its Y output only; the two are computed beside it, as the node defines them:
+    mean = ReduceMean(x) and 1 / sqrt(ReduceMean((x - mean)^2) + epsilon) over the axes from
+    ``axis``, in the ``stash_type`` (float32 by default). OpenVINO takes one output only
+    ("LayerNormalization expects 1 output tensor")."""
+    graph = model.graph
+    targets = [n for n in graph.node if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")
+               and any(name for name in n.output[1:])]
+    if not targets:
+        return
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    types = value_types(model)
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        nodes.append(node)
+        if not any(node is target for target in targets):
+            continue
+        x = node.input[0]
+        rank = _rank(types, x)
+        if rank is None:
+            raise ValueError(f"{describe(node)}: the rank of '{x}' is unknown; its statistics cannot be computed beside it")
+        prefix = node.name or node.output[0]
+        axes = list(range(attr(node, "axis", -1) % rank, rank))
+        stash = attr(node, "stash_type", onnx.TensorProto.FLOAT)
+        x_type = types[x].tensor_type.elem_type
+
+        def op(op_type, *inputs, output=None, **attrs):
+            out = output or names(f"{prefix}/{op_type.lower()}")
+            nodes.append(oh.make_node(op_type, list(inputs), [out], name=names(f"{prefix}/{op_type}"), **attrs))
+            return out
+
+        def mean_over_axes(value, output=None):
+            if opset >= 18:
+                axes_value, constant = _const(names, f"{prefix}/axes", np.asarray(axes, np.int64))
+                nodes.append(constant)
+                return op("ReduceMean", value, axes_value, output=output, keepdims=1)
+            return op("ReduceMean", value, output=output, axes=axes, keepdims=1)
+
+        wanted = list(node.output[1:3]) + [""] * (3 - len(node.output))
+        values = x if x_type == stash else op("Cast", x, to=stash)
+        mean = mean_over_axes(values, output=wanted[0] or None)
+        centered = op("Sub", values, mean)
+        variance = mean_over_axes(op("Mul", centered, centered))
+        epsilon, constant = _const(names, f"{prefix}/epsilon",
+                                   np.asarray(attr(node, "epsilon", 1e-5), oh.tensor_dtype_to_np_dtype(stash)))
+        nodes.append(constant)
+        op("Reciprocal", op("Sqrt", op("Add", variance, epsilon)), output=wanted[1] or None)
+        del node.output[1:]
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> None:
+    """Training-mode Dropout of a training graph as the step graph writes it: a mask drawn by
+    standard integer ops from two new scalar inputs, ``dropout_seed`` (int64) and ``step``
+    (float, the step graph's 1-based optimizer step; :func:`normgrad.graphs.rewrites.seed_dropout`),
+    which the gradient reads as it read the node's mask. OpenVINO refuses training-mode
+    Dropout ("Training mode is not supported for Dropout op"). A step graph is built from the
+    training graph before this rewrite (``build_step_graph(training, ..., portable=True)``;
+    ``normgrad export --portable --optimizer`` does so): it draws its own masks."""
+    import json
+
+    from normgrad.graphs import rewrites
+
+    graph = model.graph
+    if not rewrites._training_dropouts(graph):
+        return
+    if "step" in names.used:
+        raise ValueError("the graph already has a value named 'step', the input a seeded Dropout mask needs")
+    names("step")
+    outputs = rewrites.seed_dropout(graph, "step", 0)
+    graph.input.insert(len(graph.input) - 1, oh.make_tensor_value_info("step", onnx.TensorProto.FLOAT, []))
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    kept = [n for n in graph.node if n.op_type != "Constant" or n.output[0] in read]  # the ratio/mode constants
+    del graph.node[:]
+    graph.node.extend(kept)
+    meta = {entry.key: entry for entry in model.metadata_props}
+    value = json.dumps({"seed": 0, "outputs": outputs})
+    if rewrites.METADATA_DROPOUT in meta:
+        meta[rewrites.METADATA_DROPOUT].value = value
+    else:
+        model.metadata_props.append(onnx.StringStringEntryProto(key=rewrites.METADATA_DROPOUT, value=value))
+
+
 def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     """{value: its type} of every initializer, input, output and inferred value (shape
     inference with data propagation)."""
@@ -333,12 +434,44 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
     graph.input.extend(ordered)
 
 
-REWRITES = ("group_normalization_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
-            "constant_casts_folded", "unused_inputs_last")
+REWRITES = ("group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded", "onehot_as_equal",
+            "size_as_shape_product", "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
+            "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
-COSTLY_REWRITES = ("onehot_as_equal",)
+COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "scan_bodies_self_contained")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``): only ``normgrad export --portable`` makes them."""
+
+
+def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
+    """Makes each outer-scope value a main-graph Scan's body reads directly a loop-carried
+    state that the body passes on (Identity) and the Scan's final value of which nobody reads."""
+    types = None
+    for node in model.graph.node:
+        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        produced = {i.name for i in body.input} | {t.name for t in body.initializer} | {
+            o for n in body.node for o in n.output}
+        outer = sorted({i for n in body.node for i in n.input if i and i not in produced})
+        if not outer:
+            continue
+        types = types or value_types(model)
+        names = _Names(model.graph)
+        names.used.update(produced | {n.name for n in body.node})
+        inner = {name: names(f"{node.name or 'scan'}/carried") for name in outer}
+        for body_node in body.node:
+            body_node.input[:] = [inner.get(i, i) for i in body_node.input]
+        passed = [names(f"{node.name or 'scan'}/carried_out") for _ in outer]
+        body.node.extend(oh.make_node("Identity", [inner[name]], [out], name=f"{out}/Identity")
+                         for name, out in zip(outer, passed))
+        carried_types = [types.get(name, onnx.TypeProto()) for name in outer]
+        body_inputs, body_outputs = list(body.input), list(body.output)
+        del body.input[:], body.output[:]
+        body.input.extend([oh.make_value_info(inner[name], t) for name, t in zip(outer, carried_types)] + body_inputs)
+        body.output.extend([oh.make_value_info(out, t) for out, t in zip(passed, carried_types)] + body_outputs)
+        node.input[:] = outer + list(node.input)
+        node.output[:] = [names(f"{node.name or 'scan'}/carried_final") for _ in outer] + list(node.output)
 
 
 def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bool = False
@@ -368,6 +501,10 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
     if "group_normalization_expanded" not in skip:
         model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)
+    if "layer_norm_statistics_beside" not in skip:
+        _layer_norm_statistics_beside(model, names)
+    if "dropout_seeded" not in skip:
+        _dropout_seeded(model, names)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:
@@ -376,6 +513,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         _unshare_conv_transpose_weights(model.graph, names)
     if "constant_casts_folded" not in skip:
         _fold_constant_casts(model)
+    if "scan_bodies_self_contained" not in skip:
+        scan_bodies_self_contained(model)
     if "unused_inputs_last" not in skip:
         _unused_inputs_last(model)
     check_model(model)

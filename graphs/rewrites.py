@@ -13,9 +13,9 @@ would produce a wrong or rejected model.
   had: the converter leaves the new default half_pixel, which changes what linear
   computes. We set onnxruntime's semantics: asymmetric coordinates, and for nearest
   floor (upsampling; Upsample allows no other) or ceil (a Resize-10 that downsamples).
-* SplitToSequence read only by SequenceAt at constant positions (torch's dynamo exporter
-  writes it for torch.split/chunk) is a Split whose outputs are those positions: rewritten
-  so, since a gradient cannot flow through sequence values.
+* Sequence values (SplitToSequence, SequenceConstruct read by SequenceAt and
+  ConcatFromSequence), through which a gradient cannot flow, become tensor ops:
+  :mod:`normgrad.graphs.sequences`.
 * The converter keeps Pad-2's ``value`` attribute on reflect/edge Pads, which Pad-11 rejects;
   it means nothing there and is dropped.
 * LSTM, GRU and RNN with ``layout=1`` (batch first), which onnxruntime's CPU kernels refuse,
@@ -44,7 +44,7 @@ from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
 
-__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "split_sequences", "fold_integer_constants", "seed_dropout",
+__all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values"]
 
@@ -195,75 +195,6 @@ def convert_opset(model: onnx.ModelProto, opset: int, needed: int) -> onnx.Model
     return converted
 
 
-def _split_sizes(graph: onnx.GraphProto, node: onnx.NodeProto, dims: dict):
-    """The piece sizes of SplitToSequence ``node``, or None where the graph does not fix them."""
-    split = _constant_values(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else None
-    if split is not None and split.ndim == 1:
-        return [int(v) for v in split]
-    dim = dims.get(node.input[0])
-    if dim is None:
-        return None
-    step = 1 if split is None else int(split)
-    return [min(step, dim - start) for start in range(0, dim, step)]
-
-
-def split_sequences(model: onnx.ModelProto) -> None:
-    """Rewrites, in place, each SplitToSequence that only SequenceAt nodes with constant
-    positions read into a Split (plus a Squeeze per piece when ``keepdims=0`` without split)."""
-    graph = model.graph
-    if not any(node.op_type == "SplitToSequence" for node in graph.node):
-        return
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    readers: dict = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    replaced = {}  # id(node) -> the nodes written in its place
-    for node in graph.node:
-        if node.op_type != "SplitToSequence" or node.output[0] in outputs:
-            continue
-        users = readers.get(node.output[0], [])
-        positions = [_constant_values(graph, user.input[1]) if user.op_type == "SequenceAt" else None for user in users]
-        if not users or any(p is None for p in positions):
-            continue
-        axis = attr(node, "axis", 0)
-        dims = {}
-        for info in list(inferred.input) + list(inferred.value_info):
-            shape = info.type.tensor_type.shape.dim
-            if info.name == node.input[0] and shape and shape[axis].HasField("dim_value"):
-                dims[info.name] = shape[axis].dim_value
-        sizes = _split_sizes(graph, node, dims)
-        if sizes is None:
-            continue
-        tag = _unique(graph, f"{node.name or 'SplitToSequence'}/piece")
-        pieces = [f"{tag}_{k}" for k in range(len(sizes))]
-        split_name = f"{tag}_sizes"
-        split_inputs = [node.input[0], split_name] if opset >= 13 else [node.input[0]]
-        split_attrs = {} if opset >= 13 else {"split": sizes}
-        replaced[id(node)] = [
-            oh.make_node("Constant", [], [split_name], value=onh.from_array(np.asarray(sizes, np.int64))),
-            oh.make_node("Split", split_inputs, pieces, name=tag, axis=axis, **split_attrs),
-        ]
-        squeeze = not attr(node, "keepdims", 1) and not (len(node.input) > 1 and node.input[1])
-        for k, (user, position) in enumerate(zip(users, positions)):
-            piece = pieces[int(position) % len(sizes)]
-            if squeeze:
-                axes = f"{tag}_axes_{k}"
-                replaced[id(user)] = [
-                    oh.make_node("Constant", [], [axes], value=onh.from_array(np.asarray([axis], np.int64))),
-                    oh.make_node("Squeeze", [piece, axes], [user.output[0]]),
-                ]
-            else:
-                replaced[id(user)] = [oh.make_node("Identity", [piece], [user.output[0]])]
-    if not replaced:
-        return
-    kept = [new for node in graph.node for new in replaced.get(id(node), [node])]
-    del graph.node[:]
-    graph.node.extend(kept)
-
-
 _RECURRENT_STATE_INPUTS = {"LSTM": (5, 6), "GRU": (5,), "RNN": (5,)}
 
 
@@ -400,12 +331,15 @@ class _Emitter:
         its 32-bit output for each element of ``counter`` under ``key``."""
         high = self.const(1 << 32)
         rotate = lambda v: self.op("Add", self.op("Mul", v, high), self.shift_right(v, 32))  # noqa: E731
+        # v * v as -(v * -v) (the same mod 2**64): tract turns Mul(v, v) into a Square it
+        # has no int64 kernel for ("Square does not support I64")
+        square = lambda v: self.op("Neg", self.op("Mul", v, self.op("Neg", v)))  # noqa: E731
         y = self.op("Mul", counter, key)
         z = self.op("Add", y, key)
-        x = rotate(self.op("Add", self.op("Mul", y, y), y))
-        x = rotate(self.op("Add", self.op("Mul", x, x), z))
-        x = rotate(self.op("Add", self.op("Mul", x, x), y))
-        return self.shift_right(self.op("Add", self.op("Mul", x, x), z), 64 - bits)
+        x = rotate(self.op("Add", square(y), y))
+        x = rotate(self.op("Add", square(x), z))
+        x = rotate(self.op("Add", square(x), y))
+        return self.shift_right(self.op("Add", square(x), z), 64 - bits)
 
     def next_key(self, values: str, key: str) -> str:
         """An odd 64-bit key per element of the 1-D ``values``, from two squares draws under ``key``."""

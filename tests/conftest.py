@@ -16,6 +16,62 @@ FLOAT32_ONLY = {"python"}
 TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, np.dtype(ml_dtypes.bfloat16): 1.6e-2}
 
 
+# The slow tiers, marked `slow` here (tests elsewhere carry @pytest.mark.slow themselves) and
+# left out of a plain `pytest` run unless --run-slow (or an explicit -m) asks for them; .ci/run
+# runs them all. Modules named alone are slow whole; a (module, test-id prefixes) pair marks
+# just those tests.
+SLOW_MODULES = {
+    "test_model_families",             # model families through both torch exporters
+    "test_models_transformers_rules",  # BERT, ViT, Llama through torch's exporters
+    "test_trainer_matrix",             # transformers/diffusers blocks at every optimization level
+    "test_lora",                       # peft LoRA fine-tuning against torch
+    "test_external_data",              # a peft LoRA Llama exported with external data, trained
+    "test_mpi",                        # 2-rank jobs under mpirun
+    "test_runtimes",                   # tract, onnx's ReferenceEvaluator, OpenVINO
+    "test_openvino",                   # OpenVINO execution provider
+    "test_openvino_defects",
+    "test_big_models",                 # models past protobuf's 2 GiB limit
+    "test_bench_train_transformers",   # benchmark smoke test
+}
+SLOW_TESTS = {
+    "test_api": ("test_bench_train_quick_runs_and_agrees",),  # benchmark smoke test
+    "test_bfloat16": ("test_bfloat16_base_steps_match_torch[",),  # GPT-2 and Llama bases trained against torch
+    # every bad-input case in its own Python process at once (about 90 CPU-s); test_bad_input.py stays quick
+    "test_cpp_kernels": ("test_bad_inputs_are_rejected_without_crashing",),
+    "test_quiet": ("test_dynamo_export_of_a_transformer_is_quiet",),  # torch's dynamo export of a transformer
+    # docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more)
+    "test_docs": tuple(f"test_code_blocks_run[{page}:page]" for page in (
+        "README.md", "docs/errors.md", "docs/fine-tuning.md", "docs/how-to/build-training-graph.md",
+        "docs/tutorials/train-a-cnn.md", "docs/tutorials/fine-tune-a-transformer.md", "docs/tutorials/data-parallel-mpi.md")),
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the slow tiers (model families, MPI, other runtimes, docs pages that train, "
+                          "benchmark smoke tests): the tests marked slow, which a plain run leaves out")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        module = module.__name__.rsplit(".", 1)[-1] if module else ""
+        if module in SLOW_MODULES or item.name.startswith(SLOW_TESTS.get(module, ())):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--run-slow") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_report_header(config):
+    if not (config.getoption("--run-slow") or config.getoption("markexpr")):
+        return "slow tiers (tests marked slow) left out: --run-slow runs them"
+
+
 def cpp_available() -> bool:
     try:
         normgrad.library_path()

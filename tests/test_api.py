@@ -183,7 +183,7 @@ def test_bench_train_worker_runs_where_normgrad_is_not_installed(tmp_path):
         f"sys.path.insert(0, {os.path.dirname(bench_train.WORKER)!r})\n"
         f"runpy.run_path({bench_train.WORKER!r}, run_name='__main__')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, input="end\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, input="end\n")
     assert done.returncode == 0, done.stderr
     reply = json.loads(done.stdout.splitlines()[0])
     assert "normgrad" not in reply.get("error", ""), reply
@@ -202,7 +202,7 @@ def test_submodules_load_on_first_use():
         "assert normgrad.checkpoint.load\n"
         "try:\n    normgrad.no_such_thing\nexcept AttributeError as e:\n    print(e)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "module 'normgrad' has no attribute 'no_such_thing'"
 

@@ -39,7 +39,7 @@ def test_export_beyond_memory_ends_with_one_line_and_exit_1(tmp_path):
     run = subprocess.run(
         [sys.executable, "-c", "import sys; from normgrad.tools.export import main; sys.exit(main(sys.argv[1:]))",
          str(model), "-o", str(out), "--loss", "mse", "--optimizer", "sgd"],
-        capture_output=True, text=True, timeout=600, preexec_fn=_limit_address_space,
+        capture_output=True, text=True, timeout=3600, preexec_fn=_limit_address_space,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
     lines = run.stderr.strip().splitlines()

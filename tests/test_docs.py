@@ -45,7 +45,7 @@ REQUIREMENTS = {
     "transformers": lambda: _installed("transformers"),
     "peft": lambda: _installed("peft") and _installed("safetensors"),
 }
-TIMEOUT = 600
+TIMEOUT = 3600  # a hang guard only: a page takes seconds to minutes, several on a loaded machine
 
 
 def _installed(module: str) -> bool:

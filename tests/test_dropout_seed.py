@@ -139,7 +139,7 @@ def _run_plain(runtime, model, feeds, folder, threads=1, level="ORT_ENABLE_ALL")
     onnx.save(model, paths[0])
     np.savez(paths[1], **feeds)
     process = subprocess.run([python, "-c", _RUN_PLAIN, *paths, str(threads), level],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=3600)
     assert process.returncode == 0, process.stderr[-3000:]
     return dict(np.load(paths[2]))
 

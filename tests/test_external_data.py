@@ -9,6 +9,7 @@ plain ONNX model saved with external data (every onnxruntime)."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import onnx
@@ -23,6 +24,14 @@ from normgrad.train import Trainer, TrainerError
 
 STEPS, LR = 3, 1e-3
 
+
+
+def _data_file(folder, model_name: str) -> str:
+    """The one external-data file of ``model_name`` in ``folder``: MODEL.HASH.data (named by
+    its content, normgrad._files.stage_data_file)."""
+    names = [n for n in os.listdir(folder) if re.fullmatch(re.escape(model_name) + r"\.[0-9a-f]{16}\.data", n)]
+    assert len(names) == 1, (model_name, sorted(os.listdir(folder)))
+    return names[0]
 
 def _torch():
     """torch, peft and test_lora's model helpers; the test skips without them."""
@@ -91,12 +100,12 @@ def test_step_graph_keeps_the_base_external(exported, tmp_path, monkeypatch, whe
         external = _external(model)
         assert sorted(external) == sorted(exported["external"]), path
         locations = {location for location, _, _ in external.values()}
-        assert locations == {"forward.onnx.data" if where == "beside" else f"step_{where}.onnx.data"}
+        assert locations == {_data_file(folder, "forward.onnx" if where == "beside" else f"step_{where}.onnx")}
         big_inline = [t.name for t in model.graph.initializer
                       if not uses_external_data(t) and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES and ".lora_" not in t.name]
         assert not big_inline, path
     if where == "elsewhere":
-        assert os.path.getsize(folder / f"step_{where}.onnx.data") == sum(lengths.values())
+        assert os.path.getsize(folder / _data_file(folder, f"step_{where}.onnx")) == sum(lengths.values())
     assert os.path.getsize(step_path) < exported["inline_size"] - 0.9 * sum(lengths.values())
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path / "other")
@@ -124,11 +133,11 @@ def test_adapter_and_merged_model(exported, tmp_path, monkeypatch):
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path / "other")
     trainer.export_merged_model(tmp_path / "merged" / "merged.onnx")
-    assert sorted(os.listdir(tmp_path / "merged")) == ["merged.onnx", "merged.onnx.data"]
+    assert sorted(os.listdir(tmp_path / "merged")) == ["merged.onnx", _data_file(tmp_path / "merged", "merged.onnx")]
     merged = onnx.load(tmp_path / "merged" / "merged.onnx", load_external_data=False)
     assert not [t.name for t in merged.graph.initializer
                 if not uses_external_data(t) and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
-    assert {location for location, _, _ in _external(merged).values()} == {"merged.onnx.data"}
+    assert {location for location, _, _ in _external(merged).values()} == {_data_file(tmp_path / "merged", "merged.onnx")}
     assert not [t.name for t in merged.graph.initializer if ".lora_" in t.name]
     session = ort.InferenceSession(str(tmp_path / "merged" / "merged.onnx"), providers=["CPUExecutionProvider"])
     input_ids = exported["batch"]["input_ids"]
@@ -200,8 +209,9 @@ def test_plain_model_with_external_data(tmp_path, monkeypatch):
     _, expected = _train(tmp_path / "inline" / "step.onnx", batch)
     _write_step_graph(tmp_path / "model" / "model.onnx", tmp_path / "out" / "step.onnx", *options)
     step = onnx.load(tmp_path / "out" / "step.onnx", load_external_data=False)
-    assert {name: location for name, (location, _, _) in _external(step).items()} == {"w1": "step.onnx.data"}
-    assert os.path.getsize(tmp_path / "out" / "step.onnx.data") == 32 * 32 * 4
+    data = _data_file(tmp_path / "out", "step.onnx")
+    assert {name: location for name, (location, _, _) in _external(step).items()} == {"w1": data}
+    assert os.path.getsize(tmp_path / "out" / data) == 32 * 32 * 4
     monkeypatch.chdir(tmp_path / "model")
     trainer, losses = _train(tmp_path / "out" / "step.onnx", batch)
     assert losses == expected
@@ -236,8 +246,8 @@ def test_large_inline_weights_go_to_external_data(tmp_path, monkeypatch):
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     save_models_external({tmp_path / "m.onnx": model})
     written = onnx.load(tmp_path / "m.onnx", load_external_data=False)
-    assert {name: location for name, (location, _, _) in _external(written).items()} == {"w1": "m.onnx.data",
-                                                                                         "w2": "m.onnx.data"}
-    assert os.path.getsize(tmp_path / "m.onnx.data") == (32 * 32 + 32 * 8) * 4
+    data = _data_file(tmp_path, "m.onnx")
+    assert {name: location for name, (location, _, _) in _external(written).items()} == {"w1": data, "w2": data}
+    assert os.path.getsize(tmp_path / data) == (32 * 32 + 32 * 8) * 4
     got = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert np.array_equal(got, expected)

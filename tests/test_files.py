@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from normgrad._files import refuse_same_file, write_bytes_atomic
+from normgrad._files import PathAliasError, refuse_aliases, write_bytes_atomic
 
 
 def test_write_replaces_whole_file(tmp_path):
@@ -32,6 +32,6 @@ def test_failed_write_keeps_old_file_and_leaves_no_temporary(tmp_path, monkeypat
 def test_same_file_refused(tmp_path):
     source = tmp_path / "net.onnx"
     source.write_bytes(b"model")
-    with pytest.raises(ValueError, match="input file itself"):
-        refuse_same_file(source, tmp_path / "." / "net.onnx")
-    refuse_same_file(source, tmp_path / "other.onnx")
+    with pytest.raises(PathAliasError, match="is the input"):
+        refuse_aliases({"output": tmp_path / "." / "net.onnx"}, {"the input": source})
+    refuse_aliases({"output": tmp_path / "other.onnx"}, {"the input": source})

@@ -443,6 +443,9 @@ CONV_FORM_CASES = [
     ({"pads": [1, 0, 1, 1, 0, 1]}, (2, 2, 2, 2, 2), (1, 2, 3, 3, 3)),  # 3-D, 8 taps
     ({"pads": [1, 2], "dilations": [2]}, (3, 2, 3), (2, 2, 1100)),  # >= 1024 output pixels: batched MatMul per tap
     ({"strides": [2, 1], "pads": [1, 1, 0, 1]}, (2, 2, 3, 2), (1, 2, 64, 32)),  # the same, 2-D and strided
+    ({"pads": [1, 1, 1, 1]}, (8, 2, 3, 3), (1, 2, 4, 4)),  # more output channels than pixels / 4: im2col dW
+    ({"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 1, 2]}, (7, 3, 3, 2), (2, 3, 5, 4)),  # the same, strided
+    ({"pads": [1, 1]}, (5, 2, 3), (2, 2, 4)),  # the same, 1-D
 ]
 
 

@@ -80,6 +80,8 @@ def _step_loop(step_model, state, batches, run_step):
     return losses, state
 
 
+INT64_IN_32_BITS = _runtimes.SEEDED_DROPOUT_OPENVINO
+
 # Adam's bias corrections are float64 scalars (as torch computes them); OpenVINO's CPU device
 # has no float64, so those few scalar nodes run on the CPU provider.
 ADAM_ON_CPU = {"Cast", "Pow", "Sub", "Div", "Sqrt"}
@@ -94,12 +96,17 @@ ADAM_ON_CPU = {"Cast", "Pow", "Sub", "Div", "Sqrt"}
         # Adam only where no gradient is ~0: a conv bias before a normalization has a zero
         # gradient, which Adam turns into steps of size lr made of rounding noise
         ("mlp", "cross_entropy", "adamw", dict(weight_decay=0.01), LOSS_ON_CPU | ADAM_ON_CPU),
+        # LayerNormalization (its statistics computed beside it in the portable form), no Dropout
+        ("transformer_block", "mse", "sgd", dict(momentum=0.9), LOSS_ON_CPU),
+        # the seeded Dropout mask: measured wrong (INT64_IN_32_BITS), an explicit xfail
+        ("transformer_block_dropout", "mse", "sgd", dict(momentum=0.9), LOSS_ON_CPU),
     ],
 )
 def test_training_loop_on_openvino(block, loss, optimizer, options, allowed_on_cpu):
     """Five steps of a step graph on OpenVINO, weights and optimizer state fed back each
     step, against the same five steps of the graph evaluated in float64."""
-    forward = getattr(examples, block)()
+    forward = examples.transformer_block(dropout=0.1) if block == "transformer_block_dropout" else (
+        examples.transformer_block(dropout=0.0) if block == "transformer_block" else getattr(examples, block)())
     training = build_training_graph(forward, loss=loss)
     step_model, state = build_step_graph(training, optimizer, portable=True, **options)
     assert not step_model.graph.initializer or all(
@@ -117,6 +124,8 @@ def test_training_loop_on_openvino(block, loss, optimizer, options, allowed_on_c
         else:
             labels = rng.standard_normal(y_shape).astype(np.float32)
         batches.append({x_info.name: x, "labels": labels})
+        if "dropout_seed" in {i.name for i in step_model.graph.input}:
+            batches[-1]["dropout_seed"] = np.array(5, np.int64)
 
     s = session(step_model, OPENVINO_CPU, profile=True)
     names = [o.name for o in s.get_outputs()]
@@ -124,6 +133,11 @@ def test_training_loop_on_openvino(block, loss, optimizer, options, allowed_on_c
     on_cpu = nodes_on_cpu(s)
     want_losses, want = _step_loop(step_model, {k: v.astype(np.float64) for k, v in state.items()}, batches,
                                    lambda feeds: float64_outputs(step_model, feeds))
+    if block == "transformer_block_dropout":
+        assert_lacks = max(max_relative_error(got, expected) for got, expected in zip(losses, want_losses)) > 1e-4
+        assert assert_lacks, "the seeded Dropout mask now matches on OpenVINO: drop the xfail"
+        _runtimes.record("openvino-ep", f"training/{block}_{loss}/{optimizer}/portable", f"lacks {INT64_IN_32_BITS}")
+        pytest.xfail(INT64_IN_32_BITS)
     for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
         assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}"
     for name, expected in want.items():

@@ -145,6 +145,69 @@ def test_group_normalization_expanded():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def _transformer_feeds(model, weights, seed=5):
+    rng = np.random.default_rng(seed)
+    feeds = {**weights, "x": rng.standard_normal((3, 4, 8)).astype(np.float32),
+             "labels": rng.standard_normal((3, 4, 8)).astype(np.float32)}
+    return {k: v for k, v in feeds.items() if k in {i.name for i in model.graph.input}}
+
+
+def test_layer_norm_statistics_beside():
+    """The portable form reads no LayerNormalization statistics output (OpenVINO takes Y
+    only), and gives the default form's values; the default form keeps reading them (faster
+    on the CPU provider: tools/bench_portable.py)."""
+    forward = examples.transformer_block(dropout=0.0)
+    default, weights = build_training_graph(forward, loss="mse")
+    portable, _ = build_training_graph(forward, loss="mse", portable=True)
+    assert_portable(portable)
+    norms = lambda model: [list(n.output) for n in model.graph.node if n.op_type == "LayerNormalization"]  # noqa: E731
+    assert all(len(outputs) == 3 for outputs in norms(default)) and norms(default)
+    assert all(len(outputs) == 1 for outputs in norms(portable)) and len(norms(portable)) == len(norms(default))
+    feeds = _transformer_feeds(default, weights)
+    want, got = run(default, feeds, CPU), run(portable, feeds, CPU)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_portable_training_graph_seeds_dropout():
+    """Training-mode Dropout in the portable training graph is the step graph's seeded mask
+    (OpenVINO refuses training-mode Dropout): no Dropout node, a ``dropout_seed`` input; the
+    same seed gives bitwise the same outputs, another seed another mask; the gradients match
+    float64 finite differences (forward and backward share the mask)."""
+    from normgrad.tools.check import check_gradients
+
+    forward = examples.transformer_block(dropout=0.1)
+    portable, weights = build_training_graph(forward, loss="mse", portable=True)
+    assert "Dropout" not in {n.op_type for n in portable.graph.node}
+    assert {"dropout_seed", "step"} <= {i.name for i in portable.graph.input}
+    feeds = {**_transformer_feeds(portable, weights), "step": np.array(1, np.float32)}
+    first, again, other = (run(portable, {**feeds, "dropout_seed": np.array(seed, np.int64)}, CPU) for seed in (1, 1, 2))
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    assert not np.array_equal(first["y"], other["y"])
+    later = run(portable, {**feeds, "dropout_seed": np.array(1, np.int64), "step": np.array(2, np.float32)}, CPU)
+    assert not np.array_equal(first["y"], later["y"])
+    checks = check_gradients(portable, {**feeds, "dropout_seed": np.array(1, np.int64)}, directions=2)
+    worst = max(checks, key=lambda c: c.error)
+    # 0.022 without Dropout (b1: this float32 graph's finite differences); a backward mask other
+    # than the forward's is off by the dropped share of the gradient, 0.1 and more
+    assert worst.error < 0.05, worst
+
+
+def test_step_graph_draws_its_own_dropout_masks(tmp_path):
+    """A step graph is built from the training graph before the seeded-Dropout rewrite
+    (``export --portable --optimizer`` does so); one built from a portable training graph
+    is refused by name, never left with the training graph's masks."""
+    forward = examples.transformer_block(dropout=0.1)
+    with pytest.raises(ValueError, match="step"):
+        build_step_graph(build_training_graph(forward, loss="mse", portable=True), "sgd")
+    onnx.save(forward, str(tmp_path / "block.onnx"))
+    assert export_tool.main([str(tmp_path / "block.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "mse",
+                             "--optimizer", "sgd", "--portable"]) == 0
+    step = onnx.load(str(tmp_path / "step.onnx"))
+    assert "Dropout" not in {n.op_type for n in step.graph.node}
+    assert not [n for n in step.graph.node if n.op_type == "LayerNormalization" and any(n.output[1:])]
+
+
 def test_training_mode_batch_norm_refused():
     nodes = [oh.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)]
     ones = np.ones(2, np.float32)

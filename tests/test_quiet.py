@@ -27,7 +27,7 @@ def _warnings(script: str, tmp_path) -> Dict[str, List[str]]:
     before the first marker, and any on stdout, are in section "")."""
     path = tmp_path / "quiet.py"
     path.write_text(textwrap.dedent(script))
-    done = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sessions created" in done.stdout
     sections: Dict[str, List[str]] = {"": []}

@@ -99,12 +99,39 @@ LOOPS = [
     # AdamW where no gradient is ~0 (a conv bias before a normalization has a zero gradient,
     # which Adam turns into steps of size lr made of rounding noise)
     ("mlp", "cross_entropy", "adamw", dict(weight_decay=0.01)),
+    ("lstm_block", "cross_entropy", "adamw", dict(weight_decay=0.01)),
+    ("gru_block", "cross_entropy", "sgd", dict(momentum=0.9)),
+    # LayerNormalization and training-mode Dropout (the step graph's seeded mask)
+    ("transformer_block", "mse", "sgd", dict(momentum=0.9)),
 ]
+
+
+def _recurrent_block(kind: str, direction: str) -> onnx.ModelProto:
+    """x [N, 5, 3] batch first, transposed to time-major, a recurrent node (hidden 4), its
+    last hidden states [D, N, 4] flattened per sample to 3 logits."""
+    gates, hidden, directions = {"LSTM": 4, "GRU": 3}[kind], 4, 2 if direction == "bidirectional" else 1
+    params = examples.weights(11, W=(directions, gates * hidden, 3), R=(directions, gates * hidden, hidden),
+                              B=(directions, 2 * gates * hidden), w_out=(directions * hidden, 3), b_out=(3,))
+    params["flat"] = np.array([0, -1], np.int64)
+    nodes = [
+        onnx.helper.make_node("Transpose", ["x"], ["x_time"], perm=[1, 0, 2]),
+        onnx.helper.make_node(kind, ["x_time", "W", "R", "B"], ["", "h_last"], hidden_size=hidden, direction=direction),
+        onnx.helper.make_node("Transpose", ["h_last"], ["h_batch"], perm=[1, 0, 2]),
+        onnx.helper.make_node("Reshape", ["h_batch", "flat"], ["h_flat"]),
+        onnx.helper.make_node("MatMul", ["h_flat", "w_out"], ["z"]),
+        onnx.helper.make_node("Add", ["z", "b_out"], ["y"]),
+    ]
+    return examples.model(nodes, {"x": ("N", 5, 3)}, ["y"], params)
+
+
+BLOCKS = {"lstm_block": lambda: _recurrent_block("LSTM", "bidirectional"),
+          "gru_block": lambda: _recurrent_block("GRU", "forward")}
+"""Training-loop models of this file's own, beside :mod:`normgrad.graphs.examples`'s."""
 
 
 def _step_graph(block, loss, optimizer, options, inline):
     """(step graph as ``normgrad export`` writes it, initial state with fed weights, batches)."""
-    forward = getattr(examples, block)()
+    forward = BLOCKS[block]() if block in BLOCKS else getattr(examples, block)()
     training = build_training_graph(forward, loss=loss, inline=inline)
     step, state = build_step_graph(training, optimizer, **options)
     step, _ = as_exported(step)
@@ -126,7 +153,8 @@ def _loop(step, state, batches, run):
     meta = {p.key: json.loads(p.value) for p in step.metadata_props if p.key == "normgrad.state"}["normgrad.state"]
     losses = []
     for k, batch in enumerate(batches, start=1):
-        feeds = {**hyperparameter_feeds(step), **state, **batch, "lr": np.array(0.05, np.float32), "step": np.array(k, np.float32)}
+        feeds = {**hyperparameter_feeds(step), **state, **batch, "lr": np.array(0.05, np.float32),
+                 "step": np.array(k, np.float32), "dropout_seed": np.array(3, np.int64)}
         out = run({i.name: feeds[i.name] for i in step.graph.input})
         losses.append(out["loss"])
         state = {name: out[meta[name]] for name in state}
@@ -233,16 +261,47 @@ TORCH_OPTIMIZERS = {
 }
 
 
+def _conv_groupnorm(torch):
+    """Conv without bias (Adam would turn its ~0 gradient into noise), GroupNorm, SiLU, Linear."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.GroupNorm(2, 4), torch.nn.SiLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 3))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    return net
+
+
+def _recurrent(kind):
+    def make(torch):
+        class Classifier(torch.nn.Module):
+            """2-layer batch-first recurrent network, its last step to a Linear."""
+
+            def __init__(self):
+                super().__init__()
+                self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=2, batch_first=True)
+                self.fc = torch.nn.Linear(4, 3)
+
+            def forward(self, x):
+                return self.fc(self.rnn(x)[0][:, -1])
+
+        return Classifier()
+    return make
+
+
+TORCH_NETS = {"conv_groupnorm": (_conv_groupnorm, (4, 3, 5, 5)), "lstm": (_recurrent("LSTM"), (4, 5, 3)),
+              "gru": (_recurrent("GRU"), (4, 5, 3))}
+
+
 def _torch_params():
-    return [pytest.param(runtime, optimizer, inline, marks=[] if runtime == "onnxruntime" else _runtimes.requires(runtime))
-            for runtime in ("onnxruntime",) + _runtimes.RUNTIMES for optimizer in TORCH_OPTIMIZERS
+    return [pytest.param(runtime, net, optimizer, inline,
+                         marks=[] if runtime == "onnxruntime" else _runtimes.requires(runtime))
+            for runtime in ("onnxruntime",) + _runtimes.RUNTIMES for net in TORCH_NETS for optimizer in TORCH_OPTIMIZERS
             for inline in (False, True)]
 
 
-@pytest.mark.parametrize("runtime, optimizer, inline", _torch_params())
-def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
-    """A torch model (Conv without bias: Adam would turn its ~0 gradient into noise; GroupNorm,
-    SiLU, Linear) exported with normgrad.torch.export and
+@pytest.mark.parametrize("runtime, net_name, optimizer, inline", _torch_params())
+def test_torch_model_trains_as_torch(runtime, net_name, optimizer, inline, tmp_path):
+    """A torch model (:data:`TORCH_NETS`) exported with normgrad.torch.export and
     `normgrad export` defaults (plus --inline): 5 steps on the runtime, weights read from the
     checkpoint and fed back each step, match torch.optim's 5 steps."""
     torch = pytest.importorskip("torch")
@@ -251,12 +310,9 @@ def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
     from normgrad.tools import export as export_tool
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.GroupNorm(2, 4), torch.nn.SiLU(),
-                              torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 3))
-    with torch.no_grad():
-        net[1].weight.uniform_(0.5, 1.5)
-        net[1].bias.uniform_(-0.5, 0.5)
-    forward = torch_export(net, torch.randn(4, 3, 5, 5), tmp_path / "net.onnx", input_names=["x"], output_names=["y"])
+    make_net, x_shape = TORCH_NETS[net_name]
+    net = make_net(torch)
+    forward = torch_export(net, torch.randn(*x_shape), tmp_path / "net.onnx", input_names=["x"], output_names=["y"])
     flags, make_optimizer = TORCH_OPTIMIZERS[optimizer]
     argv = [str(tmp_path / "net.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "cross_entropy"] + flags
     assert export_tool.main(argv + (["--inline"] if inline else [])) == 0
@@ -264,7 +320,7 @@ def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
     state = dict(checkpoint.load(tmp_path / "step.ckpt").tensors)
     names = json.loads({p.key: p.value for p in forward.metadata_props}["normgrad.torch_parameters"])
     rng = np.random.default_rng(3)
-    batches = [{"x": rng.standard_normal((4, 3, 5, 5)).astype(np.float32),
+    batches = [{"x": rng.standard_normal(x_shape).astype(np.float32),
                 "labels": rng.integers(0, 3, 4).astype(np.int64)} for _ in range(5)]
     parameters = dict(net.named_parameters())
     torch_optimizer = make_optimizer(torch, list(parameters.values()))
@@ -287,4 +343,4 @@ def test_torch_model_trains_as_torch(runtime, optimizer, inline, tmp_path):
     if runtime == "onnxruntime":
         attempt()
     else:
-        _expect(runtime, f"training/torch_conv_groupnorm/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
+        _expect(runtime, f"training/torch_{net_name}/{optimizer}/{'inline' if inline else 'default'}", step, attempt)

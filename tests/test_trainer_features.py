@@ -33,7 +33,7 @@ def _run(runtime, step_path, start, batches, out, accumulation=1):
         python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
         if not python:
             pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
-        process = subprocess.run([python, _features_runner.__file__] + args, capture_output=True, text=True, timeout=600)
+        process = subprocess.run([python, _features_runner.__file__] + args, capture_output=True, text=True, timeout=3600)
         assert process.returncode == 0, process.stderr[-3000:]
         assert process.stdout.split()[-1] == "1.19.2", process.stdout
     return dict(np.load(out))

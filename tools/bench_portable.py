@@ -31,6 +31,8 @@ def blocks():
         ("UNet block [8, 16, 32, 32], mse", resized(examples.unet_block(channels=16, hidden=16), (8, 16, 32, 32)), "mse", 10),
         ("ResNet block [8, 32, 32, 32], mse", resized(examples.resnet_block(channels=32), (8, 32, 32, 32)), "mse", 10),
         ("MLP [8, 5] -> 3 classes, cross_entropy", resized(examples.mlp(), (8, 5), (8, 3)), "cross_entropy", 300),
+        ("Transformer layer [16, 32, 64], Dropout 0.1, mse",
+         resized(examples.transformer_block(dropout=0.1, width=64, hidden=256), (16, 32, 64)), "mse", 30),
     ]
 
 
@@ -78,7 +80,8 @@ def measure(training: onnx.ModelProto, runs: int, rounds: int, seed: int = 0) ->
         session = ort.InferenceSession(normgrad.add_functions(model).SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
         wanted = {i.name for i in session.get_inputs()}
-        sessions[name] = (session, {k: v for k, v in feeds.items() if k in wanted})
+        fed = {k: v for k, v in {**feeds, "dropout_seed": np.array(0, np.int64)}.items() if k in wanted}
+        sessions[name] = (session, fed)
         session.run(None, sessions[name][1])  # warm-up
     times: Dict[str, List[float]] = {name: [] for name in sessions}
     order = list(sessions)
@@ -100,10 +103,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m normgrad.tools.bench_portable", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", default="", help="measure the graphs whose title contains this text")
     args = parser.parse_args(argv)
     print("| graph | form | median ms | range over rounds |")
     print("|---|---|---|---|")
     for title, forward, loss, runs in blocks():
+        if args.only not in title:
+            continue
         training = training_graph_with_stored_weights(forward, loss=loss)
         for name, samples in measure(training, runs, args.rounds).items():
             print(f"| {title} | {name} | {statistics.median(samples):.3f} | {min(samples):.3f}-{max(samples):.3f} |",

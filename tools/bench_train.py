@@ -12,7 +12,7 @@ A step is forward, cross-entropy against integer labels, backward and one AdamW 
 
 The models are torch modules exported by torch's TorchScript exporter (training mode,
 opset 17): a ResNet basic block with a GAP/Linear head (x [16, 64, 56, 56]), a ResNet-18
-(x [8, 3, 128, 128], 1000 classes), a diffusion-UNet block (GroupNorm-SiLU-Conv twice plus
+(x [16, 3, 112, 112], 1000 classes), a diffusion-UNet block (GroupNorm-SiLU-Conv twice plus
 the skip, GAP/Linear head, x [8, 128, 32, 32]) and an EfficientNet MBConv block (1x1 expand,
 BN-SiLU, depthwise 3x3, BN-SiLU, squeeze-excite, 1x1 project, BN, skip; x [16, 40, 28, 28]) and an LSTM classifier (2-layer nn.LSTM, hidden 256, batch first,
 the last step to a Linear head; x [32, 128, 64]).
@@ -69,7 +69,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_train_worker
 # name: (input shape, quick input shape, classes)
 MODELS: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], int]] = {
     "resnet_block": ((16, 64, 56, 56), (2, 8, 16, 16), 10),
-    "resnet18": ((8, 3, 128, 128), (4, 3, 64, 64), 1000),
+    "resnet18": ((16, 3, 112, 112), (4, 3, 64, 64), 1000),
     "unet_block": ((8, 128, 32, 32), (2, 16, 8, 8), 10),
     "mbconv_block": ((16, 40, 28, 28), (2, 8, 8, 8), 10),
     "lstm": ((32, 128, 64), (4, 16, 8), 10),

@@ -36,7 +36,8 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.graphs.builder import METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS, AnyTrainingGraph, training_graph_parts
+from normgrad.graphs.builder import (METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS, METADATA_WEIGHTS, AnyTrainingGraph,
+                                     training_graph_parts)
 from normgrad.graphs.portable import weights_as_inputs
 from normgrad.graphs.structure import subgraph_captures
 
@@ -129,6 +130,20 @@ def _dims(info: onnx.ValueInfoProto, symbols: Dict[str, int], default: int) -> L
     return dims
 
 
+def _refuse_beyond_memory(name: str, dims: List[int], dtype: np.dtype) -> None:
+    """ValueError when a random value for input ``name`` would not fit this machine's memory."""
+    import os
+
+    needed = int(np.prod(dims, dtype=object)) * dtype.itemsize
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if needed > memory:
+        raise ValueError(f"input {name!r} of shape {dims} ({dtype}) needs {needed / 2**30:.1f} GiB, more than this "
+                         f"machine's memory ({memory / 2**30:.1f} GiB); check a graph with smaller static dimensions")
+
+
 def random_feeds(training: AnyTrainingGraph, seed: int = 0, batch: int = 2) -> Dict[str, np.ndarray]:
     """Random values for every input of training graph ``training`` (either form of
     :func:`check_gradients`).
@@ -150,6 +165,7 @@ def random_feeds(training: AnyTrainingGraph, seed: int = 0, batch: int = 2) -> D
         elem_type = info.type.tensor_type.elem_type
         dtype = oh.tensor_dtype_to_np_dtype(elem_type)
         dims = _dims(info, symbols, batch)
+        _refuse_beyond_memory(info.name, dims, np.dtype(dtype))
         if elem_type in _FLOAT:
             feeds[info.name] = rng.standard_normal(dims).astype(dtype)
         else:
@@ -670,7 +686,9 @@ def check_gradients(
         rms = float(np.sqrt(np.mean(np.square(base)))) if base.size else 0.0
         h = step * (rms if np.isfinite(rms) and rms > 0 else 1.0)
         analytic, numeric, flipped = [], [], 0
-        for _ in range(directions):
+        if base.size == 0:  # no direction to move along: the (empty) gradient is trivially right
+            analytic, numeric = [0.0] * directions, [0.0] * directions
+        for _ in range(directions if base.size else 0):
             v = rng.standard_normal(g.shape)
             plus, decisions_plus = forward.perturbed(wrt, base + h * v)
             minus, decisions_minus = forward.perturbed(wrt, base - h * v)
@@ -711,6 +729,14 @@ def _feeds_with_checkpoint(model: onnx.ModelProto, model_path: str, checkpoint_p
         tensors = checkpoint.load(path).tensors
     except checkpoint.CheckpointError as error:
         raise CheckpointFeedError(str(error)) from None
+    extra = sorted(set(tensors) - set(feeds))
+    if extra:
+        raise CheckpointFeedError(f"{path}: tensor {extra[0]!r} is no input of {model_path}: the checkpoint is another "
+                                  f"model's (not in the graph: {', '.join(extra)})")
+    missing = [name for name in _metadata(model, METADATA_WEIGHTS) or [] if name not in tensors]
+    if missing:
+        raise CheckpointFeedError(f"{path}: no tensor for weight {missing[0]!r} of {model_path}: the checkpoint is "
+                                  f"another model's (missing: {', '.join(missing)})")
     for name, value in tensors.items():
         if name in feeds:
             if value.shape != feeds[name].shape or value.dtype != feeds[name].dtype:
@@ -726,6 +752,7 @@ class CheckpointFeedError(ValueError):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad check``; returns the process exit code (1 if a gradient fails)."""
+    from normgrad._files import refuse_irregular_file
     from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line, positive_float, positive_int
 
     parser = ArgumentParser(prog="normgrad check", description=__doc__.split("\n\n")[0])
@@ -747,6 +774,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runtime_errors = tuple(getattr(ort_errors, name) for name in _ORT_ERRORS if hasattr(ort_errors, name))
     started = time.perf_counter()
     try:
+        for path in (args.model, args.checkpoint):
+            if path is not None:
+                refuse_irregular_file(path, "input")
         model = load_model(args.model)
         check_metadata(model)
         options = None
@@ -757,8 +787,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         feeds = _feeds_with_checkpoint(model, args.model, args.checkpoint, args.seed)
         checks = check_gradients(model, feeds, session_options=options, directions=args.directions, step=args.step,
                                  seed=args.seed)
-    except (CommandError, ValueError, KeyError, FileNotFoundError, onnx.checker.ValidationError) as error:
+    except (CommandError, ValueError, KeyError, OSError, onnx.checker.ValidationError) as error:
         print(f"normgrad check: {one_line(error)}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"normgrad check: out of memory checking {args.model}", file=sys.stderr)
         return 1
     except runtime_errors as error:
         print(f"normgrad check: onnxruntime cannot run {args.model}: {one_line(error)}", file=sys.stderr)

@@ -18,7 +18,8 @@ COMMANDS = {
     "export": ("normgrad.tools.export", "turn a forward ONNX model into a training graph"),
     "check": ("normgrad.tools.check", "compare a training graph's gradients with finite differences"),
     "corpus": ("normgrad.tools.corpus", "write the interoperability corpus (graphs/corpus) or --check it"),
-    "train": ("normgrad.tools.train", "train a small CNN on scikit-learn's digits in onnxruntime (the train extra)"),
+    "train": ("normgrad.tools.train", "train a step graph on .npz/.npy arrays (fit: evaluation, checkpoints, logs); "
+                                      "no arguments: a small CNN on scikit-learn's digits (the train extra)"),
     "support-table": ("normgrad.tools.support_table", "render the model-family and operator tables of docs/reference/support.md from the tests' results"),
 }
 
@@ -150,8 +151,18 @@ def update_page_command(argv: Optional[Sequence[str]], prog: str, description: s
 def _usage() -> str:
     lines = ["usage: normgrad COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
-    lines += ["", "`normgrad COMMAND --help` describes a command's arguments."]
+    lines += ["", "`normgrad COMMAND --help` describes a command's arguments; `normgrad --version` the version."]
     return "\n".join(lines)
+
+
+def _version() -> str:
+    """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("normgrad")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -160,7 +171,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        print(f"normgrad {_version()}")
+        return 0
     command, rest = args[0], args[1:]
+    if command == "demo" and rest[:1] == ["train"]:  # `normgrad demo train`: the digits demo of `normgrad train`
+        command, rest = "train", rest[1:]
     if command not in COMMANDS:
         print(f"normgrad: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2

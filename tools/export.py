@@ -12,7 +12,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, refuse_same_file, stage_models_external, uses_external_data
+from normgrad._files import (EXTERNAL_TENSOR_MIN_BYTES, commit_files, external_data_files, refuse_aliases,
+                             refuse_irregular_file, stage_models_external, staging, uses_external_data)
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
@@ -43,8 +44,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--inline", action="store_true", help="standard ONNX ops only (normgrad functions inlined)")
     parser.add_argument("--portable", action="store_true",
                         help="also the portable rewrites that cost time on onnxruntime's CPU provider (OneHot as "
-                             "Equal + Where), for OpenVINO; without it every other rewrite is made (weights are "
-                             "always pure inputs, their initial values in the checkpoint)")
+                             "Equal + Where, LayerNorm statistics computed beside it, training-mode Dropout as a "
+                             "mask seeded by a dropout_seed input), for OpenVINO; without it every other rewrite is "
+                             "made (weights are always pure inputs, their initial values in the checkpoint)")
     parser.add_argument("--freeze", action="append", default=[], metavar="NAME_OR_GLOB",
                         help="initializers that get no gradient (repeatable; fnmatch globs)")
     parser.add_argument("--trainable", action="append", default=None, metavar="NAME_OR_GLOB",
@@ -125,12 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
     eval_path = _beside(args.output, ".eval.onnx")
+    outputs = {"output (-o)": args.output, "checkpoint (--checkpoint)": checkpoint_path,
+               **({"evaluation graph": eval_path} if args.optimizer else {})}
     try:
-        refuse_same_file(args.model, args.output)
-        refuse_same_file(args.model, checkpoint_path, "checkpoint")
-        _refuse_one_path(args.output, checkpoint_path)
-        if args.optimizer:
-            refuse_same_file(args.model, eval_path, "evaluation graph")
+        refuse_aliases(outputs, {"the input model": args.model})
     except ValueError as error:
         print(f"normgrad export: {error}", file=sys.stderr)
         return 2
@@ -139,17 +139,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not os.path.isdir(folder):
             print(f"normgrad export: cannot write {what} {path}: no folder {folder}", file=sys.stderr)
             return 1
+    try:
+        refuse_irregular_file(args.model, "input model")
+        for what, path in outputs.items():
+            refuse_irregular_file(path, what)
+    except OSError as error:
+        print(f"normgrad export: {error.filename}: {error.strerror}; nothing was written", file=sys.stderr)
+        return 1
     target = args.output
     try:
-        forward = load_model(args.model, keep_external=lambda model: _frozen_weights(model, args.freeze, args.trainable))
+        input_files = [("the input model", args.model)]
+
+        def keep_external(model):  # sees the model before its external data is read
+            input_files.extend(("a data file of the input model", path)
+                               for path in external_data_files(model, os.path.dirname(os.path.abspath(args.model))))
+            return _frozen_weights(model, args.freeze, args.trainable)
+
+        forward = load_model(args.model, keep_external=keep_external)
         _refuse_beyond_memory(args.model, forward)
+        try:
+            refuse_aliases(outputs, input_files)
+        except ValueError as error:
+            print(f"normgrad export: {error}", file=sys.stderr)
+            return 2
         frozen = frozen_parameters(forward, args.freeze, args.trainable)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TorchExportWarning)
             training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
                                             loss_options=loss_options, loss_output=args.loss_output,
                                             data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                            bucket_bytes=bucket_bytes, portable=args.portable)
+                                            bucket_bytes=bucket_bytes,
+                                            portable=args.portable and not args.optimizer)  # the step graph's, below
             del forward  # the training graph holds all of it
         for warning in caught:
             if issubclass(warning.category, TorchExportWarning):
@@ -175,25 +195,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             evaluation = build_eval_graph(written)
         else:
             written, initial = training
-        # every file is built before any is written; the graphs wait, flushed under temporary
-        # names, until the checkpoint is in place. A frozen base in external data stays there
-        # (graphs in the input's folder) or is copied to OUTPUT.data, which both graphs share.
-        graphs = {args.output: written, **({eval_path: evaluation} if evaluation is not None else {})}
-        try:
-            staged = stage_models_external(graphs, os.path.dirname(os.path.abspath(args.model)), share=True)
-        except ValueError as error:
-            raise CommandError(f"cannot write {args.output}: {one_line(error)}") from None
-        try:
-            from normgrad import checkpoint
+        # every file is built and staged under a temporary name before any is put in place, then
+        # all are committed as one set (normgrad._files.commit_files): a failure or a kill leaves
+        # the old graphs and checkpoint (a trained one) or the new ones. A frozen base in
+        # external data stays there (graphs in the input's folder) or is copied to
+        # OUTPUT.HASH.data, which both graphs share.
+        from normgrad import checkpoint
 
+        graphs = {args.output: written, **({eval_path: evaluation} if evaluation is not None else {})}
+        with staging() as staged:
+            try:
+                staged += stage_models_external(graphs, os.path.dirname(os.path.abspath(args.model)), share=True)
+            except ValueError as error:
+                raise CommandError(f"cannot write {args.output}: {one_line(error)}") from None
             target = checkpoint_path
-            checkpoint.save(checkpoint_path, initial)
-            for file in staged:
-                target = file.path
-                file.commit()
-        finally:
-            for file in staged:
-                file.discard()
+            staged += checkpoint.stage(checkpoint_path, initial)
+        target = args.output
+        commit_files(staged)
     except OSError as error:
         print(f"normgrad export: cannot write {target}: {error.strerror or error}", file=sys.stderr)
         return 1
@@ -267,14 +285,6 @@ def _frozen_weights(forward, freeze, trainable) -> set:
     frozen = frozen_parameters(forward, freeze, trainable) | _not_torch_parameters(forward)
     return {t.name for t in forward.graph.initializer if t.name in frozen and
             np.prod(t.dims) * tensor_dtype_to_np_dtype(t.data_type).itemsize >= EXTERNAL_TENSOR_MIN_BYTES}
-
-
-def _refuse_one_path(output: str, checkpoint_path: str) -> None:
-    """ValueError when the step graph and the checkpoint would be the same file."""
-    same = os.path.abspath(output) == os.path.abspath(checkpoint_path) or (
-        os.path.exists(output) and os.path.exists(checkpoint_path) and os.path.samefile(output, checkpoint_path))
-    if same:
-        raise ValueError(f"--checkpoint {checkpoint_path} is the output file (-o) itself; give them different paths")
 
 
 def _checkpoint_beside(output: str) -> str:

@@ -1,6 +1,15 @@
-"""``normgrad train``: train a small CNN on scikit-learn's bundled digits in plain onnxruntime.
+"""``normgrad train``: train one's own step graph on arrays, or (no STEP) a small CNN on
+scikit-learn's bundled digits in plain onnxruntime.
 
-The whole path of the README's walk-through, with nothing downloaded: a forward ONNX model
+``normgrad train STEP.onnx --data train.npz [--eval val.npz]`` trains a step graph written by
+``normgrad export --optimizer`` (initial state: ``STEP.ckpt`` beside it) with
+:func:`normgrad.loop.fit`: epochs of shuffled batches, evaluation with metrics, early stopping,
+a torch scheduler, checkpoints in ``--checkpoint-dir`` (``--resume`` continues from the
+latest), logs (CSV, TensorBoard, PNG) and the inference model in ``--out``. The arrays
+(``.npz``, or ``NAME.npy`` / ``NAME=FILE.npy`` files) are named as the graph's data inputs.
+
+Without STEP (also ``normgrad demo train``), the built-in example, the whole path of the
+README's walk-through with nothing downloaded: a forward ONNX model
 built in code (:func:`normgrad.graphs.examples.digits_cnn`: Conv-BatchNorm-ReLU-MaxPool
 twice, then Gemm), its step graph (cross-entropy loss, AdamW), and
 :class:`normgrad.train.Trainer` with a cosine schedule; after each epoch the inference
@@ -22,9 +31,11 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from normgrad.tools._train_step import (_STEP_ONLY, HelpFormatter, _add_step_arguments, _train_step_graph, check_arrays, load_arrays,
+                                        parse_scheduler)
 from normgrad.tools.cli import ArgumentParser, positive_float, positive_int
 
-__all__ = ["main", "load_digits", "accuracy"]
+__all__ = ["main", "load_digits", "accuracy", "load_arrays", "check_arrays", "parse_scheduler"]
 
 
 def load_digits(seed: int, test_fraction: float = 0.2):
@@ -78,17 +89,26 @@ def _plot(losses: List[float], steps_per_epoch: int, accuracies: List[float], pa
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``normgrad train``; returns the exit code (1: scikit-learn missing or a
-    file it cannot write)."""
-    parser = ArgumentParser(prog="normgrad train", description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--epochs", type=positive_int, default=12, help="passes over the training digits")
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="digits per optimizer step")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, data split and shuffling")
-    parser.add_argument("--out", default="normgrad-train", help="folder for the step graph, checkpoint, "
-                        "inference model and PNG")
+    """Entry point of ``normgrad train``; returns the exit code (1: bad data or options, a
+    file it cannot read or write, scikit-learn missing for the demo; 2: usage)."""
+    parser = ArgumentParser(prog="normgrad train", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("step", nargs="?", metavar="STEP", help="a step graph (normgrad export --optimizer); "
+                        "none: the digits demo")
+    parser.add_argument("--epochs", type=positive_int, default=12, help="passes over the training data")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="samples per optimizer step")
+    parser.add_argument("--lr", type=positive_float, default=argparse.SUPPRESS,
+                        help="learning rate; the demo's peak AdamW lr (cosine schedule), for STEP the step graph's "
+                        "own unless given (default: 0.003)")
+    parser.add_argument("--seed", type=int, default=0, help="the shuffling (and the demo's weights and data split)")
+    parser.add_argument("--out", default="normgrad-train", help="folder for the logs, plot and models")
+    _add_step_arguments(parser)
     args = parser.parse_args(argv)
+    if args.step is not None:
+        return _train_step_graph(parser, args)
+    given = [flag for flag, default in _STEP_ONLY.items() if getattr(args, flag.lstrip("-").replace("-", "_")) != default]
+    if given:
+        parser.error(f"{given[0]} needs a STEP graph (the digits demo takes --epochs, --batch-size, --lr, --seed, --out)")
+    args.lr = getattr(args, "lr", 3e-3)
     try:
         images, labels, test_images, test_labels = load_digits(args.seed)
     except ImportError:

@@ -106,6 +106,7 @@ def supported_op_types() -> Dict[str, bool]:
 from normgrad.graphs.rules import (  # noqa: E402,F401
     activations,
     batch_norm,
+    col2im,
     concat,
     conv,
     cumsum,
@@ -117,6 +118,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     gemm,
     group_norm,
     layer_norm,
+    loss,
     matmul,
     non_differentiable,
     pad,

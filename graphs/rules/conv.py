@@ -31,10 +31,17 @@ case                            dx ConvT      dx flip Conv dW big-kernel    dW p
 which it keeps.
 
 So dW is one GEMM per kernel tap for ungrouped convs with at most 9 taps (batched over
-the samples for large images: see :func:`_per_tap_weight_gradient`) (the big-kernel Conv
-is 2-10x slower there; an im2col with one GEMM measured between the two), the big-kernel Conv
-otherwise (a 7x7 stem on 3 channels: 49 thin GEMMs lose); dx is the flipped Conv for
-ungrouped stride-1 convs and ConvTranspose otherwise (depthwise: 4x faster as ConvTranspose).
+the samples for large images; one im2col GEMM where the output channels outnumber the
+pixels: see :func:`_per_tap_weight_gradient`) (the big-kernel Conv is 2-10x slower there),
+the big-kernel Conv otherwise (a 7x7 stem on 3 channels: 49 thin GEMMs lose); dx is the
+flipped Conv for ungrouped stride-1 convs and ConvTranspose otherwise (depthwise: 4x faster
+as ConvTranspose).
+
+Every graph form of dW copies x once per tap (Slice, or inside the Conv's im2col), which
+torch's direct (mkldnn) backward need not; the other graph forms lose at 1 thread on
+ResNet-18's shapes (batch 16, 112x112; the 20 convs' dW, stem included, one run of medians):
+a Gemm per tap 513 ms, the big-kernel Conv 759, a Gather im2col 930 (Gather copies element
+by element). Reading x in place needs a kernel with a GEMM of MLAS's speed inside the library.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 import onnx
+import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
@@ -56,34 +64,62 @@ def input_gradient(ctx: GradientContext, dy: str, w: str, x: str, window: Window
     """dx of Conv(x, w) over ``window``, sized like ``x``.
 
     Stride 1, groups 1, pads within the dilated kernel: a Conv of dy with w flipped in space and
-    its two channel axes swapped, pads (k - 1) * d - p (onnxruntime runs it on the same NCHWc
-    path as the forward Conv). Otherwise ConvTranspose(dy, w): depthwise 3x3 measured 4x
-    faster as ConvTranspose than as the flipped Conv."""
+    its two channel axes swapped (:func:`_flipped_swapped`), pads (k - 1) * d - p (onnxruntime
+    runs it on the same path as the forward Conv). Otherwise ConvTranspose(dy, w): depthwise
+    3x3 measured 4x faster as ConvTranspose than as the flipped Conv. (ConvTranspose is not
+    the stride-1 default: onnxruntime transposes w for each sample, 57 against 30 ms at
+    [16, 512, 4, 4], 1 thread.)"""
     r = len(window.kernel)
     reach = [(k - 1) * d for k, d in zip(window.kernel, window.dilations)]
     if groups == 1 and all(s == 1 for s in window.strides) and all(0 <= p <= reach[i % r] for i, p in enumerate(window.pads)):
-        spatial = list(range(2, 2 + r))
-        flipped = ctx.op("Slice", w, ctx.ints([-1] * r), ctx.ints([-(2**63)] * r), ctx.ints(spatial), ctx.ints([-1] * r))
-        swapped = ctx.op("Transpose", flipped, perm=[1, 0] + spatial)
         pads = [reach[i % r] - p for i, p in enumerate(window.pads)]
-        return ctx.op("Conv", dy, swapped, pads=pads, dilations=window.dilations, kernel_shape=window.kernel)
+        return ctx.op("Conv", dy, _flipped_swapped(ctx, w, window.kernel), pads=pads, dilations=window.dilations,
+                      kernel_shape=window.kernel)
     return transposed_window(ctx, dy, w, x, window, groups)
 
 
-def _per_tap_weight_gradient(ctx: GradientContext, x: str, w: str, dy: str, window: Window) -> str:
-    """dW of an ungrouped Conv as GEMMs, one per kernel tap: x zero-padded and sliced at the
-    tap's offset with the conv's strides (x_tap, shaped like dy but with C channels) against
-    dy, summed over the batch and the output pixels.
+def _flipped_swapped(ctx: GradientContext, w: str, kernel: List[int]) -> str:
+    """``w`` [M, C, k...] flipped along every spatial axis, as [C, M, k...].
 
-    Large images (at least 1024 output pixels per sample, known statically): a batched MatMul
-    per tap, x_tap [N, C, P] @ dy^T [N, P, M], then ReduceSum over N; x stays in NCHW and dy
-    is transposed once. Otherwise one Gemm per tap over K = N * P, with x and dy arranged
-    channels-first once ([C, K], [M, K]). Measured on forward + dW of one 3x3 conv: batched
-    117 vs 140 ms at [16, 64, 56, 56], 12.0 vs 13.6 ms at [8, 64, 32, 32]; Gemm 16.7 vs 19.8 ms
-    at [8, 128, 16, 16], 12.2 vs 13.9 at [8, 256, 8, 8], 22.5 vs 36.0 at [8, 512, 4, 4]."""
+    Flipping every spatial axis reverses the flattened kernel, so it is a MatMul of w as
+    [M, C, taps] with the taps x taps anti-identity (exact for finite w: one product by 1, the rest by 0),
+    then one Transpose of the channel axes. A Slice with step -1 copies w element by element:
+    at [512, 512, 3, 3] the Slice and Transpose took 27 ms, the MatMul and Transpose 7, the
+    Conv itself 23 (1 thread)."""
+    taps = int(np.prod(kernel))
+    reversal = ctx.op("Constant", value=onh.from_array(np.eye(taps, dtype=np.float32)[::-1].copy()))
+    if ctx.elem_type(w) != onnx.TensorProto.FLOAT:
+        reversal = ctx.op("CastLike", reversal, w)
+    flipped = ctx.op("MatMul", ctx.op("Reshape", w, ctx.ints([0, 0, -1])), reversal)  # [M, C, taps]
+    swapped = ctx.op("Transpose", flipped, perm=[1, 0, 2])
+    return ctx.op("Reshape", swapped, ctx.ints([0, 0] + list(kernel)))
+
+
+def _per_tap_weight_gradient(ctx: GradientContext, x: str, w: str, dy: str, window: Window) -> str:
+    """dW of an ungrouped Conv as GEMMs over the kernel taps: x zero-padded and sliced at each
+    tap's offset with the conv's strides (x_tap, shaped like dy but with C channels) against
+    dy, summed over the batch and the output pixels. Three arrangements, by static sizes:
+
+    * batched (at least 1024 output pixels per sample): a MatMul per tap, x_tap [N, C, P] @
+      dy^T [N, P, M], then ReduceSum over N; x stays in NCHW and dy is transposed once.
+    * im2col (more output channels M than a quarter of K = N * P, the deep layers): the taps
+      stacked as [C, taps, K] and one Gemm with dy [M, K] into [M, C * taps], which is dW's
+      layout. A Gemm per tap would need its [M, C] results interleaved tap by tap, an element
+      at a time: at [16, 512, 4, 4] that Concat cost more than the x copies it saves.
+    * otherwise one Gemm per tap over K, with x and dy arranged channels-first once ([C, K],
+      [M, K]).
+
+    Measured on forward + dW of one 3x3 conv: batched 117 vs 140 ms at [16, 64, 56, 56], 12.0
+    vs 13.6 ms at [8, 64, 32, 32]; Gemm per tap 16.7 vs 19.8 ms at [8, 128, 16, 16], 12.2 vs
+    13.9 at [8, 256, 8, 8], 22.5 vs 36.0 at [8, 512, 4, 4]; dW alone at 1 thread, Gemm per tap
+    against im2col: 26 vs 34 ms at [16, 64, 28, 28], 28.5 vs 26.9 at [16, 512, 4, 4]."""
     r = len(window.kernel)
     spatial = list(range(2, 2 + r))
-    batched = window.out_sizes is not None and int(np.prod(window.out_sizes)) >= 1024
+    out_pixels = None if window.out_sizes is None else int(np.prod(window.out_sizes))
+    batch, out_channels = (ctx.shape(x) or [None])[0], (ctx.shape(w) or [None])[0]
+    batched = out_pixels is not None and out_pixels >= 1024
+    im2col = (not batched and out_pixels is not None and isinstance(batch, int) and isinstance(out_channels, int)
+              and int(np.prod(window.kernel)) > 1 and 4 * out_channels > batch * out_pixels)
     if batched:
         source = x
         dy_arranged = ctx.op("Transpose", ctx.op("Reshape", dy, ctx.ints([0, 0, -1])), perm=[0, 2, 1])  # [N, P, M]
@@ -100,17 +136,23 @@ def _per_tap_weight_gradient(ctx: GradientContext, x: str, w: str, dy: str, wind
     taps = []
     for offsets in itertools.product(*[range(0, k * d, d) for k, d in zip(window.kernel, window.dilations)]):
         ends = ctx.op("Add", span, ctx.ints([o + 1 for o in offsets]))
-        tap = ctx.op("Reshape", ctx.op("Slice", source, ctx.ints(list(offsets)), ends, ctx.ints(spatial),
-                                       ctx.ints(window.strides)), flat)
-        if batched:
-            product = ctx.reduce("ReduceSum", ctx.op("MatMul", tap, dy_arranged), [0], keepdims=False)  # [C, M]
+        tap = ctx.op("Slice", source, ctx.ints(list(offsets)), ends, ctx.ints(spatial), ctx.ints(window.strides))
+        if im2col:
+            taps.append(ctx.unsqueeze(tap, [1]))  # [C, 1, N, ...]
+        elif batched:
+            product = ctx.reduce("ReduceSum", ctx.op("MatMul", ctx.op("Reshape", tap, flat), dy_arranged), [0],
+                                 keepdims=False)  # [C, M]
+            taps.append(ctx.unsqueeze(product, [2]))
         else:
-            product = ctx.op("Gemm", dy_arranged, tap, transB=1)  # [M, C]
-        taps.append(ctx.unsqueeze(product, [2]))
+            taps.append(ctx.unsqueeze(ctx.op("Gemm", dy_arranged, ctx.op("Reshape", tap, flat), transB=1), [2]))  # [M, C, 1]
+    w_shape = ctx.op("Concat", ctx.shape_of(w, end=2), ctx.ints(window.kernel), axis=0)
+    if im2col:
+        columns = ctx.op("Flatten", ctx.op("Concat", *taps, axis=1), axis=2)  # [C * taps, K]
+        return ctx.op("Reshape", ctx.op("Gemm", dy_arranged, columns, transB=1), w_shape)
     stacked = taps[0] if len(taps) == 1 else ctx.op("Concat", *taps, axis=2)  # [M, C, taps] or [C, M, taps]
     if batched:
         stacked = ctx.op("Transpose", stacked, perm=[1, 0, 2])
-    return ctx.op("Reshape", stacked, ctx.op("Concat", ctx.shape_of(w, end=2), ctx.ints(window.kernel), axis=0))
+    return ctx.op("Reshape", stacked, w_shape)
 
 
 def weight_gradient(ctx: GradientContext, x: str, w: str, dy: str, window: Window, groups: int) -> str:

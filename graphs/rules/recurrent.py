@@ -4,25 +4,30 @@ initial_h / initial_c, LSTM peepholes, GRU linear_before_reset, the activations 
 Tanh and Relu in any position. Refused by name: ``clip``, LSTM ``input_forget=1``, other
 activations.
 
-The forward node stays as it is (onnxruntime's fused kernel) and the backward recomputes
-the per-step gates from its output Y (added to the node when absent): the hidden state
-before step t is ``initial_h`` or Y at t - 1, so every gate pre-activation of every step is
-one batched MatMul of X with W plus one of Y shifted by a step with R. What is sequential
-stays in ``Scan`` loops over time with a [batch, hidden] state: the LSTM cell states
-(the forward recurrence c_t = f c_{t-1} + i g, elementwise), and the reverse-time recurrence
-of the state gradients, one [batch, gates*hidden] x [gates*hidden, hidden] MatMul per step
-(two for GRU with ``linear_before_reset=0``). The weight gradients are then one GEMM each
-over all steps at once.
+An LSTM that needs gradients is computed in the training graph by a forward of ours that
+keeps what the backward reads (:meth:`GradientContext.replace_forward`): the input
+projection X W^T of all steps is one MatMul, and a ``Scan`` over time does the step's
+h R^T, the gates and the cell, returning the activated gates, the cell states and
+act(c) with Y. GRU and RNN nodes stay as they are (onnxruntime's fused kernels) and the
+GRU's backward recomputes its gates from the node's output Y (added to the node when
+absent): the hidden state before step t is ``initial_h`` or Y at t - 1, so every gate
+pre-activation of every step is one batched MatMul of X with W plus one of Y shifted by a
+step with R. The backward's reverse-time recurrence of the state gradients is a Scan with
+one [batch, gates*hidden] x [gates*hidden, hidden] MatMul per step (two for GRU with
+``linear_before_reset=0``); the weight gradients are then one GEMM each over all steps at once.
 
 Each direction is differentiated as a forward recurrence: the reverse direction on the
 inputs and outputs reversed in time within each sequence's length (``ReverseSequence``).
 With ``sequence_lens`` the steps past a sequence's end keep the state and write zeros to Y;
-there the state gradient passes through unchanged and the gate gradients are zero.
+there the state gradient passes through unchanged and the gate gradients are zero. Every
+Scan runs forward (a reverse-time one on sequences reversed by a Slice: onnx's reference
+evaluator runs no other Scan direction), and its body declares the rank of every value.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -80,6 +85,10 @@ def _derivative(ctx: GradientContext, activation: str, y: str, like: str) -> str
     return ctx.op("Cast", ctx.op("Greater", y, ctx.scalar(0.0, like)), to=ctx.elem_type(like))
 
 
+def _reversed_in_time(ctx: GradientContext, sequence: str) -> str:
+    return ctx.op("Slice", sequence, ctx.ints([-1]), ctx.ints([-(2 ** 63)]), ctx.ints([0]), ctx.ints([-1]))
+
+
 def _scan(
     ctx: GradientContext,
     states: Sequence[str],
@@ -92,8 +101,13 @@ def _scan(
     """A Scan over axis 0 of ``sequences`` carrying ``states``; ``body(states, slices)``
     emits the step (through ``ctx``) and returns (new states, per-step outputs). Returns
     (final states, stacked outputs in time order). Every value is of ``like``'s type but
-    the sequence ``mask`` (bool)."""
+    the sequence ``mask`` (bool); every state and step slice is [batch, n]. ``reverse``
+    runs from the last step to the first (as a forward Scan over reversed sequences)."""
     elem_type = ctx.elem_type(like)
+    if reverse:
+        mask_index = list(sequences).index(mask) if mask is not None else None
+        sequences = [_reversed_in_time(ctx, sequence) for sequence in sequences]
+        mask = None if mask_index is None else sequences[mask_index]
     outer_nodes, ctx.nodes = ctx.nodes, []
     state_inputs = [ctx.fresh("state") for _ in states]
     slice_inputs = [ctx.fresh("step") for _ in sequences]
@@ -103,28 +117,39 @@ def _scan(
     for name in list(new_states) + list(step_outputs):
         outputs.append(ctx.op("Identity", name) if name in body_inputs or name in outputs else name)
     body_nodes, ctx.nodes = ctx.nodes, outer_nodes
+    rank_2 = [None, None]
     graph = oh.make_graph(
         body_nodes,
         ctx.fresh("scan_body"),
-        [oh.make_tensor_value_info(name, onnx.TensorProto.BOOL if sequence == mask else elem_type, None)
+        [oh.make_tensor_value_info(name, onnx.TensorProto.BOOL if sequence == mask else elem_type, rank_2)
          for name, sequence in zip(state_inputs + slice_inputs, list(states) + list(sequences))],
-        [oh.make_tensor_value_info(name, elem_type, None) for name in outputs],
+        [oh.make_tensor_value_info(name, elem_type, rank_2) for name in outputs],
     )
-    direction = [1 if reverse else 0]
-    results = ctx.op(
-        "Scan", *states, *sequences, outputs=len(outputs), body=graph, num_scan_inputs=len(sequences),
-        scan_input_directions=direction * len(sequences), scan_output_directions=direction * len(step_outputs),
-    )
+    results = ctx.op("Scan", *states, *sequences, outputs=len(outputs), body=graph, num_scan_inputs=len(sequences))
     results = [results] if isinstance(results, str) else results
-    return results[:len(states)], results[len(states):]
+    stacked = results[len(states):]
+    if reverse:
+        stacked = [_reversed_in_time(ctx, output) for output in stacked]
+    return results[:len(states)], stacked
+
+
+@contextlib.contextmanager
+def _emitting_into(ctx: GradientContext, nodes) -> Iterator[None]:
+    """Nodes emitted inside go to ``nodes`` (e.g. a replaced forward node's)."""
+    outer, ctx.nodes = ctx.nodes, nodes
+    try:
+        yield
+    finally:
+        ctx.nodes = outer
 
 
 class _Direction:
-    """One direction's inputs, time-major and in processing order, and its output gradients."""
+    """One direction's inputs, time-major and in processing order, its output Y (once known:
+    :meth:`set_output`) and its output gradients (once taken: :meth:`take_gradients`)."""
 
     def __init__(self, ctx: GradientContext, node: onnx.NodeProto, common: "_Common", d: int, reverse: bool):
         self.ctx, self.common, self.reverse = ctx, common, reverse
-        index = ctx.op("Constant", value=onh.from_array(np.asarray(d, np.int64)))
+        self.index = index = ctx.op("Constant", value=onh.from_array(np.asarray(d, np.int64)))
         self.w = ctx.op("Gather", node.input[_W], index)
         self.r = ctx.op("Gather", node.input[_R], index)
         bias = _input(node, _B)
@@ -132,14 +157,22 @@ class _Direction:
         peephole = _input(node, _P) if node.op_type == "LSTM" else None
         self.peephole = None if peephole is None else ctx.op("Gather", peephole, index)
         self.x = self.in_time_order(common.x)
-        self.y = self.in_time_order(ctx.op("Gather", common.y, index, axis=1))
-        self.dy = None if common.dy is None else self.in_time_order(ctx.op("Gather", common.dy, index, axis=1))
         self.h0 = common.state(_input(node, _INITIAL_H), index)
         self.c0 = common.state(_input(node, _INITIAL_C), index) if node.op_type == "LSTM" else None
-        self.dyh = common.state(common.dyh, index)
-        self.dyc = common.state(common.dyc, index)
-        previous = ctx.op("Slice", self.y, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0]))
-        self.h_prev = ctx.op("Concat", ctx.unsqueeze(self.h0, [0]), previous, axis=0)
+        self.y = self.h_prev = self.dy = self.dyh = self.dyc = None
+
+    def set_output(self, y: str) -> None:
+        """This direction's Y, [T, B, H] in processing order, and the hidden states entering each step."""
+        self.y = y
+        previous = self.ctx.op("Slice", y, self.ctx.ints([0]), self.ctx.ints([-1]), self.ctx.ints([0]))
+        self.h_prev = self.ctx.op("Concat", self.ctx.unsqueeze(self.h0, [0]), previous, axis=0)
+
+    def take_gradients(self, dy: Optional[str], dyh: Optional[str], dyc: Optional[str]) -> None:
+        """The gradients of Y, Y_h, Y_c ([T, D, B, H] and [D, B, H]; None: not used) for this direction."""
+        ctx = self.ctx
+        self.dy = None if dy is None else self.in_time_order(ctx.op("Gather", dy, self.index, axis=1))
+        self.dyh = self.common.state(dyh, self.index)
+        self.dyc = self.common.state(dyc, self.index)
 
     def in_time_order(self, sequence: str) -> str:
         """[T, B, ...] in this direction's processing order (and back: it is an involution)."""
@@ -185,9 +218,9 @@ class _Direction:
 
 
 class _Common:
-    """What every direction shares: time-major X, Y and output gradients, lengths, mask."""
+    """What every direction shares: time-major X, lengths, mask."""
 
-    def __init__(self, ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]):
+    def __init__(self, ctx: GradientContext, node: onnx.NodeProto):
         self.ctx, self.node, self.kind = ctx, node, node.op_type
         if attr(node, "layout", 0):
             raise UnsupportedOperatorError(f"{describe(node)}: layout=1 (batch first) should have been rewritten to 0")
@@ -198,9 +231,7 @@ class _Common:
         if hidden is None:
             raise UnsupportedOperatorError(f"{describe(node)}: hidden_size is neither given nor static in R's shape")
         self.hidden = int(hidden)
-        grads = list(grads) + [None] * (3 - len(grads))
-        y = ctx.ensure_output(node, 0, "Y")
-        self.x, self.y, self.dy, self.dyh, self.dyc = node.input[_X], y, grads[0], grads[1], grads[2]
+        self.x = node.input[_X]
         self.sequence_lens = _input(node, _SEQUENCE_LENS)
         self._lengths = None
         self.mask = None  # [T, B, 1] bool: the step is within the sequence
@@ -238,52 +269,65 @@ class _Common:
         return self.zeros() if value is None else self.ctx.op("Gather", value, index)
 
 
-def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
-    """One direction of an LSTM (gates i, o, f, c; peepholes i, o, f).
+def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Tuple[str, str, str]:
+    """One direction of an LSTM (gates i, o, f, c; peepholes i, o, f) computed as a Scan that
+    keeps the activated gates, the cell states and act_h(c) for :func:`_lstm` (in ``run``).
+    Returns (Y in processing order, the last h, the last c)."""
+    hidden, like = run.common.hidden, run.common.node.input[_X]
+    act_f, act_g, act_h = activations
+    xw = ctx.op("MatMul", run.x, ctx.op("Transpose", run.w, perm=[1, 0]))
+    w_bias, r_bias = run.bias_halves()
+    if w_bias is not None:
+        xw = ctx.op("Add", xw, ctx.op("Add", w_bias, r_bias))
+    r_t = ctx.op("Transpose", run.r, perm=[1, 0])
+    peep = [run.block(run.peephole, k, k + 1, axis=0) for k in range(3)] if run.peephole is not None else None
+    mask = run.common.mask
+    zero = ctx.scalar(0.0, like)
 
-    Without peepholes the gates of every step are activated at once and the cell Scan only
-    adds c_t = f c_{t-1} + (i g); with them the gates that read c are activated in the Scan.
+    def step(states, slices):
+        (h_prev, c_prev), (xw_t, *mask_t) = states, slices
+        pre = ctx.op("Add", xw_t, ctx.op("MatMul", h_prev, r_t))
+        if peep is None:
+            ifo, g = ctx.op("Split", pre, ctx.ints([3 * hidden, hidden]), axis=-1, outputs=2)
+            ifo, g = ctx.op(act_f, ifo), ctx.op(act_g, g)
+            i, o, f = ctx.op("Split", ifo, ctx.ints([hidden] * 3), axis=-1, outputs=3)
+            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
+        else:
+            p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=-1, outputs=4)
+            i = ctx.op(act_f, ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev)))
+            f = ctx.op(act_f, ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev)))
+            g = ctx.op(act_g, p_c)
+            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
+            o = ctx.op(act_f, ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
+            ifo = ctx.op("Concat", i, o, f, axis=-1)
+        act_c = ctx.op(act_h, c)
+        h = ctx.op("Mul", o, act_c)
+        if not mask_t:
+            return [h, c], [h, ifo, g, c, act_c]
+        within = mask_t[0]  # past the end: the state is kept, Y is 0
+        c = ctx.op("Where", within, c, c_prev)
+        return [ctx.op("Where", within, h, h_prev), c], [ctx.op("Where", within, h, zero), ifo, g, c, act_c]
+
+    sequences = [xw] + ([mask] if mask is not None else [])
+    (h_last, c_last), (y, ifo, g, cells, act_c) = _scan(ctx, [run.h0, run.c0], sequences, step, reverse=False,
+                                                        like=like, mask=mask)
+    run.kept = dict(ifo=ifo, g=g, cells=cells, act_c=act_c, peep=peep)
+    return y, h_last, c_last
+
+
+def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
+    """The backward of one direction of an LSTM from what :func:`_lstm_forward` kept.
+
     The backward step is d_c = dc + dh a_c, d_pre = [d_c, dh, d_c, d_c] * factors,
     dc_{t-1} = d_c keep, dh_{t-1} = d_pre R, with a_c, factors and keep (the peepholes
     folded in) computed for all steps at once before the Scan."""
     hidden, like = run.common.hidden, run.common.node.input[_X]
     act_f, act_g, act_h = activations
-    pre = ctx.op("Add", ctx.op("MatMul", run.x, ctx.op("Transpose", run.w, perm=[1, 0])),
-                 ctx.op("MatMul", run.h_prev, ctx.op("Transpose", run.r, perm=[1, 0])))
-    w_bias, r_bias = run.bias_halves()
-    if w_bias is not None:
-        pre = ctx.op("Add", pre, ctx.op("Add", w_bias, r_bias))
-    peep = [run.block(run.peephole, k, k + 1, axis=0) for k in range(3)] if run.peephole is not None else None
+    peep = run.kept["peep"]
     mask = run.common.mask
     masks = [mask] if mask is not None else []
-
-    def split(value: str) -> List[str]:
-        return ctx.op("Split", value, ctx.ints([hidden] * 4), axis=-1, outputs=4)
-
-    if peep is None:
-        p_i, p_o, p_f, p_c = split(pre)
-        i, o, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_o), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
-
-        def cell_step(states, slices):
-            (c_prev,), (f_t, ig_t, *mask_t) = states, slices
-            c = run.masked(mask_t[0] if mask_t else None, ctx.op("Add", ctx.op("Mul", f_t, c_prev), ig_t), c_prev)
-            return [c], [c]
-
-        _, (cells,) = _scan(ctx, [run.c0], [f, ctx.op("Mul", i, g)] + masks, cell_step, reverse=False, like=like, mask=mask)
-    else:
-        def cell_step(states, slices):
-            (c_prev,), (pre_t, *mask_t) = states, slices
-            p_i, p_o, p_f, p_c = split(pre_t)
-            p_i = ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev))
-            p_f = ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev))
-            i, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
-            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
-            o = ctx.op(act_f, ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
-            c = run.masked(mask_t[0] if mask_t else None, c, c_prev)
-            return [c], [ctx.op("Concat", i, o, f, g, axis=-1), c]
-
-        _, (gates, cells) = _scan(ctx, [run.c0], [pre] + masks, cell_step, reverse=False, like=like, mask=mask)
-        i, o, f, g = split(gates)
+    i, o, f = ctx.op("Split", run.kept["ifo"], ctx.ints([hidden] * 3), axis=-1, outputs=3)
+    g, cells, tanh_c = run.kept["g"], run.kept["cells"], run.kept["act_c"]
     c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.c0, [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
     tanh_c = ctx.op(act_h, cells)
@@ -437,10 +481,23 @@ def recurrent_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[O
         raise UnsupportedOperatorError(f"{describe(node)}: unknown direction '{direction}'")
     directions = 2 if direction == "bidirectional" else 1
     activations = _activations(node, directions)
-    common = _Common(ctx, node, grads)
+    own_forward = node.op_type == "LSTM"
+    forward_nodes: List[onnx.NodeProto] = []
+    with _emitting_into(ctx, forward_nodes if own_forward else ctx.nodes):
+        common = _Common(ctx, node)
+        runs = [_Direction(ctx, node, common, d, reverse=direction == "reverse" or d == 1) for d in range(directions)]
+        if own_forward:
+            _replace_lstm_forward(ctx, node, runs, activations)
+        else:
+            y = ctx.ensure_output(node, 0, "Y")
+            for run in runs:
+                run.set_output(run.in_time_order(ctx.op("Gather", y, run.index, axis=1)))
+    if own_forward:
+        ctx.replace_forward(node, forward_nodes)
+    grads = list(grads) + [None] * (3 - len(grads))
     per_direction = []
-    for d in range(directions):
-        run = _Direction(ctx, node, common, d, reverse=direction == "reverse" or d == 1)
+    for d, run in enumerate(runs):
+        run.take_gradients(*grads[:3])
         per_direction.append(_DIRECTION_GRADIENT[node.op_type](ctx, run, activations[d]))
 
     def stacked(key: str) -> str:
@@ -454,3 +511,20 @@ def recurrent_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[O
         if _input(node, index) is not None and index in _INPUTS[node.op_type] and ctx.needs_grad(node.input[index]):
             result[index] = stacked(key)
     return result
+
+
+def _replace_lstm_forward(ctx: GradientContext, node: onnx.NodeProto, runs: List[_Direction],
+                          activations: List[Tuple[str, ...]]) -> None:
+    """Emits every direction's :func:`_lstm_forward` and the node's outputs Y [T, D, B, H],
+    Y_h and Y_c [D, B, H] under their names."""
+    ys, last_h, last_c = [], [], []
+    for run, acts in zip(runs, activations):
+        y, h, c = _lstm_forward(ctx, run, acts)
+        run.set_output(y)
+        ys.append(ctx.unsqueeze(run.in_time_order(y), [1]))
+        last_h.append(ctx.unsqueeze(h, [0]))
+        last_c.append(ctx.unsqueeze(c, [0]))
+    outputs = list(node.output) + [""] * (3 - len(node.output))
+    for name, parts, axis in zip(outputs, (ys, last_h, last_c), (1, 0, 0)):
+        if name:
+            ctx.op("Concat", *parts, axis=axis, outputs=[name]) if len(parts) > 1 else ctx.op("Identity", parts[0], outputs=[name])

@@ -5,21 +5,30 @@ then renamed over the target, so a crash or a full disk never leaves a truncated
 a good one was; the temporary files of a killed writer are removed by the next write to the
 same target. Paths inside a named folder (the corpus, a checkpoint's external data) go
 through :func:`path_inside`, which refuses any path that leaves the folder, through ``..``,
-an absolute path or a symbolic link."""
+an absolute path or a symbolic link.
+
+Sets of files (a model and its external data, a step graph with its evaluation graph and
+checkpoint, an adapter folder) are put in place by :func:`commit_files`, whose docstring
+says where each set's commit point is; :func:`refuse_aliases` is the one check that a
+write's targets are none of its inputs, of each other, or of the files a loaded graph reads."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import pathlib
 import re
 import tempfile
-from typing import Iterable, List, Mapping, Optional, Union
+from typing import Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import onnx
 
 __all__ = ["write_bytes_atomic", "write_chunks_atomic", "StagedFile", "save_model_atomic", "save_models_external", "external_data_chunks",
-           "stage_models_external",
-           "check_model", "uses_external_data", "refuse_same_file", "PathOutsideFolderError",
+           "stage_models_external", "stage_data_file", "staging", "commit_files", "complete_interrupted_commits", "owned_data_files",
+           "external_data_files", "external_data_extent", "ExternalDataError", "refuse_aliases", "PathAliasError", "refuse_irregular_file",
+           "check_model", "uses_external_data", "PathOutsideFolderError",
            "path_inside", "write_inside", "remove_inside", "remove_stale_temporaries"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -50,8 +59,11 @@ def _process_alive(pid: int) -> bool:
 
 def remove_stale_temporaries(path: PathLike) -> None:
     """Removes the temporary files that writers of ``path`` killed before their rename left
-    (those of processes that no longer run; a live writer's file is kept)."""
+    (those of processes that no longer run; a live writer's file is kept), after finishing
+    the interrupted commits of its folder (:func:`complete_interrupted_commits`), whose
+    temporaries are the new set."""
     folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    complete_interrupted_commits(folder)
     pattern = _temporary_pattern(name)
     try:
         entries = os.listdir(folder)
@@ -73,34 +85,37 @@ def write_chunks_atomic(path: PathLike, chunks: Iterable[bytes]) -> None:
     Raises:
         OSError: the folder is not writable or the write failed; ``path`` is then unchanged.
     """
-    staged = StagedFile(path, chunks)
-    try:
-        staged.commit()
-    except BaseException:
-        staged.discard()
-        raise
+    commit_files([StagedFile(path, chunks)])
 
 
 class StagedFile:
     """A file written and flushed under a temporary name beside its target, not yet in
-    place: :meth:`commit` renames it over the target, :meth:`discard` removes it. For
-    writing several files only once all of them are built."""
+    place: :func:`commit_files` (or :meth:`commit`) renames it over the target,
+    :meth:`discard` removes it. For writing several files only once all of them are built.
 
-    def __init__(self, path: PathLike, chunks: Iterable[bytes]) -> None:
+    ``fresh``: the target is a name no live file references yet (external data under a
+    content-addressed name), so it may be put in place before the set's commit point.
+    ``digest``: the SHA-256 (hex) of the bytes written."""
+
+    def __init__(self, path: PathLike, chunks: Iterable[bytes], fresh: bool = False) -> None:
         self.path = os.fspath(path)
+        self.fresh = fresh
         folder = os.path.dirname(os.path.abspath(self.path))
         remove_stale_temporaries(self.path)
         handle, self.temporary = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.{os.getpid()}.",
                                                   suffix=".tmp", dir=folder)
+        digest = hashlib.sha256()
         try:
             with os.fdopen(handle, "wb") as file:
                 for chunk in chunks:
                     file.write(chunk)
+                    digest.update(chunk)
                 file.flush()
                 os.fsync(file.fileno())
         except BaseException:
             self.discard()
             raise
+        self.digest = digest.hexdigest()
 
     def commit(self) -> None:
         if os.path.exists(self.path):
@@ -116,6 +131,179 @@ class StagedFile:
             os.unlink(self.temporary)
         except FileNotFoundError:
             pass
+
+
+@contextlib.contextmanager
+def staging() -> Iterator[List[StagedFile]]:
+    """A list to append :class:`StagedFile` objects to; on an error inside the block every
+    one of them is discarded."""
+    staged: List[StagedFile] = []
+    try:
+        yield staged
+    except BaseException:
+        for file in staged:
+            file.discard()
+        raise
+
+
+def stage_data_file(path: PathLike, chunks: Iterable[bytes]) -> StagedFile:
+    """The external data of the model at ``path`` as a fresh :class:`StagedFile` named by its
+    content, ``PATH.HASH.data`` (HASH: 16 hex digits of its SHA-256): a new data file never
+    takes the name of one a live model reads, and the same bytes get the same name."""
+    staged = StagedFile(os.fspath(path) + ".data", chunks, fresh=True)
+    staged.path = data_file_name(path, staged.digest)
+    return staged
+
+
+def data_file_name(path: PathLike, digest: str) -> str:
+    """``PATH.HASH.data``: the content-addressed name of the external data of ``path``."""
+    return f"{os.fspath(path)}.{digest[:16]}.data"
+
+
+def owned_data_files(path: PathLike) -> List[str]:
+    """The external-data files beside ``path`` that belong to it (``PATH.data`` and
+    ``PATH.HASH.data``, the names normgrad and onnx give them): what replacing ``path``
+    makes obsolete."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    pattern = re.compile(rf"{re.escape(name)}(\.[0-9a-f]{{16}})?\.data")
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(os.path.join(folder, entry) for entry in entries if pattern.fullmatch(entry))
+
+
+JOURNAL_SUFFIX = ".normgrad-commit"
+"""Suffix of the journal of a set of files being committed (see :func:`commit_files`)."""
+
+
+def _journal_path(target: str) -> str:
+    folder, name = os.path.split(os.path.abspath(target))
+    return os.path.join(folder, f".{name}{JOURNAL_SUFFIX}")
+
+
+def refuse_irregular_file(path: PathLike, what: str = "file") -> None:
+    """OSError (EISDIR/EINVAL) when ``path`` exists and is not a regular file (a folder, a
+    FIFO, a device): normgrad neither replaces one nor blocks reading it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    import stat
+
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
+        raise OSError(21 if stat.S_ISDIR(mode) else 22, f"the {what} is {kind}", os.fspath(path))
+
+
+def commit_files(files: Sequence[StagedFile]) -> None:
+    """Puts the staged ``files`` in place as one set, so that a failure or a kill at any
+    instant leaves either the old set or the new one:
+
+    1. every target is checked (a folder, FIFO or device in its place is refused: nothing
+       is changed);
+    2. the fresh files (external data under content-addressed names, which no live file
+       references) are renamed into place;
+    3. the commit point: for one other file, its rename; for several, the rename of a journal
+       ``.FIRST.normgrad-commit`` beside the first, listing every (temporary, target) pair,
+       after a copy of it in the folder of each other target (``--checkpoint`` elsewhere). The targets are then renamed
+       in order and the journals removed. A kill before the commit point leaves the old
+       set (the temporaries are removed by the next write there); after it, the new set is
+       completed by :func:`complete_interrupted_commits`, which every normgrad reader and
+       writer of that folder runs first (``checkpoint.load``, the Trainer, the next write);
+    4. the data files the replaced targets owned (:func:`owned_data_files`) that the new set
+       does not use are removed.
+
+    On an error the temporaries of the files not in place are removed.
+
+    Raises:
+        OSError: a target cannot be replaced; with several targets, nothing was then changed
+            unless the journal was in place (the set is then completed on the next read).
+    """
+    try:
+        for file in files:
+            refuse_irregular_file(file.path, "target")
+        fresh = [f for f in files if f.fresh]
+        rest = [f for f in files if not f.fresh]
+        for file in fresh:
+            file.commit()
+        kept = {os.path.abspath(f.path) for f in fresh}
+        obsolete = sorted({d for f in rest for d in owned_data_files(f.path)} - kept)
+        if len(rest) == 1:
+            rest[0].commit()
+        elif rest:
+            _commit_journaled([(f.temporary, f.path) for f in rest], obsolete)
+            return
+    finally:
+        for file in files:
+            file.discard()
+    _remove_obsolete(obsolete)
+
+
+def _remove_obsolete(paths: Iterable[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _commit_journaled(renames: Sequence[tuple], obsolete: Sequence[str]) -> None:
+    """Writes the journal beside the first target (the commit point) after a copy in the
+    folder of each other target, then makes the renames."""
+    by_folder = {}
+    for _, target in renames:
+        by_folder.setdefault(os.path.dirname(os.path.abspath(target)), _journal_path(target))
+    primary = _journal_path(renames[0][1])
+    others = [journal for journal in by_folder.values() if journal != primary]
+    text = json.dumps({"primary": primary, "others": others, "pid": os.getpid(),
+                       "renames": [[os.path.abspath(t), os.path.abspath(p)] for t, p in renames],
+                       "remove": list(obsolete)}).encode()
+    for journal in others + [primary]:
+        StagedFile(journal, [text]).commit()
+    _apply_journal(json.loads(text))
+
+
+def _apply_journal(journal: dict) -> None:
+    for temporary, target in journal["renames"]:
+        if os.path.exists(temporary):
+            if os.path.exists(target):
+                os.chmod(temporary, os.stat(target).st_mode & 0o7777)
+            os.replace(temporary, target)
+    _remove_obsolete(journal["remove"])
+    for path in journal["others"] + [journal["primary"]]:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def complete_interrupted_commits(folder: PathLike) -> None:
+    """Finishes the commits of sets of files (:func:`commit_files`) that a killed writer left
+    in ``folder``: a journal whose first (primary) copy exists was committed, so its
+    remaining renames are made; a copy without its primary is of a set killed before its
+    commit point, and is removed. Journals of writers still running are left to them."""
+    try:
+        entries = [e for e in os.listdir(folder) if e.startswith(".") and e.endswith(JOURNAL_SUFFIX)]
+    except OSError:
+        return
+    for entry in entries:
+        path = os.path.join(os.fspath(folder), entry)
+        try:
+            with open(path, "rb") as file:
+                journal = json.loads(file.read())
+            pid = int(journal["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if pid != os.getpid() and _process_alive(pid):
+            continue
+        try:
+            if os.path.exists(journal["primary"]):
+                _apply_journal(journal)
+            else:
+                _remove_obsolete([path])
+        except (OSError, KeyError, TypeError, ValueError):
+            continue  # left for the next reader; what it names stays as it is
 
 
 def save_model_atomic(model: onnx.ModelProto, path: PathLike) -> None:
@@ -201,29 +389,26 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
 
 
 def save_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                         share: bool = False) -> None:
-    """Writes each model of ``{path: model}`` atomically (:func:`stage_models_external`, then
-    the data file and the models renamed into place, in that order)."""
-    staged = stage_models_external(models, base_dir, share)
-    try:
-        for file in staged:
-            file.commit()
-    finally:
-        for file in staged:
-            file.discard()
+                         share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> None:
+    """Writes each model of ``{path: model}`` as one set (:func:`stage_models_external`, then
+    :func:`commit_files`: the data file under its new content-addressed name first, then
+    the models; the replaced models' old data files are removed last)."""
+    commit_files(stage_models_external(models, base_dir, share, move))
 
 
 def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                          share: bool = False) -> List[StagedFile]:
+                          share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> List[StagedFile]:
     """Each model of ``{path: model}`` as a :class:`StagedFile`, keeping large tensors out of its
     protobuf: the tensors whose data are in external files (locations relative to
     ``base_dir``, default the current folder) and then, or when a model's inline tensors
     pass :data:`INLINE_MODEL_BYTES`, its inline tensors of :data:`EXTERNAL_TENSOR_MIN_BYTES`
-    or more too go to one data file, the first path + ``.data``, each tensor once (the models,
-    in one folder, may share tensors: by name and source); with ``share`` and the models in
-    ``base_dir``, external tensors stay in the files they reference. The data file, if any,
-    is staged first (streamed, one tensor at a time), then the models; the models' tensors
-    are changed in place to reference it. Nothing is in place until each file is committed.
+    or more too go to one data file, ``FIRST.HASH.data`` beside the first path
+    (:func:`stage_data_file`), each tensor once (the models, in one folder, may share tensors:
+    by name and source); with ``share`` and the models in ``base_dir``, external tensors stay
+    in the files they reference; the inline tensors in ``move`` go to the data file too.
+    The data file, if any, is staged first (streamed, one
+    tensor at a time), then the models; the models' tensors are changed in place to
+    reference it. Nothing is in place until :func:`commit_files`.
 
     Raises:
         PathOutsideFolderError: an external location outside ``base_dir``.
@@ -235,8 +420,6 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
         raise ValueError(f"models written with one data file must be in one folder; got {paths}")
     base = os.fspath(base_dir) if base_dir is not None else os.getcwd()
     same_folder = os.path.realpath(base) == os.path.realpath(folder)
-    data_path = paths[0] + ".data"
-    location = os.path.basename(data_path)
     moving = []
     for model in models.values():
         external = [t for t in model.graph.initializer if uses_external_data(t)]
@@ -245,25 +428,118 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
         if copied or sum(len(t.raw_data) for t in inline) > INLINE_MODEL_BYTES:
             copied += [t for t in inline if len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
         moving += copied
+    chosen = {id(t) for t in moving}
+    moving += [t for t in move if id(t) not in chosen]
 
-    staged = []
-    try:
+    with staging() as staged:
         if moving:
-            staged.append(StagedFile(data_path, external_data_chunks(moving, location, base)))
+            placeholder = os.path.basename(paths[0]) + ".data"
+            staged.append(stage_data_file(paths[0], external_data_chunks(moving, placeholder, base)))
+            location = os.path.basename(staged[0].path)
+            for tensor in moving:
+                for entry in tensor.external_data:
+                    if entry.key == "location":
+                        entry.value = location
         for path, model in models.items():
             staged.append(StagedFile(path, [model.SerializeToString()]))
-    except BaseException:
-        for file in staged:
-            file.discard()
-        raise
     return staged
 
 
-def refuse_same_file(source: PathLike, target: PathLike, what: str = "output") -> None:
-    """Raises ValueError when ``target`` names the same file as ``source`` (in-place writes
-    would destroy the input)."""
-    if os.path.exists(target) and os.path.exists(source) and os.path.samefile(source, target):
-        raise ValueError(f"the {what} {os.fspath(target)!r} is the input file itself; write to another path")
+def external_data_files(model: onnx.ModelProto, folder: PathLike) -> List[str]:
+    """The files the external initializers of ``model`` read, resolved against ``folder``
+    (locations that leave it are skipped: loading refuses them)."""
+    files = set()
+    for tensor in model.graph.initializer:
+        if uses_external_data(tensor):
+            location = {entry.key: entry.value for entry in tensor.external_data}.get("location", "")
+            try:
+                files.add(os.fspath(path_inside(folder, location)))
+            except PathOutsideFolderError:
+                pass
+    return sorted(files)
+
+
+class ExternalDataError(ValueError):
+    """An external tensor whose location, offset, length or file cannot be used."""
+
+
+def external_data_extent(tensor: onnx.TensorProto, folder: PathLike) -> "tuple[pathlib.Path, int, int]":
+    """``(file, offset, length)`` of an external tensor, checked before a byte is read: the
+    location stays inside ``folder`` (:func:`path_inside`), offset and length are integers
+    >= 0, the length is what the tensor's type and shape need, and the file is a regular
+    file holding at least offset + length bytes. The one check of every external tensor
+    normgrad loads (checkpoints, step, evaluation and data-parallel graphs).
+
+    Raises:
+        ExternalDataError: naming the tensor, the file and the rule.
+    """
+    import numpy as np
+
+    what = f"the external data of tensor {tensor.name!r}"
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    try:
+        location = path_inside(folder, info.get("location", ""), what)
+    except PathOutsideFolderError as error:
+        raise ExternalDataError(str(error)) from None
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except Exception:
+        raise ExternalDataError(f"tensor {tensor.name!r} has unknown data type {tensor.data_type}") from None
+    expected = int(np.prod(list(tensor.dims), dtype=object)) * itemsize
+    try:
+        offset, length = int(info.get("offset", "0")), int(info.get("length", str(expected)))
+    except ValueError:
+        raise ExternalDataError(f"{what} has no valid offset and length (got offset {info.get('offset')!r}, "
+                                f"length {info.get('length')!r})") from None
+    if offset < 0 or length != expected:
+        raise ExternalDataError(f"tensor {tensor.name!r} of shape {list(tensor.dims)} needs {expected} bytes; {what} "
+                                f"says offset {offset}, length {length}")
+    try:
+        refuse_irregular_file(location, "external data file")
+        size = os.path.getsize(location)
+    except FileNotFoundError:
+        raise ExternalDataError(f"{what} is missing: no file {location} (the folder is {os.fspath(folder)})") from None
+    except OSError as error:
+        raise ExternalDataError(f"{what} is unreadable: {location}: {error.strerror or error}") from None
+    if offset + length > size:
+        raise ExternalDataError(f"external data file {location} holds {size} bytes; tensor {tensor.name!r} needs bytes "
+                                f"{offset}..{offset + length} (the file is cut short)")
+    return location, offset, length
+
+
+class PathAliasError(ValueError):
+    """An output path that names an input, another output, or a file a loaded graph reads."""
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def refuse_aliases(outputs: Mapping[str, PathLike],
+                   inputs: Union[Mapping[str, PathLike], Iterable["tuple[str, PathLike]"]] = ()) -> None:
+    """Raises :class:`PathAliasError` naming both when a write's output (``{what: path}``), or a
+    data file it owns (:func:`owned_data_files`: replacing the output removes it), is one
+    of ``inputs`` (``{what: path}`` or pairs: the operation's inputs, the files a loaded graph reads)
+    or when two outputs are one file. Paths are compared resolved: symbolic links, hard
+    links and ``..`` included. The one aliasing check of every writer."""
+    named = [(what, os.fspath(path)) for what, path in outputs.items()]
+    sources = list(inputs.items() if isinstance(inputs, Mapping) else inputs)
+    for index, (what, path) in enumerate(named):
+        for other_what, other in named[index + 1:]:
+            if _same_file(path, other):
+                raise PathAliasError(f"the {what} {path!r} and the {other_what} {other!r} are one file; "
+                                     "give them different paths")
+        for input_what, source in sources:
+            for written in [path] + owned_data_files(path):
+                if _same_file(written, os.fspath(source)):
+                    via = "" if written == path else f" (whose data file {written!r} it replaces)"
+                    raise PathAliasError(f"the {what} {path!r}{via} is {input_what} {os.fspath(source)!r}; "
+                                         "write to another path")
 
 
 class PathOutsideFolderError(ValueError):

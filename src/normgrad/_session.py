@@ -12,7 +12,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from normgrad._files import PathLike, PathOutsideFolderError, StagedFile, path_inside, uses_external_data
+from normgrad._files import (ExternalDataError, PathAliasError, PathLike, StagedFile, complete_interrupted_commits,
+                             external_data_extent, external_data_files, refuse_aliases, refuse_irregular_file,
+                             uses_external_data)
 from normgrad.graphs import structure
 
 
@@ -86,13 +88,16 @@ _SPLIT_LOSS = "normgrad.loss"
 """Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
 
 
-def _load_step_graph(path: PathLike) -> onnx.ModelProto:
-    """The graph at ``path``; its external data (a frozen base) stays in its files, which the
-    sessions read from the graph's folder."""
+def _load_step_graph(path: PathLike, what: str = "step graph") -> onnx.ModelProto:
+    """The graph at ``path``, after finishing an interrupted commit of its folder
+    (:func:`normgrad._files.complete_interrupted_commits`); its external data (a frozen base)
+    stays in its files, which the sessions read from the graph's folder."""
+    complete_interrupted_commits(os.path.dirname(os.path.abspath(os.fspath(path))))
     try:
+        refuse_irregular_file(path, what)
         return onnx.load(os.fspath(path), load_external_data=False)
     except OSError as error:
-        raise TrainerError(f"cannot read the step graph {os.fspath(path)!r}: {error.strerror or error}") from None
+        raise TrainerError(f"cannot read the {what} {os.fspath(path)!r}: {error.strerror or error}") from None
     except Exception as error:  # protobuf's DecodeError and what a cut file raises
         raise TrainerError(f"{os.fspath(path)!r} is not an ONNX model (corrupt or truncated: {error})") from None
 
@@ -106,19 +111,91 @@ def _external_data_options(options, folder: str) -> None:
     _set_config_entry(options, "session.optimized_model_external_initializers_file_name", "running.onnx.data")
 
 
-def _refuse_missing_external_data(model: onnx.ModelProto, folder: str) -> None:
-    """TrainerError naming the first external tensor whose data file is not in ``folder``
-    (onnxruntime would fail at session creation with its own message)."""
+def _check_external_data(model: onnx.ModelProto, folder: str, what: str = "step graph") -> None:
+    """TrainerError naming the first external tensor of ``model`` whose data cannot be used
+    from ``folder`` (:func:`normgrad._files.external_data_extent`: a location outside it, a
+    missing file, one shorter than offset + length); onnxruntime would fail at session
+    creation with its own message. Every graph the Trainer loads goes through it."""
     for tensor in model.graph.initializer:
         if uses_external_data(tensor):
-            location = {entry.key: entry.value for entry in tensor.external_data}.get("location", "")
-            what = f"the external data of tensor {tensor.name!r}"
             try:
-                target = path_inside(folder, location, what)
-            except PathOutsideFolderError as error:
-                raise TrainerError(str(error)) from None
-            if not target.is_file():
-                raise TrainerError(f"{what} is missing: no file {target} (external_data_folder is {folder})")
+                external_data_extent(tensor, folder)
+            except ExternalDataError as error:
+                raise TrainerError(f"{what}: {error}") from None
+
+
+_METADATA_RULES = {
+    "normgrad.state": ("an object of names", lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, str) for k, x in v.items())),
+    "normgrad.parameters": ("a list of names", lambda v: _names(v)),
+    "normgrad.data_inputs": ("a list of names", lambda v: _names(v)),
+    "normgrad.forward_outputs": ("a list of names", lambda v: _names(v)),
+    "normgrad.running_statistics": ("a list of names", lambda v: _names(v)),
+    "normgrad.optimizer": ("an object", lambda v: isinstance(v, dict)),
+    "normgrad.loss": ("null or an object with string 'kind' and 'output'", lambda v: v is None or (
+        isinstance(v, dict) and isinstance(v.get("kind"), str) and isinstance(v.get("output"), str)
+        and isinstance(v.get("options") or {}, dict))),
+    "normgrad.dropout": ("null or an object with an int64 'seed' and an 'outputs' object", lambda v: v is None or (
+        isinstance(v, dict) and _int64(v.get("seed")) and isinstance(v.get("outputs", {}), dict))),
+    "normgrad.batch_norm": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)),
+    "normgrad.data_parallel": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def _names(value) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
+
+
+def _int64(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+
+
+def _check_step_metadata(model: onnx.ModelProto, what: str = "step graph") -> None:
+    """TrainerError naming the first ``normgrad.*`` metadata entry of ``model`` that is not
+    JSON (every reader parses them all) or that breaks the rule of its key."""
+    for entry in model.metadata_props:
+        if not entry.key.startswith("normgrad."):
+            continue
+        try:
+            value = json.loads(entry.value)
+        except ValueError:
+            raise TrainerError(f"corrupt {what}: metadata {entry.key} is not JSON; got {entry.value[:80]!r}") from None
+        rule = _METADATA_RULES.get(entry.key)
+        if rule is not None and not rule[1](value):
+            raise TrainerError(f"corrupt {what}: metadata {entry.key} must be {rule[0]}; got {entry.value[:80]!r}")
+
+
+def _check_reserved_names(model: onnx.ModelProto) -> None:
+    """TrainerError naming a value of the step graph that has a name the trainer gives a value
+    of the graphs it runs (the step gate, the split optimizer's loss input, the gradient
+    graph's ``grad_scale`` and micro-batch index)."""
+    from normgrad.graphs import rewrites
+
+    graph = model.graph
+    given = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    names = given | {o.name for o in graph.output} | {name for node in graph.node for name in node.output}
+    reserved = {APPLIED, _SPLIT_LOSS, "normgrad.gate_total", "normgrad.gate_zero", "grad_scale"}
+    for name in sorted(names):
+        if name in reserved or name.endswith((".gate_sum", ".ungated")) or (
+                name == rewrites.DROPOUT_MICRO_BATCH_INPUT and name in given):
+            raise TrainerError(f"the step graph has a value named {name!r}, a name the trainer gives a value of the "
+                               "graphs it runs: rename it in the forward model and export again")
+
+
+def _files_read(model: onnx.ModelProto, path: Optional[PathLike], folder: str, what: str) -> list:
+    """``(description, path)`` of the graph file at ``path`` (if given by path) and of the
+    external-data files it reads: what the Trainer's writers must not replace."""
+    files = [(f"the trainer's {what}", path)] if path is not None else []
+    return files + [(f"a data file of the trainer's {what}", data) for data in external_data_files(model, folder)]
+
+
+def _refuse_overwriting(outputs: Mapping[str, PathLike], read: Sequence) -> None:
+    """TrainerError when a write's outputs alias each other or a file in ``read``
+    (:func:`normgrad._files.refuse_aliases`)."""
+    try:
+        refuse_aliases(outputs, read)
+    except PathAliasError as error:
+        raise TrainerError(str(error)) from None
 
 
 def _config_entry(options, key: str) -> Optional[str]:

@@ -4,7 +4,7 @@ The file is an ONNX model (IR version 10) whose graph holds nothing but initiali
 ``TensorProto`` per tensor with raw data (any ONNX dtype; bfloat16 and the float8 types as
 onnx's ``ml_dtypes`` arrays), and whose ``metadata_props`` hold the metadata. Any ONNX tool
 reads it (``onnx.load``); values round-trip bitwise. Writes are atomic
-(:func:`normgrad._files.write_bytes_atomic`): a crash while saving leaves the old file.
+(:func:`normgrad._files.commit_files`): a crash while saving leaves the old file.
 
 Integrity: the metadata ``normgrad.checksum`` is the SHA-256 of every tensor's name, type,
 shape and bytes and of the other metadata; :func:`load` recomputes it and refuses a file
@@ -22,18 +22,17 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, PathOutsideFolderError, path_inside, remove_inside, write_bytes_atomic, \
-    write_chunks_atomic
+from normgrad._files import PathLike, StagedFile, commit_files, \
+    ExternalDataError, complete_interrupted_commits, external_data_extent, staging
 from normgrad.ops._common import IR_VERSION
 
-__all__ = ["Checkpoint", "CheckpointError", "save", "load", "from_proto", "check_matches", "CHECKSUM_METADATA"]
+__all__ = ["Checkpoint", "CheckpointError", "save", "stage", "load", "from_proto", "check_matches", "CHECKSUM_METADATA"]
 
 _GRAPH_NAME = "normgrad_checkpoint"
 CHECKSUM_METADATA = "normgrad.checksum"
@@ -67,6 +66,14 @@ def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[st
             that is not str -> str (or uses the reserved key ``normgrad.checksum``).
         OSError: the write failed; ``path`` is then unchanged.
     """
+    commit_files(stage(path, tensors, metadata, external_data))
+
+
+def stage(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] = {},
+          external_data: Optional[bool] = None) -> List[StagedFile]:
+    """What :func:`save` writes, staged (:class:`normgrad._files.StagedFile`: the data file,
+    if any, then the checkpoint), for :func:`normgrad._files.commit_files` to put in place,
+    alone or with other files as one set."""
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise CheckpointError(f"checkpoint metadata must map str to str, got {key!r}: {type(value).__name__}")
@@ -91,12 +98,14 @@ def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[st
     if external_data is None:
         external_data = sum(value.nbytes for value in tensors.values()) > EXTERNAL_DATA_BYTES
     folder, name = os.path.split(os.path.abspath(os.fspath(path)))
-    data_name = f"{name}.{checksum.split(':')[1][:16]}.data" if external_data else None
-    if data_name is not None:
-        write_chunks_atomic(os.path.join(folder, data_name), _external_chunks(initializers, data_name))
-    helper.set_model_props(model, {**metadata, CHECKSUM_METADATA: checksum})
-    write_bytes_atomic(path, model.SerializeToString())
-    _remove_stale_data(folder, name, keep=data_name)
+    with staging() as staged:
+        if external_data:
+            data_name = f"{name}.{checksum.split(':')[1][:16]}.data"
+            staged.append(StagedFile(os.path.join(folder, data_name), _external_chunks(initializers, data_name),
+                                     fresh=True))
+        helper.set_model_props(model, {**metadata, CHECKSUM_METADATA: checksum})
+        staged.append(StagedFile(path, [model.SerializeToString()]))
+    return staged
 
 
 def _external_chunks(initializers: Sequence[onnx.TensorProto], data_name: str):
@@ -116,18 +125,6 @@ def _external_chunks(initializers: Sequence[onnx.TensorProto], data_name: str):
         for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(payload)))):
             tensor.external_data.add(key=key, value=value)
         offset += len(payload)
-
-
-def _remove_stale_data(folder: str, name: str, keep: Optional[str]) -> None:
-    """Removes the external-data files of earlier checkpoints at ``folder``/``name`` (and of
-    saves killed between writing the data and the checkpoint)."""
-    pattern = re.compile(rf"{re.escape(name)}\.[0-9a-f]{{16}}\.data")
-    for entry in os.listdir(folder):
-        if entry != keep and pattern.fullmatch(entry):
-            try:
-                remove_inside(folder, entry, "stale checkpoint data")
-            except (OSError, PathOutsideFolderError):
-                pass
 
 
 def _inline_payload(tensor: onnx.TensorProto) -> bytes:
@@ -161,6 +158,7 @@ def load(path: PathLike, verify: bool = True) -> Checkpoint:
             short or altered (checksum), or its external data is outside its folder,
             missing, shorter than its tensors or larger than this machine's memory.
     """
+    complete_interrupted_commits(os.path.dirname(os.path.abspath(os.fspath(path))))
     try:
         with open(path, "rb") as file:
             data = file.read()
@@ -199,32 +197,10 @@ def _external_payloads(tensors: Sequence[onnx.TensorProto], folder: Optional[str
         if folder is None:
             raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} keeps its data in an external file; "
                                   "load the checkpoint from its path (normgrad.checkpoint.load)")
-        info = {entry.key: entry.value for entry in tensor.external_data}
         try:
-            location = path_inside(folder, info.get("location", ""), f"external data of tensor {tensor.name!r}")
-        except PathOutsideFolderError as error:
+            location, offset, length = external_data_extent(tensor, folder)
+        except ExternalDataError as error:
             raise CheckpointError(f"checkpoint {where}: {error}") from None
-        try:
-            offset, length = int(info.get("offset", "0")), int(info["length"])
-            size = os.path.getsize(location)
-        except (KeyError, ValueError):
-            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} has no valid external data offset "
-                                  "and length") from None
-        except OSError as error:
-            raise CheckpointError(f"checkpoint {where}: external data of tensor {tensor.name!r} is unreadable: "
-                                  f"{location}: {error.strerror or error}") from None
-        try:
-            itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-        except Exception:
-            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} has unknown data type "
-                                  f"{tensor.data_type}") from None
-        expected = int(np.prod(tensor.dims, dtype=object)) * itemsize
-        if offset < 0 or length != expected:
-            raise CheckpointError(f"checkpoint {where}: tensor {tensor.name!r} of shape {list(tensor.dims)} needs "
-                                  f"{expected} bytes; its external data says offset {offset}, length {length}")
-        if offset + length > size:
-            raise CheckpointError(f"checkpoint {where}: external data file {location} holds {size} bytes; tensor "
-                                  f"{tensor.name!r} needs bytes {offset}..{offset + length} (the file is cut short)")
         plans.append((location, offset, length))
     needed = sum(plan[2] for plan in plans if plan)
     memory = _memory_bytes()

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, check_model, write_bytes_atomic
+from normgrad._files import PathLike, StagedFile, check_model, commit_files, staging
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merge_adapters",
@@ -62,7 +62,9 @@ def _usable(model: onnx.ModelProto) -> Dict[str, object]:
 def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> List[str]:
     """Writes the trained adapters in ``tensors`` (a trainer's :meth:`~normgrad.Trainer.state_dict`)
     to ``directory`` (created if needed) as peft's ``adapter_model.safetensors`` and
-    ``adapter_config.json``, each atomically; returns the two paths.
+    ``adapter_config.json``, as one set (:func:`normgrad._files.commit_files`: a kill leaves
+    the old pair or the new one, never run B's weights beside run A's config); returns the
+    two paths.
 
     Raises:
         LoraError: ``step_model`` has no adapters, or ``tensors`` lacks one.
@@ -79,8 +81,10 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
             weights[layer[f"{part}_key"]] = np.ascontiguousarray(tensors[layer[part]])
     os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)]
-    write_bytes_atomic(paths[0], safetensors_bytes(weights, metadata={"format": "pt"}))
-    write_bytes_atomic(paths[1], info["adapter_config"].encode())
+    with staging() as staged:
+        staged.append(StagedFile(paths[0], [safetensors_bytes(weights, metadata={"format": "pt"})]))
+        staged.append(StagedFile(paths[1], [info["adapter_config"].encode()]))
+    commit_files(staged)
     return paths
 
 

@@ -364,6 +364,7 @@ def _data_parallel_trainer_class():
     import onnx
 
     from normgrad import checkpoint as checkpoints
+    from normgrad._session import _check_step_metadata, _load_step_graph
     from normgrad.train import Trainer, TrainerError
 
     class DataParallelTrainer(Trainer):
@@ -399,7 +400,9 @@ def _data_parallel_trainer_class():
         def __init__(self, step_model, checkpoint, **options):
             if not initialized():
                 init()
-            model = step_model if isinstance(step_model, onnx.ModelProto) else onnx.load(str(step_model))
+            # loaded as the Trainer loads it: a frozen base stays in its external data files
+            model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
+            _check_step_metadata(model)
             metadata = {entry.key: entry.value for entry in model.metadata_props}
             parallel = json.loads(metadata.get("normgrad.data_parallel", "{}"))
             if size() > 1:
@@ -417,7 +420,7 @@ def _data_parallel_trainer_class():
             # batches (as in torch DDP without SyncBatchNorm); rank 0's are the ones saved
             self._per_rank = set() if parallel.get("sync_batch_norm") else set(
                 json.loads(metadata.get("normgrad.running_statistics", "[]")))
-            super().__init__(model, _from_rank_0(checkpoint), **options)
+            super().__init__(step_model, _from_rank_0(checkpoint), **options)
 
         def broadcast_state(self, tensors):
             return broadcast(tensors)

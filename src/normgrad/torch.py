@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnx
 
 from normgrad import lora
-from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, external_data_chunks, save_model_atomic, write_chunks_atomic
+from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, save_models_external
 from normgrad.graphs.tidy import tidy
 from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION
@@ -100,7 +100,8 @@ def export(
             ``output_0``...).
         opset: default-domain opset (torchscript 12-20, default 17; dynamo 18-21, default 18).
         external_data: write the frozen initializers (no ``requires_grad``; 1 KiB or more)
-            to ``PATH.data`` beside the model, which references them (relative location):
+            to ``PATH.HASH.data`` beside the model (named by its content: the model and its data
+            are one set, see :func:`normgrad._files.commit_files`), which references them (relative location):
             the route for models past protobuf's 2 GiB limit. The returned model holds the
             references too (relative to the model's folder: the graph builders do not read
             them; give the Trainer the step graph by path, or ``external_data_folder``).
@@ -148,21 +149,12 @@ def export(
         metadata[METADATA_PEFT] = peft_adapters
     onnx.helper.set_model_props(model, metadata)
     model.ir_version = IR_VERSION
-    if external_data:
-        _frozen_to_external_data(model, set(recorded), path)
-    save_model_atomic(model, path)
+    trained = set(recorded)
+    moving = [t for t in model.graph.initializer if external_data and t.name not in trained
+              and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
+    # nothing frozen (full fine-tuning): no empty data file beside the model
+    save_models_external({path: model}, move=moving)
     return model
-
-
-def _frozen_to_external_data(model: onnx.ModelProto, trained: set, path) -> None:
-    """Moves every frozen initializer of EXTERNAL_TENSOR_MIN_BYTES or more into ``PATH.data``
-    (written atomically, streamed), leaving references relative to the model's folder."""
-    location = os.path.basename(os.fspath(path)) + ".data"
-    moving = [t for t in model.graph.initializer
-              if t.name not in trained and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
-    if moving:  # nothing frozen (full fine-tuning): no empty data file beside the model
-        write_chunks_atomic(os.path.join(os.path.dirname(os.path.abspath(path)), location),
-                            external_data_chunks(moving, location))
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:

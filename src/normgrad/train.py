@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -44,9 +43,10 @@ import onnx
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, save_models_external, uses_external_data
 from normgrad._hyperparameters import CHECKPOINT_METADATA, Hyperparameters, from_checkpoint, graph_defaults
-from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _external_data_options, _gate_state_updates,
+from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
+                               _check_step_metadata, _external_data_options, _files_read, _gate_state_updates,
                                _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
-                               _refuse_missing_external_data)
+                               _refuse_overwriting)
 from normgrad.schedules import Schedule, constant, cosine, linear_warmup
 
 __all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
@@ -172,10 +172,13 @@ class Trainer:
         from normgrad.graphs import optimizers
 
         self._ort = onnxruntime
+        self._eval_path = None if eval_model is None or isinstance(eval_model, onnx.ModelProto) else eval_model
         model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
         if external_data_folder is None and not isinstance(step_model, onnx.ModelProto):
             external_data_folder = os.path.dirname(os.path.abspath(os.fspath(step_model)))
         self.external_data_folder = os.path.abspath(os.fspath(external_data_folder or os.getcwd()))
+        _check_step_metadata(model)
+        _check_reserved_names(model)
         metadata = {e.key: e.value for e in model.metadata_props}
         missing = [k for k in ("normgrad.state", "normgrad.parameters", "normgrad.data_inputs", "normgrad.optimizer")
                    if k not in metadata]
@@ -212,8 +215,18 @@ class Trainer:
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         options = session_options if session_options is not None else onnxruntime.SessionOptions()
         _keep_bfloat16_initializers(model, options)
-        if any(uses_external_data(t) for t in model.graph.initializer):
-            _refuse_missing_external_data(model, self.external_data_folder)
+        step_path = None if isinstance(step_model, onnx.ModelProto) else step_model
+        self._read_files = _files_read(model, step_path, self.external_data_folder, "step graph")
+        self._checkpoint_files: List[Tuple[str, PathLike]] = []
+        if eval_model is not None and not isinstance(eval_model, onnx.ModelProto):
+            eval_model = _load_step_graph(eval_model, "evaluation graph")
+            self._read_files += _files_read(eval_model, self._eval_path, self.external_data_folder, "evaluation graph")
+        for graph, what in ((model, "step graph"), (eval_model, "evaluation graph")):
+            if graph is not None:
+                _check_step_metadata(graph, what)
+                _check_external_data(graph, self.external_data_folder, what)
+        if any(uses_external_data(t) for t in model.graph.initializer) or (
+                eval_model is not None and any(uses_external_data(t) for t in eval_model.graph.initializer)):
             _external_data_options(options, self.external_data_folder)
         if kernels is not None:
             import normgrad
@@ -352,9 +365,15 @@ class Trainer:
         seed_text = ckpt.metadata.get(SEED_METADATA)
         if seed_text is not None:
             try:
-                self._seed = int(seed_text)
+                seed = int(seed_text)
             except ValueError:
-                raise TrainerError(f"checkpoint metadata {SEED_METADATA} must be an integer, got {seed_text!r}") from None
+                seed = None
+            if seed is None or not -2**63 <= seed < 2**63:
+                raise TrainerError(f"checkpoint metadata {SEED_METADATA} must be an integer in the int64 range, got "
+                                   f"{seed_text[:40]!r}")
+            self._seed = seed
+        if not isinstance(source, (checkpoints.Checkpoint, Mapping, onnx.ModelProto)):
+            self._checkpoint_files.append(("the trainer's checkpoint", source))
 
     def _initial_seed(self, metadata: Mapping[str, str], seed) -> int:
         """The step graph's default Dropout seed, after checking ``seed``."""
@@ -395,8 +414,10 @@ class Trainer:
         same folder, then renamed; a crash leaves the previous file). Reloading it gives
         bitwise the same state, and training on from it bitwise the same steps."""
         if self.is_saving_rank:
+            _refuse_overwriting({"checkpoint": path}, self._read_files)
             checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed),
                                                        CHECKPOINT_METADATA: self.hyperparameters.saved()})
+            self._checkpoint_files.append(("a checkpoint the trainer saved", path))
 
     def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
         """Replaces the state and step count (and the Dropout seed, if it holds one) with a checkpoint's.
@@ -635,6 +656,14 @@ class Trainer:
                          if epoch > 1 else "")
                 raise TrainerError(f"batches yielded no batch in epoch {epoch}{again}")
 
+    def fit(self, train, **options):
+        """Epochs over ``train`` with evaluation, callbacks, early stopping, a scheduler,
+        checkpoints, resume and logs: :func:`normgrad.loop.fit` (its arguments, its
+        :class:`normgrad.loop.FitResult`)."""
+        from normgrad.loop import fit
+
+        return fit(self, train, **options)
+
     def evaluate(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> EvalResult:
         """The loss and forward outputs of a batch in eval mode (BatchNorm on its running
         statistics, Dropout off, as torch's ``model.eval()``) with the current state, and no
@@ -699,8 +728,9 @@ class Trainer:
 
     def export_inference_model(self, path: PathLike) -> None:
         """Writes :meth:`inference_model` to ``path`` atomically (with a frozen base in external
-        data, or past 1 GiB of weights, its weights in ``PATH.data`` beside it)."""
+        data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
         if self.is_saving_rank:
+            self._refuse_overwriting({"inference model": path})
             self._save_model(self.inference_model(), path)
 
     def save_adapter(self, directory: PathLike) -> None:
@@ -710,19 +740,28 @@ class Trainer:
         from normgrad import lora
 
         if self.is_saving_rank:
+            self._refuse_overwriting({"adapter " + name: os.path.join(directory, name)
+                                      for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG)})
             lora.save_adapter(directory, self.step_model, self.state_dict())
 
     def export_merged_model(self, path: PathLike) -> None:
         """Writes the inference model with the trained LoRA adapters folded into their base
         weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
-        external data, or past 1 GiB of weights, its weights in ``PATH.data`` beside it)."""
+        external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
         from normgrad import lora
 
         if self.is_saving_rank:
+            self._refuse_overwriting({"merged model": path})
             self._save_model(lora.merged_model(self.step_model, self.state_dict(), self.external_data_folder), path)
+
+    def _refuse_overwriting(self, outputs: Mapping[str, PathLike]) -> None:
+        """TrainerError when an export's target (or a data file it replaces) is a file the
+        trainer reads (its step and evaluation graphs, their external data) or a checkpoint
+        it loaded or saved."""
+        _refuse_overwriting(outputs, self._read_files + self._checkpoint_files)
 
     def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
         """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
         past :data:`normgrad._files.INLINE_MODEL_BYTES` keeps its large tensors in
-        ``PATH.data`` beside it."""
+        ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
         save_models_external({path: model}, self.external_data_folder)

@@ -1,0 +1,198 @@
+"""``normgrad train STEP.onnx --data ...``: one's own step graph trained on arrays with
+:func:`normgrad.loop.fit` (the options, the data checks, the run)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Dict, List, Mapping, Sequence
+
+import numpy as np
+
+from normgrad.tools.cli import CommandError, one_line, positive_float, positive_int
+
+METRICS = ("accuracy", "perplexity", "top5")
+_STEP_ONLY = {"--data": None, "--eval": None, "--checkpoint": None, "--checkpoint-dir": None, "--resume": False,
+              "--scheduler": None, "--metrics": None, "--patience": None, "--weight-decay": None, "--betas": None,
+              "--eps": None, "--momentum": None, "--dampening": None, "--max-grad-norm": None}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default shown, except None and those the help text states itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    step = parser.add_argument_group("with a STEP graph")
+    step.add_argument("--data", nargs="+", metavar="FILE", help="training arrays: a .npz, or .npy files named as the "
+                      "inputs (NAME.npy or NAME=FILE.npy)")
+    step.add_argument("--eval", nargs="+", metavar="FILE", help="validation arrays, as --data")
+    step.add_argument("--checkpoint", help="the initial state (default: STEP with .ckpt for .onnx)")
+    step.add_argument("--checkpoint-dir", help="checkpoints, and the folder --resume continues from (default: OUT/checkpoints)")
+    step.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    step.add_argument("--keep-last", type=positive_int, default=2, help="checkpoints kept besides the best")
+    step.add_argument("--checkpoint-every", type=positive_int, default=None, help="also checkpoint every N steps")
+    for flag, what in (("--weight-decay", "weight decay"), ("--eps", "Adam's eps"), ("--momentum", "SGD momentum"),
+                       ("--dampening", "SGD dampening"), ("--max-grad-norm", "gradient clipping norm")):
+        step.add_argument(flag, type=float, default=None, help=f"{what} (default: the step graph's)")
+    step.add_argument("--betas", type=float, nargs=2, default=None, metavar=("BETA1", "BETA2"),
+                      help="Adam's betas (default: the step graph's)")
+    step.add_argument("--scheduler", metavar="'NAME(ARG=VALUE, ...)'", help="a torch scheduler of normgrad.schedules, "
+                      "e.g. 'StepLR(step_size=5, gamma=0.5)', 'OneCycleLR(max_lr=0.01, total_steps=500)', "
+                      "'ReduceLROnPlateau(patience=2)'")
+    step.add_argument("--scheduler-interval", choices=["step", "epoch"], default="epoch",
+                      help="when the scheduler steps (OneCycleLR: step)")
+    step.add_argument("--metrics", nargs="+", choices=METRICS, help="validation metrics of the loss's output")
+    step.add_argument("--monitor", default=None, help="the value that picks the best checkpoint and early stopping "
+                      "(default: val_loss with --eval, else train_loss)")
+    step.add_argument("--mode", choices=["min", "max"], default="min", help="whether lower or higher --monitor is better")
+    step.add_argument("--patience", type=positive_int, default=None, help="stop after N evaluations without improvement")
+    step.add_argument("--min-delta", type=float, default=0.0, help="the improvement --patience counts")
+    step.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def load_arrays(paths: Sequence[str], option: str) -> Dict[str, np.ndarray]:
+    """``{name: array}`` from .npz files and NAME.npy / NAME=FILE.npy files.
+
+    Raises:
+        CommandError: a file that cannot be read or is neither, a name given twice."""
+    arrays: Dict[str, np.ndarray] = {}
+    for spec in paths:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        try:
+            if path.endswith(".npz"):
+                if name:
+                    raise CommandError(f"{option} {spec}: a .npz names its arrays itself (give just the path)")
+                with np.load(path, allow_pickle=False) as archive:
+                    loaded = {key: archive[key] for key in archive.files}
+            elif path.endswith(".npy"):
+                loaded = {name or os.path.basename(path)[:-4]: np.load(path, allow_pickle=False)}
+            else:
+                raise CommandError(f"{option} {spec}: not a .npz or .npy file")
+        except OSError as error:
+            raise CommandError(f"{option}: cannot read {path}: {error.strerror or error}") from None
+        except ValueError as error:
+            raise CommandError(f"{option}: {path} is not a NumPy array file: {one_line(error)}") from None
+        for key, value in loaded.items():
+            if key in arrays:
+                raise CommandError(f"{option}: array {key!r} given twice")
+            arrays[key] = value
+    return arrays
+
+
+def check_arrays(arrays: Mapping[str, np.ndarray], trainer, option: str) -> None:
+    """Refuses, naming the array, data the step graph cannot take: a missing or unknown
+    name, a dtype of another kind, a sample shape other than the graph's, unequal lengths."""
+    from normgrad._session import _np_dtype
+
+    missing = [name for name in trainer.data_inputs if name not in arrays]
+    unknown = sorted(set(arrays) - set(trainer.data_inputs))
+    expected = ", ".join(trainer.data_inputs)
+    if missing:
+        raise CommandError(f"{option}: no array {missing[0]!r}; the step graph's data inputs are {expected}")
+    if unknown:
+        raise CommandError(f"{option}: array {unknown[0]!r} is not a data input of the step graph ({expected})")
+    inputs = {i.name: i for i in trainer.step_model.graph.input}
+    lengths = {}
+    for name in trainer.data_inputs:
+        value, dtype = arrays[name], _np_dtype(inputs[name])
+        if value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
+            raise CommandError(f"{option}: array {name!r} is {value.dtype}; the step graph takes {dtype}")
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[name].type.tensor_type.shape.dim]
+        if value.ndim != len(dims) or any(d is not None and d != v for d, v in zip(dims[1:], value.shape[1:])):
+            wanted = ["N"] + [d if d is not None else "any" for d in dims[1:]]
+            raise CommandError(f"{option}: array {name!r} has shape {list(value.shape)}; the step graph takes {wanted} "
+                               "(N samples along axis 0)")
+        lengths[name] = len(value)
+    if len(set(lengths.values())) > 1:
+        raise CommandError(f"{option}: the arrays differ in length along axis 0: "
+                           + ", ".join(f"{name} {length}" for name, length in lengths.items()))
+
+
+def parse_scheduler(text: str, trainer):
+    """``'StepLR(step_size=5, gamma=0.5)'`` -> that :mod:`normgrad.schedules` scheduler on ``trainer``."""
+    from normgrad import schedules
+
+    try:
+        call = ast.parse(text.strip(), mode="eval").body
+        if not isinstance(call, (ast.Call, ast.Name)):
+            raise ValueError
+        name = (call.func if isinstance(call, ast.Call) else call).id
+        arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords} if isinstance(call, ast.Call) else {}
+        if isinstance(call, ast.Call) and (call.args or None in arguments):
+            raise ValueError
+    except (SyntaxError, ValueError, AttributeError):
+        raise CommandError(f"--scheduler {text!r}: write NAME(ARG=VALUE, ...), e.g. 'StepLR(step_size=5, gamma=0.5)'") from None
+    usable = [n for n in schedules.__all__ if n.endswith(("LR", "Plateau", "Restarts")) and n not in ("SequentialLR",)]
+    if name not in usable:
+        raise CommandError(f"--scheduler: {name!r} is not one of {', '.join(usable)} (SequentialLR and "
+                           "ChainedScheduler: use normgrad.loop.fit from Python)")
+    try:
+        return getattr(schedules, name)(trainer, **arguments)
+    except TypeError as error:
+        raise CommandError(f"--scheduler {name}: {one_line(error)}") from None
+
+
+def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from normgrad import loop, metrics
+    from normgrad.train import Trainer, TrainerError
+
+    if not args.data:
+        parser.error("a STEP graph needs its training arrays: --data FILE")
+    hyperparameters = {"lr": getattr(args, "lr", None), "weight_decay": args.weight_decay, "eps": args.eps,
+                       "momentum": args.momentum, "dampening": args.dampening, "max_grad_norm": args.max_grad_norm,
+                       "betas": tuple(args.betas) if args.betas else None}
+    checkpoint = args.checkpoint or (args.step[:-5] if args.step.endswith(".onnx") else args.step) + ".ckpt"
+    eval_graph = (args.step[:-5] if args.step.endswith(".onnx") else args.step) + ".eval.onnx"
+    folder = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
+    try:
+        for path in (args.step, checkpoint):
+            if not os.path.isfile(path):
+                raise CommandError(f"no file {path}" + (" (the initial state: --checkpoint)" if path == checkpoint else ""))
+        train = load_arrays(args.data, "--data")
+        validation = load_arrays(args.eval, "--eval") if args.eval else None
+        trainer = Trainer(args.step, checkpoint, eval_model=eval_graph if os.path.isfile(eval_graph) else None,
+                          **{k: v for k, v in hyperparameters.items() if v is not None})
+        check_arrays(train, trainer, "--data")
+        if validation is not None:
+            check_arrays(validation, trainer, "--eval")
+        scheduler = parse_scheduler(args.scheduler, trainer) if args.scheduler else None
+        chosen = {name: metrics.accuracy if name == "accuracy" else metrics.perplexity if name == "perplexity"
+                  else metrics.top_k_accuracy(5) for name in args.metrics or []}
+        if chosen and validation is None:
+            raise CommandError("--metrics needs validation arrays: --eval FILE")
+        callbacks: List[loop.Callback] = []
+        if args.patience is not None:
+            callbacks.append(loop.EarlyStopping(args.monitor or ("val_loss" if validation else "train_loss"),
+                                                args.mode, args.patience, args.min_delta))
+        result = trainer.fit(
+            loop.array_batches(train, args.batch_size, shuffle=True, seed=args.seed), epochs=args.epochs,
+            evaluation=loop.array_batches(validation, args.batch_size) if validation is not None else None,
+            metrics=chosen, callbacks=callbacks, scheduler=scheduler, scheduler_interval=args.scheduler_interval,
+            monitor=args.monitor, mode=args.mode, checkpoint_dir=folder, keep_last=args.keep_last,
+            checkpoint_every=args.checkpoint_every, resume=args.resume, log_dir=args.out,
+            progress=not args.no_progress)
+        inference = os.path.join(args.out, "inference.onnx")
+        trainer.export_inference_model(inference)
+    except (CommandError, TrainerError) as error:
+        print(f"normgrad train: {one_line(error)}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"normgrad train: cannot write {error.filename or args.out}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    last = result.evaluations[-1] if result.evaluations else {}
+    summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if k not in ("epoch", "step"))
+    stopped = " (stopped early)" if result.stopped_early else ""
+    print(f"{trainer.step_count} steps{stopped}; last evaluation: {summary or 'none'}")
+    if result.best is not None and result.best_checkpoint:
+        monitor = args.monitor or ("val_loss" if validation is not None else "train_loss")
+        print(f"best {monitor} {result.best[monitor]:.4g} at step {result.best['step']}: {result.best_checkpoint}")
+    print(f"wrote {folder}/, {os.path.join(args.out, 'metrics.csv')}, {inference}"
+          + (f", {os.path.join(args.out, 'training.png')}" if os.path.isfile(os.path.join(args.out, "training.png")) else ""))
+    return 0
