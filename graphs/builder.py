@@ -19,7 +19,7 @@ import onnx.shape_inference
 
 import normgrad
 from normgrad._api import add_functions_in_place
-from normgrad._files import check_model
+from normgrad._external_data import check_model
 from normgrad.graphs import data_parallel as data_parallel_rules
 from normgrad.graphs import losses, patterns, rewrites, torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe

@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
-from normgrad._files import check_model
+from normgrad._external_data import check_model
 from normgrad.graphs import rewrites
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.tidy import tidy

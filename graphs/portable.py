@@ -66,7 +66,7 @@ import onnx.inliner
 import onnx.numpy_helper as onh
 import onnx.shape_inference
 
-from normgrad._files import check_model
+from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 

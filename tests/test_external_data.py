@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import normgrad._files
-from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
+import normgrad._external_data
+from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
 from normgrad.tools.export import main as export_main
 from normgrad.train import Trainer, TrainerError
 
@@ -240,7 +240,7 @@ def test_missing_external_data_is_a_trainer_error(tmp_path):
 def test_large_inline_weights_go_to_external_data(tmp_path, monkeypatch):
     """save_models_external moves a model's inline tensors of 1 KiB or more to PATH.data when
     they pass INLINE_MODEL_BYTES (lowered here), and the model it writes runs the same."""
-    monkeypatch.setattr(normgrad._files, "INLINE_MODEL_BYTES", 1024)
+    monkeypatch.setattr(normgrad._external_data, "INLINE_MODEL_BYTES", 1024)
     model = _two_layer_model()
     x = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

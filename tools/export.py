@@ -12,8 +12,9 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import (EXTERNAL_TENSOR_MIN_BYTES, commit_files, external_data_files, refuse_aliases,
-                             refuse_irregular_file, stage_models_external, staging, uses_external_data)
+from normgrad._files import commit_files, refuse_aliases, refuse_irregular_file, staging
+from normgrad._external_data import (EXTERNAL_TENSOR_MIN_BYTES, external_data_files, stage_models_external,
+                                     uses_external_data)
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]

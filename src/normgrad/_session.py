@@ -12,9 +12,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from normgrad._files import (ExternalDataError, PathAliasError, PathLike, StagedFile, complete_interrupted_commits,
-                             external_data_extent, external_data_files, refuse_aliases, refuse_irregular_file,
-                             uses_external_data)
+from normgrad._files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, refuse_aliases,
+                             refuse_irregular_file)
+from normgrad._external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
 from normgrad.graphs import structure
 
 
@@ -113,7 +113,7 @@ def _external_data_options(options, folder: str) -> None:
 
 def _check_external_data(model: onnx.ModelProto, folder: str, what: str = "step graph") -> None:
     """TrainerError naming the first external tensor of ``model`` whose data cannot be used
-    from ``folder`` (:func:`normgrad._files.external_data_extent`: a location outside it, a
+    from ``folder`` (:func:`normgrad._external_data.external_data_extent`: a location outside it, a
     missing file, one shorter than offset + length); onnxruntime would fail at session
     creation with its own message. Every graph the Trainer loads goes through it."""
     for tensor in model.graph.initializer:

@@ -28,8 +28,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, StagedFile, commit_files, \
-    ExternalDataError, complete_interrupted_commits, external_data_extent, staging
+from normgrad._files import PathLike, StagedFile, commit_files, complete_interrupted_commits, staging
+from normgrad._external_data import ExternalDataError, external_data_extent
 from normgrad.ops._common import IR_VERSION
 
 __all__ = ["Checkpoint", "CheckpointError", "save", "stage", "load", "from_proto", "check_matches", "CHECKSUM_METADATA"]

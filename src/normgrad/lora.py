@@ -24,7 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, StagedFile, check_model, commit_files, staging
+from normgrad._files import PathLike, StagedFile, commit_files, staging
+from normgrad._external_data import check_model
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merge_adapters",
@@ -95,7 +96,7 @@ def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
     ``base_dir``: the folder of the step graph's external data (a frozen base), default the
     current folder; the base weights the adapters change are read from it and become inline
     tensors, the others stay external (write the model with
-    :func:`normgrad._files.save_models_external`, as :meth:`normgrad.Trainer.export_merged_model`
+    :func:`normgrad._external_data.save_models_external`, as :meth:`normgrad.Trainer.export_merged_model`
     does)."""
     from normgrad.graphs.optimizers import build_inference_model
 

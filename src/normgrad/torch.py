@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnx
 
 from normgrad import lora
-from normgrad._files import EXTERNAL_TENSOR_MIN_BYTES, save_models_external
+from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external
 from normgrad.graphs.tidy import tidy
 from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
 from normgrad.ops import IR_VERSION

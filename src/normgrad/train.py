@@ -41,7 +41,8 @@ import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike, save_models_external, uses_external_data
+from normgrad._files import PathLike
+from normgrad._external_data import save_models_external, uses_external_data
 from normgrad._hyperparameters import CHECKPOINT_METADATA, Hyperparameters, from_checkpoint, graph_defaults
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
                                _check_step_metadata, _external_data_options, _files_read, _gate_state_updates,
@@ -762,6 +763,6 @@ class Trainer:
 
     def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
         """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
-        past :data:`normgrad._files.INLINE_MODEL_BYTES` keeps its large tensors in
+        past :data:`normgrad._external_data.INLINE_MODEL_BYTES` keeps its large tensors in
         ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
         save_models_external({path: model}, self.external_data_folder)
