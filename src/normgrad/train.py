@@ -13,7 +13,11 @@ copies of the weights' size instead of 6.
 Learning-rate schedules are plain Python functions of the 1-based step
 (:mod:`normgrad.schedules`: :func:`constant`, :func:`linear_warmup`, :func:`cosine`); the
 onnxruntime plumbing (sessions, the graph onnxruntime runs, external data, the step gate) is
-in :mod:`normgrad._session`.
+in :mod:`normgrad._session`. The Trainer's methods live by concern: construction, stepping
+and the data-parallel hooks here; the state, checkpoints and exported files in
+:mod:`normgrad._state`; checking a batch in :mod:`normgrad._batches`; evaluation in
+:mod:`normgrad._evaluation` (each a base class of :class:`Trainer`); the hyperparameters in
+:mod:`normgrad._hyperparameters`; ``fit`` in :mod:`normgrad.loop`.
 
 **Data-parallel wrappers.** Three methods are the hooks a data-parallel (e.g. MPI) subclass
 overrides, each a no-op here:
@@ -42,23 +46,18 @@ import onnx
 
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike
-from normgrad._external_data import save_models_external, uses_external_data
-from normgrad._hyperparameters import CHECKPOINT_METADATA, Hyperparameters, from_checkpoint, graph_defaults
+from normgrad._batches import BatchFeeds, _unpack_dict
+from normgrad._evaluation import EvalResult, Evaluation
+from normgrad._external_data import uses_external_data
+from normgrad._hyperparameters import Hyperparameters, graph_defaults
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
                                _check_step_metadata, _external_data_options, _files_read, _gate_state_updates,
-                               _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
-                               _refuse_overwriting)
+                               _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part)
+from normgrad._state import SEED_METADATA, STEP_METADATA, TrainerState
 from normgrad.schedules import Schedule, constant, cosine, linear_warmup
 
 __all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
            "STEP_METADATA", "SEED_METADATA"]
-
-STEP_METADATA = "normgrad.step"
-"""Checkpoint metadata key: the number of optimizer steps taken (the next step is this + 1)."""
-SEED_METADATA = "normgrad.dropout_seed"
-"""Checkpoint metadata key: the Dropout seed (with the step count, what the next masks depend on)."""
-
-
 
 
 @dataclasses.dataclass
@@ -83,24 +82,8 @@ class StepResult:
     epoch: Optional[int] = None
 
 
-@dataclasses.dataclass
-class EvalResult:
-    """What :meth:`Trainer.evaluate` returns: the loss and the requested forward outputs
-    (``{name: array}``) in eval mode, with the trainer's current state."""
 
-    loss: float
-    outputs: Dict[str, np.ndarray]
-
-
-def _unpack_dict(batch: Sequence, named: Mapping[str, object]) -> Tuple[Sequence, Dict[str, object]]:
-    """A batch given as one dict ``{input name: array}`` -> the same inputs by name."""
-    if len(batch) == 1 and isinstance(batch[0], Mapping):
-        twice = sorted(set(batch[0]) & set(named))
-        if twice:
-            raise TrainerError(f"batch input {twice[0]!r} given both in the dict and by keyword")
-        return (), {**batch[0], **named}
-    return batch, dict(named)
-class Trainer:
+class Trainer(TrainerState, BatchFeeds, Evaluation):
     """Trains with a step graph, keeping its state in onnxruntime.
 
     Args:
@@ -305,6 +288,10 @@ class Trainer:
         """The learning rate as a function of the 1-based step (``hyperparameters["lr"]``'s)."""
         return self.hyperparameters.schedule("lr") or constant(self.hyperparameters["lr"])
 
+    def lr(self, step: Optional[int] = None) -> float:
+        """The learning rate of ``step`` (default: the next step)."""
+        return self.hyperparameters.value("lr", self._step + 1 if step is None else step)
+
     # -- hooks for data-parallel subclasses -------------------------------------------------
 
     def broadcast_state(self, tensors: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
@@ -323,78 +310,6 @@ class Trainer:
         gradients the optimizer applies. A data-parallel subclass averages them over ranks."""
         return gradients
 
-    # -- state ------------------------------------------------------------------------------
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken so far (the checkpoint's ``normgrad.step``)."""
-        return self._step
-
-    def _ortvalue(self, array: np.ndarray):
-        device, device_id = self._device
-        return self._ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), device, device_id)
-
-    def _set_state(self, source) -> None:
-        if isinstance(source, checkpoints.Checkpoint):
-            ckpt = source
-        elif isinstance(source, Mapping):
-            ckpt = checkpoints.Checkpoint(tensors={k: np.asarray(v) for k, v in source.items()}, metadata={})
-        else:
-            try:
-                ckpt = checkpoints.from_proto(source) if isinstance(source, onnx.ModelProto) else checkpoints.load(source)
-            except checkpoints.CheckpointError as error:
-                raise TrainerError(str(error)) from None
-        try:
-            checkpoints.check_matches(ckpt, self._expected)
-        except checkpoints.CheckpointError as error:
-            raise TrainerError(f"{error} (checked against the step graph's state)") from None
-        step_text = ckpt.metadata.get(STEP_METADATA, "0")
-        if not (step_text.isascii() and step_text.isdigit()):
-            raise TrainerError(f"checkpoint metadata {STEP_METADATA} must be a step count, got {step_text!r}")
-        tensors = self.broadcast_state({name: ckpt.tensors[name] for name in self._expected})
-        self._buffers = {}
-        for name, value in tensors.items():
-            first = self._ortvalue(value)
-            self._buffers[name] = [first, first if name in self._in_place else self._ortvalue(value)]
-        self._current = {name: 0 for name in tensors}
-        if self.split:
-            for accumulator, zeros in self._zeros.items():
-                self._buffers[accumulator] = [self._ortvalue(zeros.numpy()), self._ortvalue(zeros.numpy())]
-                self._current[accumulator] = 0
-        self._step = int(step_text)
-        self.hyperparameters.restore(from_checkpoint(ckpt.metadata))
-        seed_text = ckpt.metadata.get(SEED_METADATA)
-        if seed_text is not None:
-            try:
-                seed = int(seed_text)
-            except ValueError:
-                seed = None
-            if seed is None or not -2**63 <= seed < 2**63:
-                raise TrainerError(f"checkpoint metadata {SEED_METADATA} must be an integer in the int64 range, got "
-                                   f"{seed_text[:40]!r}")
-            self._seed = seed
-        if not isinstance(source, (checkpoints.Checkpoint, Mapping, onnx.ModelProto)):
-            self._checkpoint_files.append(("the trainer's checkpoint", source))
-
-    def _initial_seed(self, metadata: Mapping[str, str], seed) -> int:
-        """The step graph's default Dropout seed, after checking ``seed``."""
-        from normgrad.graphs import rewrites
-
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                                 or not -2**63 <= int(seed) < 2**63):
-            raise TrainerError(f"seed must be an integer in the int64 range, got {seed!r}")
-        dropout = json.loads(metadata.get(rewrites.METADATA_DROPOUT, "null"))
-        if seed is not None and dropout is None and any(
-                n.op_type == "Dropout" and n.domain in ("", "ai.onnx") for n in self.step_model.graph.node):
-            raise TrainerError("the step graph's Dropout nodes draw unseeded masks (it was exported before Dropout "
-                               "took a seed): export it again to train reproducibly with a seed")
-        return int(dropout["seed"]) if dropout else 0
-
-    @property
-    def seed(self) -> int:
-        """The Dropout seed (saved in checkpoints; see the ``seed`` argument)."""
-        return self._seed
-
     def _dropout_feeds(self, part: "_Part", micro_batch: int = 0) -> Dict[str, np.ndarray]:
         """The seed (and micro-batch index) inputs of a part with seeded Dropout."""
         from normgrad.graphs import rewrites
@@ -402,31 +317,6 @@ class Trainer:
         feeds = {rewrites.DROPOUT_SEED_INPUT: np.array(self._seed, np.int64),
                  rewrites.DROPOUT_MICRO_BATCH_INPUT: np.array(micro_batch, np.int64)}
         return {name: value for name, value in feeds.items() if name in part.inputs}
-
-    def state_dict(self) -> Dict[str, np.ndarray]:
-        """A copy of every state tensor (weights, optimizer state, running statistics)."""
-        return {name: self._value(name).numpy().copy() for name in self._expected}
-
-    def _value(self, name: str):
-        return self._buffers[name][self._current[name]]
-
-    def save(self, path: PathLike) -> None:
-        """Writes the state and the step count to ``path`` atomically (a temporary file in the
-        same folder, then renamed; a crash leaves the previous file). Reloading it gives
-        bitwise the same state, and training on from it bitwise the same steps."""
-        if self.is_saving_rank:
-            _refuse_overwriting({"checkpoint": path}, self._read_files)
-            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed),
-                                                       CHECKPOINT_METADATA: self.hyperparameters.saved()})
-            self._checkpoint_files.append(("a checkpoint the trainer saved", path))
-
-    def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
-        """Replaces the state and step count (and the Dropout seed, if it holds one) with a checkpoint's.
-
-        Raises:
-            TrainerError: a tensor missing, extra, or of another dtype or shape than the step graph's.
-        """
-        self._set_state(path)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -461,88 +351,6 @@ class Trainer:
         for name in part.state:
             self._current[name] = 1 - self._current[name]
         return float(self._loss.numpy()) if "loss" in part.outputs else float("nan")
-
-    def _batch(self, batch: Sequence, named: Mapping[str, object], whole: bool = False) -> Dict[str, np.ndarray]:
-        """The checked feeds of a batch; ``whole``: run at once (:meth:`evaluate`), not split
-        into ``accumulation`` micro-batches."""
-        accumulation = 1 if whole else self.accumulation
-        if len(batch) > len(self.data_inputs):
-            raise TrainerError(f"step() takes {len(self.data_inputs)} arrays ({', '.join(self.data_inputs)}); "
-                               f"got {len(batch)}")
-        twice = sorted(set(self.data_inputs[:len(batch)]) & set(named))
-        if twice:
-            raise TrainerError(f"batch input {twice[0]!r} given both positionally and by name")
-        named = {**dict(zip(self.data_inputs, batch)), **named}
-        unknown = sorted(set(named) - set(self.data_inputs))
-        missing = [n for n in self.data_inputs if n not in named]
-        if unknown or missing:
-            raise TrainerError(f"the batch must be {', '.join(self.data_inputs)}; "
-                               + (f"missing {missing[0]!r}" if missing else f"unknown {unknown[0]!r}"))
-        inputs = {i.name: i for i in self.step_model.graph.input}
-        feeds = {}
-        for name in self.data_inputs:
-            value, dtype = np.asarray(named[name]), _np_dtype(inputs[name])
-            if value.dtype != dtype and value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
-                raise TrainerError(f"batch input {name!r} must be {dtype} (or the same kind); got {value.dtype}")
-            feeds[name] = np.ascontiguousarray(value, dtype)
-            if accumulation > 1 and (value.ndim == 0 or value.shape[0] % accumulation):
-                raise TrainerError(f"with accumulation {accumulation}, batch input {name!r} needs a first axis "
-                                   f"divisible by {accumulation}; got shape {list(value.shape)}")
-            fed = (value.shape[0] // accumulation,) + value.shape[1:] if accumulation > 1 else value.shape
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[name].type.tensor_type.shape.dim]
-            if len(dims) != len(fed) or any(d is not None and d != f for d, f in zip(dims, fed)):
-                micro = f" (each of the {accumulation} micro-batches)" if accumulation > 1 else ""
-                wanted = [d if d is not None else "any" for d in dims]
-                raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
-        self._check_batch(feeds)
-        return feeds
-
-    def _check_batch(self, feeds: Mapping[str, np.ndarray]) -> None:
-        """Refuses, before anything runs, an empty batch, inputs that disagree on a dimension
-        the step graph names alike (``batch``), and cross_entropy labels outside 0..C-1
-        (other than the loss's ignore_index)."""
-        inputs = {i.name: i for i in self.step_model.graph.input}
-        symbols: Dict[str, Tuple[str, int, int]] = {}
-        for name, value in feeds.items():
-            if value.size == 0:
-                raise TrainerError(f"batch input {name!r} is empty (shape {list(value.shape)}); a step needs at least one sample")
-            for axis, dim in enumerate(inputs[name].type.tensor_type.shape.dim):
-                if dim.HasField("dim_param") and dim.dim_param and axis < value.ndim:
-                    first = symbols.setdefault(dim.dim_param, (name, axis, value.shape[axis]))
-                    if first[2] != value.shape[axis]:
-                        raise TrainerError(
-                            f"batch input {name!r} has {value.shape[axis]} along axis {axis} and {first[0]!r} "
-                            f"{first[2]} along axis {first[1]}; the step graph names both {dim.dim_param!r}, so they must agree")
-        loss = self._loss_metadata
-        if loss.get("kind") != "cross_entropy" or "labels" not in feeds:
-            return
-        labels = feeds["labels"]
-        ignore_index = (loss.get("options") or {}).get("ignore_index")
-        valid = labels >= 0 if ignore_index is None else (labels >= 0) | (labels == ignore_index)
-        if self._classes is not None:
-            valid &= (labels < self._classes) | (labels == ignore_index if ignore_index is not None else False)
-        if not valid.all():
-            bad = labels[~valid].flat[0]
-            allowed = f"0..{self._classes - 1}" if self._classes is not None else "non-negative"
-            also = f" or the ignore_index {ignore_index}" if ignore_index is not None else ""
-            raise TrainerError(f"batch input 'labels' holds {bad}; cross_entropy labels must be class indices {allowed}{also}")
-
-    def _class_count(self) -> Optional[int]:
-        """C of a cross_entropy loss: axis 1 of its forward output, where the step graph knows it."""
-        if self._loss_metadata.get("kind") != "cross_entropy":
-            return None
-        output = self._loss_metadata.get("output")
-        graph = self.step_model.graph
-        if not any(info.name == output for info in graph.value_info):
-            try:
-                graph = onnx.shape_inference.infer_shapes(self.step_model).graph
-            except Exception:  # a graph onnx cannot infer: labels are checked against 0 only
-                return None
-        for info in list(graph.value_info) + list(graph.output):
-            if info.name == output:
-                dims = info.type.tensor_type.shape.dim
-                return dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
-        return None
 
     def step(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> Union[float, StepResult]:
         """One optimizer step on a batch: the step graph's data inputs positionally in
@@ -618,14 +426,6 @@ class Trainer:
             fetched[name] = np.concatenate(values) if values[0].ndim else np.stack(values)
         return float(np.mean(losses))
 
-    def _requested(self, outputs: Optional[Sequence[str]]) -> Dict[str, object]:
-        names = [outputs] if isinstance(outputs, str) else list(outputs or [])
-        for name in names:
-            if name not in self.forward_outputs:
-                raise TrainerError(f"output {name!r} is not a forward output the step graph computes; it computes "
-                                   f"{', '.join(map(repr, self.forward_outputs)) or 'none'}")
-        return dict.fromkeys(names)
-
     def steps(self, batches: Iterable, epochs: int = 1, outputs: Optional[Sequence[str]] = None) -> Iterator[StepResult]:
         """Takes one :meth:`step` per batch of ``batches``, ``epochs`` times over, yielding a
         :class:`StepResult` after each (lazily: nothing runs until the loop asks for the next
@@ -664,105 +464,3 @@ class Trainer:
         from normgrad.loop import fit
 
         return fit(self, train, **options)
-
-    def evaluate(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> EvalResult:
-        """The loss and forward outputs of a batch in eval mode (BatchNorm on its running
-        statistics, Dropout off, as torch's ``model.eval()``) with the current state, and no
-        update: no weight, optimizer tensor, running statistic or step count changes. The
-        batch is given as to :meth:`step` (labels included), whole (not split into
-        micro-batches). ``outputs``: the forward outputs to return (default: all that the
-        evaluation graph computes)."""
-        batch, named = _unpack_dict(batch, named)
-        part = self._evaluation_part()
-        available = [o for o in part.outputs if o != "loss"]
-        names = available if outputs is None else ([outputs] if isinstance(outputs, str) else list(outputs))
-        for name in names:
-            if name not in available:
-                raise TrainerError(f"output {name!r} is not computed by the evaluation graph; it computes "
-                                   f"{', '.join(map(repr, available)) or 'none'}")
-        feeds = self._batch(batch, named, whole=True)
-        fetched = dict.fromkeys(names)
-        loss = self._run(part, {name: value for name, value in feeds.items() if name in part.inputs}, fetched=fetched)
-        return EvalResult(loss=loss, outputs=fetched)
-
-    def _evaluation_part(self) -> _Part:
-        if self._evaluation is None:
-            from normgrad.graphs import optimizers
-
-            source = self._eval_source
-            if source is None:
-                model = optimizers.build_eval_graph(self.step_model)
-            else:
-                model = source if isinstance(source, onnx.ModelProto) else _load_step_graph(source)
-            step_inputs = {i.name: i for i in self.step_model.graph.input}
-            for info in model.graph.input:
-                if info.name in self._expected:
-                    dims = tuple(d.dim_value for d in info.type.tensor_type.shape.dim)
-                    if (_np_dtype(info), dims) != self._expected[info.name]:
-                        raise TrainerError(f"evaluation graph input {info.name!r} is {_np_dtype(info)} {list(dims)}; "
-                                           f"the step graph's state tensor is {self._expected[info.name][0]} "
-                                           f"{list(self._expected[info.name][1])}")
-                elif info.name not in self.data_inputs:
-                    raise TrainerError(f"evaluation graph input {info.name!r} is neither a data input nor a state "
-                                       "tensor of the step graph: not this step graph's evaluation graph")
-                elif _np_dtype(info) != _np_dtype(step_inputs[info.name]):
-                    raise TrainerError(f"evaluation graph input {info.name!r} is {_np_dtype(info)}; the step graph's "
-                                       f"is {_np_dtype(step_inputs[info.name])}: not this step graph's evaluation graph")
-            if "loss" not in {o.name for o in model.graph.output}:
-                raise TrainerError("the evaluation graph has no 'loss' output")
-            options, providers = self._session_arguments
-            self._evaluation = _Part(self._ort, model, options, providers, {})
-        return self._evaluation
-
-    # -- results ----------------------------------------------------------------------------
-
-    def lr(self, step: Optional[int] = None) -> float:
-        """The learning rate of ``step`` (default: the next step)."""
-        return self.hyperparameters.value("lr", self._step + 1 if step is None else step)
-
-    def inference_model(self) -> onnx.ModelProto:
-        """The forward model with the trained weights and running statistics as initializers,
-        BatchNormalization in inference mode and Dropout as Identity: any onnxruntime runs it."""
-        from normgrad.graphs.optimizers import build_inference_model
-
-        return build_inference_model(self.step_model, self.state_dict())
-
-    def export_inference_model(self, path: PathLike) -> None:
-        """Writes :meth:`inference_model` to ``path`` atomically (with a frozen base in external
-        data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
-        if self.is_saving_rank:
-            self._refuse_overwriting({"inference model": path})
-            self._save_model(self.inference_model(), path)
-
-    def save_adapter(self, directory: PathLike) -> None:
-        """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
-        ``adapter_config.json`` in ``directory`` (:func:`normgrad.lora.save_adapter`; the step
-        graph must come from a peft model exported with :func:`normgrad.torch.export`)."""
-        from normgrad import lora
-
-        if self.is_saving_rank:
-            self._refuse_overwriting({"adapter " + name: os.path.join(directory, name)
-                                      for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG)})
-            lora.save_adapter(directory, self.step_model, self.state_dict())
-
-    def export_merged_model(self, path: PathLike) -> None:
-        """Writes the inference model with the trained LoRA adapters folded into their base
-        weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
-        external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
-        from normgrad import lora
-
-        if self.is_saving_rank:
-            self._refuse_overwriting({"merged model": path})
-            self._save_model(lora.merged_model(self.step_model, self.state_dict(), self.external_data_folder), path)
-
-    def _refuse_overwriting(self, outputs: Mapping[str, PathLike]) -> None:
-        """TrainerError when an export's target (or a data file it replaces) is a file the
-        trainer reads (its step and evaluation graphs, their external data) or a checkpoint
-        it loaded or saved."""
-        _refuse_overwriting(outputs, self._read_files + self._checkpoint_files)
-
-    def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
-        """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
-        past :data:`normgrad._external_data.INLINE_MODEL_BYTES` keeps its large tensors in
-        ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
-        save_models_external({path: model}, self.external_data_folder)
