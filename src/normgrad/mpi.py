@@ -24,19 +24,26 @@ of ``MPI_Alltoallv``, ``MPI_Allgatherv`` and ``MPI_Error_string`` in the MPI lib
 mpi4py itself loaded, the communicator's and ``MPI_BYTE``'s handles and the handle width
 (pointers in Open MPI, ints in MPICH), through the library's exported
 ``normgrad_mpi_configure``. The kernel and mpi4py then share one MPI, whichever it is.
+
+This module holds the communicator and its collectives, the C++ library's configuration
+and :func:`abort_on_error`; :class:`DataParallelTrainer` lives in
+:mod:`normgrad._data_parallel` (imported on first use), the launcher helpers
+(:func:`launched_ranks`, :func:`mpirun_command`, :func:`mpirun_environment`) in
+:mod:`normgrad._mpi_launch`; all are exported from here.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import sys
 import threading
 import time
 import traceback
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional
 
 import numpy as np
+
+from normgrad._mpi_launch import LAUNCHER_SIZE_VARIABLES, launched_ranks, mpirun_command, mpirun_environment
 
 __all__ = [
     "MPIUnavailableError",
@@ -77,11 +84,6 @@ TIMEOUT_SECONDS = 1800.0
 each step, save) waits for the other ranks by default: 30 minutes, torch.distributed's
 default. ``init(timeout=)`` or the environment variable ``NORMGRAD_MPI_TIMEOUT`` change it."""
 
-LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-"""Environment variables through which MPI launchers tell a process how many ranks the job
-has: Open MPI's mpirun; MPICH's Hydra (and Intel MPI, Slurm's PMI); MVAPICH2. The C++
-AllReduce kernel reads the same list (ops/cpp/all_reduce.cc)."""
-
 
 class CollectiveTimeoutError(RuntimeError):
     """Some ranks did not reach a collective of :mod:`normgrad.mpi` within the timeout."""
@@ -109,18 +111,6 @@ def available() -> bool:
     except (MPIUnavailableError, RuntimeError, OSError):
         return False
     return True
-
-
-def launched_ranks() -> int:
-    """How many ranks the MPI launcher started this job with, from the environment
-    (:data:`LAUNCHER_SIZE_VARIABLES`); 1 outside a multi-rank launch."""
-    import os
-
-    for name in LAUNCHER_SIZE_VARIABLES:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return max(1, int(value))
-    return 1
 
 
 def unconfigured_message(ranks: int) -> str:
@@ -360,177 +350,6 @@ def trainer(step_model, checkpoint, **options):
     return __getattr__("DataParallelTrainer")(step_model, checkpoint, **options)
 
 
-def _data_parallel_trainer_class():
-    import onnx
-
-    from normgrad import checkpoint as checkpoints
-    from normgrad._session import _check_step_metadata, _load_step_graph
-    from normgrad.train import Trainer, TrainerError
-
-    class DataParallelTrainer(Trainer):
-        """:class:`normgrad.train.Trainer` under ``mpirun``, for a step graph exported with
-        ``--data-parallel`` (and usually ``--sync-batch-norm``), whose AllReduce nodes average
-        the gradients: every rank applies the same optimizer step to the same weights.
-
-        * :func:`init` is called if it has not been;
-        * the checkpoint is read on rank 0 only and broadcast, so every rank starts from rank
-          0's state (weights, optimizer tensors, running statistics, step count);
-        * :meth:`save` and :meth:`export_inference_model` write on rank 0 only and return on
-          every rank once the file is in place;
-        * normgrad's C++ kernels are required with more than one rank (the function body of
-          AllReduce is the identity: ranks would silently drift apart), and sessions run their
-          nodes sequentially, so the collectives come in graph order on every rank;
-        * at construction, the ranks compare a fingerprint of their step graphs and options
-          (lr schedule, accumulation, seed) and fail if any differs;
-        * each :meth:`step` first checks that every rank passes a batch of the same size;
-        * after the first step, the ranks compare a digest of their state
-          (:meth:`check_in_sync`) and fail if it differs;
-        * these checks (and :meth:`save`) wait at most :func:`timeout` for the other ranks,
-          then raise :class:`CollectiveTimeoutError` naming the ranks that did not come.
-
-        Each rank passes :meth:`step` its own shard of the global batch (:func:`shard`).
-        Same arguments as :class:`normgrad.train.Trainer`.
-
-        Raises:
-            TrainerError: more than one rank and a step graph without ``--data-parallel``,
-                or ``kernels=None``; ranks with different step graphs or options.
-            CollectiveTimeoutError: a rank did not reach the construction within :func:`timeout`.
-        """
-
-        def __init__(self, step_model, checkpoint, **options):
-            if not initialized():
-                init()
-            # loaded as the Trainer loads it: a frozen base stays in its external data files
-            model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
-            _check_step_metadata(model)
-            metadata = {entry.key: entry.value for entry in model.metadata_props}
-            parallel = json.loads(metadata.get("normgrad.data_parallel", "{}"))
-            if size() > 1:
-                if not parallel.get("data_parallel"):
-                    raise TrainerError(f"{size()} ranks but the step graph does not average gradients over them: "
-                                       "export it with --data-parallel (and --sync-batch-norm for BatchNorm)")
-                if options.get("kernels", "auto") is None:
-                    raise TrainerError("data-parallel training needs normgrad's C++ kernels (kernels='cpp'): "
-                                       "AllReduce's function body is the identity")
-                options["kernels"] = "cpp"
-            _check_same_everywhere(model, options)
-            options["session_options"] = _sequential(options.get("session_options"))
-            self._checked = False
-            # without synchronized BatchNorm each rank's running statistics follow its own
-            # batches (as in torch DDP without SyncBatchNorm); rank 0's are the ones saved
-            self._per_rank = set() if parallel.get("sync_batch_norm") else set(
-                json.loads(metadata.get("normgrad.running_statistics", "[]")))
-            super().__init__(step_model, _from_rank_0(checkpoint), **options)
-
-        def broadcast_state(self, tensors):
-            return broadcast(tensors)
-
-        @property
-        def is_saving_rank(self) -> bool:
-            return rank() == 0
-
-        def load(self, path) -> None:
-            super().load(_from_rank_0(path))
-
-        def save(self, path) -> None:
-            _then_barrier(super().save, path)
-
-        def export_inference_model(self, path) -> None:
-            _then_barrier(super().export_inference_model, path)
-
-        def step(self, *batch, **named) -> float:
-            """:meth:`normgrad.train.Trainer.step` on this rank's batch.
-
-            Raises:
-                TrainerError: the ranks' batches differ in size (the averaged gradient would
-                    weight their samples unequally).
-                CollectiveTimeoutError: a rank did not come to this step within :func:`timeout`.
-            """
-            values = list(batch) + [named[name] for name in sorted(named)]
-            sizes = gather([int(np.shape(v)[0]) if np.ndim(v) else None for v in values],
-                           f"step {self.step_count + 1}")
-            if any(s != sizes[0] for s in sizes):
-                shown = ", ".join(f"rank {r}: {s[0] if len(set(s)) == 1 else s}" for r, s in enumerate(sizes))
-                raise TrainerError(f"the ranks pass batches of different sizes at step {self.step_count + 1} "
-                                   f"({shown} samples): every rank needs as many samples, or the averaged gradient "
-                                   "weights them unequally (normgrad.mpi.shard splits a global batch evenly)")
-            loss = super().step(*batch, **named)
-            if not self._checked:
-                self.check_in_sync()
-                self._checked = True
-            return loss
-
-        def check_in_sync(self) -> None:
-            """Raises TrainerError on every rank unless all ranks hold bitwise the same state
-            (running statistics excepted without synchronized BatchNorm)."""
-            import hashlib
-
-            digest = hashlib.sha256()
-            for name, value in sorted(self.state_dict().items()):
-                if name in self._per_rank:
-                    continue
-                digest.update(name.encode())
-                digest.update(np.ascontiguousarray(value).tobytes())
-            digests = gather(digest.hexdigest(), "the state check after step 1")
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            if differ:
-                raise TrainerError(f"ranks {differ} hold other weights than rank 0 after a step: the gradients were "
-                                   "not averaged (a step graph without --data-parallel, or AllReduce run as its "
-                                   "function body instead of normgrad's kernel)")
-
-    def _check_same_everywhere(model: onnx.ModelProto, options) -> None:
-        """Raises TrainerError on every rank unless all ranks run the same step graph with
-        the same options (what would otherwise drift apart silently from step 2 on)."""
-        import hashlib
-
-        lr = options.get("lr", 1e-3)
-        if callable(lr):
-            try:
-                lr = [float(lr(step)) for step in (1, 2, 10, 100, 1000)]
-            except Exception as error:  # noqa: BLE001 - compared as it is
-                lr = f"schedule raising {type(error).__name__}"
-        mine = {"step graph": hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest(),
-                "lr": repr(lr), "accumulation": repr(options.get("accumulation", 1)), "seed": repr(options.get("seed"))}
-        everyone = gather(mine, "DataParallelTrainer construction")
-        for key in mine:
-            differ = [r for r, theirs in enumerate(everyone) if theirs[key] != everyone[0][key]]
-            if differ:
-                what = "step graph (optimizer, hyperparameters, model)" if key == "step graph" else f"option {key}"
-                detail = "" if key == "step graph" else f" ({', '.join(f'rank {r}: {e[key]}' for r, e in enumerate(everyone))})"
-                raise TrainerError(f"ranks {differ} run another {what} than rank 0{detail}: every rank must run the same "
-                                   "step graph with the same options")
-
-    def _from_rank_0(source):
-        """A checkpoint given as a path, read on rank 0 and broadcast (other sources as given)."""
-        if isinstance(source, (checkpoints.Checkpoint, Mapping)) or _comm is None or size() == 1:
-            return source
-        loaded, error = None, None
-        if rank() == 0:
-            try:
-                loaded = checkpoints.load(source)
-            except checkpoints.CheckpointError as problem:
-                error = str(problem)
-        error = _comm.bcast(error, root=0)
-        if error is not None:
-            raise TrainerError(f"{error} (read on rank 0)")
-        metadata = _comm.bcast(loaded.metadata if loaded is not None else None, root=0)
-        tensors = broadcast(loaded.tensors if loaded is not None else None)
-        return checkpoints.Checkpoint(tensors=tensors, metadata=metadata)
-
-    def _then_barrier(write, path) -> None:
-        error = None
-        try:
-            write(path)
-        except Exception as problem:  # noqa: BLE001 - reported on every rank below
-            error = f"{type(problem).__name__}: {problem}"
-        errors = gather(error, f"the end of writing {path}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise TrainerError(f"writing {path} failed on rank {failed[0][0]}: {failed[0][1]}")
-
-    return DataParallelTrainer
-
-
 def _sequential(options):
     import onnxruntime
 
@@ -540,42 +359,11 @@ def _sequential(options):
 
 
 def __getattr__(name: str):
-    if name == "DataParallelTrainer":  # defined on first use: normgrad.train is not imported before
-        return globals().setdefault(name, _data_parallel_trainer_class())
+    if name == "DataParallelTrainer":  # imported on first use: normgrad.train is not imported before
+        from normgrad._data_parallel import DataParallelTrainer
+
+        return globals().setdefault(name, DataParallelTrainer)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def mpirun_command(ranks: int, forward: Sequence[str] = ()) -> Optional[List[str]]:
-    """The command prefix that launches ``ranks`` processes: the ``mpirun`` beside this Python
-    (the "mpi" extra's Open MPI) or else on PATH, with Open MPI's ``--oversubscribe`` (more
-    ranks than cores) and ``-x VAR`` for each environment variable in ``forward``; None when
-    there is no mpirun. Used by ``normgrad bench --mpi`` and the tests."""
-    import pathlib
-    import shutil
-    import subprocess
-
-    beside = pathlib.Path(sys.executable).parent / "mpirun"
-    found = str(beside) if beside.is_file() else shutil.which("mpirun")
-    if found is None:
-        return None
-    version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
-    command = [found]
-    if "Open MPI" in version or "prte" in version.lower():
-        command.append("--oversubscribe")
-        for name in forward:
-            command += ["-x", name]
-    return command + ["-n", str(ranks)]
-
-
-def mpirun_environment(**variables: str) -> Dict[str, str]:
-    """This process's environment plus ``variables``, and, when running as root (containers),
-    the two variables without which Open MPI refuses to start."""
-    import os
-
-    env = dict(os.environ, **variables)
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
 
 
 def barrier() -> None:
