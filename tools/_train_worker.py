@@ -1,5 +1,5 @@
 """A worker of ``normgrad bench --train``: builds one variant's training step for one model,
-then answers JSON lines on stdin: ``step`` (one step; its wall time and loss), ``profile``
+then answers JSON lines on stdin: ``step`` (one step; its wall time, this process's CPU time and loss), ``profile``
 (the op types' node time of one profiled step), ``end`` (peak RSS). Runs as a script, also in
 a Python that has onnxruntime-training and no normgrad (``ort-training``), so it imports
 normgrad only for normgrad's variants."""
@@ -287,9 +287,10 @@ def main():
         command = line.strip()
         try:
             if command == "step":
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 loss = step()
-                print(json.dumps({"time": time.perf_counter() - start, "loss": loss}), flush=True)
+                print(json.dumps({"time": time.perf_counter() - start, "cpu": time.process_time() - cpu_start,
+                                  "loss": loss}), flush=True)
             elif command == "profile":
                 try:
                     result = {"profile": profile() if profile else None}
