@@ -56,12 +56,17 @@ def test_batched_matmul_weight_gradient_is_one_gemm():
 
 # -- tiny transformers: against the batched forms, every optimization level -----------------
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-import test_trainer_matrix as matrix  # noqa: E402
-
 STEPS = 10
+LEVELS = ["disable_all", "basic", "extended", "all"]  # test_trainer_matrix.LEVELS
+
+
+def _matrix():
+    """test_trainer_matrix (its tiny transformers and step helpers); skips without torch."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import test_trainer_matrix
+
+    return test_trainer_matrix
 
 
 def _batched_forms(monkeypatch):
@@ -76,14 +81,14 @@ def exported(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            made[name] = matrix._forward(name, tmp_path_factory.mktemp(name))
+            made[name] = _matrix()._forward(name, tmp_path_factory.mktemp(name))
         return made[name]
 
     return get
 
 
 def _step_graph(forward_model):
-    training = build_training_graph(forward_model, loss="mse", frozen=matrix._frozen(forward_model))
+    training = build_training_graph(forward_model, loss="mse", frozen=_matrix()._frozen(forward_model))
     return training, build_step_graph(training, "adamw", weight_decay=0.1)
 
 
@@ -107,10 +112,11 @@ def test_weight_gradients_are_gemms_reading_weights_in_place(exported, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", list(matrix.LEVELS))
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
 def test_ten_adamw_steps_as_the_batched_forms(exported, monkeypatch, name, level):
     _, make_input, forward_model, output_shape = exported(name)
+    matrix = _matrix()
     batches = [matrix._batch(make_input, output_shape, seed) for seed in range(STEPS)]
     step, initial = _step_graph(forward_model)[1]
     state = matrix._reference_steps(step, initial, batches, 0.01, matrix.LEVELS[level])
