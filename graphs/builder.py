@@ -94,7 +94,10 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
-    return _infer_shapes(model), opset
+    model = _infer_shapes(model)
+    if rewrites.transposed_weight_products(model):
+        model = _infer_shapes(model)
+    return model, opset
 
 
 def _has_shape(type_proto: Optional[onnx.TypeProto]) -> bool:

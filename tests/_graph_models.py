@@ -38,3 +38,21 @@ def batch_norm_parameters(channels: int, seed: int = 0) -> dict:
         "m": rng.standard_normal(channels).astype(np.float32),
         "v": rng.uniform(0.5, 1.5, channels).astype(np.float32),
     }
+
+
+def two_layer_model(scale: float = 1.0):
+    """x [4, 32] -> Relu(x @ w1) @ w2 [4, 8]; w1 and w2 of 1 KiB or more (past the inline
+    limit of external data), both scaled by ``scale``."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(scale * rng.standard_normal((32, 32)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(scale * rng.standard_normal((32, 8)).astype(np.float32) / 4, "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "two_layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [w1, w2])
+    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    built.ir_version = 8
+    return built

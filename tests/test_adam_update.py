@@ -64,7 +64,10 @@ def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given):
     results = {b: harness.run(b, adam_update.OP_TYPE, inputs) for b in BACKENDS}
     for backend, result in results.items():
         for name, value in zip(adam_update.OUTPUTS, expected):
-            np.testing.assert_allclose(result[name], value, rtol=2e-6, atol=1e-7, err_msg=f"{backend} {name}")
+            # within 2e-6 of the tensor's scale: an element that is a small difference of larger
+            # terms (param * scale - update) carries the terms' rounding, not its own
+            scale = max(1.0, float(np.abs(value).max()))
+            np.testing.assert_allclose(result[name], value, rtol=0, atol=2e-6 * scale, err_msg=f"{backend} {name}")
             # the kernels compute the contract's float32 sequence exactly (onnxruntime 1.19.2
             # runs the inlined body's division chain 1 ulp off in a few percent of elements)
             if backend != "functions":

@@ -36,8 +36,10 @@ def test_transformer_rows_quick(capsys):
         for variant in ("cpp", "torch+peft" if lora else "torch"):
             rows = [line for line in group.splitlines() if line.split()[:1] == [variant] and "ms " in line]
             assert len(rows) == 1, group
-            # median, range, ratio to torch, peak and step RSS, the two losses and their agreement with cpp
-            pattern = (rf"  {re.escape(variant)} +{NUMBER}ms +{NUMBER}- +{NUMBER}ms +{NUMBER}x +- +\d+MB +-?\d+MB"
+            # median, range, ratio to torch, CPU time and its ratio to torch's, peak and step RSS,
+            # the two losses and their agreement with cpp
+            pattern = (rf"  {re.escape(variant)} +{NUMBER}ms +{NUMBER}- +{NUMBER}ms +{NUMBER}x +- +{NUMBER}ms +{NUMBER}x"
+                       rf" +\d+MB +-?\d+MB"
                        rf"  {NUMBER} {NUMBER} \(vs cpp {NUMBER}e[-+]\d+\)$")
             assert re.fullmatch(pattern, rows[0]), rows[0]
         assert "functions" not in group and "failed" not in group and "MISMATCH" not in group

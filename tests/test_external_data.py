@@ -15,12 +15,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 import normgrad._external_data
 from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
 from normgrad.tools.export import main as export_main
 from normgrad.train import Trainer, TrainerError
+
+from _graph_models import two_layer_model
 
 STEPS, LR = 3, 1e-3
 
@@ -175,18 +177,7 @@ def test_python_api_from_another_folder(exported, tmp_path, monkeypatch):
     assert session.run(["logits"], {"input_ids": exported["batch"]["input_ids"]})[0].shape == (2, 8, 64)
 
 
-def _two_layer_model():
-    """x [4, 32] -> Relu(x @ w1) @ w2 [4, 8]: w1 (to freeze) and w2 (to train) 1 KiB or more."""
-    rng = np.random.default_rng(0)
-    w1 = numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32) / 4, "w2")
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
-             helper.make_node("MatMul", ["r", "w2"], ["y"])]
-    graph = helper.make_graph(nodes, "two_layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [w1, w2])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+_two_layer_model = two_layer_model
 
 
 def test_plain_model_with_external_data(tmp_path, monkeypatch):

@@ -26,23 +26,14 @@ from normgrad._external_data import save_models_external, uses_external_data
 from normgrad.tools.export import main as export_main
 from normgrad.train import Trainer, TrainerError
 
+from _graph_models import two_layer_model
+
 RNG = np.random.default_rng(30)
 X = RNG.standard_normal((4, 32)).astype(np.float32)
 LABELS = RNG.standard_normal((4, 8)).astype(np.float32)
 
 
-def _two_layer_model(scale: float = 1.0) -> onnx.ModelProto:
-    """x [4, 32] -> Relu(x @ w1) @ w2 [4, 8]; w1 and w2 of 1 KiB or more."""
-    rng = np.random.default_rng(0)
-    w1 = numpy_helper.from_array(scale * rng.standard_normal((32, 32)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(scale * rng.standard_normal((32, 8)).astype(np.float32) / 4, "w2")
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
-             helper.make_node("MatMul", ["r", "w2"], ["y"])]
-    graph = helper.make_graph(nodes, "two_layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [w1, w2])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+_two_layer_model = two_layer_model
 
 
 def _reference(model: onnx.ModelProto, folder=None) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A worker of ``normgrad bench --train``: builds one variant's training step for one model,
-then answers JSON lines on stdin: ``step`` (one step; its wall time and loss), ``profile``
+then answers JSON lines on stdin: ``step`` (one step; its wall time, this process's CPU time and loss), ``profile``
 (the op types' node time of one profiled step), ``end`` (peak RSS). Runs as a script, also in
 a Python that has onnxruntime-training and no normgrad (``ort-training``), so it imports
 normgrad only for normgrad's variants."""
@@ -68,6 +68,7 @@ def _by_op(*profile_paths):
 
 def _normgrad(variant, forward_path, x, labels, threads, loss):
     import onnx
+    import onnxruntime
 
     from normgrad.graphs import build_step_graph, build_training_graph
     from normgrad.graphs.optimizers import hyperparameter_feeds
@@ -80,19 +81,21 @@ def _normgrad(variant, forward_path, x, labels, threads, loss):
     step_graph, initial = build_step_graph(training, "adamw", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     del training
     kernels = "cpp" if variant == "cpp" else None
-    trainer = Trainer(step_graph, initial, lr=LR, session_options=bench_session_options(threads), kernels=kernels)
+    from normgrad._session import training_session_options
+
+    # the Trainer's own default options (memory patterns off), with the bench's threads
+    options = bench_session_options(threads, options=training_session_options(onnxruntime))
+    trainer = Trainer(step_graph, initial, lr=LR, session_options=options, kernels=kernels)
     del initial  # the trainer holds the state: a NumPy copy kept here would count in the peak RSS
 
     def step():
         return float(trainer.step(x, labels))
 
     def profile():
-        import onnxruntime
-
         import normgrad
 
         with tempfile.TemporaryDirectory() as folder:
-            options = bench_session_options(threads, os.path.join(folder, "p"))
+            options = bench_session_options(threads, os.path.join(folder, "p"), training_session_options(onnxruntime))
             if variant == "cpp":
                 normgrad.session_options("cpp", options)
             session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
@@ -289,9 +292,10 @@ def main():
         command = line.strip()
         try:
             if command == "step":
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 loss = step()
-                print(json.dumps({"time": time.perf_counter() - start, "loss": loss}), flush=True)
+                print(json.dumps({"time": time.perf_counter() - start, "cpu": time.process_time() - cpu_start,
+                                  "loss": loss}), flush=True)
             elif command == "profile":
                 try:
                     result = {"profile": profile() if profile else None}

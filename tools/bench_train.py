@@ -4,7 +4,7 @@ A step is forward, cross-entropy against integer labels, backward and one AdamW 
 (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) of every parameter:
 
 * ``cpp``: normgrad's step graph (``build_step_graph``) in ``normgrad.train.Trainer`` with
-  normgrad's C++ kernels;
+  normgrad's C++ kernels and the Trainer's default session options (memory patterns off);
 * ``functions``: the same step graph in plain onnxruntime, on its function bodies;
 * ``torch``: torch eager, ``train()`` mode, ``torch.optim.AdamW`` (the same weights);
 * ``ort-training``: onnxruntime-training's ``Module`` + ``Optimizer`` (``generate_artifacts``
@@ -40,7 +40,9 @@ turn, and reports its wall time, so machine-load drifts hit all variants alike; 
 two steps are warm-up and agreement check (their losses must agree with ``cpp`` to 1e-3
 relative; the step-2 loss depends on the step-1 update, so it checks the gradients and the
 optimizer too). The table shows medians and ranges over ``--repeat`` rounds, ratios to torch
-and to ort-training, and each worker's peak RSS (``VmHWM``) with the part its steps added
+and to ort-training, the median CPU time of the worker's process per step
+(``time.process_time``: at ``--threads 1`` the work itself, which the machine's load does not
+inflate as it does wall time) with its ratio to torch's, and each worker's peak RSS (``VmHWM``) with the part its steps added
 above the high-water mark after building (imports, graph building and session creation
 excluded). With ``cpp`` and ``ort-training``, profiled steps in an extra session give the
 top op types by share of node time (onnxruntime-training writes its profile only when its
@@ -388,11 +390,13 @@ def _model_group(name: str, args, folder: str, out) -> bool:
             if "loss" in reply:
                 losses.setdefault(v, []).append(reply["loss"])
     times: Dict[str, List[float]] = {v: [] for v in workers}
+    cpu_times: Dict[str, List[float]] = {v: [] for v in workers}
     for _ in range(args.repeat):
         for v, worker in workers.items():
             reply = worker.ask("step")
             if "time" in reply:
                 times[v].append(reply["time"])
+                cpu_times[v].append(reply["cpu"])
     ends = {v: worker.ask("rss") for v, worker in workers.items()}  # before profiling builds another session
     profiles = {v: worker.ask("profile") for v, worker in workers.items() if v in ("cpp", "ort-training")}
     for worker in workers.values():
@@ -403,8 +407,9 @@ def _model_group(name: str, args, folder: str, out) -> bool:
     ok = True
     reference = losses.get("cpp")
     medians = {v: statistics.median(t) for v, t in times.items() if t}
-    print(f"  {'variant':<14}{'median':>10}{'range':>22}{'/torch':>8}{'/ort-tr':>9}{'peak RSS':>11}{'step RSS':>11}"
-          f"  check (losses of steps 1, 2)", file=out)
+    cpu_medians = {v: statistics.median(t) for v, t in cpu_times.items() if t}
+    print(f"  {'variant':<14}{'median':>10}{'range':>22}{'/torch':>8}{'/ort-tr':>9}{'CPU':>10}{'/torch':>8}"
+          f"{'peak RSS':>11}{'step RSS':>11}  check (losses of steps 1, 2)", file=out)
     for v, worker in workers.items():
         label = torch_label if v == "torch" else v
         if worker.error or v not in medians:
@@ -414,6 +419,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
             continue
         t = times[v]
         ratio = lambda other: f"{medians[v] / medians[other]:.2f}x" if other in medians else "-"  # noqa: E731
+        cpu_ratio = f"{cpu_medians[v] / cpu_medians['torch']:.2f}x" if cpu_medians.get("torch") else "-"
         peak, ready = ends[v].get("peak_mb"), worker.ready.get("rss_mb")
         check = ""
         if reference and v in losses:
@@ -422,7 +428,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
             ok &= good
             check = f"{losses[v][0]:.5f} {losses[v][1]:.5f} (vs cpp {error:.1e}{'' if good else ' MISMATCH'})"
         print(f"  {label:<14}{medians[v] * 1e3:8.1f}ms  {min(t) * 1e3:8.1f}-{max(t) * 1e3:8.1f}ms{ratio('torch'):>8}"
-              f"{ratio('ort-training'):>9}{peak or 0:9.0f}MB{(peak or 0) - (ready or 0):9.0f}MB  {check}", file=out)
+              f"{ratio('ort-training'):>9}{cpu_medians[v] * 1e3:8.1f}ms{cpu_ratio:>8}{peak or 0:9.0f}MB{(peak or 0) - (ready or 0):9.0f}MB  {check}", file=out)
     for v, reply in profiles.items():
         if reply.get("profile"):
             print(f"  {v} profile (op types by share of node time): {_top(reply['profile'])}", file=out)

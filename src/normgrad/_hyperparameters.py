@@ -17,7 +17,8 @@ from normgrad._session import TrainerError
 from normgrad.graphs.optimizers import HYPERPARAMETER_INPUTS as NAMES
 
 CHECKPOINT_METADATA = "normgrad.hyperparameters"
-"""Checkpoint metadata key: JSON {name: value} of the hyperparameters the next step uses."""
+"""Checkpoint metadata key: JSON {name: value} of the hyperparameters the next step uses (those
+that follow no schedule)."""
 
 _OPTION_NAMES = {"max_grad_norm": "clip_grad_norm"}  # the export option each name was given as, where it differs
 
@@ -134,8 +135,10 @@ class Hyperparameters(MutableMapping):
         return feeds
 
     def saved(self) -> str:
-        """The checkpoint metadata value: the values the next step uses."""
-        return json.dumps({name: self[name] for name in self})
+        """The checkpoint metadata value: the values the next step uses, of the names that follow
+        no schedule (a schedule is code, given again on resume; saving must not call it past
+        the steps its caller planned)."""
+        return json.dumps({name: value for name, value in self._values.items() if name not in self._schedules})
 
 
 def graph_defaults(model: onnx.ModelProto) -> Dict[str, float]:

@@ -45,14 +45,15 @@ import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike
 from normgrad._batches import BatchFeeds, _unpack_dict
 from normgrad._evaluation import EvalResult, Evaluation
 from normgrad._external_data import uses_external_data
+from normgrad._files import PathLike
 from normgrad._hyperparameters import Hyperparameters, graph_defaults
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
                                _check_step_metadata, _external_data_options, _files_read, _gate_state_updates,
-                               _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part)
+                               _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
+                               training_session_options)
 from normgrad._state import SEED_METADATA, STEP_METADATA, TrainerState
 from normgrad.schedules import Schedule, constant, cosine, linear_warmup
 
@@ -101,7 +102,8 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         accumulation: micro-batches per optimizer step: :meth:`step` splits its batch along
             axis 0 into this many equal parts and averages their gradients.
         providers: onnxruntime execution providers (default ``["CPUExecutionProvider"]``).
-        session_options: an ``onnxruntime.SessionOptions`` (threads, logging, ...).
+        session_options: an ``onnxruntime.SessionOptions`` (threads, logging, ...). None:
+            :func:`normgrad._session.training_session_options` (memory patterns off).
         kernels: ``"auto"`` registers normgrad's C++ kernels when the library is installed
             (function bodies otherwise), ``"cpp"`` requires them, ``None`` registers none
             (the step graph's function bodies run).
@@ -197,7 +199,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
                           for name in self._state_map}
         self._device = (device, device_id)
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
-        options = session_options if session_options is not None else onnxruntime.SessionOptions()
+        options = session_options if session_options is not None else training_session_options(onnxruntime)
         _keep_bfloat16_initializers(model, options)
         step_path = None if isinstance(step_model, onnx.ModelProto) else step_model
         self._read_files = _files_read(model, step_path, self.external_data_folder, "step graph")
