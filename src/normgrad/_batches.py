@@ -103,7 +103,8 @@ class BatchFeeds:
         graph = self.step_model.graph
         if not any(info.name == output for info in graph.value_info):
             try:
-                graph = onnx.shape_inference.infer_shapes(self.step_model).graph
+                # data_prop: C through a Reshape to a Shape-computed size (the rewritten x @ W.T)
+                graph = onnx.shape_inference.infer_shapes(self.step_model, data_prop=True).graph
             except Exception:  # a graph onnx cannot infer: labels are checked against 0 only
                 return None
         for info in list(graph.value_info) + list(graph.output):
