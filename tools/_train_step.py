@@ -7,11 +7,14 @@ import argparse
 import ast
 import os
 import sys
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from normgrad.tools.cli import CommandError, one_line, positive_float, positive_int
+from normgrad._files import eval_graph_path
+from normgrad.tools.cli import CommandError, one_line, positive_int
+
+DEFAULT_BATCH_SIZE = 32
 
 METRICS = ("accuracy", "perplexity", "top5")
 _STEP_ONLY = {"--data": None, "--eval": None, "--checkpoint": None, "--checkpoint-dir": None, "--resume": False,
@@ -115,6 +118,16 @@ def check_arrays(arrays: Mapping[str, np.ndarray], trainer, option: str) -> None
                            + ", ".join(f"{name} {length}" for name, length in lengths.items()))
 
 
+def fixed_batch_size(trainer) -> Optional[int]:
+    """The batch size a step graph exported with a static axis 0 takes (None: any)."""
+    inputs = {i.name: i for i in trainer.step_model.graph.input}
+    sizes = set()
+    for name in trainer.data_inputs:
+        dims = inputs[name].type.tensor_type.shape.dim
+        sizes.add(dims[0].dim_value if dims and dims[0].HasField("dim_value") else None)
+    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+
+
 def parse_scheduler(text: str, trainer):
     """``'StepLR(step_size=5, gamma=0.5)'`` -> that :mod:`normgrad.schedules` scheduler on ``trainer``."""
     from normgrad import schedules
@@ -149,7 +162,7 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
                        "momentum": args.momentum, "dampening": args.dampening, "max_grad_norm": args.max_grad_norm,
                        "betas": tuple(args.betas) if args.betas else None}
     checkpoint = args.checkpoint or (args.step[:-5] if args.step.endswith(".onnx") else args.step) + ".ckpt"
-    eval_graph = (args.step[:-5] if args.step.endswith(".onnx") else args.step) + ".eval.onnx"
+    eval_graph = eval_graph_path(args.step)
     folder = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
     try:
         for path in (args.step, checkpoint):
@@ -162,6 +175,14 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
         check_arrays(train, trainer, "--data")
         if validation is not None:
             check_arrays(validation, trainer, "--eval")
+        batch_size, drop_last = args.batch_size or DEFAULT_BATCH_SIZE, False
+        fixed = fixed_batch_size(trainer)
+        if fixed is not None:  # exported with a static batch axis: every batch exactly that size
+            if args.batch_size not in (None, fixed):
+                raise CommandError(f"--batch-size {args.batch_size}: the step graph takes batches of exactly {fixed} "
+                                   f"(its input {trainer.data_inputs[0]!r} has a static axis 0); pass --batch-size {fixed} "
+                                   "or export with a dynamic batch axis")
+            batch_size, drop_last = fixed, True
         scheduler = parse_scheduler(args.scheduler, trainer) if args.scheduler else None
         chosen = {name: metrics.accuracy if name == "accuracy" else metrics.perplexity if name == "perplexity"
                   else metrics.top_k_accuracy(5) for name in args.metrics or []}
@@ -172,8 +193,9 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
             callbacks.append(loop.EarlyStopping(args.monitor or ("val_loss" if validation else "train_loss"),
                                                 args.mode, args.patience, args.min_delta))
         result = trainer.fit(
-            loop.array_batches(train, args.batch_size, shuffle=True, seed=args.seed), epochs=args.epochs,
-            evaluation=loop.array_batches(validation, args.batch_size) if validation is not None else None,
+            loop.array_batches(train, batch_size, shuffle=True, seed=args.seed, drop_last=drop_last), epochs=args.epochs,
+            evaluation=(loop.array_batches(validation, batch_size, drop_last=drop_last) if validation is not None
+                        else None),
             metrics=chosen, callbacks=callbacks, scheduler=scheduler, scheduler_interval=args.scheduler_interval,
             monitor=args.monitor, mode=args.mode, checkpoint_dir=folder, keep_last=args.keep_last,
             checkpoint_every=args.checkpoint_every, resume=args.resume, log_dir=args.out,

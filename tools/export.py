@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import commit_files, refuse_aliases, refuse_irregular_file, staging
+from normgrad._files import commit_files, eval_graph_path, refuse_aliases, refuse_irregular_file, staging
 from normgrad._external_data import (EXTERNAL_TENSOR_MIN_BYTES, external_data_files, stage_models_external,
                                      uses_external_data)
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
@@ -127,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
     bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
     checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
-    eval_path = _beside(args.output, ".eval.onnx")
+    eval_path = eval_graph_path(args.output)
     outputs = {"output (-o)": args.output, "checkpoint (--checkpoint)": checkpoint_path,
                **({"evaluation graph": eval_path} if args.optimizer else {})}
     try:

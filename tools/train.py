@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import math
 import os
 import sys
 import time
@@ -31,8 +30,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from normgrad.tools._train_step import (_STEP_ONLY, HelpFormatter, _add_step_arguments, _train_step_graph, check_arrays, load_arrays,
-                                        parse_scheduler)
+from normgrad.tools._train_step import (_STEP_ONLY, DEFAULT_BATCH_SIZE, HelpFormatter, _add_step_arguments,
+                                        _train_step_graph, check_arrays, load_arrays, parse_scheduler)
 from normgrad.tools.cli import ArgumentParser, positive_float, positive_int
 
 __all__ = ["main", "load_digits", "accuracy", "load_arrays", "check_arrays", "parse_scheduler"]
@@ -95,7 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("step", nargs="?", metavar="STEP", help="a step graph (normgrad export --optimizer); "
                         "none: the digits demo")
     parser.add_argument("--epochs", type=positive_int, default=12, help="passes over the training data")
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="samples per optimizer step")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="samples per optimizer step; a STEP exported with a fixed batch takes that batch, the "
+                        f"remainder of each epoch left out (default: {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--lr", type=positive_float, default=argparse.SUPPRESS,
                         help="learning rate; the demo's peak AdamW lr (cosine schedule), for STEP the step graph's "
                         "own unless given (default: 0.003)")
@@ -109,6 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if given:
         parser.error(f"{given[0]} needs a STEP graph (the digits demo takes --epochs, --batch-size, --lr, --seed, --out)")
     args.lr = getattr(args, "lr", 3e-3)
+    args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     try:
         images, labels, test_images, test_labels = load_digits(args.seed)
     except ImportError:

@@ -408,3 +408,9 @@ def remove_inside(folder: PathLike, relative: str, what: str = "file") -> bool:
             break
         parent.rmdir()
     return True
+
+
+def eval_graph_path(step_path: str) -> str:
+    """Where ``normgrad export --optimizer`` writes the evaluation graph of the step graph
+    ``step_path``: ``NAME.eval.onnx`` beside ``NAME.onnx``."""
+    return (step_path[: -len(".onnx")] if step_path.endswith(".onnx") else step_path) + ".eval.onnx"

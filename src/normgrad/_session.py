@@ -12,8 +12,8 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from normgrad._files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, refuse_aliases,
-                             refuse_irregular_file)
+from normgrad._files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, eval_graph_path,
+                             refuse_aliases, refuse_irregular_file)
 from normgrad._external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
 from normgrad.graphs import structure
 
@@ -200,6 +200,15 @@ def _files_read(model: onnx.ModelProto, path: Optional[PathLike], folder: str, w
     external-data files it reads: what the Trainer's writers must not replace."""
     files = [(f"the trainer's {what}", path)] if path is not None else []
     return files + [(f"a data file of the trainer's {what}", data) for data in external_data_files(model, folder)]
+
+
+def _exported_eval_graph(step_path: Optional[PathLike]) -> Optional[str]:
+    """``NAME.eval.onnx`` beside a step graph ``NAME.onnx`` read from a file, if it exists:
+    ``normgrad export --optimizer`` writes the two as one set."""
+    if step_path is None:
+        return None
+    beside = eval_graph_path(os.fspath(step_path))
+    return beside if os.path.isfile(beside) else None
 
 
 def _refuse_overwriting(outputs: Mapping[str, PathLike], read: Sequence) -> None:

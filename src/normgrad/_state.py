@@ -10,6 +10,7 @@ by :class:`normgrad.train.Trainer`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Dict, Mapping, Union
@@ -115,8 +116,9 @@ class TrainerState:
         bitwise the same state, and training on from it bitwise the same steps."""
         if self.is_saving_rank:
             _refuse_overwriting({"checkpoint": path}, self._read_files)
-            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed),
-                                                       CHECKPOINT_METADATA: self.hyperparameters.saved()})
+            with _writing("checkpoint", path):
+                checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed),
+                                                           CHECKPOINT_METADATA: self.hyperparameters.saved()})
             self._checkpoint_files.append(("a checkpoint the trainer saved", path))
 
     def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
@@ -139,7 +141,8 @@ class TrainerState:
         data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
         if self.is_saving_rank:
             self._refuse_overwriting({"inference model": path})
-            self._save_model(self.inference_model(), path)
+            with _writing("inference model", path):
+                self._save_model(self.inference_model(), path)
 
     def save_adapter(self, directory: PathLike) -> None:
         """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
@@ -150,7 +153,8 @@ class TrainerState:
         if self.is_saving_rank:
             self._refuse_overwriting({"adapter " + name: os.path.join(directory, name)
                                       for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG)})
-            lora.save_adapter(directory, self.step_model, self.state_dict())
+            with _writing("adapter folder", directory):
+                lora.save_adapter(directory, self.step_model, self.state_dict())
 
     def export_merged_model(self, path: PathLike) -> None:
         """Writes the inference model with the trained LoRA adapters folded into their base
@@ -160,7 +164,9 @@ class TrainerState:
 
         if self.is_saving_rank:
             self._refuse_overwriting({"merged model": path})
-            self._save_model(lora.merged_model(self.step_model, self.state_dict(), self.external_data_folder), path)
+            merged = lora.merged_model(self.step_model, self.state_dict(), self.external_data_folder)
+            with _writing("merged model", path):
+                self._save_model(merged, path)
 
     def _refuse_overwriting(self, outputs: Mapping[str, PathLike]) -> None:
         """TrainerError when an export's target (or a data file it replaces) is a file the
@@ -173,3 +179,14 @@ class TrainerState:
         past :data:`normgrad._external_data.INLINE_MODEL_BYTES` keeps its large tensors in
         ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
         save_models_external({path: model}, self.external_data_folder)
+
+
+@contextlib.contextmanager
+def _writing(what: str, path: PathLike):
+    """An OSError while writing the trainer's ``what`` to ``path`` (a missing folder, a full
+    disk, a folder in the file's place) as one TrainerError naming ``path``, not the
+    temporary file the write went through."""
+    try:
+        yield
+    except OSError as error:
+        raise TrainerError(f"cannot write the {what} {os.fspath(path)!r}: {error.strerror or error}") from None

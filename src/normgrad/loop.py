@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
+from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike, write_bytes_atomic
 from normgrad._session import TrainerError
 from normgrad.metrics import Metric, evaluate
@@ -143,7 +144,7 @@ def array_batches(arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle:
     count = next(iter(lengths.values()))
     stops = range(batch_size, count + 1, batch_size) if drop_last else range(batch_size, count + batch_size, batch_size)
     if not len(stops):
-        raise TrainerError(f"batch_size {batch_size} exceeds the {count} samples (drop_last=True)")
+        raise TrainerError(f"batch_size {batch_size} exceeds the {count} samples" + (" (drop_last=True)" if drop_last else ""))
 
     def batches(epoch: int) -> List[Dict[str, np.ndarray]]:
         order = np.random.default_rng([seed, epoch]).permutation(count) if shuffle else np.arange(count)
@@ -246,6 +247,10 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
     _check_mode(mode)
     monitor = monitor or ("val_loss" if evaluation is not None else "train_loss")
     metrics = dict(metrics or {})
+    for name, metric in metrics.items():
+        if not isinstance(name, str) or not callable(metric):
+            raise TrainerError(f"metrics[{name!r}] must be a function f(outputs, labels) -> number under a string name "
+                               f"(normgrad.metrics.accuracy, ...); got {metric!r}")
     if metrics and evaluation is None:
         raise TrainerError("metrics need validation batches (evaluation=...)")
     plateau = isinstance(scheduler, schedules.ReduceLROnPlateau)
@@ -426,15 +431,21 @@ def _resume(loop: _Loop, folder: str, scheduler, callbacks: Sequence[Callback]) 
         saved_scheduler, saved_callbacks = state["scheduler"], state["callbacks"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise TrainerError(f"cannot resume from {path}: {error}") from None
+    checkpoint = path[:-5] + ".ckpt"
+    try:  # another model's folder says so first, before what the run was given
+        saved_state = checkpoints.load(checkpoint)
+        checkpoints.check_matches(saved_state, loop.trainer._expected)
+    except checkpoints.CheckpointError as error:
+        raise TrainerError(f"cannot resume from {checkpoint}: {error} (checked against the step graph's state)") from None
     if (saved_scheduler is None) != (scheduler is None):
         raise TrainerError(f"cannot resume from {path}: it was written by a run {'with' if saved_scheduler else 'without'} "
-                           "a scheduler; give fit the same scheduler")
+                           "a scheduler; give fit the same scheduler (normgrad train: --scheduler)")
     keyed = _keyed(callbacks)
     missing = sorted(set(saved_callbacks) - set(keyed))
     if missing:
         raise TrainerError(f"cannot resume from {path}: it holds the state of callback {missing[0]}, which this run "
                            "lacks: give fit the same callbacks")
-    loop.trainer.load(path[:-5] + ".ckpt")
+    loop.trainer.load(saved_state)
     if scheduler is not None:
         scheduler.load_state_dict(saved_scheduler)
     for key, saved in saved_callbacks.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
+import numbers
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence
 
@@ -151,7 +152,7 @@ class StepLR(LRScheduler):
 
     def __init__(self, trainer, step_size: int, gamma: float = 0.1, **kwargs):
         _check_positive_int("step_size", step_size)
-        self.step_size, self.gamma = step_size, gamma
+        self.step_size, self.gamma = step_size, _check_number("StepLR gamma", gamma)
         super().__init__(trainer, **kwargs)
 
     def get_lr(self) -> List[float]:
@@ -169,7 +170,7 @@ class MultiStepLR(LRScheduler):
 
     def __init__(self, trainer, milestones: Sequence[int], gamma: float = 0.1, **kwargs):
         self.milestones = sorted(int(m) for m in milestones)
-        self.gamma = gamma
+        self.gamma = _check_number(f"{type(self).__name__} gamma", gamma)
         super().__init__(trainer, **kwargs)
 
     def get_lr(self) -> List[float]:
@@ -184,7 +185,7 @@ class ConstantLR(LRScheduler):
     """torch's ``ConstantLR``: multiplied by ``factor`` until epoch ``total_iters``."""
 
     def __init__(self, trainer, factor: float = 1.0 / 3, total_iters: int = 5, **kwargs):
-        if not 0 <= factor <= 1:
+        if not 0 <= _check_number("ConstantLR factor", factor) <= 1:
             raise TrainerError(f"ConstantLR factor must be between 0 and 1, got {factor!r}")
         self.factor, self.total_iters = factor, total_iters
         super().__init__(trainer, **kwargs)
@@ -205,9 +206,9 @@ class LinearLR(LRScheduler):
     over ``total_iters`` epochs."""
 
     def __init__(self, trainer, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5, **kwargs):
-        if not 0 < start_factor <= 1:
+        if not 0 < _check_number("LinearLR start_factor", start_factor) <= 1:
             raise TrainerError(f"LinearLR start_factor must be in (0, 1], got {start_factor!r}")
-        if not 0 <= end_factor <= 1:
+        if not 0 <= _check_number("LinearLR end_factor", end_factor) <= 1:
             raise TrainerError(f"LinearLR end_factor must be in [0, 1], got {end_factor!r}")
         self.start_factor, self.end_factor, self.total_iters = start_factor, end_factor, total_iters
         super().__init__(trainer, **kwargs)
@@ -230,7 +231,7 @@ class ExponentialLR(LRScheduler):
     """torch's ``ExponentialLR``: multiplied by ``gamma`` every epoch."""
 
     def __init__(self, trainer, gamma: float, **kwargs):
-        self.gamma = gamma
+        self.gamma = _check_number(f"{type(self).__name__} gamma", gamma)
         super().__init__(trainer, **kwargs)
 
     def get_lr(self) -> List[float]:
@@ -246,7 +247,7 @@ class CosineAnnealingLR(LRScheduler):
 
     def __init__(self, trainer, T_max: int, eta_min: float = 0.0, **kwargs):
         _check_positive_int("T_max", T_max)
-        self.T_max, self.eta_min = T_max, eta_min
+        self.T_max, self.eta_min = T_max, _check_number("CosineAnnealingLR eta_min", eta_min)
         super().__init__(trainer, **kwargs)
 
     def get_lr(self) -> List[float]:
@@ -272,7 +273,8 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     def __init__(self, trainer, T_0: int, T_mult: int = 1, eta_min: float = 0.0, **kwargs):
         _check_positive_int("T_0", T_0)
         _check_positive_int("T_mult", T_mult)
-        self.T_0, self.T_i, self.T_mult, self.eta_min = T_0, T_0, T_mult, eta_min
+        self.T_0, self.T_i, self.T_mult = T_0, T_0, T_mult
+        self.eta_min = _check_number("CosineAnnealingWarmRestarts eta_min", eta_min)
         self.T_cur = -1
         super().__init__(trainer, **kwargs)
 
@@ -313,7 +315,12 @@ class OneCycleLR(LRScheduler):
             _check_positive_int("steps_per_epoch", steps_per_epoch)
             total_steps = epochs * steps_per_epoch
         _check_positive_int("total_steps", total_steps)
-        if not 0 <= pct_start <= 1:
+        for option, value in (("max_lr", max_lr), ("base_momentum", base_momentum), ("max_momentum", max_momentum)):
+            _check_number(f"OneCycleLR {option}", value)
+        for option, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+            if _check_number(f"OneCycleLR {option}", value) == 0:
+                raise TrainerError(f"OneCycleLR {option} must be > 0, got {value!r}")
+        if not 0 <= _check_number("OneCycleLR pct_start", pct_start) <= 1:
             raise TrainerError(f"OneCycleLR pct_start must be between 0 and 1, got {pct_start!r}")
         if anneal_strategy not in ("cos", "linear"):
             raise TrainerError(f"OneCycleLR anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
@@ -428,7 +435,9 @@ class ReduceLROnPlateau(LRScheduler):
     def __init__(self, trainer, mode: str = "min", factor: float = 0.1, patience: int = 10, threshold: float = 1e-4,
                  threshold_mode: str = "rel", cooldown: int = 0, min_lr: float = 0.0, eps: float = 1e-8,
                  *, hyperparameter: str = "lr"):
-        if factor >= 1.0:
+        for option, value in (("threshold", threshold), ("min_lr", min_lr), ("eps", eps)):
+            _check_number(f"ReduceLROnPlateau {option}", value)
+        if _check_number("ReduceLROnPlateau factor", factor) >= 1.0:
             raise TrainerError(f"ReduceLROnPlateau factor must be < 1, got {factor!r}")
         if mode not in ("min", "max"):
             raise TrainerError(f"ReduceLROnPlateau mode must be 'min' or 'max', got {mode!r}")
@@ -467,6 +476,14 @@ class ReduceLROnPlateau(LRScheduler):
                 self._set(self.hyperparameter, new)
             self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
         self._last_lr = [self._lr]
+
+
+def _check_number(name: str, value, minimum: float = 0.0) -> float:
+    """``value`` as a float, refused unless a finite number >= ``minimum`` (not a bool): a
+    scheduler's factors and bounds are checked when it is made, not at its first step."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < minimum:
+        raise TrainerError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
+    return float(value)
 
 
 def _check_positive_int(name: str, value) -> None:

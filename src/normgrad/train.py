@@ -51,7 +51,8 @@ from normgrad._external_data import uses_external_data
 from normgrad._files import PathLike
 from normgrad._hyperparameters import Hyperparameters, graph_defaults
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
-                               _check_step_metadata, _external_data_options, _files_read, _gate_state_updates,
+                               _check_step_metadata, _exported_eval_graph, _external_data_options, _files_read,
+                               _gate_state_updates,
                                _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
                                training_session_options)
 from normgrad._state import SEED_METADATA, STEP_METADATA, TrainerState
@@ -203,6 +204,9 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         _keep_bfloat16_initializers(model, options)
         step_path = None if isinstance(step_model, onnx.ModelProto) else step_model
         self._read_files = _files_read(model, step_path, self.external_data_folder, "step graph")
+        exported_eval = _exported_eval_graph(step_path)
+        if exported_eval is not None:  # normgrad export's set: the evaluation graph beside the step graph
+            self._read_files.append(("the evaluation graph exported with the step graph", exported_eval))
         self._checkpoint_files: List[Tuple[str, PathLike]] = []
         if eval_model is not None and not isinstance(eval_model, onnx.ModelProto):
             eval_model = _load_step_graph(eval_model, "evaluation graph")
