@@ -278,31 +278,49 @@ lora.save_adapter(sys.argv[3], model, {"fc.lora_A.weight": np.full((2, 4), alpha
 """
 
 
-@pytest.mark.parametrize("kill", [("os.rename", 1), ("os.rename", 2), ("os.rename", 3), ("os.remove", 1)])
+@pytest.mark.parametrize("kill", [("os.link", 1), ("ctypes.dlsym", 1), ("shutil.rmtree", 1), ("os.remove", 2)])
 def test_item9_a_killed_save_adapter_leaves_the_old_pair_or_the_new_one(tmp_path, kill):
-    """Run A (lora_alpha 4) saved, run B (16) killed at each rename: after normgrad's
-    recovery, the weights and adapter_config.json are both of run A or both of run B (a
-    weight's value is its run's lora_alpha here)."""
+    """Run A (lora_alpha 4) saved, run B (16) killed at each step of its write: the folder as
+    any reader (peft) finds it, with no recovery by normgrad, holds the weights and
+    adapter_config.json both of run A or both of run B (a weight's value is its run's
+    lora_alpha here), and the user's own file beside them."""
     pytest.importorskip("safetensors")
     from safetensors.numpy import load_file
 
     from normgrad import lora
-    from normgrad._files import complete_interrupted_commits
 
     folder = tmp_path / "adapter"
     lora.save_adapter(folder, _adapter_step_model(4), {"fc.lora_A.weight": np.full((2, 4), 4, np.float32),
                                                         "fc.lora_B.weight": np.full((4, 2), 4, np.float32)})
+    (folder / "README.md").write_text("the user's notes")
     onnx.save(_adapter_step_model(16), tmp_path / "b.onnx")
     _killed(SAVE_ADAPTER, *kill, folder, tmp_path / "b.onnx")
-    complete_interrupted_commits(folder)
     alpha = json.loads((folder / lora.ADAPTER_CONFIG).read_text())["lora_alpha"]
     weights = load_file(folder / lora.ADAPTER_WEIGHTS)
-    assert alpha in (4, 16)
     assert all(np.all(value == alpha) for value in weights.values()), (alpha, weights)
-    assert alpha == (4 if kill == ("os.rename", 1) else 16)  # the journal's rename is the commit point
+    assert alpha == (4 if kill[0] in ("os.link", "ctypes.dlsym") else 16)  # the folder exchange is the commit point
+    assert (folder / "README.md").read_text() == "the user's notes"
     lora.save_adapter(folder, _adapter_step_model(4), {"fc.lora_A.weight": np.zeros((2, 4), np.float32),
                                                         "fc.lora_B.weight": np.zeros((4, 2), np.float32)})
-    assert sorted(os.listdir(folder)) == sorted([lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG])  # leftovers cleared
+    assert sorted(os.listdir(folder)) == sorted([lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG, "README.md"])
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "b.onnx"]  # the killed writer's copy removed
+
+
+def test_item9_an_adapter_folder_with_a_subfolder_commits_through_the_journal(tmp_path):
+    """A folder the exchange cannot copy (a subfolder in it): the pair is committed with the
+    journal instead, and reads back as written."""
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import load_file
+
+    from normgrad import lora
+
+    folder = tmp_path / "adapter"
+    (folder / "checkpoint-1").mkdir(parents=True)
+    lora.save_adapter(folder, _adapter_step_model(16), {"fc.lora_A.weight": np.full((2, 4), 16, np.float32),
+                                                         "fc.lora_B.weight": np.full((4, 2), 16, np.float32)})
+    assert json.loads((folder / lora.ADAPTER_CONFIG).read_text())["lora_alpha"] == 16
+    assert all(np.all(v == 16) for v in load_file(folder / lora.ADAPTER_WEIGHTS).values())
+    assert sorted(os.listdir(folder)) == sorted([lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG, "checkpoint-1"])
 
 
 # ------------------------------------------------------------------ 10, 11, 12, 13, 15: the Trainer's inputs

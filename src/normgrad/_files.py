@@ -17,11 +17,15 @@ are :mod:`normgrad._external_data`'s."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import pathlib
 import re
+import shutil
+import sys
 import tempfile
 from typing import Iterable, Iterator, List, Mapping, Sequence, Union
 
@@ -414,3 +418,63 @@ def eval_graph_path(step_path: str) -> str:
     """Where ``normgrad export --optimizer`` writes the evaluation graph of the step graph
     ``step_path``: ``NAME.eval.onnx`` beside ``NAME.onnx``."""
     return (step_path[: -len(".onnx")] if step_path.endswith(".onnx") else step_path) + ".eval.onnx"
+
+
+_RENAME_EXCHANGE = 2  # renameat2 flag (Linux 3.15+)
+_AT_FDCWD = -100
+
+
+def _exchange(first: str, second: str) -> bool:
+    """Swaps two existing paths in one step (Linux's renameat2 with RENAME_EXCHANGE); False,
+    with nothing changed, where the system or the file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), second)
+
+
+def replace_folder_files(folder: PathLike, contents: Mapping[str, bytes]) -> bool:
+    """Writes ``contents`` ({file name: bytes}) into ``folder`` (created if missing) as one set
+    for any reader, peft's included, not only normgrad's: a copy of the folder (its other
+    files hard-linked) gets the new files, then replaces the folder in one step (a rename, or
+    renameat2's exchange); a kill at any instant leaves the old folder or the new one. A copy
+    a killed writer left is removed by the next write. Returns False, with nothing changed,
+    where that cannot be done (a folder holding subfolders or links, no exchange on this
+    system): the caller then commits the files with :func:`commit_files`."""
+    folder = os.path.abspath(os.fspath(folder))
+    parent, name = os.path.split(folder)
+    os.makedirs(parent, exist_ok=True)
+    prefix = f".{name}.normgrad-swap-"
+    for entry in os.scandir(parent):
+        pid = entry.name[len(prefix):].split("-")[0] if entry.name.startswith(prefix) else ""
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+    existing = list(os.scandir(folder)) if os.path.isdir(folder) else None
+    if existing is not None and any(not e.is_file(follow_symlinks=False) for e in existing):
+        return False
+    staged = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    try:
+        for entry in existing or []:
+            if entry.name not in contents:
+                os.link(entry.path, os.path.join(staged, entry.name))
+        for file_name, data in contents.items():
+            with open(os.path.join(staged, file_name), "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+        if existing is None:
+            os.rename(staged, folder)
+        elif not _exchange(staged, folder):
+            return False
+        return True
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)  # the old folder after an exchange; the new one where none was made

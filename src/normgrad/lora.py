@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, StagedFile, commit_files, staging
+from normgrad._files import PathLike, StagedFile, commit_files, replace_folder_files, staging
 from normgrad._external_data import check_model
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
@@ -63,9 +63,10 @@ def _usable(model: onnx.ModelProto) -> Dict[str, object]:
 def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> List[str]:
     """Writes the trained adapters in ``tensors`` (a trainer's :meth:`~normgrad.Trainer.state_dict`)
     to ``directory`` (created if needed) as peft's ``adapter_model.safetensors`` and
-    ``adapter_config.json``, as one set (:func:`normgrad._files.commit_files`: a kill leaves
-    the old pair or the new one, never run B's weights beside run A's config); returns the
-    two paths.
+    ``adapter_config.json``, as one set for any reader (:func:`normgrad._files.replace_folder_files`;
+    where it cannot, :func:`normgrad._files.commit_files`, completed by normgrad's next read):
+    a kill leaves the old pair or the new one, never run B's weights beside run A's config;
+    returns the two paths.
 
     Raises:
         LoraError: ``step_model`` has no adapters, or ``tensors`` lacks one.
@@ -80,12 +81,14 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
             if layer[part] not in tensors:
                 raise LoraError(f"no trained value for adapter {layer[part]!r}")
             weights[layer[f"{part}_key"]] = np.ascontiguousarray(tensors[layer[part]])
-    os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)]
-    with staging() as staged:
-        staged.append(StagedFile(paths[0], [safetensors_bytes(weights, metadata={"format": "pt"})]))
-        staged.append(StagedFile(paths[1], [info["adapter_config"].encode()]))
-    commit_files(staged)
+    contents = {ADAPTER_WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt"}),
+                ADAPTER_CONFIG: info["adapter_config"].encode()}
+    if not replace_folder_files(directory, contents):  # a folder with subfolders, or no atomic exchange here
+        os.makedirs(directory, exist_ok=True)
+        with staging() as staged:
+            staged.extend(StagedFile(path, [contents[os.path.basename(path)]]) for path in paths)
+        commit_files(staged)
     return paths
 
 
