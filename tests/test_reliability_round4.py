@@ -307,8 +307,8 @@ def test_item9_a_killed_save_adapter_leaves_the_old_pair_or_the_new_one(tmp_path
 
 
 def test_item9_an_adapter_folder_with_a_subfolder_commits_through_the_journal(tmp_path):
-    """A folder the exchange cannot copy (a subfolder in it): the pair is committed with the
-    journal instead, and reads back as written."""
+    """A folder the exchange cannot copy (a subfolder in it), or reached through a link: the
+    pair is committed with the journal instead, and reads back as written."""
     pytest.importorskip("safetensors")
     from safetensors.numpy import load_file
 
@@ -321,6 +321,12 @@ def test_item9_an_adapter_folder_with_a_subfolder_commits_through_the_journal(tm
     assert json.loads((folder / lora.ADAPTER_CONFIG).read_text())["lora_alpha"] == 16
     assert all(np.all(v == 16) for v in load_file(folder / lora.ADAPTER_WEIGHTS).values())
     assert sorted(os.listdir(folder)) == sorted([lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG, "checkpoint-1"])
+    flat, linked = tmp_path / "flat", tmp_path / "linked"
+    flat.mkdir()
+    linked.symlink_to(flat)  # a link to a folder stays a link; the folder it names gets the pair
+    lora.save_adapter(linked, _adapter_step_model(4), {"fc.lora_A.weight": np.full((2, 4), 4, np.float32),
+                                                       "fc.lora_B.weight": np.full((4, 2), 4, np.float32)})
+    assert linked.is_symlink() and json.loads((flat / lora.ADAPTER_CONFIG).read_text())["lora_alpha"] == 4
 
 
 # ------------------------------------------------------------------ 10, 11, 12, 13, 15: the Trainer's inputs

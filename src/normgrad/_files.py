@@ -448,7 +448,7 @@ def replace_folder_files(folder: PathLike, contents: Mapping[str, bytes]) -> boo
     files hard-linked) gets the new files, then replaces the folder in one step (a rename, or
     renameat2's exchange); a kill at any instant leaves the old folder or the new one. A copy
     a killed writer left is removed by the next write. Returns False, with nothing changed,
-    where that cannot be done (a folder holding subfolders or links, no exchange on this
+    where that cannot be done (a folder that is a link or holds subfolders or links, no exchange on this
     system): the caller then commits the files with :func:`commit_files`."""
     folder = os.path.abspath(os.fspath(folder))
     parent, name = os.path.split(folder)
@@ -458,6 +458,8 @@ def replace_folder_files(folder: PathLike, contents: Mapping[str, bytes]) -> boo
         pid = entry.name[len(prefix):].split("-")[0] if entry.name.startswith(prefix) else ""
         if pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(entry.path, ignore_errors=True)
+    if os.path.islink(folder):  # the exchange would replace the link, not the folder it names
+        return False
     existing = list(os.scandir(folder)) if os.path.isdir(folder) else None
     if existing is not None and any(not e.is_file(follow_symlinks=False) for e in existing):
         return False
