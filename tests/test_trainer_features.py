@@ -176,7 +176,8 @@ def _assert_close(actual, expected, what, tolerance=1e-6):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_parameter_groups_outputs_and_evaluate_match_torch(exported, tmp_path, model, optimizer, runtime):
     """``--no-weight-decay`` globs as torch param_groups (weight_decay 0 for biases and norm
-    parameters): every parameter and optimizer tensor within 1e-6 of its scale after 20 steps;
+    parameters): every parameter within 1e-6 of its scale after 20 steps, every optimizer tensor
+    within 2e-6 (float32 gradients summed in another order than torch's);
     the logits each step returns are torch's train-mode forward; ``evaluate`` is torch's
     ``model.eval()`` forward and loss, and changes no state."""
     torch = pytest.importorskip("torch")
@@ -195,8 +196,8 @@ def test_parameter_groups_outputs_and_evaluate_match_torch(exported, tmp_path, m
     for name, p in net.named_parameters():
         _assert_close(result[f"state/{name}"], p.detach().numpy(), name)
         for key, value in torch_optimizer.state[p].items():
-            if key != "step":
-                _assert_close(result[f"state/{name}.{key}"], value.numpy(), f"{name}.{key}")
+            if key != "step":  # a moment is the gradient's rounding averaged, not damped by the lr: 2e-6
+                _assert_close(result[f"state/{name}.{key}"], value.numpy(), f"{name}.{key}", 2e-6)
     for name, buffer in net.named_buffers():
         if not name.endswith("num_batches_tracked"):
             _assert_close(result[f"state/{name}"], buffer.numpy(), name)
