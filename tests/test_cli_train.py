@@ -46,6 +46,7 @@ def _train(folder, out, *extra):
 
 @pytest.mark.slow
 def test_train_an_exported_step_graph_on_npz(exported, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the plot it checks
     out = tmp_path / "run"
     assert _train(exported, out, "--epochs", "2") == 0
     assert "wrote" in capsys.readouterr().out
@@ -118,10 +119,14 @@ def test_bad_options_are_one_line(exported, tmp_path, capsys):
 
 
 def test_version(capsys):
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        expected = version("normgrad")
+    except PackageNotFoundError:  # the package copied without its metadata (.ci/run's other onnxruntimes)
+        expected = "unknown (not installed)"
     assert cli.main(["--version"]) == 0
-    assert capsys.readouterr().out == f"normgrad {version('normgrad')}\n"
+    assert capsys.readouterr().out == f"normgrad {expected}\n"
 
 
 def test_demo_train_is_the_digits_demo_of_train(capsys):

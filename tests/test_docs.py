@@ -44,6 +44,7 @@ REQUIREMENTS = {
     "sklearn": lambda: _installed("sklearn"),
     "transformers": lambda: _installed("transformers"),
     "peft": lambda: _installed("peft") and _installed("safetensors"),
+    "tensorboard": lambda: _installed("tensorboard"),
 }
 TIMEOUT = 3600  # a hang guard only: a page takes seconds to minutes, several on a loaded machine
 

@@ -78,12 +78,12 @@ def test_fit_refuses_a_metric_that_is_no_function_before_a_step(exported):
     assert trainer.step_count == 0
 
 
-def test_save_into_a_missing_folder_is_one_trainer_error_naming_the_path(exported, tmp_path):
+def test_save_into_a_missing_folder_is_one_error_naming_the_path(exported, tmp_path):
     trainer = _trainer(exported)
     target = os.fspath(tmp_path / "no_such_folder" / "run.ckpt")
-    with pytest.raises(TrainerError, match=r"cannot write the checkpoint '.*no_such_folder/run\.ckpt': No such file"):
+    with pytest.raises(FileNotFoundError, match=r"cannot write the checkpoint '.*no_such_folder/run\.ckpt': No such file"):
         trainer.save(target)
-    with pytest.raises(TrainerError, match="cannot write the inference model"):
+    with pytest.raises(FileNotFoundError, match="cannot write the inference model"):
         trainer.export_inference_model(os.fspath(tmp_path / "no_such_folder" / "model.onnx"))
 
 

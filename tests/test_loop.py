@@ -121,6 +121,7 @@ def test_resume_from_a_folder_continues_bitwise_and_logs_read_back(digits, tmp_p
     """A run that crashes at step 27 (its latest checkpoint: step 25, one batch into epoch 4),
     resumed from its folder, ends bitwise where the uninterrupted run ends, with the same
     history, CSV, and TensorBoard scalars (the crashed steps past the checkpoint purged)."""
+    pytest.importorskip("tensorboard")
     step_graph, initial, train, validation = digits
     whole, whole_result = _run(step_graph, initial, train, validation, tmp_path / "a", tmp_path / "a_logs")
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -184,9 +184,10 @@ class TrainerState:
 @contextlib.contextmanager
 def _writing(what: str, path: PathLike):
     """An OSError while writing the trainer's ``what`` to ``path`` (a missing folder, a full
-    disk, a folder in the file's place) as one TrainerError naming ``path``, not the
-    temporary file the write went through."""
+    disk, a folder in the file's place) raised again, of the same class, with a message naming
+    ``path``, not the temporary file the write went through."""
     try:
         yield
     except OSError as error:
-        raise TrainerError(f"cannot write the {what} {os.fspath(path)!r}: {error.strerror or error}") from None
+        message = f"cannot write the {what} {os.fspath(path)!r}: {error.strerror or error}"
+        raise type(error)(error.errno, message) if error.errno else type(error)(message) from None
