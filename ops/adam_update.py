@@ -222,7 +222,7 @@ def function_body(opset: int = _common.ONNX_OPSET, reads: Sequence[str] = ()) ->
         lines.append("scaled_grad = Mul (grad, grad_scale)")
         grad = "scaled_grad"
     if "weight_decay" in reads:
-        lines += [f"decay_term = Mul (param, weight_decay)", f"decayed_grad = Add ({grad}, decay_term)",
+        lines += ["decay_term = Mul (param, weight_decay)", f"decayed_grad = Add ({grad}, decay_term)",
                   "no_decay = Equal (weight_decay, zero)", f"l2_grad = Where (no_decay, {grad}, decayed_grad)"]
         grad = "l2_grad"
     if "param_scale" in reads:

@@ -11,7 +11,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from normgrad._files import eval_graph_path
+from normgrad._files import beside_step_graph, eval_graph_path
 from normgrad.tools.cli import CommandError, one_line, positive_int
 
 DEFAULT_BATCH_SIZE = 32
@@ -161,7 +161,7 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
     hyperparameters = {"lr": getattr(args, "lr", None), "weight_decay": args.weight_decay, "eps": args.eps,
                        "momentum": args.momentum, "dampening": args.dampening, "max_grad_norm": args.max_grad_norm,
                        "betas": tuple(args.betas) if args.betas else None}
-    checkpoint = args.checkpoint or (args.step[:-5] if args.step.endswith(".onnx") else args.step) + ".ckpt"
+    checkpoint = args.checkpoint or beside_step_graph(args.step, ".ckpt")
     eval_graph = eval_graph_path(args.step)
     folder = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
     try:

@@ -12,7 +12,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import commit_files, eval_graph_path, refuse_aliases, refuse_irregular_file, staging
+from normgrad._files import (beside_step_graph, commit_files, eval_graph_path, refuse_aliases, refuse_irregular_file,
+                             staging)
 from normgrad._external_data import (EXTERNAL_TENSOR_MIN_BYTES, external_data_files, stage_models_external,
                                      uses_external_data)
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
@@ -126,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
     bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
-    checkpoint_path = args.checkpoint or _checkpoint_beside(args.output)
+    checkpoint_path = args.checkpoint or beside_step_graph(args.output, ".ckpt")
     eval_path = eval_graph_path(args.output)
     outputs = {"output (-o)": args.output, "checkpoint (--checkpoint)": checkpoint_path,
                **({"evaluation graph": eval_path} if args.optimizer else {})}
@@ -286,14 +287,6 @@ def _frozen_weights(forward, freeze, trainable) -> set:
     frozen = frozen_parameters(forward, freeze, trainable) | _not_torch_parameters(forward)
     return {t.name for t in forward.graph.initializer if t.name in frozen and
             np.prod(t.dims) * tensor_dtype_to_np_dtype(t.data_type).itemsize >= EXTERNAL_TENSOR_MIN_BYTES}
-
-
-def _checkpoint_beside(output: str) -> str:
-    return _beside(output, ".ckpt")
-
-
-def _beside(output: str, suffix: str) -> str:
-    return (output[: -len(".onnx")] if output.endswith(".onnx") else output) + suffix
 
 
 if __name__ == "__main__":

@@ -414,10 +414,15 @@ def remove_inside(folder: PathLike, relative: str, what: str = "file") -> bool:
     return True
 
 
+def beside_step_graph(step_path: str, suffix: str) -> str:
+    """Where ``normgrad export --optimizer`` writes a file of the step graph ``step_path``'s
+    set: ``NAME`` + ``suffix`` beside ``NAME.onnx`` (``.ckpt``: its checkpoint)."""
+    return (step_path[: -len(".onnx")] if step_path.endswith(".onnx") else step_path) + suffix
+
+
 def eval_graph_path(step_path: str) -> str:
-    """Where ``normgrad export --optimizer`` writes the evaluation graph of the step graph
-    ``step_path``: ``NAME.eval.onnx`` beside ``NAME.onnx``."""
-    return (step_path[: -len(".onnx")] if step_path.endswith(".onnx") else step_path) + ".eval.onnx"
+    """The evaluation graph written with the step graph ``step_path``: ``NAME.eval.onnx``."""
+    return beside_step_graph(step_path, ".eval.onnx")
 
 
 _RENAME_EXCHANGE = 2  # renameat2 flag (Linux 3.15+)
