@@ -348,17 +348,20 @@ def check_unconfigured() -> None:
 
 def check_rank_mismatches(kind: str) -> None:
     """sizes: rank 0 passes 4 samples, rank 1 3; differ: rank 1's step graph has another
-    momentum. Both: a TrainerError on every rank naming what differs."""
+    momentum; options: rank 1 alone gives the Trainer a weight decay and a momentum schedule.
+    Each: a TrainerError on every rank naming what differs."""
     from normgrad.train import TrainerError
 
     model, initial = _mlp_step(0.5 if kind == "differ" and mpi.rank() == 1 else 0.9)
     try:
-        trainer = mpi.DataParallelTrainer(model, initial, lr=0.1)
+        options = {"weight_decay": 0.01, "momentum": lambda step: 0.5} if kind == "options" and mpi.rank() == 1 else {}
+        trainer = mpi.DataParallelTrainer(model, initial, lr=0.1, **options)
         n = 4 if mpi.rank() == 0 else 3
         if kind == "sizes":
             trainer.step(np.ones((n, 4), np.float32), np.ones((n, 3), np.float32))
     except TrainerError as error:
-        wanted = "rank 0: 4, rank 1: 3" if kind == "sizes" else "ranks [1] run another step graph"
+        wanted = {"sizes": "rank 0: 4, rank 1: 3", "differ": "ranks [1] run another step graph",
+                  "options": "ranks [1] run another option weight_decay than rank 0 (rank 0: None, rank 1: 0.01)"}[kind]
         assert wanted in str(error), error
         print(f"{kind} ok on rank {mpi.rank()}: {error}")
         return
@@ -389,7 +392,7 @@ def main(argv) -> None:
         check_training(argv[1])
     elif argv[0] in ("raise", "exit", "systemexit", "leave", "die"):
         wait_then_fail(argv[0], int(argv[1]))
-    elif argv[0] in ("sizes", "differ"):
+    elif argv[0] in ("sizes", "differ", "options"):
         check_rank_mismatches(argv[0])
     elif argv[0] == "hang":
         hang(int(argv[1]))

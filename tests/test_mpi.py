@@ -99,10 +99,10 @@ def test_all_reduce_refuses_to_run_without_init():
     assert result.stdout.count("unconfigured ok") == RANKS, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("kind", ["sizes", "differ"])
+@pytest.mark.parametrize("kind", ["sizes", "differ", "options"])
 def test_data_parallel_trainer_refuses_ranks_that_disagree(kind):
     """sizes: per-rank batches of 4 and 3 samples; differ: SGD momentum 0.9 on rank 0, 0.5 on
-    rank 1. Every rank raises a TrainerError naming the ranks and what differs."""
+    rank 1 in the step graph; options: rank 1 alone gives the Trainer a weight decay. Every rank raises a TrainerError naming the ranks and what differs."""
     result = run_job(kind)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(f"{kind} ok on rank") == RANKS, result.stdout + result.stderr

@@ -133,19 +133,33 @@ class DataParallelTrainer(Trainer):
                                "not averaged (a step graph without --data-parallel, or AllReduce run as its "
                                "function body instead of normgrad's kernel)")
 
+_COMPARED_OPTIONS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "max_grad_norm", "accumulation",
+                     "seed")
+"""The Trainer options every rank must give alike: a rank with another learning rate or
+schedule would drift from step 2 on without any error."""
+
+
+def _sampled(value):
+    """``value`` as compared across ranks: a schedule by its values at a few steps (two
+    schedule objects are never equal by identity across processes), a pair elementwise."""
+    if isinstance(value, (tuple, list)):
+        return [_sampled(item) for item in value]
+    if callable(value):
+        try:
+            return [float(value(step)) for step in (1, 2, 10, 100, 1000)]
+        except Exception as error:  # noqa: BLE001 - compared as it is
+            return f"schedule raising {type(error).__name__}"
+    return value
+
+
 def _check_same_everywhere(model: onnx.ModelProto, options) -> None:
     """Raises TrainerError on every rank unless all ranks run the same step graph with
     the same options (what would otherwise drift apart silently from step 2 on)."""
     import hashlib
 
-    lr = options.get("lr", 1e-3)
-    if callable(lr):
-        try:
-            lr = [float(lr(step)) for step in (1, 2, 10, 100, 1000)]
-        except Exception as error:  # noqa: BLE001 - compared as it is
-            lr = f"schedule raising {type(error).__name__}"
-    mine = {"step graph": hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest(),
-            "lr": repr(lr), "accumulation": repr(options.get("accumulation", 1)), "seed": repr(options.get("seed"))}
+    mine = {"step graph": hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()}
+    for name in _COMPARED_OPTIONS:
+        mine[name] = repr(_sampled(options.get(name)))
     everyone = gather(mine, "DataParallelTrainer construction")
     for key in mine:
         differ = [r for r, theirs in enumerate(everyone) if theirs[key] != everyone[0][key]]
