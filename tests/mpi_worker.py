@@ -368,6 +368,48 @@ def check_rank_mismatches(kind: str) -> None:
     raise AssertionError(f"{kind}: no error")
 
 
+def check_fit(folder: str) -> None:
+    """normgrad.loop.fit on a DataParallelTrainer, each rank passing its shard of the training
+    and validation batches, with a metric, early stopping and checkpoints in one shared
+    folder: every rank ends with the same history and evaluation records (taken from all
+    the shards together: a record from one shard would let the ranks disagree on the best
+    checkpoint or the stop, and hang); the final record's loss and metric are the float64
+    ones of the whole validation set at the trained weights; rank 0 alone wrote the files."""
+    from normgrad import loop, metrics
+
+    model, initial = _mlp_step()
+    trainer = mpi.DataParallelTrainer(model, initial, lr=0.05)
+    rng = np.random.default_rng(11)
+    target = rng.standard_normal((4, 3))
+
+    def batches(count):
+        x = [rng.standard_normal((8, 4)).astype(np.float32) for _ in range(count)]
+        return [(xb, (xb @ target + 0.1 * rng.standard_normal((8, 3))).astype(np.float32)) for xb in x]
+
+    train, validation = batches(6), batches(3)
+    shards = lambda pairs: [(mpi.shard(x), mpi.shard(y)) for x, y in pairs]  # noqa: E731
+    mae = lambda outputs, labels: float(np.mean(np.abs(outputs - labels)))  # noqa: E731
+    result = loop.fit(trainer, shards(train), epochs=4, evaluation=shards(validation), metrics={"mae": mae},
+                      output="y", checkpoint_dir=folder, log_dir=os.path.join(folder, "logs"), progress=False,
+                      callbacks=[loop.EarlyStopping(monitor="val_mae", patience=1)])
+    records = mpi.gather((result.history, result.evaluations), "the fit results")
+    assert all(r == records[0] for r in records), records
+    final = metrics.evaluate(trainer, shards(validation), {"mae": mae}, output="y")
+    weights = {name: value.astype(np.float64) for name, value in trainer.state_dict().items()}
+    x = np.concatenate([x for x, _ in validation]).astype(np.float64)
+    y = np.concatenate([y for _, y in validation]).astype(np.float64)
+    predicted = x @ weights["W"] + weights["b"]
+    truth = {"val_loss": float(np.mean((predicted - y) ** 2)), "val_mae": float(np.mean(np.abs(predicted - y)))}
+    for name, value in truth.items():
+        assert abs(final[name] - value) <= 1e-5 * abs(value), (name, final[name], value)
+    mpi.gather(None, "the files' check")
+    if mpi.rank() == 0:
+        names = sorted(os.listdir(folder))
+        assert any(n.startswith("best-") for n in names) and os.path.exists(os.path.join(folder, "logs", "metrics.csv")), names
+        assert not [n for n in names if ".tmp" in n or n.startswith(".")], names
+    print(f"fit ok on rank {mpi.rank()}: {len(result.history)} steps, {len(result.evaluations)} evaluations")
+
+
 def hang(victim: int) -> None:
     """Rank ``victim`` sleeps before its first step; the others must fail within the timeout."""
     model, initial = _mlp_step()
@@ -396,6 +438,8 @@ def main(argv) -> None:
         check_rank_mismatches(argv[0])
     elif argv[0] == "hang":
         hang(int(argv[1]))
+    elif argv[0] == "fit":
+        check_fit(argv[1])
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

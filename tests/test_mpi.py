@@ -108,6 +108,15 @@ def test_data_parallel_trainer_refuses_ranks_that_disagree(kind):
     assert result.stdout.count(f"{kind} ok on rank") == RANKS, result.stdout + result.stderr
 
 
+def test_fit_on_two_ranks(tmp_path):
+    """normgrad.loop.fit with per-rank shards of the training and validation batches, a
+    metric, early stopping and checkpoints: both ranks agree on every record, whose
+    validation loss and metric are those of the whole set (mpi_worker.check_fit)."""
+    result = run_job("fit", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("fit ok on rank") == RANKS, result.stdout + result.stderr
+
+
 def test_a_hanging_rank_times_out_naming_it():
     """Rank 1 sleeps before its first step; rank 0 fails after the 3 s timeout, naming rank 1,
     and the job ends long before rank 1 wakes up (it sleeps an hour, past the hang guard)."""

@@ -38,6 +38,9 @@ class DataParallelTrainer(Trainer):
     * at construction, the ranks compare a fingerprint of their step graphs and options
       (lr schedule, accumulation, seed) and fail if any differs;
     * each :meth:`step` first checks that every rank passes a batch of the same size;
+    * :func:`normgrad.metrics.evaluate` (and so :func:`normgrad.loop.fit`) combines the
+      ranks' validation shards: the loss and metrics are those of all of them together,
+      the same on every rank;
     * after the first step, the ranks compare a digest of their state
       (:meth:`check_in_sync`) and fail if it differs;
     * these checks (and :meth:`save`) wait at most :func:`timeout` for the other ranks,
@@ -114,6 +117,13 @@ class DataParallelTrainer(Trainer):
             self.check_in_sync()
             self._checked = True
         return loss
+
+    def from_every_rank(self, value, what: str) -> list:
+        """Every rank's ``value`` in rank order (:func:`normgrad.mpi.gather`): how
+        :func:`normgrad.metrics.evaluate` combines the ranks' validation shards into one
+        record, so that every rank takes the same decisions (best checkpoint, early stop,
+        ReduceLROnPlateau) from it."""
+        return gather(value, what)
 
     def check_in_sync(self) -> None:
         """Raises TrainerError on every rank unless all ranks hold bitwise the same state

@@ -87,7 +87,9 @@ def evaluate(trainer, batches: Iterable, metrics: Optional[Mapping[str, Metric]]
     :meth:`Trainer.evaluate` (eval mode, no update): ``{prefix + "loss": ..., prefix + name:
     ...}``. The loss is the mean of the batches' losses weighted by their sizes (axis 0);
     each metric is computed once, on ``output`` (default: the loss's forward output, e.g.
-    the logits) and the ``labels`` input of every batch concatenated along axis 0."""
+    the logits) and the ``labels`` input of every batch concatenated along axis 0. On a
+    data-parallel trainer each rank passes its shard of the validation set and gets the
+    record of all the shards together (concatenated in rank order)."""
     metrics = dict(metrics or {})
     if metrics and output is None:
         output = getattr(trainer, "_loss_metadata", {}).get("output")
@@ -108,6 +110,12 @@ def evaluate(trainer, batches: Iterable, metrics: Optional[Mapping[str, Metric]]
         if metrics:
             outputs.append(result.outputs[output])
             label_values.append(named[labels])
+    from_every_rank = getattr(trainer, "from_every_rank", None)
+    if from_every_rank is not None:  # a data-parallel trainer: each rank evaluated its shard
+        shards = from_every_rank((total, count, outputs, label_values), "the evaluation")
+        total, count = sum(shard[0] for shard in shards), sum(shard[1] for shard in shards)
+        outputs = [array for shard in shards for array in shard[2]]
+        label_values = [array for shard in shards for array in shard[3]]
     if count == 0:
         raise TrainerError("evaluate: the validation batches yielded no batch")
     record = {prefix + "loss": total / count}
