@@ -9,7 +9,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "describe"]
+__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe"]
 
 FLOAT_ELEM_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -59,7 +59,7 @@ class GradientContext:
                 self._constants[init.name] = onh.to_array(init)
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
-                value = _constant_value(node)
+                value = constant_node_value(node)
                 if value is not None:
                     self._constants[node.output[0]] = value
         self._producers = {name: node for node in graph.node for name in node.output if name}
@@ -372,7 +372,8 @@ _RANK_OF_BROADCAST = frozenset({
 """Operators whose output rank is the largest rank of their inputs (NumPy broadcasting)."""
 
 
-def _constant_value(node: onnx.NodeProto) -> Optional[np.ndarray]:
+def constant_node_value(node: onnx.NodeProto) -> Optional[np.ndarray]:
+    """The value of Constant node ``node`` (any of its value attributes but sparse and strings), or None."""
     attr = node.attribute[0]
     if attr.name == "value":
         return onh.to_array(attr.t)

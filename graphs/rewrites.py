@@ -42,7 +42,7 @@ import onnx.numpy_helper as onh
 import onnx.version_converter
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
-from normgrad.graphs.context import attr, describe, reserve_name
+from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
 
@@ -128,8 +128,8 @@ def _constant_values(graph: onnx.GraphProto, name: str):
         if init.name == name:
             return onh.to_array(init)
     for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name and node.attribute and node.attribute[0].name == "value":
-            return onh.to_array(node.attribute[0].t)
+        if node.op_type == "Constant" and node.output[0] == name and node.attribute:
+            return constant_node_value(node)
     return None
 
 

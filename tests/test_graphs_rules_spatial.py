@@ -414,6 +414,22 @@ def test_common_slices_and_pads_avoid_scatter(op_type, inputs, attrs, params):
     _check(forward)
 
 
+def test_slice_with_value_ints_constants_pads_by_static_amounts():
+    """The dynamo exporter's rotary-embedding halves: Slice starts/ends/axes as Reshape(Constant
+    value_ints) and steps a value_ints Constant. They fold to constants, so the gradient is
+    one Pad by amounts known at build time (no ScatterElements, no run-time pad arithmetic)."""
+    nodes = []
+    for name, values in {"start": [2], "end": [1 << 62], "axis": [-1], "step": [1], "flat": [-1]}.items():
+        nodes.append(oh.make_node("Constant", [], [name + "_ints"], value_ints=values))
+    for name in ("start", "end", "axis"):
+        nodes.append(oh.make_node("Reshape", [name + "_ints", "flat_ints"], [name]))
+    nodes.append(_node("Slice", ["x", "start", "end", "axis", "step_ints"]))
+    forward = model(nodes, {"x": (2, 3, 5, 4)}, ["y"], {})
+    op_types = [node.op_type for node in build_training_graph(forward).model.graph.node]
+    assert "ScatterElements" not in op_types and op_types.count("Pad") == 1 and "Max" not in op_types
+    _check(forward)
+
+
 @pytest.mark.parametrize("node, shape, params, message", [
     (oh.make_node("Resize", ["x", "", "s"], ["y"], name="crop", mode="linear", coordinate_transformation_mode="tf_crop_and_resize"),
      (1, 1, 4, 4), _floats(s=[1, 1, 2, 2]), "Resize node 'crop'.*tf_crop_and_resize"),

@@ -45,6 +45,23 @@ def _clamped(ctx: GradientContext, index: str, dims: str) -> str:
     return ctx.op("Min", ctx.op("Max", from_end, zero), dims)
 
 
+def _static_pads(ctx: GradientContext, node: onnx.NodeProto, axes: List[int], rank: int) -> Optional[List[int]]:
+    """The Pad amounts of :func:`slice_gradient` when the starts, the ends and the sliced
+    dims are known before run time (clamped as Slice clamps them); else None."""
+    starts, ends, shape = ctx.constant(node.input[1]), ctx.constant(node.input[2]), ctx.shape(node.input[0])
+    if starts is None or ends is None or shape is None:
+        return None
+    dims = [shape[a] for a in axes]
+    if not all(isinstance(d, int) and d > 0 for d in dims):
+        return None
+    pads = [0] * (2 * rank)
+    for axis, dim, start, end in zip(axes, dims, np.reshape(starts, -1).tolist(), np.reshape(ends, -1).tolist()):
+        begin = min(max(start + dim if start < 0 else start, 0), dim)
+        stop = max(min(max(end + dim if end < 0 else end, 0), dim), begin)
+        pads[axis], pads[rank + axis] = begin, dim - stop
+    return pads
+
+
 @register("Slice", min_opset=16)
 def slice_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """Unit steps: Pad(dy) by the clamped starts and the room after the clamped ends.
@@ -53,6 +70,9 @@ def slice_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optio
     axes = _unit_step_axes(ctx, node)
     if axes is not None:
         rank = ctx.rank(x, node)
+        pads = _static_pads(ctx, node, axes, rank)
+        if pads is not None:
+            return [ctx.op("Pad", grads[0], ctx.ints(pads))]
         dims = ctx.op("Gather", ctx.shape_of(x), ctx.ints(axes), axis=0)
         begin = _clamped(ctx, node.input[1], dims)
         end = ctx.op("Max", _clamped(ctx, node.input[2], dims), begin)
