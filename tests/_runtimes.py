@@ -104,8 +104,9 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
 
 
 def _tract_recurrent_lacks(nodes, constants) -> Optional[str]:
-    """What tract lacks for a recurrent graph; every one that applies (which one it meets first
-    varies: shape inference or the translation after it)."""
+    """What tract lacks for a recurrent graph: every one that applies, joined by
+    :data:`normgrad.tools.runtime_table.AND` (which one it meets first varies: shape inference
+    or the translation after it)."""
     recurrent = [n for n in nodes if n.op_type in ("GRU", "RNN")]
     reasons = []
     if any(len(n.input) > 4 and n.input[4] and n.input[4] not in constants for n in recurrent):
@@ -117,7 +118,9 @@ def _tract_recurrent_lacks(nodes, constants) -> Optional[str]:
         reasons.append("ReverseSequence (the reverse direction of a recurrent node with sequence_lens)")
     if any(onnx.helper.get_attribute_value(a) == b"reverse" for n in recurrent for a in n.attribute if a.name == "direction"):
         reasons.append("GRU and RNN nodes of direction reverse (its kernels give another Y: wrong values)")
-    return "; ".join(reasons) or None
+    from normgrad.tools.runtime_table import AND
+
+    return AND.join(reasons) or None
 
 
 def _reads_outer_scope(scan: onnx.NodeProto) -> bool:
