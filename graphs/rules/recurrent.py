@@ -17,7 +17,8 @@ one [batch, gates*hidden] x [gates*hidden, hidden] MatMul per step (two for GRU 
 ``linear_before_reset=0``); the weight gradients are then one GEMM each over all steps at once.
 
 Each direction is differentiated as a forward recurrence: the reverse direction on the
-inputs and outputs reversed in time within each sequence's length (``ReverseSequence``).
+inputs and outputs reversed in time within each sequence's length (``ReverseSequence`` with
+sequence_lens, a Slice with step -1 without: tract has no ReverseSequence).
 With ``sequence_lens`` the steps past a sequence's end keep the state and write zeros to Y;
 there the state gradient passes through unchanged and the gate gradients are zero. Every
 Scan runs forward (a reverse-time one on sequences reversed by a Slice: onnx's reference
