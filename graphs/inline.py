@@ -5,12 +5,18 @@ normalization gradients (operators with ``STATIC_SUM_AXES_OF``) get their reduct
 constants where the parameter's dims and x's rank are known at export, so runtimes that need
 static reduction axes (OpenVINO's own runtime, tract) take them; the others get the shared
 body. The result has no model-local function and imports no normgrad opset.
+
+Each Scan's per-step (stacked) outputs are values of their own in the inlined form
+(:func:`scan_outputs_own_values`): tract reshapes a stacked output to [1, ...] in place,
+for every reader of that value in the body too (its shape inference then fails: "Impossible
+to unify"). The copies cost about 3% of an LSTM step on onnxruntime, so the default form
+shares the values.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Set
 
 import numpy as np
 import onnx
@@ -24,7 +30,7 @@ from normgrad.graphs.context import attr
 from normgrad.graphs.portable import value_types
 from normgrad.ops import DOMAIN, OPERATORS, _common
 
-__all__ = ["inline_normgrad"]
+__all__ = ["inline_normgrad", "scan_outputs_own_values", "shared_scan_outputs"]
 
 _NODE_DOMAIN = "normgrad.inline.node"
 
@@ -126,4 +132,45 @@ def inline_normgrad(model: onnx.ModelProto) -> onnx.ModelProto:
     kept = [o for o in model.opset_import if o.domain not in (DOMAIN, _NODE_DOMAIN)]
     del model.opset_import[:]
     model.opset_import.extend(kept)
+    scan_outputs_own_values(model)
     return model
+
+
+def _value_names(graph: onnx.GraphProto, names: Set[str]) -> Set[str]:
+    """Every value and node name of ``graph`` and of the graphs in its nodes' attributes."""
+    names.update(v.name for v in list(graph.input) + list(graph.output) + list(graph.value_info))
+    names.update(t.name for t in graph.initializer)
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        names.add(node.name)
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                _value_names(subgraph, names)
+    return names
+
+
+def shared_scan_outputs(scan: onnx.NodeProto) -> List[int]:
+    """Positions among the body outputs of ``scan``'s per-step outputs that are also a body
+    input, a state output or another output, or are read inside the body."""
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    states = len(body.input) - attr(scan, "num_scan_inputs", None)
+    read = {i for n in body.node for i in n.input} | {i.name for i in body.input}
+    outputs = [o.name for o in body.output]
+    return [k for k in range(states, len(outputs)) if outputs[k] in read or outputs[k] in outputs[:k]]
+
+
+def scan_outputs_own_values(model: onnx.ModelProto) -> None:
+    """Makes each of :func:`shared_scan_outputs` of every main-graph Scan an Identity of the value."""
+    used: Optional[Set[str]] = None
+    for node in model.graph.node:
+        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        for k in shared_scan_outputs(node):
+            name = body.output[k].name
+            used = _value_names(model.graph, set()) if used is None else used
+            own = next(f"{name}/own_{n}" for n in range(len(used) + 1) if f"{name}/own_{n}" not in used)
+            used.update((own, f"{own}/Identity"))
+            body.node.append(oh.make_node("Identity", [name], [own], name=f"{own}/Identity"))
+            body.output[k].name = own

@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 import pytest
 
+from normgrad.graphs.inline import shared_scan_outputs
+
 RUNTIMES = ("evaluator", "openvino", "tract", "openvino-ep")
 _PACKAGES = {"evaluator": "onnx", "openvino": "openvino", "tract": "tract", "openvino-ep": "onnxruntime"}
 _REQUIRED = {"openvino": "NORMGRAD_REQUIRE_OPENVINO_RUNTIME", "tract": "NORMGRAD_REQUIRE_TRACT"}
@@ -71,6 +73,9 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return "LayerNormalization with its Mean/InvStdDev outputs read ('expects 1 output tensor'; --portable computes them beside it)"
     if runtime == "openvino-ep" and seeded:
         return SEEDED_DROPOUT_OPENVINO
+    if runtime == "evaluator" and any(n.op_type in ("GRU", "RNN") and len(n.input) > 4 and n.input[4]
+                                      for n in model.graph.node):
+        return "GRU and RNN nodes with sequence_lens (it ignores sequence_lens: wrong values)"
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
@@ -94,9 +99,28 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         for node in model.graph.node:
             if node.op_type == "BatchNormalization" and any(name not in constants for name in node.input[1:5]):
                 return "BatchNormalization fed computed batch statistics ('Params are not const')"
-            if node.op_type == "Scan":  # the recurrent training graphs' Scans
-                return "Scan bodies whose shapes it infers as [1, batch, n] where they are [batch, n] ('Impossible to unify')"
+        return _tract_recurrent_lacks(model.graph.node, constants)
     return None
+
+
+def _tract_recurrent_lacks(nodes, constants) -> Optional[str]:
+    """What tract lacks for a recurrent graph: every one that applies, joined by
+    :data:`normgrad.tools.runtime_table.AND` (which one it meets first varies: shape inference
+    or the translation after it)."""
+    recurrent = [n for n in nodes if n.op_type in ("GRU", "RNN")]
+    reasons = []
+    if any(len(n.input) > 4 and n.input[4] and n.input[4] not in constants for n in recurrent):
+        reasons.append("GRU and RNN nodes with sequence_lens computed or fed ('Non constant seq_len is not supported')")
+    if any(n.op_type == "Scan" and shared_scan_outputs(n) for n in nodes):
+        reasons.append("Scan bodies whose per-step outputs are also read in the body (it reshapes them to [1, ...] for "
+                       "every reader: 'Impossible to unify'): export with --inline")
+    if any(n.op_type == "ReverseSequence" for n in nodes):
+        reasons.append("ReverseSequence (the reverse direction of a recurrent node with sequence_lens)")
+    if any(onnx.helper.get_attribute_value(a) == b"reverse" for n in recurrent for a in n.attribute if a.name == "direction"):
+        reasons.append("GRU and RNN nodes of direction reverse (its kernels give another Y: wrong values)")
+    from normgrad.tools.runtime_table import AND
+
+    return AND.join(reasons) or None
 
 
 def _reads_outer_scope(scan: onnx.NodeProto) -> bool:
@@ -163,8 +187,9 @@ def run(runtime: str, model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> D
 
 
 def record(runtime: str, row: str, outcome: str) -> None:
-    """Checks ``outcome`` against the one recorded in graphs/runtime_support.json (a recorded
-    pass that became anything else fails); records it with NORMGRAD_RECORD_RUNTIMES=1."""
+    """Checks ``outcome`` against the one recorded in graphs/runtime_support.json: a row
+    not recorded, or recorded otherwise, fails (the table would not say what was measured);
+    records it instead with NORMGRAD_RECORD_RUNTIMES=1."""
     from normgrad.tools import runtime_table
 
     results = runtime_table.load_results()
@@ -173,5 +198,6 @@ def record(runtime: str, row: str, outcome: str) -> None:
         runtime_table.save_results(results)
         return
     recorded = results.get(runtime, {}).get(row)
-    if recorded is not None and recorded == "pass":
-        assert outcome == "pass", f"{runtime}, {row}: recorded {recorded!r}, now {outcome!r}"
+    again = "record with NORMGRAD_RECORD_RUNTIMES=1 and run python -m normgrad.tools.runtime_table docs/runtimes.md"
+    assert recorded is not None, f"{runtime}, {row}: not in graphs/runtime_support.json ({again})"
+    assert outcome == recorded, f"{runtime}, {row}: recorded {recorded!r}, now {outcome!r} ({again})"

@@ -12,6 +12,7 @@ import onnx.helper as oh
 import pytest
 
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+from normgrad.graphs.inline import shared_scan_outputs
 from normgrad.ops import IR_VERSION
 
 ACT = {"Sigmoid": lambda v: 1 / (1 + np.exp(-v)), "Tanh": np.tanh, "Relu": lambda v: np.maximum(v, 0)}
@@ -113,13 +114,14 @@ def _case(kind, steps=4, batch=3, size=2, hidden=3, direction="forward", layout=
     return forward, values, outputs
 
 
-def _check(kind, tolerance=2e-4, **kwargs):
+def _check(kind, tolerance=2e-4, inline=False, **kwargs):
     import onnxruntime as ort
 
     forward, values, outputs = _case(kind, **kwargs)
     attrs = {a.name: oh.get_attribute_value(a) for a in forward.graph.node[0].attribute}
     acts = [a.decode() for a in attrs["activations"]] if "activations" in attrs else None
-    training = build_training_graph(forward).model  # every weight is a graph input, in values
+    training = build_training_graph(forward, inline=inline).model  # every weight is a graph input, in values
+    assert not inline or not any(shared_scan_outputs(n) for n in training.graph.node if n.op_type == "Scan")
     rng = np.random.default_rng(1)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     def f(vals):
@@ -149,15 +151,18 @@ def _check(kind, tolerance=2e-4, **kwargs):
     assert checked >= 3
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["default", "inline"])
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
-def test_directions(kind, direction):
-    _check(kind, direction=direction, initial=True)
+def test_directions(kind, direction, inline):
+    """Every direction, and the --inline form (Scan bodies self-contained, per-step outputs values of their own)."""
+    _check(kind, direction=direction, initial=True, inline=inline)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["default", "inline"])
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
-def test_layout_1_and_sequence_lens(kind):
-    _check(kind, direction="bidirectional", layout=1, lens=[4, 2, 1], initial=True)
+def test_layout_1_and_sequence_lens(kind, inline):
+    _check(kind, direction="bidirectional", layout=1, lens=[4, 2, 1], initial=True, inline=inline)
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
@@ -198,7 +203,7 @@ def test_refused_by_name(attrs, message):
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_bitwise_same_for_any_thread_count_and_optimization_level(kind):
-    """1-4 threads, every optimization level. The LSTM training graph computes its forward
+    """1-4 threads, every optimization level, default and --inline form. The LSTM training graph computes its forward
     with normgrad's Scan (onnxruntime's LSTM kernel changed the last bits of Y at 3 or more
     threads); GRU's forward is onnxruntime's kernel, the backward the same for the three operators."""
     import onnxruntime as ort
@@ -206,7 +211,7 @@ def test_bitwise_same_for_any_thread_count_and_optimization_level(kind):
     forward, values, outputs = _case(kind, steps=6, batch=5, size=7, hidden=9, direction="bidirectional", lens=[6, 3, 1, 5, 6])
     model = build_training_graph(forward).model
     assert (kind in {n.op_type for n in model.graph.node}) == (kind != "LSTM")  # LSTM: replaced by our Scan forward
-    training = model.SerializeToString()
+    inlined = build_training_graph(forward, inline=True).model
     rng = np.random.default_rng(3)
     shapes = {"Y": (6, 2, 5, 9), "Y_h": (2, 5, 9), "Y_c": (2, 5, 9)}
     feeds = {**values, **{f"{o}_grad": rng.standard_normal(shapes[o]).astype(np.float32) for o in outputs}}
@@ -215,8 +220,9 @@ def test_bitwise_same_for_any_thread_count_and_optimization_level(kind):
                            (3, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC), (4, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)):
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.graph_optimization_level = threads, level
-        session = ort.InferenceSession(training, options, providers=["CPUExecutionProvider"])
-        results.append(session.run(None, feeds))
+        for training in (model, inlined):  # the --inline form too: the same values in other nodes
+            session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            results.append(session.run(None, feeds))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)

@@ -27,3 +27,10 @@ def test_render_counts_and_names_what_is_lacking():
     results = {"tract": {"corpus/train_a_inline/stored": "pass", "corpus/train_b_inline/stored": "lacks X (op)"}}
     table = runtime_table.render(results)
     assert "| training graph `--inline` (weights pure inputs) | not measured | not measured | 1/2 pass; lacks X (op) (1) |" in table
+
+
+def test_render_counts_each_of_several_reasons():
+    both = "lacks X (op)" + runtime_table.AND + "Y"
+    results = {"tract": {"recurrent/a/inline": both, "recurrent/b/inline": "lacks Y", "recurrent/c/inline": "pass"}}
+    table = runtime_table.render(results)
+    assert "| recurrent node's training graph, `--inline` | not measured | not measured | 1/3 pass; lacks X (op) (1); Y (2) |" in table

@@ -198,6 +198,46 @@ def test_training_loop(runtime, block, loss, optimizer, options, inline):
     _expect(runtime, f"training/{block}/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
 
 
+RECURRENT_NODES = {
+    **{f"{kind.lower()}_{direction}": (kind, dict(direction=direction, initial=True))
+       for kind in ("LSTM", "GRU", "RNN") for direction in ("forward", "reverse", "bidirectional")},
+    "lstm_peepholes_sequence_lens": ("LSTM", dict(direction="bidirectional", peephole=True, initial=True, lens=[4, 1, 3])),
+    "gru_linear_before_reset": ("GRU", dict(direction="bidirectional", initial=True, linear_before_reset=1)),
+    "gru_sequence_lens": ("GRU", dict(direction="reverse", lens=[3, 4, 1])),
+    "rnn_sequence_lens": ("RNN", dict(direction="bidirectional", lens=[3, 4, 1], initial=True)),
+}
+"""Training graphs of one recurrent node (:func:`test_graphs_rules_recurrent._case`, whose
+gradients are checked there against float64 finite differences)."""
+
+
+def _recurrent_params():
+    return [pytest.param(runtime, name, inline, marks=_runtimes.requires(runtime))
+            for runtime in _runtimes.RUNTIMES if runtime != "openvino-ep" for name in RECURRENT_NODES
+            for inline in (False, True)]
+
+
+@pytest.mark.parametrize("runtime, name, inline", _recurrent_params())
+def test_recurrent_training_graph(runtime, name, inline):
+    """Every output (Y, Y_h, Y_c and every gradient) of a recurrent node's training graph,
+    default form and --inline, against onnxruntime's CPU provider."""
+    from test_graphs_rules_recurrent import _case
+
+    kind, options = RECURRENT_NODES[name]
+    forward, values, outputs = _case(kind, **options)
+    training = build_training_graph(forward, inline=inline).model
+    rng = np.random.default_rng(5)
+    truth = _onnxruntime_outputs(forward, values)  # the forward's outputs give the seeds' shapes
+    feeds = {**values, **{f"{o}_grad": rng.standard_normal(truth[o].shape).astype(np.float32) for o in outputs}}
+    feeds = {i.name: feeds[i.name] for i in training.graph.input}
+
+    def attempt():
+        got, want = _runtimes.run(runtime, training, feeds), _onnxruntime_outputs(training, feeds)
+        for key, value in want.items():
+            assert max_relative_error(got[key], value) <= 1e-4, f"{key}: {got[key]} != {value}"
+
+    _expect(runtime, f"recurrent/{name}/{'inline' if inline else 'default'}", training, attempt)
+
+
 def _onnxruntime_outputs(model, feeds):
     import normgrad
 

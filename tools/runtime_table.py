@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 from normgrad._files import write_bytes_atomic
 
-__all__ = ["RESULTS_PATH", "recording", "load_results", "save_results", "render", "update_page", "main"]
+__all__ = ["RESULTS_PATH", "AND", "recording", "load_results", "save_results", "render", "update_page", "main"]
 
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "graphs", "runtime_support.json")
 RUNTIME_COLUMNS = (
@@ -38,11 +38,17 @@ GROUPS = (
     (r"^corpus/train_.*/portable$", "training graph through `make_portable` (`--portable`)"),
     (r"^corpus/train_.*_inline/", "training graph `--inline` (weights pure inputs)"),
     (r"^corpus/train_.*/", "training graph as exported (weights pure inputs, normgrad nodes + local functions)"),
+    (r"^recurrent/.*/default$", "recurrent node's training graph (LSTM, GRU, RNN; directions, sequence_lens), as exported"),
+    (r"^recurrent/.*/inline$", "recurrent node's training graph, `--inline`"),
+    (r"^training/(torch_)?(lstm|gru)(_block)?/.*/default$", "5-step loop, recurrent step graph as exported (LSTM, GRU)"),
+    (r"^training/(torch_)?(lstm|gru)(_block)?/.*/inline$", "5-step loop, recurrent step graph `--inline` (LSTM, GRU)"),
     (r"^training/.*/default$", "5-step loop, step graph as exported (SGD, AdamW)"),
     (r"^training/.*/inline$", "5-step loop, step graph `--inline` (SGD, AdamW)"),
     (r"^training/.*/portable$", "5-step loop, step graph `--portable` (SGD, AdamW)"),
 )
 """(row regex, title): each recorded row counts in the first group it matches."""
+AND = "; and "
+"""Joins the reasons of an outcome that lacks several things (each counts in the table)."""
 
 
 def recording() -> bool:
@@ -73,8 +79,8 @@ def _cell(outcomes: List[str]) -> str:
     lacking: Dict[str, int] = {}
     for outcome in outcomes:
         if outcome != "pass":
-            reason = re.sub(r" \([^)]*normgrad:[^)]*\)", "", outcome.removeprefix("lacks "))
-            lacking[reason] = lacking.get(reason, 0) + 1
+            for reason in re.sub(r" \([^)]*normgrad:[^)]*\)", "", outcome.removeprefix("lacks ")).split(AND):
+                lacking[reason] = lacking.get(reason, 0) + 1
     text = f"{passed}/{len(outcomes)} pass"
     if lacking:
         text += "; lacks " + "; ".join(f"{reason} ({count})" for reason, count in sorted(lacking.items()))

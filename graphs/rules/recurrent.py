@@ -17,7 +17,8 @@ one [batch, gates*hidden] x [gates*hidden, hidden] MatMul per step (two for GRU 
 ``linear_before_reset=0``); the weight gradients are then one GEMM each over all steps at once.
 
 Each direction is differentiated as a forward recurrence: the reverse direction on the
-inputs and outputs reversed in time within each sequence's length (``ReverseSequence``).
+inputs and outputs reversed in time within each sequence's length (``ReverseSequence`` with
+sequence_lens, a Slice with step -1 without: tract has no ReverseSequence).
 With ``sequence_lens`` the steps past a sequence's end keep the state and write zeros to Y;
 there the state gradient passes through unchanged and the gate gradients are zero. Every
 Scan runs forward (a reverse-time one on sequences reversed by a Slice: onnx's reference
@@ -175,10 +176,13 @@ class _Direction:
         self.dyc = self.common.state(dyc, self.index)
 
     def in_time_order(self, sequence: str) -> str:
-        """[T, B, ...] in this direction's processing order (and back: it is an involution)."""
+        """[T, B, ...] in this direction's processing order (and back: it is an involution).
+        Without sequence_lens every sequence is reversed whole: a Slice (tract has no ReverseSequence)."""
         if not self.reverse:
             return sequence
-        return self.ctx.op("ReverseSequence", sequence, self.common.lengths(), batch_axis=1, time_axis=0)
+        if self.common.sequence_lens is None:
+            return _reversed_in_time(self.ctx, sequence)
+        return self.ctx.op("ReverseSequence", sequence, self.common.lengths, batch_axis=1, time_axis=0)
 
     def block(self, value: str, start: int, stop: int, axis: int = -1) -> str:
         hidden = self.common.hidden
@@ -233,11 +237,11 @@ class _Common:
         self.hidden = int(hidden)
         self.x = node.input[_X]
         self.sequence_lens = _input(node, _SEQUENCE_LENS)
-        self._lengths = None
-        self.mask = None  # [T, B, 1] bool: the step is within the sequence
+        self.lengths = self.mask = None  # int64 [B] sequence_lens; [T, B, 1] bool: the step is within the sequence
         if self.sequence_lens is not None:
+            self.lengths = ctx.op("Cast", self.sequence_lens, to=onnx.TensorProto.INT64)
             steps = ctx.op("Range", self._int(0), self._scalar_dim(self.x, 0), self._int(1))
-            within = ctx.op("Less", ctx.unsqueeze(steps, [1]), ctx.unsqueeze(self.lengths(), [0]))
+            within = ctx.op("Less", ctx.unsqueeze(steps, [1]), ctx.unsqueeze(self.lengths, [0]))
             self.mask = ctx.unsqueeze(within, [2])
         self._zeros = None
 
@@ -246,16 +250,6 @@ class _Common:
 
     def _scalar_dim(self, value: str, axis: int) -> str:
         return self.ctx.op("Reshape", self.ctx.shape_of(value, start=axis, end=axis + 1), self.ctx.ints([]))
-
-    def lengths(self) -> str:
-        """int64 [B]: sequence_lens, or T for every sequence."""
-        if self._lengths is None:
-            ctx = self.ctx
-            if self.sequence_lens is not None:
-                self._lengths = ctx.op("Cast", self.sequence_lens, to=onnx.TensorProto.INT64)
-            else:
-                self._lengths = ctx.op("Expand", ctx.shape_of(self.x, start=0, end=1), ctx.shape_of(self.x, start=1, end=2))
-        return self._lengths
 
     def zeros(self) -> str:
         """[B, H] zeros of X's type."""
