@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Iterable, List, Mapping, Optional, Sequence
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import onnx
 
@@ -72,13 +72,21 @@ def _external_bytes(tensor: onnx.TensorProto, base_dir: str) -> bytes:
     return data
 
 
+TensorContents = Mapping[str, Callable[[], "bytes | memoryview"]]
+"""``{tensor name: a function returning its bytes}``: tensors whose data is in memory outside
+the model (a torch parameter), each read when it is written."""
+
+
 def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
-                         base_dir: Optional[str] = None) -> Iterable[bytes]:
+                         base_dir: Optional[str] = None, contents: TensorContents = {}) -> Iterable[bytes]:
     """The bytes of one data file named ``location`` holding ``tensors``, one tensor at a time
     (a base of several GiB is never held twice); as each is yielded, the tensor is changed in
-    place to reference its place there. A tensor whose data is already external is read from
-    ``base_dir``; tensors with the same source are written once."""
+    place to reference its place there. A tensor named in ``contents`` takes its bytes from
+    there; another whose data is already external is read from ``base_dir``; tensors with the
+    same source are written once."""
     def source(tensor):
+        if tensor.name in contents:
+            return ("contents", tensor.name)
         if not uses_external_data(tensor):
             return ("inline", id(tensor))
         info = {entry.key: entry.value for entry in tensor.external_data}
@@ -88,7 +96,12 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
     for tensor in tensors:
         key = source(tensor)
         if key not in written:
-            data = tensor.raw_data if key[0] == "inline" else _external_bytes(tensor, base_dir or os.getcwd())
+            if key[0] == "contents":
+                data = contents[tensor.name]()
+            elif key[0] == "inline":
+                data = tensor.raw_data
+            else:
+                data = _external_bytes(tensor, base_dir or os.getcwd())
             written[key] = (offset, len(data))
             offset += len(data)
             yield data
@@ -102,15 +115,17 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
 
 
 def save_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                         share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> None:
+                         share: bool = False, move: Sequence[onnx.TensorProto] = (),
+                         contents: TensorContents = {}) -> None:
     """Writes each model of ``{path: model}`` as one set (:func:`stage_models_external`, then
     :func:`commit_files`: the data file under its new content-addressed name first, then
     the models; the replaced models' old data files are removed last)."""
-    commit_files(stage_models_external(models, base_dir, share, move))
+    commit_files(stage_models_external(models, base_dir, share, move, contents))
 
 
 def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                          share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> List[StagedFile]:
+                          share: bool = False, move: Sequence[onnx.TensorProto] = (),
+                          contents: TensorContents = {}) -> List[StagedFile]:
     """Each model of ``{path: model}`` as a :class:`StagedFile`, keeping large tensors out of its
     protobuf: the tensors whose data are in external files (locations relative to
     ``base_dir``, default the current folder) and then, or when a model's inline tensors
@@ -119,7 +134,8 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     (:func:`stage_data_file`), each tensor once (the models, in one folder, may share tensors:
     by name and source); with ``share`` and the models in ``base_dir``, external tensors stay
     in the files they reference; the inline tensors in ``move`` go to the data file too.
-    The data file, if any, is staged first (streamed, one
+    So do the tensors named in ``contents``, from there (:func:`external_data_chunks`;
+    whatever their location says). The data file, if any, is staged first (streamed, one
     tensor at a time), then the models; the models' tensors are changed in place to
     reference it. Nothing is in place until :func:`commit_files`.
 
@@ -135,7 +151,7 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     same_folder = os.path.realpath(base) == os.path.realpath(folder)
     moving = []
     for model in models.values():
-        external = [t for t in model.graph.initializer if uses_external_data(t)]
+        external = [t for t in model.graph.initializer if uses_external_data(t) and t.name not in contents]
         copied = [] if share and same_folder else external
         inline = [t for t in model.graph.initializer if not uses_external_data(t)]
         if copied or sum(len(t.raw_data) for t in inline) > INLINE_MODEL_BYTES:
@@ -143,11 +159,12 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
         moving += copied
     chosen = {id(t) for t in moving}
     moving += [t for t in move if id(t) not in chosen]
+    moving += [t for model in models.values() for t in model.graph.initializer if t.name in contents]
 
     with staging() as staged:
         if moving:
             placeholder = os.path.basename(paths[0]) + ".data"
-            staged.append(stage_data_file(paths[0], external_data_chunks(moving, placeholder, base)))
+            staged.append(stage_data_file(paths[0], external_data_chunks(moving, placeholder, base, contents)))
             location = os.path.basename(staged[0].path)
             for tensor in moving:
                 for entry in tensor.external_data:

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import sys
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -134,10 +135,12 @@ def export(
     dynamic_axes = _dynamic_axes(dynamic_axes, inputs, input_names, output_names)
 
     parameters = _trainable_parameters(module)
+    contents: Dict[str, Any] = {}
     if exporter == "torchscript":
         model = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
     else:
-        model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
+        frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
+        model, contents = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
     # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
     tidy(model)
@@ -153,7 +156,7 @@ def export(
     moving = [t for t in model.graph.initializer if external_data and t.name not in trained
               and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
     # nothing frozen (full fine-tuning): no empty data file beside the model
-    save_models_external({path: model}, move=moving)
+    save_models_external({path: model}, move=moving, contents=contents)
     return model
 
 
@@ -262,13 +265,20 @@ def _export_torchscript(torch, module, inputs, input_names, output_names, dynami
     return model
 
 
-def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
+def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset,
+                   frozen) -> Tuple[onnx.ModelProto, Dict[str, Any]]:
     """dynamo export with ``optimize=False`` (its optimizer folds BatchNorm into convolutions,
     merges equal initializers and constant-folds parameter transforms), training-mode
     batch_norm written as BatchNormalization with ``training_mode=1`` (onnxscript's own
     translation always writes inference mode), and nn.Dropout modules made out-of-place
     for the export (the exporter leaves an in-place dropout in training mode out of the
-    graph, torch 2.13)."""
+    graph, torch 2.13).
+
+    Returns the model and the contents of its initializers named ``frozen(name)`` of
+    :data:`EXTERNAL_TENSOR_MIN_BYTES` or more, which the model references as external data
+    (at a placeholder location) instead of holding: ``{name: function returning the bytes}``,
+    read from the torch tensors when the data file is written, so the base is never copied
+    whole."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as error:
@@ -294,7 +304,30 @@ def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axe
     finally:
         for dropout in in_place:
             dropout.inplace = True
-    return program.model_proto
+    import onnx_ir as ir
+
+    contents = {}
+    for name, value in program.model.graph.initializers.items():
+        tensor = value.const_value
+        if (tensor is not None and frozen(name) and tensor.dtype != ir.DataType.STRING
+                and tensor.nbytes >= EXTERNAL_TENSOR_MIN_BYTES):
+            contents[name] = _tensor_bytes(torch, tensor)
+            value.const_value = ir.ExternalTensor(f"{name}.data", 0, tensor.nbytes, tensor.dtype,
+                                                  shape=tensor.shape, name=name)
+    return program.model_proto, contents
+
+
+def _tensor_bytes(torch, tensor):
+    """A function returning the bytes of an onnx_ir tensor: for one over a torch tensor, a
+    view of its storage (no copy); for any other, ``tobytes()``."""
+    raw = getattr(tensor, "raw", None)
+    if (isinstance(raw, torch.Tensor) and raw.dim() and raw.element_size() * 8 == tensor.dtype.bitwidth
+            and sys.byteorder == "little"):
+        def read():
+            data = raw.detach().contiguous().reshape(-1).view(torch.uint8)
+            return memoryview(data.numpy())
+        return read
+    return tensor.tobytes
 
 
 def _batch_norm_training(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
