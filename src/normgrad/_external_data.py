@@ -59,17 +59,28 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(checked, full_check=True)
 
 
-def _external_bytes(tensor: onnx.TensorProto, base_dir: str) -> bytes:
+_PIECE_BYTES = 64 << 20
+
+
+def _external_pieces(tensor: onnx.TensorProto, base_dir: str) -> Iterable[bytes]:
+    """The bytes of an external tensor read from its file in pieces of at most 64 MiB (a
+    tensor of a GiB is not held whole)."""
     info = {entry.key: entry.value for entry in tensor.external_data}
     location = path_inside(base_dir, info.get("location", ""), f"external data of tensor {tensor.name!r}")
     offset, length = int(info.get("offset", 0)), info.get("length")
+    left = None if length is None else int(length)
     with open(location, "rb") as file:
         file.seek(offset)
-        data = file.read(-1 if length is None else int(length))
-    if length is not None and len(data) != int(length):
+        while left is None or left > 0:
+            piece = file.read(_PIECE_BYTES if left is None else min(left, _PIECE_BYTES))
+            if not piece:
+                break
+            if left is not None:
+                left -= len(piece)
+            yield piece
+    if left:
         raise OSError(f"the external data of tensor {tensor.name!r} in {location} is cut short "
-                      f"({len(data)} of {length} bytes)")
-    return data
+                      f"({int(length) - left} of {length} bytes)")
 
 
 TensorContents = Mapping[str, Callable[[], "bytes | memoryview"]]
@@ -97,15 +108,18 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
         key = source(tensor)
         if key not in written:
             if key[0] == "contents":
-                data = contents[tensor.name]()
+                pieces = iter([contents[tensor.name]()])
             elif key[0] == "inline":
-                data = tensor.raw_data
+                pieces = iter([tensor.raw_data])
             else:
-                data = _external_bytes(tensor, base_dir or os.getcwd())
-            written[key] = (offset, len(data))
-            offset += len(data)
-            yield data
-            del data
+                pieces = _external_pieces(tensor, base_dir or os.getcwd())
+            length = 0
+            for piece in pieces:
+                length += len(piece)
+                yield piece
+            pieces = piece = None
+            written[key] = (offset, length)
+            offset += length
         start, length = written[key]
         tensor.ClearField("external_data")
         tensor.ClearField("raw_data")
@@ -134,8 +148,8 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     (:func:`stage_data_file`), each tensor once (the models, in one folder, may share tensors:
     by name and source); with ``share`` and the models in ``base_dir``, external tensors stay
     in the files they reference; the inline tensors in ``move`` go to the data file too.
-    So do the tensors named in ``contents``, from there (:func:`external_data_chunks`;
-    whatever their location says). The data file, if any, is staged first (streamed, one
+    The tensors named in ``contents`` count as inline ones that go there, their bytes from
+    ``contents`` (:func:`external_data_chunks`; whatever their location says). The data file, if any, is staged first (streamed, one
     tensor at a time), then the models; the models' tensors are changed in place to
     reference it. Nothing is in place until :func:`commit_files`.
 
@@ -153,13 +167,14 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     for model in models.values():
         external = [t for t in model.graph.initializer if uses_external_data(t) and t.name not in contents]
         copied = [] if share and same_folder else external
-        inline = [t for t in model.graph.initializer if not uses_external_data(t)]
+        inline = [t for t in model.graph.initializer if not uses_external_data(t) or t.name in contents]
         if copied or sum(len(t.raw_data) for t in inline) > INLINE_MODEL_BYTES:
-            copied += [t for t in inline if len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
+            copied += [t for t in inline if t.name in contents or len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
         moving += copied
     chosen = {id(t) for t in moving}
     moving += [t for t in move if id(t) not in chosen]
-    moving += [t for model in models.values() for t in model.graph.initializer if t.name in contents]
+    moving += [t for model in models.values() for t in model.graph.initializer
+               if t.name in contents and id(t) not in chosen]
 
     with staging() as staged:
         if moving:
