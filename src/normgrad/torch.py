@@ -137,8 +137,7 @@ def export(
     parameters = _trainable_parameters(module)
     frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
     if exporter == "torchscript":
-        model, contents = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset,
-                                              frozen if external_data else None)
+        model, contents = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     else:
         model, contents = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
@@ -249,11 +248,11 @@ def _export_torchscript(torch, module, inputs, input_names, output_names, dynami
     eval-mode module is exported inside a wrapper that reports training mode but changes
     no submodule's mode.
 
-    With ``frozen`` (a function of an initializer's name), the exporter writes no weights
-    (``export_params=False``: they are graph inputs under their state-dict names, in the
-    order it would write them); they become initializers here, from torch's tensors, those
-    named ``frozen(name)`` of :data:`EXTERNAL_TENSOR_MIN_BYTES` or more as external
-    references with their contents returned as :func:`_export_dynamo` does."""
+    The exporter writes no weights (``export_params=False``: they are graph inputs under
+    their state-dict names, in the order it would write them; its model with the weights
+    would be held twice, as bytes and parsed); they become initializers here, from torch's
+    tensors, those named ``frozen(name)`` of :data:`EXTERNAL_TENSOR_MIN_BYTES` or more as
+    external references with their contents returned as :func:`_export_dynamo` does."""
     target = module if module.training else _training_flag_wrapper(torch, module)
 
     def exported(export_params: bool) -> onnx.ModelProto:
@@ -272,19 +271,16 @@ def _export_torchscript(torch, module, inputs, input_names, output_names, dynami
                                    f"{_first_line(error)}") from error
         return onnx.load_from_string(buffer.getvalue())
 
-    contents: Optional[Dict[str, Any]] = None
-    if frozen is not None:
-        # the trace runs the module once: training-mode BatchNorm updates its running statistics
-        buffers = [(buffer, buffer.clone()) for buffer in target.buffers()]
-        model = exported(export_params=False)
-        contents = _weights_from_state(torch, model, target, set(input_names), frozen)
-        if contents is None:  # weights the state dict does not hold (a non-persistent buffer): torch's own
-            with torch.no_grad():
-                for buffer, value in buffers:
-                    buffer.copy_(value)
-        del buffers
-    if contents is None:
+    # the trace runs the module once: training-mode BatchNorm updates its running statistics
+    buffers = [(buffer, buffer.clone()) for buffer in target.buffers()]
+    model = exported(export_params=False)
+    contents = _weights_from_state(torch, model, target, set(input_names), frozen)
+    if contents is None:  # weights the state dict does not hold: torch's own export, from the same state
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
         model, contents = exported(export_params=True), {}
+    del buffers
     if target is not module:
         renames = _strip_prefix(model, _WRAPPED + ".")
         contents = {renames.get(name, name): read for name, read in contents.items()}
