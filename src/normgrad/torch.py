@@ -292,15 +292,16 @@ def _weights_from_state(torch, model: onnx.ModelProto, target, user_inputs, froz
     with ``export_params=False``) made initializers with the values of ``target``'s state
     dict of those names; returns ``{name: function returning the bytes}`` of those left
     external (see :func:`_export_torchscript`), or None (``model`` unchanged) when the state
-    dict lacks one of them."""
+    dict lacks one of them or holds one off the CPU or of a type without a NumPy one."""
     state = dict(target.state_dict(keep_vars=True))
     weights = [i for i in model.graph.input if i.name not in user_inputs]
-    if any(i.name not in state for i in weights):
+    types = {i.name: _onnx_dtype(torch, state[i.name]) for i in weights if i.name in state}
+    if len(types) < len(weights) or None in types.values():
         return None
     contents = {}
     for info in weights:
         value = state[info.name].detach()
-        tensor = onnx.TensorProto(name=info.name, dims=list(value.shape), data_type=_onnx_dtype(torch, value.dtype))
+        tensor = onnx.TensorProto(name=info.name, dims=list(value.shape), data_type=types[info.name])
         read = _torch_bytes(torch, value)
         if frozen(info.name) and value.numel() * value.element_size() >= EXTERNAL_TENSOR_MIN_BYTES:
             for key, entry in (("location", f"{info.name}.data"), ("offset", "0"),
@@ -317,10 +318,16 @@ def _weights_from_state(torch, model: onnx.ModelProto, target, user_inputs, froz
     return contents
 
 
-def _onnx_dtype(torch, dtype) -> int:
-    if dtype == torch.bfloat16:
+def _onnx_dtype(torch, value) -> Optional[int]:
+    """The ONNX element type of a CPU tensor's values (None: not on the CPU, or none)."""
+    if value.device.type != "cpu":
+        return None
+    if value.dtype == torch.bfloat16:
         return onnx.TensorProto.BFLOAT16
-    return onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    try:
+        return onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=value.dtype).numpy().dtype)
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _torch_bytes(torch, value):
