@@ -38,11 +38,32 @@ def prune_unused_initializers(graph: onnx.GraphProto) -> int:
     return len(unused) + len(constants)
 
 
+def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers of 1 KiB or more are graph inputs of their type
+    and shape: what shape inference needs of them, without copying a large model's weights
+    (shape inference serializes the model, and parses what it returns)."""
+    graph = model.graph
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    target = skeleton.graph
+    target.name = graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(target, field).extend(getattr(graph, field))
+    declared = {i.name for i in graph.input}
+    for tensor in graph.initializer:
+        if tensor.ByteSize() < 1024:
+            target.initializer.append(tensor)
+        elif tensor.name not in declared:
+            target.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return skeleton
+
+
 def _element_types(model: onnx.ModelProto) -> Dict[str, int]:
     graph = model.graph
     types = {t.name: t.data_type for t in graph.initializer}
     try:
-        inferred = onnx.shape_inference.infer_shapes(model).graph
+        inferred = onnx.shape_inference.infer_shapes(_weightless(model)).graph
     except Exception:  # a graph shape inference cannot follow: use what it declares
         inferred = graph
     for info in [*inferred.input, *inferred.value_info, *inferred.output, *graph.value_info]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Iterable, List, Mapping, Optional, Sequence
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import onnx
 
@@ -59,26 +59,45 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(checked, full_check=True)
 
 
-def _external_bytes(tensor: onnx.TensorProto, base_dir: str) -> bytes:
+_PIECE_BYTES = 64 << 20
+
+
+def _external_pieces(tensor: onnx.TensorProto, base_dir: str) -> Iterable[bytes]:
+    """The bytes of an external tensor read from its file in pieces of at most 64 MiB (a
+    tensor of a GiB is not held whole)."""
     info = {entry.key: entry.value for entry in tensor.external_data}
     location = path_inside(base_dir, info.get("location", ""), f"external data of tensor {tensor.name!r}")
     offset, length = int(info.get("offset", 0)), info.get("length")
+    left = None if length is None else int(length)
     with open(location, "rb") as file:
         file.seek(offset)
-        data = file.read(-1 if length is None else int(length))
-    if length is not None and len(data) != int(length):
+        while left is None or left > 0:
+            piece = file.read(_PIECE_BYTES if left is None else min(left, _PIECE_BYTES))
+            if not piece:
+                break
+            if left is not None:
+                left -= len(piece)
+            yield piece
+    if left:
         raise OSError(f"the external data of tensor {tensor.name!r} in {location} is cut short "
-                      f"({len(data)} of {length} bytes)")
-    return data
+                      f"({int(length) - left} of {length} bytes)")
+
+
+TensorContents = Mapping[str, Callable[[], "bytes | memoryview"]]
+"""``{tensor name: a function returning its bytes}``: tensors whose data is in memory outside
+the model (a torch parameter), each read when it is written."""
 
 
 def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
-                         base_dir: Optional[str] = None) -> Iterable[bytes]:
+                         base_dir: Optional[str] = None, contents: TensorContents = {}) -> Iterable[bytes]:
     """The bytes of one data file named ``location`` holding ``tensors``, one tensor at a time
     (a base of several GiB is never held twice); as each is yielded, the tensor is changed in
-    place to reference its place there. A tensor whose data is already external is read from
-    ``base_dir``; tensors with the same source are written once."""
+    place to reference its place there. A tensor named in ``contents`` takes its bytes from
+    there; another whose data is already external is read from ``base_dir``; tensors with the
+    same source are written once."""
     def source(tensor):
+        if tensor.name in contents:
+            return ("contents", tensor.name)
         if not uses_external_data(tensor):
             return ("inline", id(tensor))
         info = {entry.key: entry.value for entry in tensor.external_data}
@@ -88,11 +107,19 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
     for tensor in tensors:
         key = source(tensor)
         if key not in written:
-            data = tensor.raw_data if key[0] == "inline" else _external_bytes(tensor, base_dir or os.getcwd())
-            written[key] = (offset, len(data))
-            offset += len(data)
-            yield data
-            del data
+            if key[0] == "contents":
+                pieces = iter([contents[tensor.name]()])
+            elif key[0] == "inline":
+                pieces = iter([tensor.raw_data])
+            else:
+                pieces = _external_pieces(tensor, base_dir or os.getcwd())
+            length = 0
+            for piece in pieces:
+                length += len(piece)
+                yield piece
+            pieces = piece = None
+            written[key] = (offset, length)
+            offset += length
         start, length = written[key]
         tensor.ClearField("external_data")
         tensor.ClearField("raw_data")
@@ -102,15 +129,17 @@ def external_data_chunks(tensors: Iterable[onnx.TensorProto], location: str,
 
 
 def save_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                         share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> None:
+                         share: bool = False, move: Sequence[onnx.TensorProto] = (),
+                         contents: TensorContents = {}) -> None:
     """Writes each model of ``{path: model}`` as one set (:func:`stage_models_external`, then
     :func:`commit_files`: the data file under its new content-addressed name first, then
     the models; the replaced models' old data files are removed last)."""
-    commit_files(stage_models_external(models, base_dir, share, move))
+    commit_files(stage_models_external(models, base_dir, share, move, contents))
 
 
 def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optional[PathLike] = None,
-                          share: bool = False, move: Sequence[onnx.TensorProto] = ()) -> List[StagedFile]:
+                          share: bool = False, move: Sequence[onnx.TensorProto] = (),
+                          contents: TensorContents = {}) -> List[StagedFile]:
     """Each model of ``{path: model}`` as a :class:`StagedFile`, keeping large tensors out of its
     protobuf: the tensors whose data are in external files (locations relative to
     ``base_dir``, default the current folder) and then, or when a model's inline tensors
@@ -119,7 +148,8 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     (:func:`stage_data_file`), each tensor once (the models, in one folder, may share tensors:
     by name and source); with ``share`` and the models in ``base_dir``, external tensors stay
     in the files they reference; the inline tensors in ``move`` go to the data file too.
-    The data file, if any, is staged first (streamed, one
+    The tensors named in ``contents`` count as inline ones that go there, their bytes from
+    ``contents`` (:func:`external_data_chunks`; whatever their location says). The data file, if any, is staged first (streamed, one
     tensor at a time), then the models; the models' tensors are changed in place to
     reference it. Nothing is in place until :func:`commit_files`.
 
@@ -135,19 +165,21 @@ def stage_models_external(models: Mapping[str, onnx.ModelProto], base_dir: Optio
     same_folder = os.path.realpath(base) == os.path.realpath(folder)
     moving = []
     for model in models.values():
-        external = [t for t in model.graph.initializer if uses_external_data(t)]
+        external = [t for t in model.graph.initializer if uses_external_data(t) and t.name not in contents]
         copied = [] if share and same_folder else external
-        inline = [t for t in model.graph.initializer if not uses_external_data(t)]
+        inline = [t for t in model.graph.initializer if not uses_external_data(t) or t.name in contents]
         if copied or sum(len(t.raw_data) for t in inline) > INLINE_MODEL_BYTES:
-            copied += [t for t in inline if len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
+            copied += [t for t in inline if t.name in contents or len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
         moving += copied
     chosen = {id(t) for t in moving}
     moving += [t for t in move if id(t) not in chosen]
+    moving += [t for model in models.values() for t in model.graph.initializer
+               if t.name in contents and id(t) not in chosen]
 
     with staging() as staged:
         if moving:
             placeholder = os.path.basename(paths[0]) + ".data"
-            staged.append(stage_data_file(paths[0], external_data_chunks(moving, placeholder, base)))
+            staged.append(stage_data_file(paths[0], external_data_chunks(moving, placeholder, base, contents)))
             location = os.path.basename(staged[0].path)
             for tensor in moving:
                 for entry in tensor.external_data:

@@ -164,9 +164,11 @@ class TrainerState:
 
         if self.is_saving_rank:
             self._refuse_overwriting({"merged model": path})
-            merged = lora.merged_model(self.step_model, self.state_dict(), self.external_data_folder)
+            # the merged weights of an external base are computed one at a time as they are written
+            merged, merged_weights = lora.merged_model_streamed(self.step_model, self.state_dict(),
+                                                                self.external_data_folder)
             with _writing("merged model", path):
-                self._save_model(merged, path)
+                save_models_external({path: merged}, self.external_data_folder, contents=merged_weights)
 
     def _refuse_overwriting(self, outputs: Mapping[str, PathLike]) -> None:
         """TrainerError when an export's target (or a data file it replaces) is a file the

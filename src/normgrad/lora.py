@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 import onnx
@@ -28,7 +28,7 @@ from normgrad._files import PathLike, StagedFile, commit_files, replace_folder_f
 from normgrad._external_data import check_model
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
-__all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merge_adapters",
+__all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
            "ADAPTER_WEIGHTS", "ADAPTER_CONFIG"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -106,6 +106,32 @@ def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
     return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
 
 
+def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
+                          base_dir: Optional[PathLike] = None) -> "tuple[onnx.ModelProto, Dict[str, Callable]]":
+    """:func:`merged_model` with the merged weights whose base is in external data left to
+    compute while the model is written: ``(model, {name: function returning the merged
+    weight's bytes})``, the model still referencing the base weight there; write it with
+    :func:`normgrad._external_data.save_models_external` ``(..., contents=...)``, which
+    computes them one at a time (the merged weights are never all in memory)."""
+    from normgrad.graphs.optimizers import build_inference_model
+
+    model, merged_weights = _merge(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
+    external = {t.name for t in model.graph.initializer if t.name in merged_weights
+                and t.data_location == onnx.TensorProto.EXTERNAL}
+    _inline(model, {name: merged for name, merged in merged_weights.items() if name not in external})
+    return model, {name: _bytes_of(merged_weights[name]) for name in external}
+
+
+def _inline(model: onnx.ModelProto, merged_weights: Mapping[str, Callable[[], np.ndarray]]) -> None:
+    for tensor in model.graph.initializer:
+        if tensor.name in merged_weights:
+            tensor.CopyFrom(numpy_helper.from_array(merged_weights[tensor.name](), tensor.name))
+
+
+def _bytes_of(array: Callable[[], np.ndarray]) -> Callable[[], memoryview]:
+    return lambda: memoryview(np.ascontiguousarray(array()).reshape(-1).view(np.uint8))
+
+
 def _values_from(nodes: List[onnx.NodeProto], source: str) -> set:
     """Every value computed (transitively) from ``source``."""
     reached = {source}
@@ -128,6 +154,16 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object],
         LoraError: an adapter or base weight that is not an initializer, or an adapter whose
             branch does not end in an Add with the base layer's output.
     """
+    merged, merged_weights = _merge(model, info, base_dir)
+    _inline(merged, merged_weights)
+    return merged
+
+
+def _merge(model: onnx.ModelProto, info: Mapping[str, object],
+           base_dir: Optional[PathLike] = None) -> "tuple[onnx.ModelProto, Dict[str, Callable]]":
+    """:func:`merge_adapters` but for the merged weights, whose base weights the model still
+    holds (inline or external): ``(model, {base weight name: function computing the merged
+    weight})``."""
     merged = onnx.ModelProto()
     merged.CopyFrom(model)
     graph = merged.graph
@@ -166,16 +202,29 @@ def merge_adapters(model: onnx.ModelProto, info: Mapping[str, object],
     # the merged ones; in external data, not read), then merged one at a time: a large base
     # is not copied for the check
     check_model(merged)
-    merged_weights = {t.name: t for t in graph.initializer}
+    bases = {t.name: t for t in graph.initializer}
     folder = os.fspath(base_dir or os.getcwd())
+    merged_weights = {}
     for layer in info["layers"]:
-        down = numpy_helper.to_array(initializers[layer["A"]]).astype(np.float32)
-        up = numpy_helper.to_array(initializers[layer["B"]]).astype(np.float32)
+        base = bases[layer["base"]]
+        adapter = (initializers[layer["A"]], initializers[layer["B"]])
+        merged_weights[base.name] = _merged_weight(base, adapter, layer, folder)
+    return merged, merged_weights
+
+
+def _merged_weight(base: onnx.TensorProto, adapter, layer: Mapping[str, object], folder: str) -> Callable[[], np.ndarray]:
+    """A function computing W + scaling * B @ A of one layer (reading W when called)."""
+    if base.data_location == onnx.TensorProto.EXTERNAL:  # where W is, as the model says now
+        base = onnx.TensorProto.FromString(base.SerializeToString())
+
+    def merged() -> np.ndarray:
+        down = numpy_helper.to_array(adapter[0]).astype(np.float32)
+        up = numpy_helper.to_array(adapter[1]).astype(np.float32)
         delta = (up @ down) * np.float32(layer["scaling"])
-        base = numpy_helper.to_array(merged_weights[layer["base"]], folder)
+        weight = numpy_helper.to_array(base, folder)
         delta = delta.T if layer["fan_in_fan_out"] else delta
-        merged_weights[layer["base"]].CopyFrom(numpy_helper.from_array(
-            (base.astype(np.float32) + delta).astype(base.dtype), layer["base"]))
+        return (weight.astype(np.float32) + delta).astype(weight.dtype)
+
     return merged
 
 

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import sys
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -134,10 +135,11 @@ def export(
     dynamic_axes = _dynamic_axes(dynamic_axes, inputs, input_names, output_names)
 
     parameters = _trainable_parameters(module)
+    frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
     if exporter == "torchscript":
-        model = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
+        model, contents = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     else:
-        model = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset)
+        model, contents = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
     # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
     tidy(model)
@@ -153,7 +155,7 @@ def export(
     moving = [t for t in model.graph.initializer if external_data and t.name not in trained
               and t.HasField("raw_data") and len(t.raw_data) >= EXTERNAL_TENSOR_MIN_BYTES]
     # nothing frozen (full fine-tuning): no empty data file beside the model
-    save_models_external({path: model}, move=moving)
+    save_models_external({path: model}, move=moving, contents=contents)
     return model
 
 
@@ -238,37 +240,117 @@ def _check_parameters_kept(model: onnx.ModelProto, parameters: Mapping[str, str]
         )
 
 
-def _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
+def _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset,
+                        frozen) -> Tuple[onnx.ModelProto, Dict[str, Any]]:
     """TorchScript export: each module in its own mode (PRESERVE), nothing folded.
 
     torch deduplicates initializers by value when the top module is in eval mode, so an
     eval-mode module is exported inside a wrapper that reports training mode but changes
-    no submodule's mode."""
-    buffer = io.BytesIO()
+    no submodule's mode.
+
+    The exporter writes no weights (``export_params=False``: they are graph inputs under
+    their state-dict names, in the order it would write them; its model with the weights
+    would be held twice, as bytes and parsed); they become initializers here, from torch's
+    tensors, those named ``frozen(name)`` of :data:`EXTERNAL_TENSOR_MIN_BYTES` or more as
+    external references with their contents returned as :func:`_export_dynamo` does."""
     target = module if module.training else _training_flag_wrapper(torch, module)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                target, inputs, buffer, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
-                do_constant_folding=False, export_params=True, keep_initializers_as_inputs=False,
-                input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
-            )
-    except Exception as error:  # the exporter's own error, reported as is
-        raise TorchExportError(f"torch's TorchScript exporter failed: {type(error).__name__}: {_first_line(error)}") from error
-    model = onnx.load_from_string(buffer.getvalue())
+
+    def exported(export_params: bool) -> onnx.ModelProto:
+        buffer = io.BytesIO()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(
+                    target, inputs, buffer, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
+                    do_constant_folding=False, export_params=export_params, keep_initializers_as_inputs=False,
+                    input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes,
+                    opset_version=opset,
+                )
+        except Exception as error:  # the exporter's own error, reported as is
+            raise TorchExportError(f"torch's TorchScript exporter failed: {type(error).__name__}: "
+                                   f"{_first_line(error)}") from error
+        return onnx.load_from_string(buffer.getvalue())
+
+    # the trace runs the module once: training-mode BatchNorm updates its running statistics
+    buffers = [(buffer, buffer.clone()) for buffer in target.buffers()]
+    model = exported(export_params=False)
+    contents = _weights_from_state(torch, model, target, set(input_names), frozen)
+    if contents is None:  # weights the state dict does not hold: torch's own export, from the same state
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        model, contents = exported(export_params=True), {}
+    del buffers
     if target is not module:
-        _strip_prefix(model, _WRAPPED + ".")
-    return model
+        renames = _strip_prefix(model, _WRAPPED + ".")
+        contents = {renames.get(name, name): read for name, read in contents.items()}
+    return model, contents
 
 
-def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
+def _weights_from_state(torch, model: onnx.ModelProto, target, user_inputs, frozen) -> Optional[Dict[str, Any]]:
+    """The graph inputs of ``model`` other than ``user_inputs`` (the weights of an export
+    with ``export_params=False``) made initializers with the values of ``target``'s state
+    dict of those names; returns ``{name: function returning the bytes}`` of those left
+    external (see :func:`_export_torchscript`), or None (``model`` unchanged) when the state
+    dict lacks one of them or holds one off the CPU or of a type without a NumPy one."""
+    state = dict(target.state_dict(keep_vars=True))
+    weights = [i for i in model.graph.input if i.name not in user_inputs]
+    types = {i.name: _onnx_dtype(torch, state[i.name]) for i in weights if i.name in state}
+    if len(types) < len(weights) or None in types.values():
+        return None
+    contents = {}
+    for info in weights:
+        value = state[info.name].detach()
+        tensor = onnx.TensorProto(name=info.name, dims=list(value.shape), data_type=types[info.name])
+        read = _torch_bytes(torch, value)
+        if frozen(info.name) and value.numel() * value.element_size() >= EXTERNAL_TENSOR_MIN_BYTES:
+            for key, entry in (("location", f"{info.name}.data"), ("offset", "0"),
+                               ("length", str(value.numel() * value.element_size()))):
+                tensor.external_data.add(key=key, value=entry)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            contents[info.name] = read
+        else:
+            tensor.raw_data = bytes(read())
+        model.graph.initializer.append(tensor)
+    kept = [i for i in model.graph.input if i.name in user_inputs]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    return contents
+
+
+def _onnx_dtype(torch, value) -> Optional[int]:
+    """The ONNX element type of a CPU tensor's values (None: not on the CPU, or none)."""
+    if value.device.type != "cpu":
+        return None
+    if value.dtype == torch.bfloat16:
+        return onnx.TensorProto.BFLOAT16
+    try:
+        return onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=value.dtype).numpy().dtype)
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _torch_bytes(torch, value):
+    """A function returning a CPU torch tensor's bytes, a view of its storage (no copy)."""
+    def read():
+        return memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return read
+
+
+def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset,
+                   frozen) -> Tuple[onnx.ModelProto, Dict[str, Any]]:
     """dynamo export with ``optimize=False`` (its optimizer folds BatchNorm into convolutions,
     merges equal initializers and constant-folds parameter transforms), training-mode
     batch_norm written as BatchNormalization with ``training_mode=1`` (onnxscript's own
     translation always writes inference mode), and nn.Dropout modules made out-of-place
     for the export (the exporter leaves an in-place dropout in training mode out of the
-    graph, torch 2.13)."""
+    graph, torch 2.13).
+
+    Returns the model and the contents of its initializers named ``frozen(name)`` of
+    :data:`EXTERNAL_TENSOR_MIN_BYTES` or more, which the model references as external data
+    (at a placeholder location) instead of holding: ``{name: function returning the bytes}``,
+    read from the torch tensors when the data file is written, so the base is never copied
+    whole."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as error:
@@ -294,7 +376,26 @@ def _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axe
     finally:
         for dropout in in_place:
             dropout.inplace = True
-    return program.model_proto
+    import onnx_ir as ir
+
+    contents = {}
+    for name, value in program.model.graph.initializers.items():
+        tensor = value.const_value
+        if (tensor is not None and frozen(name) and tensor.dtype != ir.DataType.STRING
+                and tensor.nbytes >= EXTERNAL_TENSOR_MIN_BYTES):
+            contents[name] = _tensor_bytes(torch, tensor)
+            value.const_value = ir.ExternalTensor(f"{name}.data", 0, tensor.nbytes, tensor.dtype,
+                                                  shape=tensor.shape, name=name)
+    return program.model_proto, contents
+
+
+def _tensor_bytes(torch, tensor):
+    """A function returning the bytes of an onnx_ir tensor: for one over a torch tensor, a
+    view of its storage (no copy); for any other, ``tobytes()``."""
+    raw = getattr(tensor, "raw", None)
+    if isinstance(raw, torch.Tensor) and raw.element_size() * 8 == tensor.dtype.bitwidth and sys.byteorder == "little":
+        return _torch_bytes(torch, raw.detach())
+    return tensor.tobytes
 
 
 def _batch_norm_training(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
@@ -345,8 +446,9 @@ def _training_flag_wrapper(torch, module):
     return wrapper
 
 
-def _strip_prefix(model: onnx.ModelProto, prefix: str) -> None:
-    """Renames initializers ``PREFIX + name`` to ``name`` everywhere in the main graph."""
+def _strip_prefix(model: onnx.ModelProto, prefix: str) -> Dict[str, str]:
+    """Renames initializers ``PREFIX + name`` to ``name`` everywhere in the main graph;
+    returns ``{old name: new name}``."""
     renames = {t.name: t.name[len(prefix):] for t in model.graph.initializer if t.name.startswith(prefix)}
     taken = {t.name for t in model.graph.initializer} | {v.name for v in model.graph.input}
     renames = {old: new for old, new in renames.items() if new not in taken}
@@ -358,6 +460,7 @@ def _strip_prefix(model: onnx.ModelProto, prefix: str) -> None:
                 node.input[i] = renames[name]
     for info in list(model.graph.value_info) + list(model.graph.output):
         info.name = renames.get(info.name, info.name)
+    return renames
 
 
 def _first_line(error: BaseException) -> str:
