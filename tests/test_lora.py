@@ -290,3 +290,30 @@ def test_frozen_base_in_external_data(tmp_path, monkeypatch):
     assert states[0].keys() == states[1].keys()
     for name in states[0]:
         assert np.array_equal(states[0][name], states[1][name]), name
+
+
+_PEFT_METADATA_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import test_lora
+from normgrad import lora
+model, _ = test_lora._peft_model("llama")
+print(json.dumps(json.loads(lora.peft_metadata(model, set(model.state_dict())))["adapter_config"]))
+"""
+
+
+def test_peft_metadata_is_the_same_in_every_process():
+    """peft writes target_modules in the order of a Python set, which follows the string hash
+    seed: the normgrad.peft metadata (and the adapter_config.json saved from it) must not."""
+    import subprocess
+    import sys
+
+    script = _PEFT_METADATA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    configs = []
+    for seed in ("1", "2", "3"):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                                env={**os.environ, "PYTHONHASHSEED": seed})
+        assert result.returncode == 0, result.stderr
+        configs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert configs[0] == configs[1] == configs[2], configs
+    assert json.loads(configs[0])["target_modules"] == sorted(FAMILIES["llama"]()[1])

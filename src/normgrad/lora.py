@@ -274,7 +274,7 @@ def peft_metadata(module, initializers: Union[set, Mapping[str, object]]) -> Uni
         model.save_pretrained(folder, selected_adapters=[adapter])
         written = folder if adapter == "default" else os.path.join(folder, adapter)
         with open(os.path.join(written, ADAPTER_CONFIG)) as file:
-            adapter_config = file.read()
+            adapter_config = _canonical_adapter_config(file.read())
         from safetensors import safe_open
 
         with safe_open(os.path.join(written, ADAPTER_WEIGHTS), "np") as file:
@@ -285,3 +285,18 @@ def peft_metadata(module, initializers: Union[set, Mapping[str, object]]) -> Uni
         unsupported = unsupported or f"peft saves tensors other than the LoRA A/B weights: {other[:3]}"
     return json.dumps({"adapter_name": adapter, "adapter_config": adapter_config, "layers": layers,
                        "unsupported": unsupported})
+
+
+_SET_VALUED = ("target_modules", "exclude_modules", "modules_to_save")
+"""adapter_config.json entries that peft keeps as Python sets and writes in the set's order,
+which changes with the process's string hash seed; peft matches them as sets."""
+
+
+def _canonical_adapter_config(text: str) -> str:
+    """peft's adapter_config.json with its set-valued lists sorted, written as peft writes it
+    (indented, keys sorted): the same model gives the same bytes in every process."""
+    config = json.loads(text)
+    for key in _SET_VALUED:
+        if isinstance(config.get(key), list) and all(isinstance(item, str) for item in config[key]):
+            config[key] = sorted(config[key])
+    return json.dumps(config, indent=2, sort_keys=True)
