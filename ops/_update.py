@@ -217,7 +217,7 @@ def _infer(spec: UpdateSpec):
     def infer(ctx) -> None:
         param_type = _common.input_tensor_type(ctx, 0)
         if param_type is not None:
-            for index in range(len(spec.outputs)):
+            for index in range(min(len(spec.outputs), ctx.get_num_outputs())):  # an optional one may be left off
                 ctx.set_output_type(index, _common.make_output_type(param_type.elem_type, _common.known_dims(param_type)))
     return infer
 

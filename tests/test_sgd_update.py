@@ -157,3 +157,23 @@ def test_gated_update_selects_on_every_backend_and_in_place(applied):
     if cpp_available():
         buffers = harness.run_in_place(gated_update.OP_TYPE, inputs, gated_update.SPEC.kept, threads=2)
         assert buffers["value"].tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_omitted_optional_output_is_left_off(backend):
+    """Plain SGD's node names param_next alone (as Adam's names no max_exp_avg_sq_next): the
+    schema's inference and every backend take it, param_next unchanged."""
+    from normgrad.ops import adam_update
+
+    inputs = _given(_inputs(shape=(4, 5)), ("weight_decay",))
+    got = harness.run(backend, sgd_update.OP_TYPE, inputs, outputs=["param_next"])
+    assert list(got) == ["param_next"]
+    assert got["param_next"].tobytes() == sgd_update.python_kernel(**inputs).param_next.tobytes()
+    rng = np.random.default_rng(1)
+    adam = {name: rng.standard_normal((4, 5)).astype(np.float32) for name in adam_update.INPUTS[:4]}
+    adam["exp_avg_sq"] = np.abs(adam["exp_avg_sq"])
+    adam.update({name: np.array(value, np.float32) for name, value in zip(adam_update.INPUTS[4:10], (
+        0.01, 0.5, 0.1, 0.999, 0.001, 1e-8))})
+    got = harness.run(backend, adam_update.OP_TYPE, adam, outputs=list(adam_update.OUTPUTS[:3]))
+    expected = adam_update.python_kernel(**adam)
+    assert all(got[name].tobytes() == value.tobytes() for name, value in zip(adam_update.OUTPUTS[:3], expected))

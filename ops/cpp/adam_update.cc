@@ -4,6 +4,8 @@
 // contracted into FMAs (this file is compiled without -mfma and with -ffp-contract=off), so
 // the kernel gives the roundings of separate ONNX ops. The input table, the skip rule and
 // the in-place blocked loop are update_common.h's (shared with SGDUpdate).
+#include <type_traits>
+
 #include "update_common.h"
 
 namespace normgrad {
@@ -51,23 +53,36 @@ struct AdamUpdate final : KernelBase {
       return;
     }
     const float omitted[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    auto body = [&](const float (*x)[kUpdateBlock], float (*y)[kUpdateBlock]) {
-      for (size_t i = 0; i < kUpdateBlock; ++i) {
-        const float p = x[0][i], m = x[2][i], v = x[3][i];
-        const float scaled = clip ? x[1][i] * grad_scale : x[1][i];
-        const float gi = l2 ? scaled + p * weight_decay : scaled;
-        const float avg_next = m + (gi - m) * one_minus_beta1;
-        const float sq_next = v * beta2 + (gi * gi) * one_minus_beta2;
-        // amsgrad: the maximum, NaN if either is (as ONNX Max and torch.maximum)
-        const float most = !amsgrad || sq_next > x[4][i] || sq_next != sq_next ? sq_next : x[4][i];
-        const float denominator = std::sqrt(most) / correction2_sqrt + epsilon;
-        y[0][i] = (decay ? p * param_scale : p) - avg_next / denominator * step_size;
-        y[1][i] = avg_next;
-        y[2][i] = sq_next;
-        y[3][i] = most;
-      }
+    // with and without amsgrad (std::true_type / std::false_type): no maximum in Adam's loop,
+    // and its fourth output only when the node names it
+    auto body = [&](auto with_max, auto write_max) {
+      return [&](const float (*x)[kUpdateBlock], float (*y)[kUpdateBlock]) {
+        for (size_t i = 0; i < kUpdateBlock; ++i) {
+          const float p = x[0][i], m = x[2][i], v = x[3][i];
+          const float scaled = clip ? x[1][i] * grad_scale : x[1][i];
+          const float gi = l2 ? scaled + p * weight_decay : scaled;
+          const float avg_next = m + (gi - m) * one_minus_beta1;
+          const float sq_next = v * beta2 + (gi * gi) * one_minus_beta2;
+          float most = sq_next;
+          if constexpr (decltype(with_max)::value) {  // NaN if either is (as ONNX Max and torch.maximum)
+            most = sq_next > x[4][i] || sq_next != sq_next ? sq_next : x[4][i];
+          }
+          const float denominator = std::sqrt(most) / correction2_sqrt + epsilon;
+          y[0][i] = (decay ? p * param_scale : p) - avg_next / denominator * step_size;
+          y[1][i] = avg_next;
+          y[2][i] = sq_next;
+          if constexpr (decltype(write_max)::value) y[3][i] = most;
+        }
+      };
     };
-    update_blocks<5, 4>(ctx, a.n, in, omitted, out, body);
+    if (amsgrad) {
+      update_blocks<5, 4>(ctx, a.n, in, omitted, out, body(std::true_type{}, std::true_type{}));
+    } else if (out[3] != nullptr) {
+      update_blocks<5, 4>(ctx, a.n, in, omitted, out, body(std::false_type{}, std::true_type{}));
+    } else {
+      float* const adam_out[3] = {out[0], out[1], out[2]};
+      update_blocks<5, 3>(ctx, a.n, in, omitted, adam_out, body(std::false_type{}, std::false_type{}));
+    }
   }
 };
 
