@@ -253,13 +253,14 @@ def function_body(spec: UpdateSpec, opset: int, reads: Sequence[str], lines: Seq
     checked = [n for n in spec.nonnegative if n in scalars]
     rule, conditions = [], []
     if scalars:
-        rule += [f"{n}_zero = Mul ({n}, zero)" for n in scalars]  # NaN for an infinite or NaN scalar
+        # NaN for an infinite or NaN scalar, and (through Sqrt) for a negative one that must be
+        # >= 0: one finiteness test is the whole rule (no Min/GreaterOrEqual of scalars, whose
+        # result OpenVINO's CPU plugin takes as a dynamic-rank parameter across a partition)
+        rule += [f"{n}_root = Sqrt ({n})" for n in checked]
+        rule += [f"{n}_zero = Mul ({n + '_root' if n in checked else n}, zero)" for n in scalars]
         rule += [f"scalar_zeros = Sum ({', '.join(f'{n}_zero' for n in scalars)})",
                  "finite = Equal (scalar_zeros, scalar_zeros)"]
         conditions.append("finite")
-    if checked:
-        rule += [f"lowest = Min ({', '.join(checked)})", "not_negative = GreaterOrEqual (lowest, zero)"]
-        conditions.append("not_negative")
     if "applied" in formals and ("applied" not in spec.optional or "applied" in reads):
         conditions.append("applied")
     for index, condition in enumerate(conditions[1:], 1):

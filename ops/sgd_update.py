@@ -142,27 +142,29 @@ def function_body(opset: int = _common.ONNX_OPSET, reads: Sequence[str] = ()) ->
         damped = "damped" if "one_minus_dampening" in reads else grad
         lines += [f"damped = Mul ({grad}, one_minus_dampening)"] if damped == "damped" else []
         lines += [f"buffer_kept = Mul ({buffer}, momentum)", f"buffer_later = Add (buffer_kept, {damped})"]
+        new_buffer = "buffer_later"
         if "first_step" in reads:
             lines.append(f"buffer_update = Where (first_step, {grad}, buffer_later)")
-        else:
-            lines.append("buffer_update = Identity (buffer_later)")
+            new_buffer = "buffer_update"
+        momentum_grad = new_buffer
         if "nesterov" in reads:
-            lines += ["look_ahead = Mul (buffer_update, momentum)", f"nesterov_grad = Add ({grad}, look_ahead)",
-                      "momentum_grad = Where (nesterov, nesterov_grad, buffer_update)"]
-        else:
-            lines.append("momentum_grad = Identity (buffer_update)")
-        lines += ["no_momentum = Equal (momentum, zero)", f"step_grad = Where (no_momentum, {grad}, momentum_grad)",
-                  "has_momentum = Not (no_momentum)", "run_momentum = And (run, has_momentum)"]
+            lines += [f"look_ahead = Mul ({new_buffer}, momentum)", f"nesterov_grad = Add ({grad}, look_ahead)",
+                      f"momentum_grad = Where (nesterov, nesterov_grad, {new_buffer})"]
+            momentum_grad = "momentum_grad"
+        lines += ["no_momentum = Equal (momentum, zero)", f"step_grad = Where (no_momentum, {grad}, {momentum_grad})",
+                  # momentum > 0 is momentum != 0 wherever run is true (the rule: momentum >= 0); not Not,
+                  # which makes onnxruntime-openvino 1.24's partition cyclic
+                  "has_momentum = Greater (momentum, zero)", "run_momentum = And (run, has_momentum)"]
         grad = "step_grad"
     lines += [f"scaled_step = Mul ({grad}, lr)", "updated = Sub (param, scaled_step)"]
     results["param_next"] = ("updated", "run")
     if "momentum" in reads and "momentum_buffer" in reads:
-        results["momentum_buffer_next"] = ("buffer_update", "run_momentum")
+        results["momentum_buffer_next"] = (new_buffer, "run_momentum")
     elif "momentum_buffer" in reads:  # no momentum: the buffer as it is
         results["momentum_buffer_next"] = ("momentum_buffer", None)
     else:  # the omitted buffer: zeros (momentum would update them, but without it none is read)
-        lines += ["param_shape = Shape (param)", "zeros = ConstantOfShape (param_shape)",
-                  *(["buffer_zeros = Where (run_momentum, buffer_update, zeros)"] if "momentum" in reads else
-                    ["buffer_zeros = Identity (zeros)"])]
-        results["momentum_buffer_next"] = ("buffer_zeros", None)
+        lines += ["param_shape = Shape (param)", "zeros = ConstantOfShape (param_shape)"]
+        if "momentum" in reads:
+            lines.append(f"buffer_zeros = Where (run_momentum, {new_buffer}, zeros)")
+        results["momentum_buffer_next"] = ("buffer_zeros" if "momentum" in reads else "zeros", None)
     return _update.function_body(SPEC, opset, reads, lines, results)
