@@ -287,19 +287,15 @@ def build_optimizer_graph(
     decay = as_float("weight_decay")
 
     grads = {p: f"{p}_grad" for p in parameters}
-    # Adam/AdamW are AdamUpdate nodes, which scale the gradient and add Adam's L2 weight decay themselves
-    fused = kind != "sgd" and not amsgrad
-    grad_scale = None
+    # every update is one AdamUpdate or SGDUpdate node, which scales the gradient, adds the L2
+    # weight decay and (in the trainer) takes the step's gate itself
+    grad_scale = ""
     if clip_grad_norm is not None:
         squares = [g.op("ReduceSumSquare", grads[p], keepdims=0) for p in parameters]
         total = g.op("Sqrt", g.op("Sum", *squares))
         coefficient = g.op("Div", as_float("max_grad_norm"), g.op("Add", total, g.const(1e-6)))
-        clamped = g.op("Min", coefficient, g.const(1.0))
-        if fused:
-            grad_scale = clamped
-        else:
-            grads = {p: g.op("Mul", grads[p], clamped) for p in parameters}
-    param_scale = g.op("Sub", g.const(1.0), g.op("Mul", "lr", decay)) if kind == "adamw" else None
+        grad_scale = g.op("Min", coefficient, g.const(1.0))
+    param_scale = g.op("Sub", g.const(1.0), g.op("Mul", "lr", decay)) if kind == "adamw" else ""
 
     if kind != "sgd":
         # bias corrections in float64, as torch computes them (Python floats): in float32,
@@ -311,54 +307,35 @@ def build_optimizer_graph(
         step_size = g.op("Cast", g.op("Div", g.op("Cast", "lr", to=TensorProto.DOUBLE), correction1), to=TensorProto.FLOAT)
         correction2_sqrt = g.op("Cast", g.op("Sqrt", correction2), to=TensorProto.FLOAT)
         moments = [one_minus("beta1"), as_float("beta2"), one_minus("beta2"), as_float("eps")]
-    else:
-        sgd_momentum = as_float("momentum") if momentum != 0 else None
-        undamped = one_minus("dampening") if momentum != 0 else None
+    elif momentum != 0:
+        sgd_momentum = [as_float("momentum"), one_minus("dampening"), "", "", g.op("Equal", "step", g.const(1.0)),
+                        g.const(True, np.bool_) if nesterov else ""]  # weight_decay and grad_scale per parameter
+
+    def update(op_type, inputs, outputs):
+        inputs = list(inputs)
+        while not inputs[-1]:
+            inputs.pop()
+        g.nodes.append(helper.make_node(op_type, inputs, outputs, domain=DOMAIN))
 
     outputs = []
     for p, s in parameters.items():
-        grad, param, decayed = grads[p], p, decayed_map[p]
+        grad, decayed = grads[p], decayed_map[p]
         if kind == "sgd":
-            if decayed:
-                grad = g.op("Add", grad, g.op("Mul", param, decay))
             if momentum != 0:
                 buffer = f"{p}.momentum_buffer"
-                later = g.op("Add", g.op("Mul", buffer, sgd_momentum), g.op("Mul", grad, undamped))
-                first = g.op("Equal", "step", g.const(1.0))
-                new_buffer = g.op("Where", first, grad, later, output=next_name(buffer))
-                state[buffer] = new_buffer
-                grad = g.op("Add", grad, g.op("Mul", new_buffer, sgd_momentum)) if nesterov else new_buffer
-            g.op("Sub", param, g.op("Mul", grad, "lr"), output=next_name(p))
-        elif fused:
+                scalars = sgd_momentum[:2] + [decay if decayed else "", grad_scale] + sgd_momentum[4:]
+                update("SGDUpdate", [p, grad, "lr", buffer, *scalars], [next_name(p), next_name(buffer)])
+                state[buffer] = next_name(buffer)
+            else:
+                update("SGDUpdate", [p, grad, "lr", "", "", "", decay if decayed else "", grad_scale], [next_name(p)])
+        else:
             exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            g.nodes.append(helper.make_node(
-                "AdamUpdate",
-                [param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, *moments,
-                 param_scale if decayed and param_scale else "", grad_scale or "",
-                 decay if decayed and kind == "adam" else ""],
-                [next_name(p), next_name(exp_avg), next_name(exp_avg_sq)], domain=DOMAIN))
-            while not g.nodes[-1].input[-1]:
-                g.nodes[-1].input.pop()
-            state[exp_avg], state[exp_avg_sq] = next_name(exp_avg), next_name(exp_avg_sq)
-        else:  # amsgrad: the same step as separate ops, with the running maximum
-            one_minus_beta1, beta2_float, one_minus_beta2, eps_float = moments
-            if decayed:
-                if kind == "adamw":
-                    param = g.op("Mul", param, param_scale)
-                else:
-                    grad = g.op("Add", grad, g.op("Mul", param, decay))
-            exp_avg, exp_avg_sq = f"{p}.exp_avg", f"{p}.exp_avg_sq"
-            new_avg = g.op("Add", exp_avg, g.op("Mul", g.op("Sub", grad, exp_avg), one_minus_beta1),
-                           output=next_name(exp_avg))
-            new_sq = g.op("Add", g.op("Mul", exp_avg_sq, beta2_float),
-                          g.op("Mul", g.op("Mul", grad, grad), one_minus_beta2), output=next_name(exp_avg_sq))
-            state[exp_avg], state[exp_avg_sq] = new_avg, new_sq
-            max_sq = f"{p}.max_exp_avg_sq"
-            second_moment = g.op("Max", max_sq, new_sq, output=next_name(max_sq))
-            state[max_sq] = second_moment
-            denominator = g.op("Add", g.op("Div", g.op("Sqrt", second_moment), correction2_sqrt), eps_float)
-            update = g.op("Mul", g.op("Div", new_avg, denominator), step_size)
-            g.op("Sub", param, update, output=next_name(p))
+            moment_names = [exp_avg, exp_avg_sq] + ([f"{p}.max_exp_avg_sq"] if amsgrad else [])
+            update("AdamUpdate", [p, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, *moments,
+                                  param_scale if decayed else "", grad_scale, decay if decayed and kind == "adam" else "",
+                                  "", *moment_names[2:]],
+                   [next_name(name) for name in [p] + moment_names])
+            state.update({name: next_name(name) for name in moment_names})
         outputs.append(value_info(next_name(p), s))
     outputs += [value_info(next_name(name), parameters[name.rsplit(".", 1)[0]]) for name in state]
 

@@ -13,9 +13,11 @@ from normgrad.ops import (
     all_reduce,
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
+    gated_update,
     group_normalization_grad,
     layer_normalization_grad,
     rms_normalization_grad,
+    sgd_update,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
 
@@ -31,6 +33,8 @@ OPERATORS = {
         rms_normalization_grad,
         all_reduce,
         adam_update,
+        sgd_update,
+        gated_update,
     )
 }
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

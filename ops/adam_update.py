@@ -1,7 +1,7 @@
-"""AdamUpdate: one torch.optim.Adam/AdamW step of one float32 parameter, in one pass.
+"""AdamUpdate: one torch.optim.Adam/AdamW step (amsgrad too) of one float32 parameter, in one pass.
 
-The optimizer graphs (``normgrad.graphs.optimizers``, Adam and AdamW without amsgrad) write
-one node per parameter: the step as separate ONNX ops reads and writes the parameter-sized
+The optimizer graphs (``normgrad.graphs.optimizers``, Adam and AdamW) write one node per
+parameter: the step as separate ONNX ops reads and writes the parameter-sized
 tensors about fourteen times (ResNet-18: 12% of a training step on the CPU); the kernel
 reads param, grad, exp_avg and exp_avg_sq once and writes three tensors. torch's
 ``_fused_adamw_`` and onnxruntime-training's ``AdamWOptimizer`` are the same idea.
@@ -21,6 +21,8 @@ Inputs:
     weight_decay (float, optional): scalar; Adam's L2 weight decay: param * weight_decay is
         added to the (scaled) gradient, unless it is 0 (torch's ``if weight_decay != 0``).
     applied (bool, optional): scalar; false: no update (the loss or a gradient is not finite).
+    max_exp_avg_sq (float, optional): amsgrad's running maximum of exp_avg_sq; shape of
+        ``param``. Omitted: zeros, which makes it exp_avg_sq_next (Adam without amsgrad).
 
 The update is skipped (every output equals its input, bitwise; written in place, nothing is
 written at all) when ``applied`` is false, and when a scalar input breaks the hyperparameters'
@@ -28,7 +30,8 @@ rule: every scalar finite, and one_minus_beta1, beta2, one_minus_beta2, epsilon 
 epsilon of NaN would make every weight NaN). The C++ kernel, the Python kernel and the
 function body all skip alike; the Python kernel also reports the broken rule.
 
-Outputs (float, shape of ``param``): param_next, exp_avg_next, exp_avg_sq_next. Per element,
+Outputs (float, shape of ``param``): param_next, exp_avg_next, exp_avg_sq_next and, optional,
+max_exp_avg_sq_next. Per element,
 in float32, in this order (the function body's ops; the C++ and Python kernels give exactly
 these roundings, as the function body does on onnxruntime 1.32 and the separate ops of the
 optimizer graph did before; 1.19.2 runs the body 1 ulp off in a few percent of elements):
@@ -37,82 +40,64 @@ optimizer graph did before; 1.19.2 runs the body 1 ulp off in a few percent of e
     g = g + param * weight_decay                      (only with weight_decay != 0)
     exp_avg_next = exp_avg + (g - exp_avg) * one_minus_beta1
     exp_avg_sq_next = exp_avg_sq * beta2 + (g * g) * one_minus_beta2
-    param_next = param * param_scale - exp_avg_next / (sqrt(exp_avg_sq_next) / correction2_sqrt + epsilon) * step_size
+    max_exp_avg_sq_next = max(max_exp_avg_sq, exp_avg_sq_next)   (NaN if either is; exp_avg_sq_next when omitted)
+    param_next = param * param_scale - exp_avg_next / (sqrt(max_exp_avg_sq_next) / correction2_sqrt + epsilon) * step_size
                                                       (param alone without param_scale)
 
 An omitted optional input is no operation at all, in the kernels and in the function body
-(``add_functions`` gives a model the body that reads what its nodes give).
+(``add_functions`` gives a model the body that reads what its nodes give). The checks, the
+skip, the gradient's scaling and L2 term, the schema and the body's frame are shared with
+SGDUpdate (``normgrad.ops._update``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import onnx
-import onnx.parser
-from onnx.defs import OpSchema
 
-from normgrad.ops import _common
-from normgrad.ops._common import NormgradInputError
+from normgrad.ops import _common, _update
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OPTIONAL", "BOOL_INPUTS", "HYPERPARAMETERS", "ELEMENTWISE",
-           "SCALAR_IF_OMITTED", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "TYPES", "Result",
+           "SCALAR_IF_OMITTED", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "TYPES", "SPEC", "Result",
            "skip_reason", "validate", "reference", "python_kernel", "schema", "function_body"]
 
-OP_TYPE = "AdamUpdate"
-INPUTS = ("param", "grad", "exp_avg", "exp_avg_sq", "step_size", "correction2_sqrt", "one_minus_beta1", "beta2",
-          "one_minus_beta2", "epsilon", "param_scale", "grad_scale", "weight_decay", "applied")
-OUTPUTS = ("param_next", "exp_avg_next", "exp_avg_sq_next")
-ATTRIBUTES: dict = {}
-OPTIONAL = ("param_scale", "grad_scale", "weight_decay", "applied")
-BOOL_INPUTS = ("applied",)
-SCALAR_IF_OMITTED = {"param_scale": 1.0, "grad_scale": 1.0, "weight_decay": 0.0, "applied": True}
-"""What an omitted optional input means: a function body that reads it feeds nodes omitting it
-this; the Python bridge, which needs every input, feeds it too (shaped like step_size, a scalar)."""
-ONES_IF_OMITTED = {name: ("step_size", None) for name in OPTIONAL}
-"""The Python bridge feeds an omitted optional input its SCALAR_IF_OMITTED value, shaped like step_size."""
-HYPERPARAMETERS = ("one_minus_beta1", "beta2", "one_minus_beta2", "epsilon")
-"""The scalar inputs that must be >= 0 (and finite, as every scalar) for the update to run."""
-OUTPUT_SHAPE_FROM = {name: ("param", None) for name in OUTPUTS}
-"""Each output's shape as (input, axis): input.shape[axis], or the whole shape for None."""
-TYPES = ("tensor(float)",)
-ELEMENTWISE = True
-"""Each output element reads only the same element of the tensor inputs, before it is
-written: an output may share its input's buffer (``normgrad.graphs.structure.in_place_updates``)."""
-_TENSORS, _SCALARS = INPUTS[:4], INPUTS[4:]
+SPEC = _update.UpdateSpec(
+    op_type="AdamUpdate",
+    inputs=("param", "grad", "exp_avg", "exp_avg_sq", "step_size", "correction2_sqrt", "one_minus_beta1", "beta2",
+            "one_minus_beta2", "epsilon", "param_scale", "grad_scale", "weight_decay", "applied", "max_exp_avg_sq"),
+    outputs=("param_next", "exp_avg_next", "exp_avg_sq_next", "max_exp_avg_sq_next"),
+    tensors=("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    scalar_if_omitted={"param_scale": 1.0, "grad_scale": 1.0, "weight_decay": 0.0, "applied": True,
+                       "max_exp_avg_sq": 0.0},
+    nonnegative=("one_minus_beta1", "beta2", "one_minus_beta2", "epsilon"),
+    kept={"param_next": "param", "exp_avg_next": "exp_avg", "exp_avg_sq_next": "exp_avg_sq",
+          "max_exp_avg_sq_next": "max_exp_avg_sq"},
+)
+(OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES, OPTIONAL, BOOL_INPUTS, SCALAR_IF_OMITTED, ONES_IF_OMITTED, HYPERPARAMETERS,
+ OUTPUT_SHAPE_FROM, TYPES, ELEMENTWISE) = _update.declarations(SPEC)
 _TORCH_DEFAULTS = {"one_minus_beta1": 0.1, "beta2": 0.999, "one_minus_beta2": 0.001, "epsilon": 1e-8}
 
 
 class Result(NamedTuple):
-    """The three outputs."""
+    """The four outputs (max_exp_avg_sq_next is exp_avg_sq_next without amsgrad)."""
 
     param_next: np.ndarray
     exp_avg_next: np.ndarray
     exp_avg_sq_next: np.ndarray
+    max_exp_avg_sq_next: Optional[np.ndarray] = None
 
 
 def skip_reason(arrays) -> str:
     """Why the update is skipped ('' when it runs): ``applied`` false, or a scalar input
     breaking the hyperparameters' rule. ``arrays``: {input name: array or None}."""
-    applied = arrays.get("applied")
-    if applied is not None and not bool(np.asarray(applied).reshape(())):
-        return "applied is false"
-    for name in _SCALARS:
-        value = arrays.get(name)
-        if value is None or name in BOOL_INPUTS:
-            continue
-        value = float(np.asarray(value).reshape(()))
-        if not np.isfinite(value) or (name in HYPERPARAMETERS and value < 0):
-            rule = "a finite number >= 0" if name in HYPERPARAMETERS else "finite"
-            return f"input '{name}' must be {rule}; got {value!r}"
-    return ""
+    return _update.skip_reason(SPEC, arrays)
 
 
-def validate(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, one_minus_beta1=_TORCH_DEFAULTS["one_minus_beta1"],
-             beta2=_TORCH_DEFAULTS["beta2"], one_minus_beta2=_TORCH_DEFAULTS["one_minus_beta2"],
-             epsilon=_TORCH_DEFAULTS["epsilon"], param_scale=None, grad_scale=None, weight_decay=None, applied=None):
-    """Checks the inputs against the contract (the hyperparameter scalars default to torch's).
+def validate(*args, **kwargs):
+    """Checks the inputs (positional in :data:`INPUTS` order, or by name) against the contract
+    (the hyperparameter scalars default to torch's).
 
     Returns:
         {input name: array (None for an omitted optional one)}.
@@ -120,41 +105,18 @@ def validate(param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, one_
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
-    arrays = {}
-    given = (param, grad, exp_avg, exp_avg_sq, step_size, correction2_sqrt, one_minus_beta1, beta2, one_minus_beta2,
-             epsilon, param_scale, grad_scale, weight_decay, applied)
-    for name, value in zip(INPUTS, given):
-        if value is None and name in OPTIONAL:
-            arrays[name] = None
-            continue
-        array = np.asarray(value, np.float32 if isinstance(value, float) else None)
-        wanted = (np.bool_,) if name in BOOL_INPUTS else (np.float32, np.float64)
-        if array.dtype not in wanted:
-            raise NormgradInputError(f"{OP_TYPE}: input '{name}' must be {'bool' if name in BOOL_INPUTS else 'float32'}; "
-                                     f"got {array.dtype}")
-        if name in _SCALARS and array.size != 1:
-            raise NormgradInputError(f"{OP_TYPE}: input '{name}' must be a scalar; got shape {list(array.shape)}")
-        if name in _TENSORS[1:]:
-            _common.check_same_shape(OP_TYPE, name, array, "param", arrays["param"])
-        arrays[name] = array
-    return arrays
+    return _update.validate(SPEC, args, kwargs, _TORCH_DEFAULTS)
 
 
-def _step(xp_float, a) -> Result:
-    """The update of the checked inputs ``a`` in the arithmetic of ``xp_float`` (np.float64
-    or np.float32), in the contract's order; the inputs themselves when it is skipped."""
-    param, grad, exp_avg, exp_avg_sq = (np.asarray(a[name], xp_float) for name in _TENSORS)
-    if skip_reason(a):
-        return Result(param.copy(), exp_avg.copy(), exp_avg_sq.copy())
-    f = lambda name: np.asarray(a[name], xp_float).reshape(())  # noqa: E731  (a scalar of that type)
-    g = grad if a["grad_scale"] is None else grad * f("grad_scale")
-    if a["weight_decay"] is not None and f("weight_decay") != 0:
-        g = g + param * f("weight_decay")
-    avg = exp_avg + (g - exp_avg) * f("one_minus_beta1")
-    sq = exp_avg_sq * f("beta2") + (g * g) * f("one_minus_beta2")
-    denominator = np.sqrt(sq) / f("correction2_sqrt") + f("epsilon")
-    scaled = param if a["param_scale"] is None else param * f("param_scale")
-    return Result(scaled - avg / denominator * f("step_size"), avg, sq)
+def _step(tensor, scalar, flag) -> Result:
+    """The contract's update, in its order."""
+    param, exp_avg, exp_avg_sq = tensor("param"), tensor("exp_avg"), tensor("exp_avg_sq")
+    g = _update.scaled_gradient(tensor("grad"), param, scalar)
+    avg = exp_avg + (g - exp_avg) * scalar("one_minus_beta1")
+    sq = exp_avg_sq * scalar("beta2") + (g * g) * scalar("one_minus_beta2")
+    most = np.maximum(tensor("max_exp_avg_sq"), sq)
+    denominator = np.sqrt(most) / scalar("correction2_sqrt") + scalar("epsilon")
+    return Result(param * scalar("param_scale") - avg / denominator * scalar("step_size"), avg, sq, most)
 
 
 def reference(*args, **kwargs) -> Result:
@@ -164,101 +126,57 @@ def reference(*args, **kwargs) -> Result:
     Returns:
         A :class:`Result` in param's dtype (float32; float64 for float64 evaluations).
     """
-    arrays = validate(*args, **kwargs)
-    dtype = arrays["param"].dtype
-    arrays.update({name: np.float32(arrays[name]) for name in _SCALARS if arrays[name] is not None
-                   and name not in BOOL_INPUTS and arrays[name].dtype == np.float32})
-    return Result(*(out.astype(dtype) for out in _step(np.float64, arrays)))
+    return _without_amsgrad(validate(*args, **kwargs), _update.reference)
 
 
 def python_kernel(*args, **kwargs) -> Result:
     """What the float32 Python kernel runs: the contract's float32 arithmetic, so it gives
     the C++ kernel's bits. A skipped update for a broken hyperparameter rule is reported on
     the ``normgrad`` logger (as the kernels' other errors) and gives the inputs unchanged."""
-    arrays = validate(*args, **kwargs)
-    reason = skip_reason(arrays)
-    if reason and reason != "applied is false":
-        import logging
-
-        logging.getLogger("normgrad").error(f"{OP_TYPE}: {reason}; the update is skipped (float32 Python kernel)")
-    return _step(np.float32, arrays)
+    return _without_amsgrad(validate(*args, **kwargs), _update.python_kernel)
 
 
-def _infer(ctx) -> None:
-    param_type = _common.input_tensor_type(ctx, 0)
-    if param_type is not None:
-        for index in range(len(OUTPUTS)):
-            ctx.set_output_type(index, _common.make_output_type(param_type.elem_type, _common.known_dims(param_type)))
+def _without_amsgrad(arrays, evaluate) -> Result:
+    """The outputs by ``evaluate``; max_exp_avg_sq_next is exp_avg_sq_next when max_exp_avg_sq
+    is omitted (skipped too: the kernels and the body give it so)."""
+    result = Result(*evaluate(SPEC, arrays, _step))
+    return result._replace(max_exp_avg_sq_next=result.exp_avg_sq_next) if arrays["max_exp_avg_sq"] is None else result
 
 
-def schema() -> OpSchema:
+def schema():
     """The ONNX schema, with type and shape inference."""
-    param = OpSchema.FormalParameter
-    optional = OpSchema.FormalParameterOption.Optional
-    inputs = [param(name, "B" if name in BOOL_INPUTS else "T", f"See the operator's documentation: {name}.",
-                    param_option=optional if name in OPTIONAL else OpSchema.FormalParameterOption.Single) for name in INPUTS]
-    return _common.make_schema(
-        OP_TYPE,
-        __doc__,
-        inputs=inputs,
-        outputs=[param(name, "T", f"The step's {name.removesuffix('_next')}; shape of param.") for name in OUTPUTS],
-        type_docs={"T": "float32.", "B": (("tensor(bool)",), "bool.")},
-        infer=_infer,
-        types=TYPES,
-    )
+    return _update.schema(SPEC, __doc__)
 
 
 def function_body(opset: int = _common.ONNX_OPSET, reads: Sequence[str] = ()) -> onnx.FunctionProto:
     """The operator in standard ONNX ops, for runtimes without a kernel: the contract's
     float32 ops in its order, each output then Where(run, update, input) (a body cannot skip
-    work; ``run``: the scalars keep the rule and ``applied``). The optional inputs in
-    ``reads`` are formal inputs and read; the others are not (a body cannot test whether an
-    input is present), so a model whose nodes give neither gets no operation for them."""
-    required = len(INPUTS) - len(OPTIONAL)
-    formals = list(INPUTS[:max([INPUTS.index(n) + 1 for n in reads] + [required])])
-    grad, param = "grad", "param"
-    lines = ["zero = Constant <value_float: float = 0.0> ()"]
-    if "grad_scale" in reads:
-        lines.append("scaled_grad = Mul (grad, grad_scale)")
-        grad = "scaled_grad"
-    if "weight_decay" in reads:
-        lines += ["decay_term = Mul (param, weight_decay)", f"decayed_grad = Add ({grad}, decay_term)",
-                  "no_decay = Equal (weight_decay, zero)", f"l2_grad = Where (no_decay, {grad}, decayed_grad)"]
-        grad = "l2_grad"
+    work; ``run``: the scalars keep the rule and ``applied``); see :func:`_update.function_body`
+    for ``reads``."""
+    lines, grad = _update.scaled_gradient_lines(reads)
+    param = "param"
     if "param_scale" in reads:
         lines.append("decayed = Mul (param, param_scale)")
         param = "decayed"
-    scalars = [n for n in formals if n in _SCALARS and n not in BOOL_INPUTS and (n not in OPTIONAL or n in reads)]
-    lines += [f"{n}_zero = Mul ({n}, zero)" for n in scalars]  # NaN for an infinite or NaN scalar
-    lines += [f"scalar_zeros = Sum ({', '.join(f'{n}_zero' for n in scalars)})",
-              "finite = Equal (scalar_zeros, scalar_zeros)",
-              f"lowest = Min ({', '.join(HYPERPARAMETERS)})",
-              "not_negative = GreaterOrEqual (lowest, zero)",
-              "run_rule = And (finite, not_negative)"]
-    lines.append("run = And (run_rule, applied)" if "applied" in reads else "run = Identity (run_rule)")
-    body = "\n            ".join(lines)
-    return onnx.parser.parse_function(
-        f"""
-        <domain: "{_common.DOMAIN}", opset_import: ["" : {opset}]>
-        {OP_TYPE} ({", ".join(formals)}) => ({", ".join(OUTPUTS)})
-        {{
-            {body}
-            g_minus_avg = Sub ({grad}, exp_avg)
-            avg_step = Mul (g_minus_avg, one_minus_beta1)
-            avg_next = Add (exp_avg, avg_step)
-            sq_kept = Mul (exp_avg_sq, beta2)
-            g_sq = Mul ({grad}, {grad})
-            sq_step = Mul (g_sq, one_minus_beta2)
-            sq_next = Add (sq_kept, sq_step)
-            root = Sqrt (sq_next)
-            corrected = Div (root, correction2_sqrt)
-            denominator = Add (corrected, epsilon)
-            ratio = Div (avg_next, denominator)
-            update = Mul (ratio, step_size)
-            updated = Sub ({param}, update)
-            param_next = Where (run, updated, param)
-            exp_avg_next = Where (run, avg_next, exp_avg)
-            exp_avg_sq_next = Where (run, sq_next, exp_avg_sq)
-        }}
-        """
-    )
+    amsgrad = "max_exp_avg_sq" in reads
+    lines += [
+        f"g_minus_avg = Sub ({grad}, exp_avg)",
+        "avg_step = Mul (g_minus_avg, one_minus_beta1)",
+        "avg_next = Add (exp_avg, avg_step)",
+        "sq_kept = Mul (exp_avg_sq, beta2)",
+        f"g_sq = Mul ({grad}, {grad})",
+        "sq_step = Mul (g_sq, one_minus_beta2)",
+        "sq_next = Add (sq_kept, sq_step)",
+        *(["max_next = Max (max_exp_avg_sq, sq_next)"] if amsgrad else []),
+        f"root = Sqrt ({'max_next' if amsgrad else 'sq_next'})",
+        "corrected = Div (root, correction2_sqrt)",
+        "denominator = Add (corrected, epsilon)",
+        "ratio = Div (avg_next, denominator)",
+        "update = Mul (ratio, step_size)",
+        f"updated = Sub ({param}, update)",
+    ]
+    results = {"param_next": ("updated", "run"), "exp_avg_next": ("avg_next", "run"),
+               "exp_avg_sq_next": ("sq_next", "run"),
+               # omitted: max(0, exp_avg_sq_next), which is exp_avg_sq_next as it is
+               "max_exp_avg_sq_next": ("max_next", "run") if amsgrad else ("exp_avg_sq_next", None)}
+    return _update.function_body(SPEC, opset, reads, lines, results)

@@ -17,7 +17,7 @@ from onnx import helper
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPERATORS, OPSET_VERSION, operator
 from normgrad.ops._common import tensor_type
 
-__all__ = ["BACKENDS", "node_model", "make_session", "run_session", "run_model", "run"]
+__all__ = ["BACKENDS", "node_model", "make_session", "run_session", "run_model", "run", "run_in_place"]
 
 BACKENDS = ("reference", "cpp", "python", "functions", "evaluator")
 """``reference``: the NumPy float64 truth; ``cpp``/``python``: onnxruntime with normgrad's
@@ -185,3 +185,22 @@ def run(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     return run_model(model, inputs, backend, threads)
+
+
+def run_in_place(op_type: str, inputs: Mapping[str, Optional[np.ndarray]], over: Mapping[str, str],
+                 backend: str = "cpp", threads: Optional[int] = None) -> dict:
+    """Runs one normgrad node with each output of ``over`` ({output: input}) bound to its
+    input's own buffer (as the trainer updates state in place); returns every input's
+    buffer after the run, by name."""
+    import onnxruntime
+
+    session = make_session(node_model(op_type, inputs), backend, threads)
+    binding = session.io_binding()
+    buffers = {name: onnxruntime.OrtValue.ortvalue_from_numpy(np.array(value, copy=True))
+               for name, value in inputs.items() if value is not None}
+    for name, value in buffers.items():
+        binding.bind_ortvalue_input(name, value)
+    for output, name in over.items():
+        binding.bind_ortvalue_output(output, buffers[name])
+    session.run_with_iobinding(binding)
+    return {name: value.numpy().copy() for name, value in buffers.items()}  # the OrtValues die here

@@ -20,37 +20,50 @@ def _inputs(shape=(3, 70001), seed=0, step=3, lr=1e-2, weight_decay=0.01, grad_s
     rng = np.random.default_rng(seed)
     tensors = {name: rng.standard_normal(shape).astype(np.float32) for name in adam_update.INPUTS[:4]}
     tensors["exp_avg_sq"] = np.abs(tensors["exp_avg_sq"]) * 1e-2
+    tensors["max_exp_avg_sq"] = np.abs(rng.standard_normal(shape)).astype(np.float32) * 1e-2  # above the next half the time
     scalars = {"step_size": lr / (1 - 0.9**step), "correction2_sqrt": np.sqrt(1 - 0.999**step), **HYPERPARAMETERS,
                "param_scale": 1 - lr * weight_decay, "grad_scale": grad_scale, "weight_decay": l2}
-    return {**tensors, **{k: np.array(v, np.float32) for k, v in scalars.items()}, "applied": np.array(True)}
+    return {**{k: v for k, v in tensors.items() if k != "max_exp_avg_sq"},
+            **{k: np.array(v, np.float32) for k, v in scalars.items()}, "applied": np.array(True),
+            "max_exp_avg_sq": tensors["max_exp_avg_sq"]}
 
 
 def _without(inputs, *names):
     return {name: value for name, value in inputs.items() if name not in names}
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("optimizer_name", ["AdamW", "Adam"])
-def test_reference_is_one_torch_step(optimizer_name):
-    """AdamW's decoupled weight decay through param_scale, Adam's L2 weight decay through weight_decay."""
+def test_reference_is_one_torch_step(optimizer_name, amsgrad):
+    """AdamW's decoupled weight decay through param_scale, Adam's L2 weight decay through
+    weight_decay, amsgrad's running maximum through max_exp_avg_sq."""
     torch = pytest.importorskip("torch")
-    unused = "weight_decay" if optimizer_name == "AdamW" else "param_scale"
-    inputs = _without(_inputs(shape=(5, 7), weight_decay=0.01, grad_scale=1.0, l2=0.01), unused)
+    unused = ["weight_decay" if optimizer_name == "AdamW" else "param_scale"] + ([] if amsgrad else ["max_exp_avg_sq"])
+    inputs = _without(_inputs(shape=(5, 7), weight_decay=0.01, grad_scale=1.0, l2=0.01), *unused)
     param = torch.nn.Parameter(torch.from_numpy(inputs["param"].copy()))
-    optimizer = getattr(torch.optim, optimizer_name)([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    optimizer = getattr(torch.optim, optimizer_name)([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                                                     amsgrad=amsgrad)
     state = optimizer.state[param]
     state["step"] = torch.tensor(2.0)  # torch increments it to 3, the step of _inputs
     state["exp_avg"] = torch.from_numpy(inputs["exp_avg"].copy())
     state["exp_avg_sq"] = torch.from_numpy(inputs["exp_avg_sq"].copy())
+    if amsgrad:
+        state["max_exp_avg_sq"] = torch.from_numpy(inputs["max_exp_avg_sq"].copy())
     param.grad = torch.from_numpy(inputs["grad"].copy())
     optimizer.step()
     result = adam_update.reference(**inputs)
     np.testing.assert_allclose(result.param_next, param.detach().numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(result.exp_avg_next, state["exp_avg"].numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(result.exp_avg_sq_next, state["exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-9)
+    if amsgrad:
+        np.testing.assert_allclose(result.max_exp_avg_sq_next, state["max_exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-9)
+        assert (inputs["max_exp_avg_sq"] > result.exp_avg_sq_next).any() and (
+            inputs["max_exp_avg_sq"] < result.exp_avg_sq_next).any()  # both sides of the maximum taken
 
 
 @pytest.mark.parametrize("given", [(), ("param_scale",), ("grad_scale",), ("param_scale", "grad_scale"), ("weight_decay",),
-                                   ("grad_scale", "weight_decay"), ("applied",), adam_update.OPTIONAL])
+                                   ("grad_scale", "weight_decay"), ("applied",), ("max_exp_avg_sq",),
+                                   ("max_exp_avg_sq", "param_scale", "grad_scale"), adam_update.OPTIONAL])
 def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given):
     """Each subset of the optional inputs: an omitted one is no operation on every backend."""
     inputs = {name: value for name, value in _inputs().items() if name not in adam_update.OPTIONAL or name in given}
@@ -58,6 +71,10 @@ def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given):
     if "grad_scale" not in given:  # omitted is multiplying by 1
         assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, adam_update.reference(
             **inputs, grad_scale=np.float32(1))))
+    if "max_exp_avg_sq" not in given:  # omitted is zeros: no amsgrad, its output exp_avg_sq_next
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, adam_update.reference(
+            **inputs, max_exp_avg_sq=np.zeros_like(inputs["param"]))))
+        assert expected.max_exp_avg_sq_next.tobytes() == expected.exp_avg_sq_next.tobytes()
     if "weight_decay" not in given:  # omitted is no L2 term, as 0 is (torch: if weight_decay != 0)
         assert all(a.tobytes() == b.tobytes() for a, b in zip(expected, adam_update.reference(
             **inputs, weight_decay=np.float32(0))))
@@ -84,16 +101,9 @@ def test_kernel_is_thread_count_independent_and_updates_in_place():
     for threads in (2, 3, 7):
         again = harness.run_model(model, inputs, "cpp", threads=threads)
         assert all(again[n].tobytes() == first[n].tobytes() for n in adam_update.OUTPUTS)
-    session = harness.make_session(model, "cpp", threads=2)
-    binding = session.io_binding()
-    buffers = {name: ort.OrtValue.ortvalue_from_numpy(value.copy()) for name, value in inputs.items()}
-    for name, value in buffers.items():
-        binding.bind_ortvalue_input(name, value)
-    for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
-        binding.bind_ortvalue_output(output, buffers[state])  # each output over its input
-    session.run_with_iobinding(binding)
-    for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
-        assert buffers[state].numpy().tobytes() == first[output].tobytes(), output
+    buffers = harness.run_in_place(adam_update.OP_TYPE, inputs, adam_update.SPEC.kept, threads=2)
+    for output, state in adam_update.SPEC.kept.items():
+        assert buffers[state].tobytes() == first[output].tobytes(), output
 
 
 @pytest.mark.parametrize("change, message", [
@@ -123,7 +133,7 @@ def test_skipped_update_keeps_every_input_on_every_backend(skip):
     assert adam_update.skip_reason(inputs)
     for backend in BACKENDS:
         result = harness.run(backend, adam_update.OP_TYPE, inputs)
-        for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
+        for output, state in adam_update.SPEC.kept.items():
             assert result[output].tobytes() == inputs[state].tobytes(), f"{backend} {output}"
 
 
@@ -132,16 +142,9 @@ def test_skipped_update_in_place_writes_nothing():
     import onnxruntime as ort
 
     inputs = {**_inputs(shape=(2, 3001)), "epsilon": np.array(np.nan, np.float32)}
-    session = harness.make_session(harness.node_model(adam_update.OP_TYPE, inputs), "cpp", threads=2)
-    binding = session.io_binding()
-    buffers = {name: ort.OrtValue.ortvalue_from_numpy(value.copy()) for name, value in inputs.items()}
-    for name, value in buffers.items():
-        binding.bind_ortvalue_input(name, value)
-    for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
-        binding.bind_ortvalue_output(output, buffers[state])
-    session.run_with_iobinding(binding)
-    for state in ("param", "exp_avg", "exp_avg_sq"):
-        assert buffers[state].numpy().tobytes() == inputs[state].tobytes(), state
+    buffers = harness.run_in_place(adam_update.OP_TYPE, inputs, adam_update.SPEC.kept, threads=2)
+    for state in adam_update.SPEC.kept.values():
+        assert buffers[state].tobytes() == inputs[state].tobytes(), state
 
 
 def test_applied_must_be_bool():

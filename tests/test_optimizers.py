@@ -15,8 +15,10 @@ CASES = [
     ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
     ("sgd", dict(momentum=0.8, dampening=0.3, weight_decay=0.05, clip_grad_norm=0.5)),
     ("sgd", dict()),
+    ("sgd", dict(weight_decay=0.01)),
     ("adamw", dict(weight_decay=0.1, clip_grad_norm=1.0)),
     ("adam", dict(weight_decay=0.01, amsgrad=True, betas=(0.8, 0.99), eps=1e-6)),
+    ("adamw", dict(weight_decay=0.1, amsgrad=True, clip_grad_norm=1.0)),
 ]
 
 

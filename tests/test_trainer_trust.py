@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
+from conftest import cpp_available
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.ops import IR_VERSION
 from normgrad.train import Trainer, TrainerError
@@ -310,3 +311,88 @@ def test_a_step_onnxruntime_fails_midway_writes_nothing():
     with pytest.raises(Exception, match="Reshape|reshape"):
         trainer.step(rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32))
     assert _snapshot(trainer) == before
+
+
+# -- issue 31: the gate inside every update, no per-tensor Where -----------------------------------
+
+OPTIMIZER_SETUPS = {
+    "sgd": ("sgd", {}), "sgd_weight_decay": ("sgd", dict(weight_decay=0.01)),
+    "sgd_momentum_dampening": ("sgd", dict(momentum=0.9, dampening=0.3)),
+    "sgd_nesterov": ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "sgd_clipping": ("sgd", dict(momentum=0.8, clip_grad_norm=0.5)),
+    "adam": ("adam", dict(weight_decay=0.01)), "adamw": ("adamw", dict(weight_decay=0.1, clip_grad_norm=1.0)),
+    "amsgrad": ("adam", dict(amsgrad=True, weight_decay=0.01)),
+    "adamw_amsgrad_no_weight_decay": ("adamw", dict(amsgrad=True, weight_decay=0.1, no_weight_decay=["*bias*", "t*"])),
+}
+
+
+def _gate_model_step(model, setup):
+    from normgrad.graphs import examples
+
+    kind, options = OPTIMIZER_SETUPS[setup]
+    if model == "batch_norm":
+        forward = examples.resnet_block()
+        options = {**options, "no_weight_decay": ["b1", "t*"]} if "no_weight_decay" in options else options
+    else:
+        forward = _linear_tanh_linear()
+        options = {**options, "no_weight_decay": ["*.bias"]} if "no_weight_decay" in options else options
+    step, initial = build_step_graph(build_training_graph(forward, loss="mse"), kind, **options)
+    if model == "batch_norm":
+        rng = np.random.default_rng(4)
+        batch = lambda: {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32),  # noqa: E731
+                         "labels": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
+    else:
+        seeds = iter(range(10, 100))
+        batch = lambda: _mse_batch(next(seeds))  # noqa: E731
+    return step, initial, batch
+
+
+@pytest.mark.parametrize("kernels", ["auto", None], ids=["kernels", "function_bodies"])
+@pytest.mark.parametrize("model", ["mlp", "batch_norm"])
+@pytest.mark.parametrize("setup", OPTIMIZER_SETUPS)
+def test_a_non_finite_step_keeps_every_state_tensor_bitwise(setup, model, kernels):
+    """Every optimizer setup, with BatchNorm running statistics: the updates take the gate
+    themselves; a NaN in the batch leaves every state tensor (weights, moments, buffers,
+    running statistics) bitwise as it was, and the next step is the clean trainer's."""
+    step, initial, batch = _gate_model_step(model, setup)
+    skipping = Trainer(step, initial, lr=0.05, nonfinite="skip", kernels=kernels, session_options=_options())
+    clean = Trainer(step, initial, lr=0.05, kernels=kernels, session_options=_options())
+    for _ in range(2):
+        good = batch()
+        skipping.step(**good)
+        clean.step(**good)
+    before = _snapshot(skipping)
+    bad = batch()
+    bad["x"].flat[7] = np.nan
+    assert not np.isfinite(skipping.step(**bad))
+    assert _snapshot(skipping) == before and skipping.skipped_steps == 1
+    good = batch()
+    assert skipping.step(**good) == clean.step(**good)
+    assert _snapshot(skipping)[0] == _snapshot(clean)[0]
+
+
+@pytest.mark.skipif(not cpp_available(), reason="needs the C++ library")
+@pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name)
+@pytest.mark.parametrize("setup", ["sgd_nesterov", "sgd", "adamw", "amsgrad"])
+def test_the_graph_onnxruntime_runs_has_no_where_gate_and_updates_in_place(setup, level):
+    """The graph onnxruntime runs (optimized at each level, as the Trainer inspects it): every
+    state update is written by an update node that takes the gate (AdamUpdate, SGDUpdate;
+    GatedUpdate for the running statistics), no Where; every state tensor is updated in place."""
+    from normgrad._session import APPLIED, _gate_state_updates, _session_and_running_graph
+    from normgrad.graphs.optimizers import expose_forward_outputs, forward_outputs
+
+    step, initial, _ = _gate_model_step("batch_norm", setup)
+    trainer = Trainer(step, initial, lr=0.05, session_options=_options(level))
+    assert trainer._in_place == set(initial)
+    state = trainer._state_map
+    gated = _gate_state_updates(expose_forward_outputs(step, forward_outputs(step)), state,
+                                [f"{p}_grad" for p in trainer.parameters], "loss")
+    _, running = _session_and_running_graph(ort, gated, normgrad.session_options("cpp", _options(level)),
+                                            ["CPUExecutionProvider"])
+    producers = {name: node for node in running.graph.node for name in node.output}
+    writers = {producers[next_name].op_type for next_name in state.values()}
+    expected = {"sgd": {"SGDUpdate"}}.get(OPTIMIZER_SETUPS[setup][0], {"AdamUpdate"}) | {"GatedUpdate"}
+    assert writers == expected
+    assert all(APPLIED in producers[next_name].input for next_name in state.values())
+    gate_where = [n.name for n in running.graph.node if n.op_type == "Where" and APPLIED in n.input]
+    assert not gate_where

@@ -319,7 +319,11 @@ def _op_class(module):
     from onnx.reference.op_run import OpRun
 
     def _run(self, *args, **_):
-        values = dict(zip(module.INPUTS, args))
+        # an omitted input ("") is None: onnx 1.23's evaluator passes the value of an earlier
+        # node's omitted output (also "") in its place
+        given = list(self.onnx_node.input)
+        values = {name: arg if index >= len(given) or given[index] else None
+                  for index, (name, arg) in enumerate(zip(module.INPUTS, args))}
         kwargs = {k: values.get(k) for k in module.INPUTS}
         attributes = {name: type(default)(getattr(self, name, default)) for name, default in module.ATTRIBUTES.items()}
         result = module.reference(**kwargs, **attributes)

@@ -38,6 +38,8 @@ extern const OpDescriptor kLayerNormalizationGrad;
 extern const OpDescriptor kRMSNormalizationGrad;
 extern const OpDescriptor kAllReduce;
 extern const OpDescriptor kAdamUpdate;
+extern const OpDescriptor kSGDUpdate;
+extern const OpDescriptor kGatedUpdate;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

@@ -31,15 +31,16 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
                         loss: Optional[str]) -> onnx.ModelProto:
     """A copy of ``model`` that outputs :data:`APPLIED` = loss + sum of every gradient's sum is
     finite (a NaN or inf anywhere reaches it; the sum overflows only past 3e38) and writes its
-    state updates (``NAME.next``) only when it is true: an AdamUpdate node takes it as its
-    ``applied`` input (no update, no copy: its outputs are its inputs), every other update
-    becomes Where(APPLIED, update, NAME). Every write then waits for the loss and every
-    gradient: a failing forward or backward node writes nothing, and every reader of a weight
-    precedes its update (so it may be in place)."""
+    state updates (``NAME.next``) only when it is true, with no copy of a state tensor: each
+    update node that has an ``applied`` input (AdamUpdate, SGDUpdate, GatedUpdate) takes it
+    (false: no update, no write: its outputs are its inputs); any other update (BatchNorm's
+    running statistics) becomes GatedUpdate(NAME, update, APPLIED). Every write then waits for
+    the loss and every gradient: a failing forward or backward node writes nothing, and every
+    reader of a weight precedes its update (so it may be in place)."""
     from onnx import helper
 
     from normgrad._api import add_functions_in_place
-    from normgrad.ops import DOMAIN, adam_update
+    from normgrad.ops import DOMAIN, OPERATORS, gated_update
 
     gated = copy.deepcopy(model)
     graph = gated.graph
@@ -56,19 +57,15 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     nodes.append(helper.make_node("Sub", ["normgrad.gate_total", "normgrad.gate_total"], ["normgrad.gate_zero"]))
     nodes.append(helper.make_node("Equal", ["normgrad.gate_zero", "normgrad.gate_zero"], [APPLIED]))  # NaN != NaN
     updates = set(state.values())
-    applied_index = adam_update.INPUTS.index("applied")
-    gated_inside = set()
+    gated_inside, op_types = set(), {gated_update.OP_TYPE}
     for node in graph.node:
-        if node.domain == DOMAIN and node.op_type == adam_update.OP_TYPE and set(node.output) <= updates:
-            node.input.extend([""] * (applied_index - len(node.input)))
-            node.input.append(APPLIED)
+        module = OPERATORS.get(node.op_type) if node.domain == DOMAIN else None
+        if module is not None and "applied" in module.INPUTS and set(node.output) - {""} <= updates:
+            applied_index = module.INPUTS.index("applied")
+            node.input.extend([""] * (applied_index + 1 - len(node.input)))
+            node.input[applied_index] = APPLIED
             gated_inside.update(node.output)
-    if gated_inside and any(f.domain == DOMAIN and f.name == adam_update.OP_TYPE for f in gated.functions):
-        # the function body (kernels=None) must read the new input
-        kept = [f for f in gated.functions if not (f.domain == DOMAIN and f.name == adam_update.OP_TYPE)]
-        del gated.functions[:]
-        gated.functions.extend(kept)
-        add_functions_in_place(gated)
+            op_types.add(node.op_type)
     renamed = {next_value: f"{next_value}.ungated" for next_value in state.values()
                if next_value in produced and next_value not in gated_inside}
     for node in graph.node:
@@ -78,8 +75,15 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
             node.output[index] = renamed.get(name, name)
     for value, next_value in state.items():
         if next_value in renamed:
-            nodes.append(helper.make_node("Where", [APPLIED, renamed[next_value], value], [next_value]))
+            nodes.append(helper.make_node(gated_update.OP_TYPE, [value, renamed[next_value], APPLIED], [next_value],
+                                          domain=DOMAIN))
     graph.node.extend(nodes)
+    # the function bodies (for a session without normgrad's kernels) must read the new
+    # inputs: attached again (an inlined step graph gets GatedUpdate's, its Where)
+    kept = [f for f in gated.functions if not (f.domain == DOMAIN and f.name in op_types)]
+    del gated.functions[:]
+    gated.functions.extend(kept)
+    add_functions_in_place(gated)
     graph.output.append(helper.make_tensor_value_info(APPLIED, onnx.TensorProto.BOOL, []))
     return gated
 
