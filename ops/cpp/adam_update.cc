@@ -1,12 +1,13 @@
 // AdamUpdate: one Adam/AdamW step (amsgrad too) of a float32 parameter in one pass (ops/adam_update.py).
 //
-// The arithmetic is the contract's float32 ops in its order (the function body's), never
-// contracted into FMAs (this file is compiled without -mfma and with -ffp-contract=off), so
-// the kernel gives the roundings of separate ONNX ops. The input table, the skip rule and
-// the in-place blocked loop are update_common.h's (shared with SGDUpdate).
+// The arithmetic is update_math.h's (the contract's float32 ops in its order, never contracted
+// into FMAs), on 8 AVX lanes when the CPU has AVX2 (update_avx2.cc), else in the portable
+// blocked loop. The input table, the skip rule and the in-place blocked loop are
+// update_common.h's (shared with SGDUpdate).
 #include <type_traits>
 
 #include "update_common.h"
+#include "update_math.h"
 
 namespace normgrad {
 namespace {
@@ -33,14 +34,14 @@ struct AdamUpdate final : KernelBase {
 
   void compute(OrtKernelContext* ctx) override {
     const UpdateArgs a = read_update_args(ctx, kOp, kTable, kInputs, kApplied);
-    const float step_size = a.scalar(kStepSize), correction2_sqrt = a.scalar(kCorrection2Sqrt);
-    const float one_minus_beta1 = a.scalar(kOneMinusBeta1), beta2 = a.scalar(kBeta2);
-    const float one_minus_beta2 = a.scalar(kOneMinusBeta2), epsilon = a.scalar(kEpsilon);
-    const bool decay = a.in[kParamScale].present, clip = a.in[kGradScale].present;
+    AdamScalars s;
+    s.step_size = a.scalar(kStepSize), s.correction2_sqrt = a.scalar(kCorrection2Sqrt);
+    s.one_minus_beta1 = a.scalar(kOneMinusBeta1), s.beta2 = a.scalar(kBeta2);
+    s.one_minus_beta2 = a.scalar(kOneMinusBeta2), s.epsilon = a.scalar(kEpsilon);
+    s.param_scale = a.scalar(kParamScale), s.grad_scale = a.scalar(kGradScale), s.weight_decay = a.scalar(kWeightDecay);
+    s.decay = a.in[kParamScale].present, s.clip = a.in[kGradScale].present;
+    s.l2 = s.weight_decay != 0.0f;  // torch: if weight_decay != 0
     const bool amsgrad = a.in[kMaxExpAvgSq].present;
-    const float param_scale = a.scalar(kParamScale), grad_scale = a.scalar(kGradScale);
-    const float weight_decay = a.scalar(kWeightDecay);
-    const bool l2 = weight_decay != 0.0f;  // torch: if weight_decay != 0
     float* const out[4] = {update_output(ctx, outputs, 0, a), update_output(ctx, outputs, 1, a),
                            update_output(ctx, outputs, 2, a), update_output(ctx, outputs, 3, a)};
     const float* const in[5] = {a.tensor(kParam), a.tensor(kGrad), a.tensor(kExpAvg), a.tensor(kExpAvgSq),
@@ -52,26 +53,23 @@ struct AdamUpdate final : KernelBase {
       keep_inputs(a.n, amsgrad ? in[4] : in[3], 0.0f, out[3]);  // without amsgrad: exp_avg_sq_next
       return;
     }
+    if (update_avx2()) {
+      update_chunks(ctx, a.n, [&](size_t begin, size_t end) { adam_update_avx2(s, amsgrad, begin, end, in, out); });
+      return;
+    }
     const float omitted[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     // with and without amsgrad (std::true_type / std::false_type): no maximum in Adam's loop,
     // and its fourth output only when the node names it
     auto body = [&](auto with_max, auto write_max) {
       return [&](const float (*x)[kUpdateBlock], float (*y)[kUpdateBlock]) {
         for (size_t i = 0; i < kUpdateBlock; ++i) {
-          const float p = x[0][i], m = x[2][i], v = x[3][i];
-          const float scaled = clip ? x[1][i] * grad_scale : x[1][i];
-          const float gi = l2 ? scaled + p * weight_decay : scaled;
-          const float avg_next = m + (gi - m) * one_minus_beta1;
-          const float sq_next = v * beta2 + (gi * gi) * one_minus_beta2;
-          float most = sq_next;
-          if constexpr (decltype(with_max)::value) {  // NaN if either is (as ONNX Max and torch.maximum)
-            most = sq_next > x[4][i] || sq_next != sq_next ? sq_next : x[4][i];
-          }
-          const float denominator = std::sqrt(most) / correction2_sqrt + epsilon;
-          y[0][i] = (decay ? p * param_scale : p) - avg_next / denominator * step_size;
-          y[1][i] = avg_next;
-          y[2][i] = sq_next;
-          if constexpr (decltype(write_max)::value) y[3][i] = most;
+          const float lanes[5] = {x[0][i], x[1][i], x[2][i], x[3][i], x[4][i]};
+          float next[4];
+          adam_lanes<decltype(with_max)::value>(s, lanes, next);
+          y[0][i] = next[0];
+          y[1][i] = next[1];
+          y[2][i] = next[2];
+          if constexpr (decltype(write_max)::value) y[3][i] = next[3];
         }
       };
     };

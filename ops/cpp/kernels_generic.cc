@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "update_math.h"
 
 namespace normgrad {
 
@@ -210,6 +211,16 @@ static const KernelTable* choose_kernels() {
 const KernelTable& kernels() {
   static const KernelTable* table = choose_kernels();
   return *table;
+}
+
+// The optimizer updates' AVX2 loops (update_avx2.cc) go with the AVX2 kernel table, so
+// NORMGRAD_KERNELS=generic forces their portable loops too.
+bool update_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  return &kernels() == &kAvx2Kernels;
+#else
+  return false;
+#endif
 }
 
 }  // namespace normgrad

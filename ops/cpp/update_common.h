@@ -92,15 +92,21 @@ struct NamedOutputs {
 constexpr size_t kUpdateChunk = size_t(1) << 14;  // a multiple of kUpdateBlock
 constexpr size_t kUpdateBlock = 64;
 
+// Runs range(begin, end) over the fixed chunks of n elements, on onnxruntime's threads.
+template <class Range>
+void update_chunks(OrtKernelContext* ctx, size_t n, Range range) {
+  auto chunk = [&](size_t c) { range(c * kUpdateChunk, std::min(n, (c + 1) * kUpdateChunk)); };
+  parallel_for(ctx, (n + kUpdateChunk - 1) / kUpdateChunk, chunk, n);
+}
+
 template <int NIn, int NOut, class Body>
 void update_blocks(OrtKernelContext* ctx, size_t n, const float* const (&in)[NIn], const float (&omitted)[NIn],
                    float* const (&out)[NOut], Body body) {
-  auto chunk = [&](size_t c) {
+  update_chunks(ctx, n, [&](size_t chunk_begin, size_t end) {
     float x[NIn][kUpdateBlock];
     float y[NOut][kUpdateBlock];
     for (int k = 0; k < NIn; ++k) std::fill(x[k], x[k] + kUpdateBlock, in[k] ? 0.0f : omitted[k]);
-    const size_t end = std::min(n, (c + 1) * kUpdateChunk);
-    for (size_t begin = c * kUpdateChunk; begin < end; begin += kUpdateBlock) {
+    for (size_t begin = chunk_begin; begin < end; begin += kUpdateBlock) {
       const size_t len = std::min(kUpdateBlock, end - begin);
       for (int k = 0; k < NIn; ++k) {
         if (in[k]) std::copy(in[k] + begin, in[k] + begin + len, x[k]);
@@ -110,8 +116,7 @@ void update_blocks(OrtKernelContext* ctx, size_t n, const float* const (&in)[NIn
         if (out[j]) std::copy(y[j], y[j] + len, out[j] + begin);
       }
     }
-  };
-  parallel_for(ctx, (n + kUpdateChunk - 1) / kUpdateChunk, chunk, n);
+  });
 }
 
 // A skipped update: each output gets its kept input (`omitted` everywhere for an absent
