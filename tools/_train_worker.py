@@ -87,7 +87,7 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
     del forward
     step_graph, initial = build_step_graph(training, "adamw", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     del training
-    # the Trainer's own default options (memory patterns off), with the bench's threads
+    # the Trainer's own default options (memory patterns and pre-packing off), with the bench's threads
     options = bench_session_options(threads, options=training_session_options(onnxruntime))
     trainer = Trainer(step_graph, initial, lr=LR, session_options=options, kernels=kernels)
     del initial  # the trainer holds the state: a NumPy copy kept here would count in the peak RSS

@@ -4,7 +4,8 @@ A step is forward, cross-entropy against integer labels, backward and one AdamW 
 (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) of every parameter:
 
 * ``cpp``: normgrad's step graph (``build_step_graph``) in ``normgrad.train.Trainer`` with
-  normgrad's C++ kernels and the Trainer's default session options (memory patterns off);
+  normgrad's C++ kernels and the Trainer's default session options (memory patterns and
+  weight pre-packing off);
 * ``functions``: the same step graph in plain onnxruntime, on its function bodies;
 * ``torch``: torch eager, ``train()`` mode, ``torch.optim.AdamW`` (the same weights);
 * ``ort-training``: onnxruntime-training's ``Module`` + ``Optimizer`` (``generate_artifacts``
