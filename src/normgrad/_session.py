@@ -97,9 +97,11 @@ def training_session_options(ort):
     Pre-packing copies every constant weight a Gemm or MatMul reads into the GEMM's packed
     layout when the session is created, one copy per orientation read: a frozen base read by
     the forward (``Gemm(x, W, transB=1)``) and the backward (``Gemm(dY, W)``) is then held
-    three times (the original, memory-mapped from its data file, and two packed copies). Off,
-    it is held once and the GEMM packs panels as it goes: on the 0.6 B LoRA hand run the
-    step's peak RSS falls from 5.71 to 2.46 GiB (docs/explanation/performance.md)."""
+    twice (two packed copies) or, at ``ORT_DISABLE_ALL``, three times (the original,
+    memory-mapped from its data file, too). Off, it is held once and the GEMM packs panels
+    as it goes, which costs CPU time with few tokens: on the 0.6 B LoRA hand run (64 tokens)
+    the step's peak RSS falls from 3.93 to 2.39 GiB and its CPU time grows by about 25%
+    (docs/explanation/performance.md)."""
     options = ort.SessionOptions()
     options.enable_mem_pattern = False
     options.add_session_config_entry(DISABLE_PREPACKING, "1")
