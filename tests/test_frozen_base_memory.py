@@ -1,11 +1,14 @@
 """A frozen base in external data is held once while the Trainer trains: the process's memory
 grows, from before the Trainer is created to the peak of its session's creation and to the
-peak of its two steps, by less than 1.5 times the base's bytes (the base, memory-mapped from its data file by onnxruntime, plus the
-step's activations); a second copy of the base (a transposed or cast copy, or onnxruntime
-pre-packing each weight for the GEMMs that read it) makes it 2 times or more. Measured in a
+peak of its two steps, by less than 1.5 times the base's bytes (the base, memory-mapped
+from its data file by onnxruntime, plus the step's activations); a second copy of the base
+(a transposed or folded copy, or onnxruntime pre-packing each weight for the GEMMs that read
+it) makes it 2 times or more. A bfloat16 base is read through float32 Casts: less than 2.5
+times its bytes (one layer's float32 weights at a time), where the forward's casts kept for
+the backward (a float32 copy of the base, twice its bytes) make it 3.4 times. Measured in a
 process of its own (peak RSS, the kernel's VmHWM) on a random peft LoRA Llama whose base is
-about 420 MB, exported with dynamo and ``external_data=True``; onnxruntime's own defaults
-(pre-packing on) are measured too, to show the bound tells the two apart."""
+about 420 MB of float32, exported with dynamo and ``external_data=True``; onnxruntime's own
+defaults (pre-packing on) are measured too, to show the bound tells the two apart."""
 
 from __future__ import annotations
 
@@ -46,10 +49,12 @@ print(json.dumps({"created": created, "stepped": status("VmHWM") - before, "loss
 """
 
 VOCAB = 8000
+BOUNDS = {"float32": 1.5, "bfloat16": 2.5}
+"""Growth over the base's bytes the Trainer stays below, per dtype of the base."""
 
 
-@pytest.fixture(scope="module")
-def step_path(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(BOUNDS))
+def step_path(request, tmp_path_factory):
     torch, _ = external._torch()
     import peft
     import transformers
@@ -62,14 +67,14 @@ def step_path(tmp_path_factory):
                                       tie_word_embeddings=False, attn_implementation="eager")
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj"])
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config).to(getattr(torch, request.param)), lora)
     folder = tmp_path_factory.mktemp("base")
     input_ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), folder / "forward.onnx",
                           exporter="dynamo", input_names=["input_ids"], output_names=["logits"], external_data=True)
     del model
     external._write_step_graph(folder / "forward.onnx", folder / "step.onnx")
-    return folder / "step.onnx"
+    return request.param, folder / "step.onnx"
 
 
 def _growth(step_path, options: str) -> dict:
@@ -85,13 +90,17 @@ def _times(growth: dict, base: int) -> str:
 
 @pytest.mark.slow
 def test_the_trainer_holds_a_frozen_external_base_once(step_path):
+    dtype, step_path = step_path
     step = onnx.load(step_path, load_external_data=False)
     base = sum(int(dict((e.key, e.value) for e in t.external_data)["length"])
                for t in step.graph.initializer if uses_external_data(t))
     assert base > 200 * 2**20
     trainer = _growth(step_path, "trainer-defaults")
-    assert max(trainer["created"], trainer["stepped"]) < 1.5 * base, (
-        f"the Trainer grew the process by more than the frozen base ({base / 2**20:.0f} MiB) once: {_times(trainer, base)}")
+    assert max(trainer["created"], trainer["stepped"]) < BOUNDS[dtype] * base, (
+        f"the Trainer grew the process by more than the frozen {dtype} base ({base / 2**20:.0f} MiB) once: "
+        f"{_times(trainer, base)}")
+    if dtype != "float32":
+        return
     packed = _growth(step_path, "onnxruntime-defaults")
     assert packed["stepped"] > 1.5 * base, f"the bound does not tell a pre-packed base apart: {_times(packed, base)}"
     assert packed["losses"] == pytest.approx(trainer["losses"], rel=1e-5)

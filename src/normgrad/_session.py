@@ -304,14 +304,18 @@ _DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 
 
 def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
-    """Turns off onnxruntime's constant folding for a model with bfloat16 initializers (a
-    frozen base, read through Casts to float32: rewrites.bfloat16_in_float32), which would
-    replace each by a float32 copy, twice its memory."""
+    """Turns off two of onnxruntime's optimizers for a model with bfloat16 initializers (a
+    frozen base, read through Casts to float32: rewrites.bfloat16_in_float32): constant
+    folding, which would replace each by a float32 copy, twice its memory, and common
+    subexpression elimination, which would merge the Casts the graph builder gives each
+    reader of a weight (rewrites.cast_stored_weights_per_reader) back into one whose float32
+    output lives from the forward to the backward."""
     if not any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
         return
-    disabled = _config_entry(options, _DISABLED_OPTIMIZERS) or ""
-    if "ConstantFolding" not in disabled.split(";"):  # onnxruntime (1.19.2, 1.32) splits the names at ";", not ","
-        options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [disabled, "ConstantFolding"])))
+    disabled = (_config_entry(options, _DISABLED_OPTIMIZERS) or "").split(";")  # onnxruntime (1.19.2, 1.32) splits at ";"
+    wanted = [name for name in ("ConstantFolding", "CommonSubexpressionElimination") if name not in disabled]
+    if wanted:
+        options.add_session_config_entry(_DISABLED_OPTIMIZERS, ";".join(filter(None, [*disabled, *wanted])))
 
 
 _EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
