@@ -120,11 +120,9 @@ def phase_train(args, meter: Meter) -> dict:
 
     input_ids = _input_ids(args).numpy()
     folder = args.folder
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    trainer = Trainer(os.path.join(folder, "step.onnx"), os.path.join(folder, "step.ckpt"), lr=args.lr,
-                      session_options=options)
-    meter.mark("Trainer created (onnxruntime session, base weights loaded)")
+    # the Trainer's default session options (memory patterns and weight pre-packing off)
+    trainer = Trainer(os.path.join(folder, "step.onnx"), os.path.join(folder, "step.ckpt"), lr=args.lr)
+    meter.mark("Trainer created (onnxruntime session)")
     losses = [trainer.step(input_ids=input_ids, labels=input_ids) for _ in range(args.steps)]
     meter.mark(f"{args.steps} steps")
     trainer.save_adapter(os.path.join(folder, "adapter"))

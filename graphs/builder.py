@@ -619,6 +619,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         metadata[torch_exports.METADATA_PEFT] = peft_adapters
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
+    rewrites.cast_stored_weights_per_reader(result)
     tidy(result)
     result = add_functions_in_place(result)
     if inline:

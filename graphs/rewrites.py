@@ -33,7 +33,9 @@ would produce a wrong or rejected model.
 
 from __future__ import annotations
 
-from typing import Set
+import copy
+
+from typing import Dict, Set
 
 import numpy as np
 import onnx
@@ -48,7 +50,7 @@ from normgrad.graphs.rules import UnsupportedOperatorError
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
-           "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products"]
+           "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -695,6 +697,41 @@ def bfloat16_in_float32(model: onnx.ModelProto) -> None:
             info.type.tensor_type.elem_type = float32
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def cast_stored_weights_per_reader(model: onnx.ModelProto) -> int:
+    """Gives, in place, every reader of a ``Cast`` of a bfloat16 initializer (a frozen weight
+    read in float32: :func:`bfloat16_in_float32`) after the first its own Cast, placed right
+    before it; returns how many Casts were added. In a training graph the backward's
+    ``Gemm(dY, W)`` otherwise reads the forward's cast of W, which then stays alive from the
+    forward to the backward: a float32 copy of the whole base at the step's peak. Recast,
+    only the weights of the layers being computed are float32 at a time (onnxruntime runs a
+    Cast of an initializer just before its reader; the Trainer keeps its common
+    subexpression elimination from merging the Casts back, :mod:`normgrad._session`)."""
+    graph = model.graph
+    stored = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16}
+    casts = {node.output[0]: node for node in graph.node
+             if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.input and node.input[0] in stored}
+    names = {n for node in graph.node for n in [*node.input, *node.output, node.name]}
+    first_reader: Dict[str, int] = {}
+    nodes, added = [], 0
+    for index, node in enumerate(graph.node):
+        for position, name in enumerate(node.input):
+            if name not in casts:
+                continue
+            if first_reader.setdefault(name, index) == index:
+                continue
+            cast = copy.deepcopy(casts[name])
+            cast.output[0] = reserve_name(names, f"{name}.recast")
+            cast.name = reserve_name(names, f"{casts[name].name or name}.recast")
+            nodes.append(cast)
+            node.input[position] = cast.output[0]
+            added += 1
+        nodes.append(node)
+    if added:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return added
 
 
 _GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)

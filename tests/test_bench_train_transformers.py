@@ -20,7 +20,7 @@ NUMBER = r"\d+\.\d+"
 
 
 def test_transformer_rows_quick(capsys):
-    names = list(bench_train.TRANSFORMERS)
+    names = [name for name in bench_train.TRANSFORMERS if name != bench_train.MEMORY_ROW]
     assert names == ["bert", "bert_lora", "gpt2", "gpt2_lora", "llama", "llama_lora"]
     assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", *names]) == 0
     out = capsys.readouterr().out
@@ -57,3 +57,21 @@ def test_ort_training_column_on_gpt2(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("  ort-training ") and "ms " in line]
     assert len(rows) == 1 and re.search(rf" {NUMBER}x +1\.00x .*\(vs cpp {NUMBER}e[-+]\d+\)$", rows[0]), rows
+
+
+def test_memory_row_quick(capsys):
+    """``--memory``: a LoRA Llama trained from the step graph file ``normgrad export`` writes
+    (its base in external data) against torch + peft, with the peak RSS and CPU ratios."""
+    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--memory"]) == 0
+    out = capsys.readouterr().out
+    groups = out.split("\n\n")[1:]
+    assert len(groups) == 1 and groups[0].startswith(
+        f"{bench_train.MEMORY_ROW} x [1, 16] (2 layers, hidden 64, vocabulary 512, LoRA r 8): "), out
+    rows = {line.split()[0]: line for line in groups[0].splitlines() if "ms " in line}
+    assert set(rows) == {"cpp", "torch+peft"}, out
+    assert "(vs cpp" in rows["torch+peft"] and "MISMATCH" not in out and "failed" not in out
+    peaks = [int(re.search(r" (\d+)MB ", rows[v]).group(1)) for v in ("cpp", "torch+peft")]
+    ratio = re.search(rf"  cpp / torch\+peft: peak RSS ({NUMBER})x \((\d+) / (\d+) MB\), CPU time per step {NUMBER}x", out)
+    assert ratio, out
+    assert [int(ratio.group(2)), int(ratio.group(3))] == peaks
+    assert float(ratio.group(1)) == pytest.approx(peaks[0] / peaks[1], abs=0.01)

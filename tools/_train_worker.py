@@ -66,13 +66,20 @@ def _by_op(*profile_paths):
     return result
 
 
-def _normgrad(variant, forward_path, x, labels, threads, loss):
+def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
     import onnx
     import onnxruntime
 
     from normgrad.graphs import build_step_graph, build_training_graph
     from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.train import Trainer
+    from normgrad._session import training_session_options
+
+    kernels = "cpp" if variant == "cpp" else None
+    if step_path:  # a step graph file from normgrad export (its base in external data), as a user trains it
+        options = bench_session_options(threads, options=training_session_options(onnxruntime))
+        trainer = Trainer(step_path, step_path[:-len(".onnx")] + ".ckpt", lr=LR, session_options=options, kernels=kernels)
+        return (lambda: float(trainer.step(x, labels))), None
 
     forward = onnx.load(forward_path)
     x_name = forward.graph.input[0].name
@@ -80,10 +87,7 @@ def _normgrad(variant, forward_path, x, labels, threads, loss):
     del forward
     step_graph, initial = build_step_graph(training, "adamw", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     del training
-    kernels = "cpp" if variant == "cpp" else None
-    from normgrad._session import training_session_options
-
-    # the Trainer's own default options (memory patterns off), with the bench's threads
+    # the Trainer's own default options (memory patterns and pre-packing off), with the bench's threads
     options = bench_session_options(threads, options=training_session_options(onnxruntime))
     trainer = Trainer(step_graph, initial, lr=LR, session_options=options, kernels=kernels)
     del initial  # the trainer holds the state: a NumPy copy kept here would count in the peak RSS
@@ -118,7 +122,8 @@ def _torch(name, state_path, x, labels, threads, quick):
 
     torch.set_num_threads(threads)
     model = torch_model(name, quick)
-    model.load_state_dict(torch.load(state_path))
+    if os.path.exists(state_path):  # else the model as its seed builds it (the bench's --memory row)
+        model.load_state_dict(torch.load(state_path))
     trainable = [p for p in model.parameters() if p.requires_grad]  # peft LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
@@ -279,7 +284,7 @@ def main():
     try:
         loss = paths.get("loss", "cross_entropy")
         if variant in ("cpp", "functions"):
-            step, profile = _normgrad(variant, paths["onnx"], x, labels, threads, loss)
+            step, profile = _normgrad(variant, paths["onnx"], x, labels, threads, loss, paths.get("step"))
         elif variant == "torch":
             step, profile = _torch(name, paths["pt"], x, labels, threads, quick)
         else:

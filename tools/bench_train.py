@@ -4,7 +4,8 @@ A step is forward, cross-entropy against integer labels, backward and one AdamW 
 (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) of every parameter:
 
 * ``cpp``: normgrad's step graph (``build_step_graph``) in ``normgrad.train.Trainer`` with
-  normgrad's C++ kernels and the Trainer's default session options (memory patterns off);
+  normgrad's C++ kernels and the Trainer's default session options (memory patterns and
+  weight pre-packing off);
 * ``functions``: the same step graph in plain onnxruntime, on its function bodies;
 * ``torch``: torch eager, ``train()`` mode, ``torch.optim.AdamW`` (the same weights);
 * ``ort-training``: onnxruntime-training's ``Module`` + ``Optimizer`` (``generate_artifacts``
@@ -30,6 +31,13 @@ only; BERT's flattened to [tokens, vocabulary]); ``torch`` is then transformers'
 LayerNormalization and SplitToSequence in forms it has gradients for (see the worker). They have no
 ``functions`` column (the C++ kernels are what the speed target is about, and the column
 would add a minute per row).
+``--memory`` adds the memory row (alone without ``--models``): a Llama of 265 M parameters
+(hidden 1024, 12 layers, 16 heads, vocabulary 32000, untied: 1.06 GB of float32) with peft
+LoRA r 8 on its seven projections, input_ids [1, 128], exported with ``external_data=True``
+and its step graph written by ``normgrad export --loss causal_lm --optimizer adamw``, which
+``cpp`` trains from the files as a user does (``Trainer(step.onnx, step.ckpt)``) while torch
++ peft builds the same model from its seed (no state file loaded beside it); a line under it
+gives the two peak RSS and CPU times per step as ratios.
 ``--quick`` shrinks every model (CI smoke test). torch (and transformers and peft for the
 transformer rows) must be installed to build them.
 
@@ -64,7 +72,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["main", "MODELS", "TRANSFORMERS", "torch_model"]
+__all__ = ["main", "MODELS", "TRANSFORMERS", "MEMORY_ROW", "torch_model"]
+
+MEMORY_ROW = "llama_lora_memory"
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_train_worker.py")
 
@@ -83,15 +93,22 @@ TRANSFORMERS: Dict[str, Tuple[str, bool]] = {
     "bert": ("bert", False), "bert_lora": ("bert", True),
     "gpt2": ("gpt2", False), "gpt2_lora": ("gpt2", True),
     "llama": ("llama", False), "llama_lora": ("llama", True),
+    MEMORY_ROW: ("llama", True),  # --memory only
 }
 # batch, sequence, vocabulary, hidden, layers, heads
 TRANSFORMER_SIZES = {False: (8, 128, 8192, 256, 4, 4), True: (2, 16, 128, 32, 2, 2)}
+MEMORY_SIZES = {False: (1, 128, 32000, 1024, 12, 16), True: (1, 16, 512, 64, 2, 2)}
+"""The --memory row's Llama: 265 M parameters (1.06 GB of float32), LoRA r 8 on every projection."""
 LORA_TARGETS = {
     "bert": r".*encoder\.layer\.\d+\..*(query|key|value|dense)",  # not the MLM head's transform
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 LOSSES = {"bert": "cross_entropy", "gpt2": "causal_lm", "llama": "causal_lm"}
+
+
+def _sizes(name: str, quick: bool) -> Tuple[int, ...]:
+    return (MEMORY_SIZES if name == MEMORY_ROW else TRANSFORMER_SIZES)[quick]
 
 
 def transformer_model(name: str, quick: bool):
@@ -101,7 +118,7 @@ def transformer_model(name: str, quick: bool):
     import transformers
 
     family, lora = TRANSFORMERS[name]
-    _, sequence, vocabulary, hidden, layers, heads = TRANSFORMER_SIZES[quick]
+    _, sequence, vocabulary, hidden, layers, heads = _sizes(name, quick)
     torch.manual_seed(0)
     common = dict(vocab_size=vocabulary, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
     if family == "bert":
@@ -130,7 +147,7 @@ def transformer_model(name: str, quick: bool):
 def transformer_batch(name: str, quick: bool) -> Tuple[np.ndarray, np.ndarray]:
     """input_ids and labels of row ``name``: the input tokens for the decoders (the causal-LM
     loss shifts them), other random tokens for BERT, one per position [batch * sequence]."""
-    batch, sequence, vocabulary = TRANSFORMER_SIZES[quick][:3]
+    batch, sequence, vocabulary = _sizes(name, quick)[:3]
     rng = np.random.default_rng(0)
     input_ids = rng.integers(0, vocabulary, (batch, sequence)).astype(np.int64)
     if LOSSES[TRANSFORMERS[name][0]] == "causal_lm":
@@ -240,7 +257,8 @@ def _export_transformer(name: str, quick: bool, paths: Dict[str, str]) -> None:
 
     model = transformer_model(name, quick)
     input_ids, labels = transformer_batch(name, quick)
-    torch.save(model.state_dict(), paths["pt"])
+    if name != MEMORY_ROW:  # the memory row's torch side builds its model from the seed: no second copy loaded
+        torch.save(model.state_dict(), paths["pt"])
     flatten = LOSSES[TRANSFORMERS[name][0]] == "cross_entropy"  # normgrad's cross_entropy wants [N, classes]
 
     class Logits(torch.nn.Module):
@@ -256,7 +274,16 @@ def _export_transformer(name: str, quick: bool, paths: Dict[str, str]) -> None:
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         normgrad.torch.export(Logits(model), (torch.from_numpy(input_ids),), paths["onnx"], exporter="dynamo",
-                              input_names=["input_ids"], output_names=["logits"])
+                              input_names=["input_ids"], output_names=["logits"], external_data=name == MEMORY_ROW)
+    if name == MEMORY_ROW:  # the step graph as a user writes it, its frozen base in the forward model's data file
+        del model
+        from normgrad.tools.export import main as export_main
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = export_main([paths["onnx"], "-o", paths["step"], "--loss", LOSSES[TRANSFORMERS[name][0]],
+                                "--optimizer", "adamw", "--weight-decay", str(0.01)])
+        if code:
+            raise RuntimeError(f"normgrad export of the --memory row exited {code}")
     np.save(paths["x.npy"], input_ids)
     np.save(paths["labels.npy"], labels)
 
@@ -264,6 +291,8 @@ def _export_transformer(name: str, quick: bool, paths: Dict[str, str]) -> None:
 def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
     """Writes the model's forward ONNX, torch state, x and labels into ``folder``."""
     paths = {k: os.path.join(folder, f"{name}.{k}") for k in ("onnx", "x.npy", "labels.npy", "pt")}
+    if name == MEMORY_ROW:
+        paths["step"] = os.path.join(folder, f"{name}.step.onnx")
     if name in TRANSFORMERS:
         _export_transformer(name, quick, paths)
         paths["loss"] = LOSSES[TRANSFORMERS[name][0]]
@@ -365,7 +394,7 @@ def _title(name: str, quick: bool) -> Tuple[str, str]:
     if name not in TRANSFORMERS:
         return f"{name} x {list(MODELS[name][1 if quick else 0])}: training step (forward, cross-entropy", "torch"
     family, lora = TRANSFORMERS[name]
-    batch, sequence, vocabulary, hidden, layers, _ = TRANSFORMER_SIZES[quick]
+    batch, sequence, vocabulary, hidden, layers, _ = _sizes(name, quick)
     loss = "causal-LM loss" if LOSSES[family] == "causal_lm" else "cross-entropy"
     what = "LoRA r 8" if lora else "full fine-tuning"
     return (f"{name} x [{batch}, {sequence}] ({layers} layers, hidden {hidden}, vocabulary {vocabulary}, {what}): "
@@ -377,7 +406,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
     variants = [("cpp", sys.executable), ("functions", sys.executable), ("torch", sys.executable)]
     if name in TRANSFORMERS:
         variants.remove(("functions", sys.executable))
-    if args.ort_training_python:
+    if args.ort_training_python and name != MEMORY_ROW:
         variants.append(("ort-training", args.ort_training_python))
     # the workers build at once (imports, graph building, sessions); the timed steps are one at a time
     workers = {v: _Worker(python, v, name, paths, args.threads, args.quick, wait=False) for v, python in variants}
@@ -398,7 +427,9 @@ def _model_group(name: str, args, folder: str, out) -> bool:
                 times[v].append(reply["time"])
                 cpu_times[v].append(reply["cpu"])
     ends = {v: worker.ask("rss") for v, worker in workers.items()}  # before profiling builds another session
-    profiles = {v: worker.ask("profile") for v, worker in workers.items() if v in ("cpp", "ort-training")}
+    # the --memory row's Trainer reads its step graph file; a profiled session would be a second one
+    profiles = {v: worker.ask("profile") for v, worker in workers.items()
+                if v in ("cpp", "ort-training") and name != MEMORY_ROW}
     for worker in workers.values():
         worker.close()
 
@@ -429,6 +460,10 @@ def _model_group(name: str, args, folder: str, out) -> bool:
             check = f"{losses[v][0]:.5f} {losses[v][1]:.5f} (vs cpp {error:.1e}{'' if good else ' MISMATCH'})"
         print(f"  {label:<14}{medians[v] * 1e3:8.1f}ms  {min(t) * 1e3:8.1f}-{max(t) * 1e3:8.1f}ms{ratio('torch'):>8}"
               f"{ratio('ort-training'):>9}{cpu_medians[v] * 1e3:8.1f}ms{cpu_ratio:>8}{peak or 0:9.0f}MB{(peak or 0) - (ready or 0):9.0f}MB  {check}", file=out)
+    peaks = {v: ends[v].get("peak_mb") for v in ("cpp", "torch") if not workers[v].error}
+    if name == MEMORY_ROW and all(peaks.get(v) for v in ("cpp", "torch")) and cpu_medians.get("torch"):
+        print(f"  cpp / {torch_label}: peak RSS {peaks['cpp'] / peaks['torch']:.2f}x ({peaks['cpp']:.0f} / "
+              f"{peaks['torch']:.0f} MB), CPU time per step {cpu_medians['cpp'] / cpu_medians['torch']:.2f}x", file=out)
     for v, reply in profiles.items():
         if reply.get("profile"):
             print(f"  {v} profile (op types by share of node time): {_top(reply['profile'])}", file=out)
@@ -443,12 +478,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, 3 rounds (CI smoke test)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every variant (2)")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")
-    parser.add_argument("--models", nargs="+", choices=[*MODELS, *TRANSFORMERS], default=[*MODELS, *TRANSFORMERS],
-                        help="models to time")
+    rows = [*MODELS, *(name for name in TRANSFORMERS if name != MEMORY_ROW)]
+    parser.add_argument("--models", nargs="+", choices=rows, default=None, help="models to time (default: all)")
+    parser.add_argument("--memory", action="store_true",
+                        help=f"the memory row ({MEMORY_ROW}): a 265 M-parameter Llama, LoRA, against torch + peft; "
+                             "with no --models, that row alone")
     parser.add_argument("--ort-training-python", default=None, metavar="PATH",
                         help="a Python with onnxruntime-training (1.19.2): adds its column")
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (3 if args.quick else 7)
+    args.models = (args.models or ([] if args.memory else rows)) + ([MEMORY_ROW] if args.memory else [])
     if args.repeat < 1 or args.threads < 1:
         parser.error("--repeat and --threads must be >= 1")
     if args.ort_training_python and not os.access(args.ort_training_python, os.X_OK):

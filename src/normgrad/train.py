@@ -104,7 +104,8 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             axis 0 into this many equal parts and averages their gradients.
         providers: onnxruntime execution providers (default ``["CPUExecutionProvider"]``).
         session_options: an ``onnxruntime.SessionOptions`` (threads, logging, ...). None:
-            :func:`normgrad._session.training_session_options` (memory patterns off).
+            :func:`normgrad._session.training_session_options` (memory patterns and weight
+            pre-packing off).
         kernels: ``"auto"`` registers normgrad's C++ kernels when the library is installed
             (function bodies otherwise), ``"cpp"`` requires them, ``None`` registers none
             (the step graph's function bodies run).
