@@ -32,10 +32,6 @@ _REQUIRED = {"openvino": "NORMGRAD_REQUIRE_OPENVINO_RUNTIME", "tract": "NORMGRAD
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-SEEDED_DROPOUT_OPENVINO = ("64-bit integer arithmetic (the CPU plugin computes int64 Mul in 32 bits, so the seeded "
-                           "Dropout mask differs from onnxruntime's: wrong values)")
-SEEDED_DROPOUT_TRACT = ("onnxruntime's int64 results for the seeded Dropout mask generator (tract 0.23.9 draws other "
-                        "masks: wrong values)")
 
 
 def available(runtime: str) -> bool:
@@ -66,11 +62,8 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
                                                       if n.op_type == "Scan"):
         return "Scan bodies that read outer-scope values (OpenVINO: 'Number of Scan node inputs ... is less than " \
                "required'; the EP: 'node not found in graph cache'): export with --inline or --portable"
-    seeded = any(i.name == "dropout_seed" for i in model.graph.input)
     if runtime == "openvino-ep" and any(n.op_type == "LayerNormalization" and any(n.output[1:]) for n in model.graph.node):
         return "LayerNormalization with its Mean/InvStdDev outputs read ('expects 1 output tensor'; --portable computes them beside it)"
-    if runtime == "openvino-ep" and seeded:
-        return SEEDED_DROPOUT_OPENVINO
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
@@ -82,11 +75,7 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return f"model-local functions ({', '.join(ops)}): export with --inline"
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
-    if runtime == "openvino" and seeded:
-        return SEEDED_DROPOUT_OPENVINO
     if runtime == "tract":
-        if seeded:
-            return SEEDED_DROPOUT_TRACT
         if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
             return "bfloat16 tensors"
         constants = {t.name for t in model.graph.initializer} | {n.output[0] for n in model.graph.node
