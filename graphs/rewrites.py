@@ -433,8 +433,9 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
     ``dropout_micro_batch`` is a Constant 0. The replaced nodes keep their output names (the
     mask too, which the Dropout gradient rule already reads): run after differentiation,
     forward and backward share one mask. Integer arithmetic only: bitwise the same on any
-    onnxruntime, thread count and graph optimization level, and on the other runtimes
-    (``tests/test_runtimes.py``; where int64 is computed in 32 bits, for seeds of int32's range).
+    onnxruntime, thread count and graph optimization level, and on OpenVINO and onnx's
+    ReferenceEvaluator (``tests/test_runtimes.py``; on OpenVINO, which holds int64 as int32,
+    for seeds of int32's range).
 
     Returns:
         {Dropout output: its data input} of the replaced nodes ({} and ``graph`` unchanged

@@ -34,6 +34,10 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 
+SEEDED_DROPOUT_TRACT = ("graphs with the seeded Dropout mask generator: tract 0.23.9's into_model did not finish "
+                        "in 4 minutes on the transformer step graph (not run)")
+
+
 def available(runtime: str) -> bool:
     if runtime == "openvino-ep":  # tests/_providers.py checks NORMGRAD_REQUIRE_OPENVINO
         import onnxruntime
@@ -76,6 +80,8 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
     if runtime == "tract":
+        if _seeded(model):
+            return SEEDED_DROPOUT_TRACT
         if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
             return "bfloat16 tensors"
         constants = {t.name for t in model.graph.initializer} | {n.output[0] for n in model.graph.node
@@ -92,6 +98,10 @@ def _reads_outer_scope(scan: onnx.NodeProto) -> bool:
     body = next(a.g for a in scan.attribute if a.name == "body")
     produced = {i.name for i in body.input} | {o for n in body.node for o in n.output}
     return any(i and i not in produced for n in body.node for i in n.input)
+
+
+def _seeded(model: onnx.ModelProto) -> bool:
+    return any(i.name == "dropout_seed" for i in model.graph.input)
 
 
 def _inputs_also_initializers(model: onnx.ModelProto) -> bool:
@@ -127,6 +137,8 @@ def _tract(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np
 
     if _inputs_also_initializers(model):  # measured: a Rust panic that aborts the whole process
         raise RuntimeError("not run: tract aborts the process on a graph input that is also an initializer")
+    if _seeded(model):  # measured: its model analysis runs for minutes (a hang guard would be the test's only result)
+        raise RuntimeError(f"not run: {SEEDED_DROPOUT_TRACT}")
     with tempfile.TemporaryDirectory(prefix="normgrad-tract-") as folder:
         path = pathlib.Path(folder) / "model.onnx"
         onnx.save(model, str(path))
