@@ -52,6 +52,7 @@ __all__ = [
     "hyperparameter_defaults",
     "HYPERPARAMETER_INPUTS",
     "hyperparameter_feeds",
+    "hyperparameter_values",
 ]
 
 HYPERPARAMETER_INPUTS = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening", "max_grad_norm")
@@ -199,17 +200,23 @@ def hyperparameter_defaults(kind: str, *, lr: float = 1e-3, weight_decay: float 
     return {name: float(value) for name, value in hyper.items()}
 
 
-def hyperparameter_feeds(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
-    """{input: scalar array} of the export values of every hyperparameter input of a step or
-    optimizer graph (from its ``normgrad.optimizer`` metadata; lr 1e-3 for a graph written
-    before lr had a default), in the inputs' dtypes: the feeds a session of the graph takes
-    besides the batch, the state and ``step``."""
+def hyperparameter_values(model: onnx.ModelProto) -> Dict[str, float]:
+    """{input: export value} of every hyperparameter input of a step or optimizer graph (from
+    its ``normgrad.optimizer`` metadata; lr 1e-3 for a graph written before lr had a default)."""
     kind, options = optimizer_options(model)
     exported = hyperparameter_defaults(kind, **{k: v for k, v in options.items() if k in (
         "lr", "weight_decay", "momentum", "dampening", "betas", "eps", "clip_grad_norm")})
     inputs = {i.name for i in model.graph.input}
-    return {name: np.array(value, np.float32 if name == "lr" else np.float64)
-            for name, value in exported.items() if name in inputs}
+    return {name: value for name, value in exported.items() if name in inputs}
+
+
+def hyperparameter_feeds(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
+    """{input: scalar array} of :func:`hyperparameter_values`, each in the dtype its input
+    declares (float64 but lr by default, float32 in the portable form): the feeds a session
+    of the graph takes besides the batch, the state and ``step``."""
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    return {name: np.array(value, helper.tensor_dtype_to_np_dtype(inputs[name]))
+            for name, value in hyperparameter_values(model).items()}
 
 
 _OPTION_DEFAULTS = dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,

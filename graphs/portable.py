@@ -26,9 +26,9 @@ minimal reproducer of each:
   graph fails to compile without the rewrite, ``tests/test_openvino.py``.)
 * **seeded Dropout** (a training graph's; a step graph's always is): OpenVINO refuses
   training-mode Dropout; the mask is drawn from the ``dropout_seed`` and ``step`` inputs by
-  standard ops, as the step graph draws it.
-  OpenVINO then runs it, but computes the generator's int64 products in 32 bits, so the mask
-  differs from onnxruntime's (``test_openvino_defects.py``: int64_in_32_bits).
+  standard ops, as the step graph draws it: integer arithmetic exact in 32 bits, so OpenVINO
+  (which computes int64 in 32 bits and int32 Div/Mod in float32:
+  ``test_openvino_defects.py``) draws onnxruntime's masks bitwise.
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -49,6 +49,15 @@ minimal reproducer of each:
   becomes a loop-carried state the body passes on unchanged. It costs a copy per step on
   onnxruntime's CPU provider (4% of the LSTM benchmark's step): a costly rewrite, also made
   by ``--inline``.
+* **float64 scalars in float32**: OpenVINO's CPU device has no float64, so the step
+  graph's float64 scalars (the optimizer hyperparameter inputs and Adam's bias
+  corrections, float64 by default as torch's Python floats) ran on the CPU provider and
+  split the EP's partition. They become float32 (the hyperparameter inputs too: feed the
+  dtype the graph declares, as ``hyperparameter_feeds`` and the Trainer do), and each
+  ``1 - b ** t`` becomes ``-expm1(t * log(b))`` with expm1(a) = 2 tanh(a/2) / (1 - tanh(a/2)):
+  float32 ``1 - 0.999 ** t`` loses about 5 digits to cancellation in early steps, this
+  form none (``tests/test_portable.py`` checks AdamW's trajectory against torch.optim).
+  Changes rounding, so only ``--portable`` makes it.
 * **no training-mode BatchNormalization**: OpenVINO refuses ``training_mode=1`` at
   compile time without falling back to the CPU provider; the exporter writes the batch
   statistics explicitly, and a graph that still has such a node is refused here.
@@ -312,6 +321,78 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> None:
         model.metadata_props.append(onnx.StringStringEntryProto(key=rewrites.METADATA_DROPOUT, value=value))
 
 
+def _is_float64_scalar(types: Dict[str, onnx.TypeProto], name: str) -> bool:
+    info = types.get(name)
+    return (info is not None and info.tensor_type.elem_type == onnx.TensorProto.DOUBLE
+            and _rank(types, name) == 0)
+
+
+def _float64_scalars_in_float32(model: onnx.ModelProto, names: _Names) -> None:
+    """Every 0-d float64 graph input, initializer, Constant and Cast becomes float32 (the values computed
+    from them follow), and ``Sub(1, Pow(b, t))`` on them becomes ``-expm1(t * log(b))``,
+    exact to a few float32 roundings where the subtraction would cancel."""
+    graph = model.graph
+    types = value_types(model)
+    scalars = {name for name in types if _is_float64_scalar(types, name)}
+    if not scalars:
+        return
+    for value in graph.input:
+        if value.name in scalars:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    ones = set()
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.name in scalars:
+            value = onh.to_array(tensor).astype(np.float32)
+            graph.initializer[index].CopyFrom(onh.from_array(value, tensor.name))
+            if value == 1:
+                ones.add(tensor.name)
+    producers = {}
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx") or not node.output or node.output[0] not in scalars:
+            continue
+        producers[node.output[0]] = node
+        if node.op_type == "Constant":
+            value = onh.to_array(node.attribute[0].t).astype(np.float32)
+            node.attribute[0].t.CopyFrom(onh.from_array(value, node.attribute[0].t.name))
+            if value == 1:
+                ones.add(node.output[0])
+        elif node.op_type == "Cast":
+            node.attribute[0].i = onnx.TensorProto.FLOAT
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        power = producers.get(node.input[1]) if node.op_type == "Sub" and len(node.input) == 2 else None
+        if node.output[0] not in scalars or node.input[0] not in ones or power is None or power.op_type != "Pow":
+            nodes.append(node)
+            continue
+        prefix = node.name or node.output[0]
+
+        def op(op_type, *inputs, output=None):
+            out = output or names(f"{prefix}/{op_type.lower()}")
+            nodes.append(oh.make_node(op_type, list(inputs), [out], name=names(f"{prefix}/{op_type}")))
+            return out
+
+        base, exponent = power.input
+        constants = {hint: _const(names, f"{prefix}/{hint}", value) for hint, value in (
+            ("ones", np.ones([1], np.float32)), ("half", np.array(0.5, np.float32)),
+            ("minus_two", np.array(-2.0, np.float32)), ("axes", np.array([0], np.int64)))}
+        nodes += [constant for _, constant in constants.values()]
+        one_1d, half, minus_two, axes = (constants[hint][0] for hint in ("ones", "half", "minus_two", "axes"))
+        # in [1]: the EP leaves a 0-d Log or Tanh to the CPU provider
+        tanh = op("Tanh", op("Mul", op("Mul", exponent, op("Log", op("Mul", base, one_1d))), half))
+        expm1 = op("Div", op("Mul", tanh, minus_two), op("Sub", node.input[0], tanh))
+        if opset >= 13:
+            op("Squeeze", expm1, axes, output=node.output[0])
+        else:
+            nodes.append(oh.make_node("Squeeze", [expm1], [node.output[0]], name=names(f"{prefix}/Squeeze"), axes=[0]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    live = read_names(graph) | {o.name for o in graph.output}
+    kept = [n for n in graph.node if n.op_type != "Pow" or any(o in live for o in n.output)]
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     """{value: its type} of every initializer, input, output and inferred value (shape
     inference with data propagation)."""
@@ -436,11 +517,13 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 REWRITES = ("group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded", "onehot_as_equal",
             "size_as_shape_product", "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
-            "unused_inputs_last")
+            "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
-COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "scan_bodies_self_contained")
+COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "scan_bodies_self_contained",
+                   "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
-(``python -m normgrad.tools.bench_portable``): only ``normgrad export --portable`` makes them."""
+(``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
+float32): only ``normgrad export --portable`` makes them."""
 
 
 def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
@@ -515,6 +598,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         _fold_constant_casts(model)
     if "scan_bodies_self_contained" not in skip:
         scan_bodies_self_contained(model)
+    if "float64_scalars_in_float32" not in skip:
+        _float64_scalars_in_float32(model, names)
     if "unused_inputs_last" not in skip:
         _unused_inputs_last(model)
     check_model(model)

@@ -297,10 +297,18 @@ graph, an input of the gradient graph (:func:`normgrad.graphs.optimizers.build_g
 METADATA_DROPOUT = "normgrad.dropout"
 """Model metadata key: JSON {"seed": the default seed, "outputs": {Dropout output: its data input}}."""
 
-_SQUARES_KEY = 0x6B3D0209FC751DE9
-"""The fixed key that starts the key chain (odd, varied hex digits, as squares keys should be)."""
+_LIMB_BITS = 15
+"""The generator computes on 30-bit words held as two 15-bit limbs in int32: every product and
+sum stays below 2**31, so a runtime that computes integers in 32 bits (OpenVINO's CPU plugin
+does so for int64) gets the same mask bitwise."""
+_LIMB = 1 << _LIMB_BITS
+_WORD_BITS = 2 * _LIMB_BITS
+_CHAIN_KEYS = (0x3C751DE9, 0x2B3D0209)
+"""The fixed odd 30-bit keys of the key chain's two draws (varied hex digits, as squares keys should be)."""
 _UNIFORM_BITS = 24
 """Bits of each element's uniform number: float32 holds them exactly."""
+_COUNTER_LIMBS = (("seed", 5), ("step", 2), ("micro_batch", 2))
+"""The key chain's counters and their 15-bit limbs (5 cover an int64 seed)."""
 
 
 class _Emitter:
@@ -323,41 +331,73 @@ class _Emitter:
         self.nodes.append(oh.make_node(op_type, list(inputs), [output], **attributes))
         return output
 
-    def shift_right(self, value: str, bits: int) -> str:
-        """Logical right shift of an int64 tensor (onnxruntime's BitShift takes unsigned types only)."""
-        unsigned = self.op("Cast", value, to=onnx.TensorProto.UINT64)
-        shifted = self.op("BitShift", unsigned, self.const(bits, np.uint64), direction="RIGHT")
-        return self.op("Cast", shifted, to=onnx.TensorProto.INT64)
+    def divmod(self, value: str, limb: str, quotient: bool = True) -> tuple:
+        """(value div 2**15 or None, value mod 2**15), floor division, of an integer tensor.
+        Exact where Div and Mod alone are not: OpenVINO computes int32 Div and Mod (and casts
+        and shifts) in float32, off past 2**24, so its quotient may be 1 off; the remainder is
+        then taken of a value below 3 * 2**15, and the quotient divides an exact multiple of
+        2**15 (truncating and flooring Div agree on it)."""
+        rough = self.op("Sub", value, self.op("Mul", self.op("Div", value, limb), limb))
+        remainder = self.op("Mod", self.op("Add", rough, limb), limb)
+        if not quotient:
+            return None, remainder
+        return self.op("Div", self.op("Sub", value, remainder), limb), remainder
 
-    def squares(self, counter: str, key: str, bits: int = 32) -> str:
-        """Widynski's counter-based generator "squares" (four rounds of squaring and swapping
-        halves, arithmetic mod 2**64 on int64, which onnxruntime wraps): the top ``bits`` of
-        its 32-bit output for each element of ``counter`` under ``key``."""
-        high = self.const(1 << 32)
-        rotate = lambda v: self.op("Add", self.op("Mul", v, high), self.shift_right(v, 32))  # noqa: E731
-        # v * v as -(v * -v) (the same mod 2**64): tract turns Mul(v, v) into a Square it
-        # has no int64 kernel for ("Square does not support I64")
-        square = lambda v: self.op("Neg", self.op("Mul", v, self.op("Neg", v)))  # noqa: E731
-        y = self.op("Mul", counter, key)
-        z = self.op("Add", y, key)
-        x = rotate(self.op("Add", square(y), y))
-        x = rotate(self.op("Add", square(x), z))
-        x = rotate(self.op("Add", square(x), y))
-        return self.shift_right(self.op("Add", square(x), z), 64 - bits)
+    def limbs(self, value: str, count: int) -> list:
+        """The ``count`` low 15-bit limbs of an int64 tensor (floor remainders)."""
+        limb, found = self.const(_LIMB), []
+        for _ in range(count):
+            value, remainder = self.divmod(value, limb)
+            found.append(remainder)
+        return found
 
-    def next_key(self, values: str, key: str) -> str:
-        """An odd 64-bit key per element of the 1-D ``values``, from two squares draws under ``key``."""
-        doubled = self.op("Mul", values, self.const(2))
-        counters = self.op("Concat", self.op("Unsqueeze", doubled, self.const([1])),
-                           self.op("Unsqueeze", self.op("Add", doubled, self.const(1)), self.const([1])), axis=1)
-        drawn = self.squares(counters, key)
-        # a Split, not two Gathers: onnxruntime 1.19's GatherSliceToSplitFusion gives every fused
-        # pair the same node name, then rejects the graph (and int64 ReduceSum loses low bits)
-        halves = [self._name("half") for _ in range(2)]
-        self.nodes.append(oh.make_node("Split", [drawn, self.const([1, 1])], halves, axis=1))
-        high, low = (self.op("Squeeze", half, self.const([1])) for half in halves)
-        mixed = self.op("Add", self.op("Mul", high, self.const(1 << 32)), low)
-        return self.op("Add", self.op("Mul", mixed, self.const(2)), self.const(1))
+    def carry(self, low: str, high: str, limb: str) -> tuple:
+        """(high + low div 2**15) mod 2**15, low mod 2**15: a word from unnormalized limbs."""
+        carry, low = self.divmod(low, limb)
+        return self.divmod(self.op("Add", high, carry), limb, quotient=False)[1], low
+
+    def squares(self, counter: tuple, key: tuple) -> tuple:
+        """Widynski's counter-based generator "squares" on 30-bit words (four rounds of
+        squaring and swapping halves, mod 2**30) for each element of the word ``counter``
+        under the word ``key``; words are (high, low) pairs of 15-bit int32 limbs."""
+        limb = self.const(_LIMB, np.int32)
+
+        def times(a, b):  # a * b mod 2**30
+            low = self.op("Mul", a[1], b[1])
+            cross = self.op("Add", self.op("Mul", a[0], b[1]), self.op("Mul", a[1], b[0]))
+            return self.carry(low, cross, limb)
+
+        def plus(a, b):  # a + b mod 2**30
+            return self.carry(self.op("Add", a[1], b[1]), self.op("Add", a[0], b[0]), limb)
+
+        def square_plus(a, b):  # a * a + b mod 2**30: 2 * high * low + carries stays below 2**31
+            low = self.op("Add", self.op("Mul", a[1], a[1]), b[1])
+            cross = self.op("Add", self.op("Mul", a[0], self.op("Add", a[1], a[1])), b[0])
+            return self.carry(low, cross, limb)
+
+        swap = lambda word: (word[1], word[0])  # noqa: E731  (rotation by 15 bits)
+        y = times(counter, key)
+        z = plus(y, key)
+        x = swap(square_plus(y, y))
+        x = swap(square_plus(x, z))
+        x = swap(square_plus(x, y))
+        return square_plus(x, z)
+
+    def odd(self, word: tuple) -> tuple:
+        low = word[1]
+        return word[0], self.op("Add", self.op("Sub", low, self.op("Mod", low, self.const(2, np.int32))),
+                                self.const(1, np.int32))
+
+    def split(self, value: str, count: int) -> list:
+        """The ``count`` elements of the 1-D ``value``, each of shape [1]."""
+        if count == 1:
+            return [value]
+        parts = [self._name("part") for _ in range(count)]
+        self.nodes.append(oh.make_node("Split", [value, self.const([1] * count)], parts, axis=0))
+        return parts
+
+    def word_const(self, value: int) -> tuple:
+        return self.const(value >> _LIMB_BITS, np.int32), self.const(value & (_LIMB - 1), np.int32)
 
 
 def _training_dropouts(graph: onnx.GraphProto) -> list:
@@ -378,11 +418,16 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
     """Replaces, in place, every Dropout node of ``graph`` that may run in training mode by
     standard ops whose mask is a function of (seed, step, micro-batch, node, element):
 
-    * a key chain: k = K; k = key(seed, k); k = key(step, k); k = key(micro-batch, k), where
-      key draws two 32-bit numbers of the squares generator and makes them an odd 64-bit key;
-      node i (graph order) gets key(i, k);
-    * element e (row-major) is kept when squares(e, node key)'s top 24 bits / 2**24 >= ratio:
-      probability 1 - ratio; kept elements are divided by 1 - ratio, as Dropout does.
+    * squares on 30-bit words (:meth:`_Emitter.squares`: four rounds of x * x + y mod 2**30
+      and swapping 15-bit halves), exact in 32-bit integer arithmetic, so every runtime
+      (OpenVINO computes int64 in 32 bits, tract has no int64 Square) draws the same masks;
+    * a key: the 15-bit limbs of the seed (5), the step (2) and the micro-batch (2), limb j
+      with value v as the counter j * 2**15 + v, each drawn under K1; the draws summed mod
+      2**30 and drawn again under K2, made odd; node i (graph order) gets squares(i, key),
+      made odd;
+    * element e (row-major, mod 2**30) is kept when squares(e, node key)'s top 24 bits /
+      2**24 >= ratio: probability 1 - ratio; kept elements are divided by 1 - ratio, as
+      Dropout does.
 
     The seed is the new int64 scalar input ``dropout_seed`` (``seed``, recorded in the
     metadata, is what :class:`normgrad.train.Trainer` feeds by default); ``step`` names a
@@ -390,7 +435,9 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
     ``dropout_micro_batch`` is a Constant 0. The replaced nodes keep their output names (the
     mask too, which the Dropout gradient rule already reads): run after differentiation,
     forward and backward share one mask. Integer arithmetic only: bitwise the same on any
-    onnxruntime, thread count and graph optimization level.
+    onnxruntime, thread count and graph optimization level, and on OpenVINO and onnx's
+    ReferenceEvaluator (``tests/test_runtimes.py``; on OpenVINO, which holds int64 as int32,
+    for seeds of int32's range).
 
     Returns:
         {Dropout output: its data input} of the replaced nodes ({} and ``graph`` unchanged
@@ -412,21 +459,36 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
             raise ValueError(f"the graph already has a value named {reserved!r}")
     emit = _Emitter(_unique(graph, "dropout_mask"))
     one = emit.const([1])
-    key = emit.const(_SQUARES_KEY)
     step_int = emit.op("Cast", step, to=onnx.TensorProto.INT64)
     emit.op("Constant", value=onh.from_array(np.array(0, np.int64)), output=DROPOUT_MICRO_BATCH_INPUT)
-    for counter in (DROPOUT_SEED_INPUT, step_int, DROPOUT_MICRO_BATCH_INPUT):
-        key = emit.next_key(emit.op("Reshape", counter, one), key)
-    node_keys = emit.next_key(emit.const(np.arange(len(dropouts))), key)
+    limbs = [limb for counter, (_, count) in zip((DROPOUT_SEED_INPUT, step_int, DROPOUT_MICRO_BATCH_INPUT), _COUNTER_LIMBS)
+             for limb in emit.limbs(emit.op("Reshape", counter, one), count)]
+    counters = (emit.const(np.arange(len(limbs)), np.int32),
+                emit.op("Cast", emit.op("Concat", *limbs, axis=0), to=onnx.TensorProto.INT32))
+    drawn = emit.squares(counters, emit.word_const(_CHAIN_KEYS[0]))
+    high, low = (emit.op("ReduceSum", half, keepdims=1) for half in drawn)
+    summed = emit.carry(low, high, emit.const(_LIMB, np.int32))
+    key = emit.odd(emit.squares(summed, emit.word_const(_CHAIN_KEYS[1])))
+    node_keys = emit.odd(emit.squares((emit.const(np.zeros(len(dropouts)), np.int32),
+                                       emit.const(np.arange(len(dropouts)), np.int32)), key))
+    # a Split, not Gathers: onnxruntime 1.19's GatherSliceToSplitFusion gives every fused
+    # group the same node name, then rejects the graph
+    node_keys = list(zip(*(emit.split(half, len(dropouts)) for half in node_keys)))
     chain, emit.nodes = emit.nodes, []
     replaced, outputs = {}, {}
     for index, node in enumerate(dropouts):
         x = node.input[0]
         ratio = node.input[1] if len(node.input) > 1 and node.input[1] else emit.const(0.5, np.float32)
         training = node.input[2]
-        count = emit.op("Size", x)
-        elements = emit.op("Range", emit.const(0), count, emit.const(1))
-        drawn = emit.squares(elements, emit.op("Gather", node_keys, emit.const(index), axis=0), _UNIFORM_BITS)
+        count = emit.op("Cast", emit.op("Size", x), to=onnx.TensorProto.INT32)
+        elements = emit.op("Range", emit.const(0, np.int32), count, emit.const(1, np.int32))
+        limb = emit.const(_LIMB, np.int32)
+        high, low = emit.divmod(elements, limb)
+        counter = (emit.op("Mod", high, limb), low)  # high < 2**16: exact
+        high, low = emit.squares(counter, node_keys[index])
+        dropped_bits = _WORD_BITS - _UNIFORM_BITS
+        drawn = emit.op("Add", emit.op("Mul", high, emit.const(1 << (_LIMB_BITS - dropped_bits), np.int32)),
+                        emit.op("Div", low, emit.const(1 << dropped_bits, np.int32)))
         uniform = emit.op("Mul", emit.op("Cast", drawn, to=onnx.TensorProto.FLOAT),
                           emit.const(2.0 ** -_UNIFORM_BITS, np.float32))
         uniform = emit.op("Reshape", uniform, emit.op("Shape", x))

@@ -34,10 +34,10 @@ _REQUIRED = {"openvino": "NORMGRAD_REQUIRE_OPENVINO_RUNTIME", "tract": "NORMGRAD
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-SEEDED_DROPOUT_OPENVINO = ("64-bit integer arithmetic (the CPU plugin computes int64 Mul in 32 bits, so the seeded "
-                           "Dropout mask differs from onnxruntime's: wrong values)")
-SEEDED_DROPOUT_TRACT = ("onnxruntime's int64 results for the seeded Dropout mask generator (tract 0.23.9 draws other "
-                        "masks: wrong values)")
+
+
+SEEDED_DROPOUT_TRACT = ("graphs with the seeded Dropout mask generator: tract 0.23.9's into_model did not finish "
+                        "in 4 minutes on the transformer step graph (not run)")
 
 
 def available(runtime: str) -> bool:
@@ -68,11 +68,8 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
                                                       if n.op_type == "Scan"):
         return "Scan bodies that read outer-scope values (OpenVINO: 'Number of Scan node inputs ... is less than " \
                "required'; the EP: 'node not found in graph cache'): export with --inline or --portable"
-    seeded = any(i.name == "dropout_seed" for i in model.graph.input)
     if runtime == "openvino-ep" and any(n.op_type == "LayerNormalization" and any(n.output[1:]) for n in model.graph.node):
         return "LayerNormalization with its Mean/InvStdDev outputs read ('expects 1 output tensor'; --portable computes them beside it)"
-    if runtime == "openvino-ep" and seeded:
-        return SEEDED_DROPOUT_OPENVINO
     if runtime == "evaluator" and any(n.op_type in ("GRU", "RNN") and len(n.input) > 4 and n.input[4]
                                       for n in model.graph.node):
         return "GRU and RNN nodes with sequence_lens (it ignores sequence_lens: wrong values)"
@@ -87,10 +84,8 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return f"model-local functions ({', '.join(ops)}): export with --inline"
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
-    if runtime == "openvino" and seeded:
-        return SEEDED_DROPOUT_OPENVINO
     if runtime == "tract":
-        if seeded:
+        if _seeded(model):
             return SEEDED_DROPOUT_TRACT
         if {onnx.TensorProto.BFLOAT16} & _elem_types(model):
             return "bfloat16 tensors"
@@ -129,6 +124,10 @@ def _reads_outer_scope(scan: onnx.NodeProto) -> bool:
     return any(i and i not in produced for n in body.node for i in n.input)
 
 
+def _seeded(model: onnx.ModelProto) -> bool:
+    return any(i.name == "dropout_seed" for i in model.graph.input)
+
+
 def _inputs_also_initializers(model: onnx.ModelProto) -> bool:
     return bool({i.name for i in model.graph.input} & {t.name for t in model.graph.initializer})
 
@@ -162,6 +161,8 @@ def _tract(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np
 
     if _inputs_also_initializers(model):  # measured: a Rust panic that aborts the whole process
         raise RuntimeError("not run: tract aborts the process on a graph input that is also an initializer")
+    if _seeded(model):  # measured: its model analysis runs for minutes (a hang guard would be the test's only result)
+        raise RuntimeError(f"not run: {SEEDED_DROPOUT_TRACT}")
     with tempfile.TemporaryDirectory(prefix="normgrad-tract-") as folder:
         path = pathlib.Path(folder) / "model.onnx"
         onnx.save(model, str(path))

@@ -63,31 +63,31 @@ def _mask_names(**forward):
 
 # -- the generator, written again in NumPy from its documentation ------------------------------
 
-def _squares(counter, key, bits=32):
-    counter, key = np.asarray(counter, np.uint64), np.uint64(key)
-    rotate = lambda v: (v << np.uint64(32)) | (v >> np.uint64(32))  # noqa: E731
-    with np.errstate(over="ignore"):
-        y = counter * key
-        z = y + key
-        x = rotate(y * y + y)
-        x = rotate(x * x + z)
-        x = rotate(x * x + y)
-        return (x * x + z) >> np.uint64(64 - bits)
+WORD = 2**30
 
 
-def _next_key(values, key):
-    values = np.asarray(values, np.int64).view(np.uint64)
-    with np.errstate(over="ignore"):
-        drawn = _squares(np.stack([2 * values, 2 * values + np.uint64(1)], axis=1), key)
-        return ((drawn[:, 0] << np.uint64(32)) + drawn[:, 1]) * np.uint64(2) + np.uint64(1)
+def _squares(counter, key):
+    """squares on 30-bit words: Python integers, so no step can overflow or round."""
+    counter = np.asarray(counter, object)
+    rotate = lambda v: (v % 2**15) * 2**15 + v // 2**15  # noqa: E731
+    y = counter * key % WORD
+    z = (y + key) % WORD
+    x = rotate((y * y + y) % WORD)
+    x = rotate((x * x + z) % WORD)
+    x = rotate((x * x + y) % WORD)
+    return (x * x + z) % WORD
+
+
+def _limbs(value, count):
+    return [(int(value) >> (15 * j)) % 2**15 for j in range(count)]
 
 
 def _masks(seed, step, micro_batch, shapes, ratios):
-    key = np.uint64(rewrites._SQUARES_KEY)
-    for value in (seed, step, micro_batch):
-        key = _next_key([value], key)[0]
-    node_keys = _next_key(np.arange(len(shapes)), key)
-    return [(_squares(np.arange(int(np.prod(shape))), k, 24).astype(np.float64) / 2**24 >= p).reshape(shape)
+    limbs = _limbs(seed, 5) + _limbs(step, 2) + _limbs(micro_batch, 2)
+    summed = int(_squares([j * 2**15 + v for j, v in enumerate(limbs)], rewrites._CHAIN_KEYS[0]).sum()) % WORD
+    key = int(_squares(summed, rewrites._CHAIN_KEYS[1])) | 1
+    node_keys = [int(k) | 1 for k in _squares(np.arange(len(shapes)), key)]
+    return [((_squares(np.arange(int(np.prod(shape))) % WORD, k) // 2**6).astype(np.float64) / 2**24 >= p).reshape(shape)
             for k, shape, p in zip(node_keys, shapes, ratios)]
 
 

@@ -249,6 +249,15 @@ def _int64_case():
     return model, {"a": a}, {"y": (2 * a).astype(np.float64)}
 
 
+def _int32_mod_case():
+    a = np.array([2**30 + 1, 2**30 + 3, 5], np.int32)  # float32 rounds the first two to 2**30
+    model = _model(
+        [oh.make_node("Mod", ["a", "two"], ["odd"]), oh.make_node("Cast", ["odd"], ["y"], to=FLOAT)],
+        [("a", onnx.TensorProto.INT32, [3])], [("y", [3])], [("two", np.asarray(2, np.int32))],
+    )
+    return model, {"a": a}, {"y": (a % 2).astype(np.float64)}
+
+
 # Each defect: its reproducer, what the defect is, the error text it is known by when OpenVINO
 # refuses the model (None: it gives a wrong result).
 DEFECTS = {
@@ -284,7 +293,13 @@ DEFECTS = {
         "the graph is not acyclic"),
     "int64_in_32_bits": (
         _int64_case,
-        "int64 Mul past 32 bits comes out truncated (the seeded Dropout mask is wrong; no portable rewrite)",
+        "int64 Mul past 32 bits comes out truncated (the seeded Dropout mask generator keeps every integer below "
+        "2**31)",
+        None),
+    "int32_mod_in_float32": (
+        _int32_mod_case,
+        "int32 Mod (and Div) is computed in float32, wrong past 2**24 (the seeded Dropout mask generator corrects "
+        "the quotient exactly: rewrites._Emitter.divmod)",
         None),
 }
 

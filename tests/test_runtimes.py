@@ -24,7 +24,7 @@ import pytest
 
 from normgrad.graphs import build_step_graph, build_training_graph, examples
 from normgrad.graphs.inline import inline_normgrad
-from normgrad.graphs.portable import as_exported
+from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.tools.corpus import fed_weights
 from normgrad.graphs.optimizers import hyperparameter_feeds
 
@@ -129,12 +129,13 @@ BLOCKS = {"lstm_block": lambda: _recurrent_block("LSTM", "bidirectional"),
 """Training-loop models of this file's own, beside :mod:`normgrad.graphs.examples`'s."""
 
 
-def _step_graph(block, loss, optimizer, options, inline):
-    """(step graph as ``normgrad export`` writes it, initial state with fed weights, batches)."""
+def _step_graph(block, loss, optimizer, options, inline, portable=False):
+    """(step graph as ``normgrad export`` writes it, ``--portable`` too if ``portable``,
+    initial state with fed weights, batches)."""
     forward = BLOCKS[block]() if block in BLOCKS else getattr(examples, block)()
     training = build_training_graph(forward, loss=loss, inline=inline)
     step, state = build_step_graph(training, optimizer, **options)
-    step, _ = as_exported(step)
+    step, _ = make_portable(step) if portable else as_exported(step)
     weights = json.loads({p.key: p.value for p in step.metadata_props}["normgrad.gradients"]).values()
     state.update(fed_weights({k: v for k, v in state.items() if k in set(weights)}, block))
     rng = np.random.default_rng(7)
@@ -172,16 +173,21 @@ def _onnxruntime(step):
     return lambda feeds: dict(zip(names, session.run(None, feeds)))
 
 
+FORMS_ON = {runtime: ("default", "inline") for runtime in _runtimes.RUNTIMES}
+FORMS_ON["openvino-ep"] += ("portable",)  # what the EP needs (tests/test_openvino.py checks where the nodes ran)
+
+
 def _loop_params():
-    return [pytest.param(runtime, *loop, inline, marks=_runtimes.requires(runtime))
-            for runtime in _runtimes.RUNTIMES for loop in LOOPS for inline in (False, True)]
+    return [pytest.param(runtime, *loop, form, marks=_runtimes.requires(runtime))
+            for runtime in _runtimes.RUNTIMES for loop in LOOPS for form in FORMS_ON[runtime]]
 
 
-@pytest.mark.parametrize("runtime, block, loss, optimizer, options, inline", _loop_params())
-def test_training_loop(runtime, block, loss, optimizer, options, inline):
+@pytest.mark.parametrize("runtime, block, loss, optimizer, options, form", _loop_params())
+def test_training_loop(runtime, block, loss, optimizer, options, form):
     """5 steps, weights (fed, unlike any stored value) and optimizer state fed back each
     step, against the same loop on onnxruntime's CPU provider."""
-    step, state, batches = _step_graph(block, loss, optimizer, options, inline)
+    inline = form == "inline"
+    step, state, batches = _step_graph(block, loss, optimizer, options, inline, portable=form == "portable")
     assert not {i.name for i in step.graph.input} & {t.name for t in step.graph.initializer}
     assert not inline or not step.functions
 
@@ -195,7 +201,7 @@ def test_training_loop(runtime, block, loss, optimizer, options, inline):
         moved = max(max_relative_error(final[name], state[name]) for name in state)
         assert moved > 1e-3, "the state did not move: the loop tests nothing"
 
-    _expect(runtime, f"training/{block}/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
+    _expect(runtime, f"training/{block}/{optimizer}/{form}", step, attempt)
 
 
 RECURRENT_NODES = {

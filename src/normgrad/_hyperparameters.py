@@ -143,10 +143,11 @@ class Hyperparameters(MutableMapping):
 
 def graph_defaults(model: onnx.ModelProto) -> Dict[str, float]:
     """{name: default} for every hyperparameter input of a step or optimizer graph: its
-    export value (:func:`normgrad.graphs.optimizers.hyperparameter_feeds`)."""
-    from normgrad.graphs.optimizers import hyperparameter_feeds
+    export value (:func:`normgrad.graphs.optimizers.hyperparameter_values`), not rounded to
+    a float32 input's dtype."""
+    from normgrad.graphs.optimizers import hyperparameter_values
 
-    return {name: float(value) for name, value in hyperparameter_feeds(model).items()}
+    return hyperparameter_values(model)
 
 
 def from_checkpoint(metadata: Mapping[str, str]) -> Dict[str, float]:
