@@ -6,8 +6,9 @@ and errors that name the input."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
+
+import _update_checks
 
 from conftest import cpp_available
 from normgrad.ops import NormgradInputError, adam_update, harness
@@ -93,17 +94,7 @@ def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given):
 
 @pytest.mark.skipif(not cpp_available(), reason="needs the C++ library")
 def test_kernel_is_thread_count_independent_and_updates_in_place():
-    import onnxruntime as ort
-
-    inputs = _inputs()
-    model = harness.node_model(adam_update.OP_TYPE, inputs)
-    first = harness.run_model(model, inputs, "cpp", threads=1)
-    for threads in (2, 3, 7):
-        again = harness.run_model(model, inputs, "cpp", threads=threads)
-        assert all(again[n].tobytes() == first[n].tobytes() for n in adam_update.OUTPUTS)
-    buffers = harness.run_in_place(adam_update.OP_TYPE, inputs, adam_update.SPEC.kept, threads=2)
-    for output, state in adam_update.SPEC.kept.items():
-        assert buffers[state].tobytes() == first[output].tobytes(), output
+    _update_checks.assert_thread_independent_and_in_place(adam_update, _inputs())
 
 
 @pytest.mark.parametrize("change, message", [
@@ -139,8 +130,6 @@ def test_skipped_update_keeps_every_input_on_every_backend(skip):
 
 @pytest.mark.skipif(not cpp_available(), reason="needs the C++ library")
 def test_skipped_update_in_place_writes_nothing():
-    import onnxruntime as ort
-
     inputs = {**_inputs(shape=(2, 3001)), "epsilon": np.array(np.nan, np.float32)}
     buffers = harness.run_in_place(adam_update.OP_TYPE, inputs, adam_update.SPEC.kept, threads=2)
     for state in adam_update.SPEC.kept.values():

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import _update_checks
+
 from conftest import cpp_available
 from normgrad.ops import NormgradInputError, gated_update, harness, sgd_update
 
@@ -86,17 +88,7 @@ def test_backends_match_the_reference_and_the_kernels_each_other_bitwise(given, 
 
 @pytest.mark.skipif(not cpp_available(), reason="needs the C++ library")
 def test_kernel_is_thread_count_independent_and_updates_in_place():
-    import onnxruntime as ort
-
-    inputs = _inputs(nesterov=True)
-    model = harness.node_model(sgd_update.OP_TYPE, inputs)
-    first = harness.run_model(model, inputs, "cpp", threads=1)
-    for threads in (2, 3, 7):
-        again = harness.run_model(model, inputs, "cpp", threads=threads)
-        assert all(again[n].tobytes() == first[n].tobytes() for n in sgd_update.OUTPUTS)
-    buffers = harness.run_in_place(sgd_update.OP_TYPE, inputs, sgd_update.SPEC.kept, threads=2)
-    for output, state in sgd_update.SPEC.kept.items():
-        assert buffers[state].tobytes() == first[output].tobytes(), output
+    _update_checks.assert_thread_independent_and_in_place(sgd_update, _inputs(nesterov=True))
 
 
 @pytest.mark.parametrize("skip", [
