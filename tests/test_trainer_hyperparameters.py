@@ -261,10 +261,11 @@ def test_inline_step_graph_takes_the_hyperparameters():
 
 def test_exported_step_graph_keeps_its_defaults(tmp_path):
     """normgrad export records the export values (no initializer: weights and hyperparameters
-    are pure inputs); the Trainer starts from them and hyperparameter_feeds gives them."""
+    are pure inputs); the Trainer starts from them (as given, not rounded to an input's
+    float32) and hyperparameter_feeds gives them in each input's dtype."""
     import onnx
 
-    from normgrad.graphs.optimizers import hyperparameter_feeds
+    from normgrad.graphs.optimizers import hyperparameter_feeds, hyperparameter_values
     from normgrad.tools import export as export_tool
 
     onnx.save(_linear_tanh_linear(), tmp_path / "net.onnx")
@@ -277,5 +278,6 @@ def test_exported_step_graph_keeps_its_defaults(tmp_path):
     assert {k: (v.dtype, float(v)) for k, v in feeds.items()} == {
         "lr": (np.float32, float(np.float32(1e-3))), "weight_decay": (np.float64, 0.1), "momentum": (np.float64, 0.9),
         "dampening": (np.float64, 0.25)}
+    assert hyperparameter_values(step) == {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.9, "dampening": 0.25}
     trainer = Trainer(step, tmp_path / "step.ckpt", session_options=_options())
-    assert dict(trainer.hyperparameters) == {k: float(v) for k, v in feeds.items()}
+    assert dict(trainer.hyperparameters) == hyperparameter_values(step)
