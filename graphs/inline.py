@@ -11,6 +11,10 @@ Each Scan's per-step (stacked) outputs are values of their own in the inlined fo
 for every reader of that value in the body too (its shape inference then fails: "Impossible
 to unify"). The copies cost about 3% of an LSTM step on onnxruntime, so the default form
 shares the values.
+
+``ReverseSequence`` (the reverse direction of a recurrent node with sequence_lens) becomes a
+``GatherElements`` by per-sequence time indices (:func:`reversals_by_gather`): tract has no
+ReverseSequence. The default form keeps the operator, one copy instead of an index tensor.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from normgrad.graphs.context import attr
 from normgrad.graphs.portable import value_types
 from normgrad.ops import DOMAIN, OPERATORS, _common
 
-__all__ = ["inline_normgrad", "scan_outputs_own_values", "shared_scan_outputs"]
+__all__ = ["inline_normgrad", "reversals_by_gather", "scan_outputs_own_values", "shared_scan_outputs"]
 
 _NODE_DOMAIN = "normgrad.inline.node"
 
@@ -133,6 +137,7 @@ def inline_normgrad(model: onnx.ModelProto) -> onnx.ModelProto:
     del model.opset_import[:]
     model.opset_import.extend(kept)
     scan_outputs_own_values(model)
+    reversals_by_gather(model)
     return model
 
 
@@ -174,3 +179,44 @@ def scan_outputs_own_values(model: onnx.ModelProto) -> None:
             used.update((own, f"{own}/Identity"))
             body.node.append(oh.make_node("Identity", [name], [own], name=f"{own}/Identity"))
             body.output[k].name = own
+
+
+def reversals_by_gather(model: onnx.ModelProto) -> None:
+    """Replaces every main-graph ``ReverseSequence`` by the same values gathered along time:
+    x viewed as [time, batch, rest] (or [batch, time, rest]), and at step t of a sequence of
+    length n the step n - 1 - t where t < n, else t itself."""
+    graph = model.graph
+    if not any(n.op_type == "ReverseSequence" and n.domain in ("", "ai.onnx") for n in graph.node):
+        return
+    used = _value_names(graph, set())
+    nodes: List[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "ReverseSequence" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        prefix = next(f"{node.output[0]}/gathered_{n}" for n in range(len(used) + 1)
+                      if not any(name.startswith(f"{node.output[0]}/gathered_{n}") for name in used))
+        counter = iter(range(1 << 30))
+
+        def emit(op_type: str, *inputs: str, **attributes) -> str:
+            output = f"{prefix}/{op_type}_{next(counter)}"
+            nodes.append(oh.make_node(op_type, list(inputs), [output], name=output, **attributes))
+            return output
+
+        def ints(values) -> str:
+            return emit("Constant", value=onh.from_array(np.asarray(values, np.int64)))
+
+        time_axis, batch_axis = attr(node, "time_axis", 0), attr(node, "batch_axis", 1)
+        x, lengths = node.input[0], emit("Cast", node.input[1], to=onnx.TensorProto.INT64)
+        view = emit("Reshape", x, ints([0, 0, -1]))
+        steps = emit("Range", ints(0), emit("Squeeze", emit("Shape", x, start=time_axis, end=time_axis + 1), ints([0])),
+                     ints(1))
+        steps = emit("Unsqueeze", steps, ints([1 - time_axis]))  # [T, 1] or [1, T]
+        lengths = emit("Unsqueeze", lengths, ints([1 - batch_axis]))  # [1, B] or [B, 1]
+        reversed_steps = emit("Sub", emit("Sub", lengths, ints(1)), steps)
+        index = emit("Where", emit("Less", steps, lengths), reversed_steps, steps)
+        index = emit("Expand", emit("Unsqueeze", index, ints([2])), emit("Shape", view))
+        gathered = emit("GatherElements", view, index, axis=time_axis)
+        nodes.append(oh.make_node("Reshape", [gathered, emit("Shape", x)], [node.output[0]], name=f"{prefix}/Reshape"))
+    del graph.node[:]
+    graph.node.extend(nodes)

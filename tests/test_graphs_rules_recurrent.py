@@ -122,6 +122,7 @@ def _check(kind, tolerance=2e-4, inline=False, **kwargs):
     acts = [a.decode() for a in attrs["activations"]] if "activations" in attrs else None
     training = build_training_graph(forward, inline=inline).model  # every weight is a graph input, in values
     assert not inline or not any(shared_scan_outputs(n) for n in training.graph.node if n.op_type == "Scan")
+    assert not inline or not any(n.op_type == "ReverseSequence" for n in training.graph.node)  # tract has none
     rng = np.random.default_rng(1)
     session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
     def f(vals):
@@ -163,6 +164,37 @@ def test_directions(kind, direction, inline):
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
 def test_layout_1_and_sequence_lens(kind, inline):
     _check(kind, direction="bidirectional", layout=1, lens=[4, 2, 1], initial=True, inline=inline)
+
+
+@pytest.mark.parametrize("time_axis", [0, 1])
+def test_reversal_by_gather_is_reverse_sequence(time_axis):
+    """--inline's GatherElements reversal against a float64 NumPy reversal of each sequence's
+    first sequence_lens steps (lengths 0, 1, in between and whole; rank 4, int32 lengths)."""
+    import onnxruntime as ort
+    from onnx.reference import ReferenceEvaluator
+
+    from normgrad.graphs.inline import reversals_by_gather
+
+    steps, lengths = 5, np.array([0, 5, 1, 3], np.int32)
+    shape = [steps, len(lengths), 2, 3] if time_axis == 0 else [len(lengths), steps, 2, 3]
+    x = np.random.default_rng(0).standard_normal(shape)
+    want = x.copy()
+    for b, n in enumerate(lengths):
+        if time_axis == 0:
+            want[:n, b] = x[:n, b][::-1]
+        else:
+            want[b, :n] = x[b, :n][::-1]
+    node = oh.make_node("ReverseSequence", ["x", "lens"], ["y"], time_axis=time_axis, batch_axis=1 - time_axis)
+    model = oh.make_model(oh.make_graph([node], "reverse", [oh.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, shape),
+                                                            oh.make_tensor_value_info("lens", onnx.TensorProto.INT32, [4])],
+                                        [oh.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, shape)]),
+                          opset_imports=[oh.make_opsetid("", 18)], ir_version=IR_VERSION)
+    reversals_by_gather(model)
+    assert "ReverseSequence" not in {n.op_type for n in model.graph.node}
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for got in (session.run(None, {"x": x, "lens": lengths})[0], ReferenceEvaluator(model).run(None, {"x": x, "lens": lengths})[0]):
+        assert got.shape == want.shape and np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
