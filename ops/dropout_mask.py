@@ -186,7 +186,9 @@ class Emitter:
                         self.op("Div", low, self.const(1 << dropped_bits, np.int32)))
         uniform = self.op("Mul", self.op("Cast", drawn, to=onnx.TensorProto.FLOAT),
                           self.const(2.0 ** -UNIFORM_BITS, np.float32))
-        uniform = self.op("Reshape", uniform, self.op("Shape", data))
+        # allowzero: a 0 in data's shape is a 0 (main's graphs before the operator, without it,
+        # failed on an empty data with more than one axis)
+        uniform = self.op("Reshape", uniform, self.op("Shape", data), allowzero=1)
         return self.op("GreaterOrEqual", uniform, ratio, output=output)
 
 
@@ -205,7 +207,9 @@ def validate(data, ratio, key_high, key_low) -> dict:
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
-    data = _common.as_float_array(OP_TYPE, "data", data)
+    data = np.asarray(data)
+    if not _common.is_float_dtype(data.dtype):
+        raise NormgradInputError(f"{OP_TYPE}: input 'data' must be float32, float16, bfloat16 or double; got {data.dtype}")
     if data.size > MAX_ELEMENTS:
         raise NormgradInputError(f"{OP_TYPE}: input 'data' must have fewer than 2**31 elements; got {data.size}")
     arrays = {"data": data}

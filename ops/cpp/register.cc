@@ -295,8 +295,11 @@ std::vector<OpVariant*>* build_ops() {
       }
       auto* v = new OpVariant(d, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
       v->any = true;
-      // a bool (float32, int32) input stays so: onnxruntime types the outputs after the last untyped input
-      for (int i = 0; i < d->num_inputs; ++i) v->input_types[i] = fixed_type(d->input_classes[i]);
+      // a bool input stays bool: onnxruntime types the outputs after the last untyped input (a
+      // float32 or int32 class is left untyped, so that the kernel names a mistyped one)
+      for (int i = 0; i < d->num_inputs; ++i) {
+        if (d->input_classes[i] == kClassBool) v->input_types[i] = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+      }
       ops->push_back(v);
       continue;
     }
