@@ -51,7 +51,8 @@ from normgrad.graphs.rules import UnsupportedOperatorError
 from normgrad.ops import DOMAIN, dropout_mask
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
-           "expand_dropout_masks", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
+           "expand_dropout_masks", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
+           "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21

@@ -209,7 +209,8 @@ def validate(data, ratio, key_high, key_low) -> dict:
     """
     data = np.asarray(data)
     if not _common.is_float_dtype(data.dtype):
-        raise NormgradInputError(f"{OP_TYPE}: input 'data' must be float32, float16, bfloat16 or double; got {data.dtype}")
+        raise NormgradInputError(f"{OP_TYPE}: input 'data' must be float32, float16, bfloat16 or double; "
+                                 f"got {data.dtype}")
     if data.size > MAX_ELEMENTS:
         raise NormgradInputError(f"{OP_TYPE}: input 'data' must have fewer than 2**31 elements; got {data.size}")
     arrays = {"data": data}

@@ -76,15 +76,21 @@ np.save(sys.argv[1], harness.run("cpp", "DropoutMask", inputs, threads=int(sys.a
 
 
 @needs_cpp
-@pytest.mark.parametrize("kernels", ["generic", "auto"])
+@pytest.mark.parametrize("kernels", ["generic", "auto", "auto on onnxruntime 1.19.2"])
 def test_cpp_loops_agree_at_every_thread_count(tmp_path, kernels):
-    """The baseline loop (NORMGRAD_KERNELS=generic) and the AVX2 one, at 1 and 2 threads."""
+    """The baseline loop (NORMGRAD_KERNELS=generic) and the AVX2 one, at 1 and 2 threads,
+    and the library loaded by the oldest supported onnxruntime (NORMGRAD_OLD_ORT_PYTHON)."""
+    python = sys.executable
+    if kernels.endswith("1.19.2"):
+        python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
+        if not python:
+            pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
     env = {name: value for name, value in os.environ.items() if name != "NORMGRAD_KERNELS"}
     if kernels == "generic":
         env["NORMGRAD_KERNELS"] = "generic"
     for threads in (1, 2):
-        path = tmp_path / f"{kernels}_{threads}.npy"
-        process = subprocess.run([sys.executable, "-c", _RUN_GENERIC, str(path), str(threads)], env=env,
+        path = tmp_path / f"{kernels.split()[0]}_{threads}.npy"
+        process = subprocess.run([python, "-c", _RUN_GENERIC, str(path), str(threads)], env=env, cwd=tmp_path,
                                  capture_output=True, text=True, timeout=600)
         assert process.returncode == 0, process.stderr[-3000:]
         np.testing.assert_array_equal(np.load(path), _documented((3, 70001), 0.25, KEYS[1]))
