@@ -43,7 +43,7 @@ from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "INPUT_DTYPES", "OUTPUT_DTYPES",
-           "LIMB_BITS", "WORD_BITS", "UNIFORM_BITS", "Result", "Emitter", "squares", "validate", "reference",
+           "LIMB_BITS", "LIMB", "WORD_BITS", "UNIFORM_BITS", "Result", "Emitter", "squares", "validate", "reference",
            "schema", "function_body"]
 
 OP_TYPE = "DropoutMask"
