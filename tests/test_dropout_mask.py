@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import onnx
 import onnx.helper as oh
+import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 
@@ -233,3 +234,27 @@ def test_trainer_step_is_the_standard_op_generator(kernels):
     assert np.float32(loss) == out["loss"]
     for name, value in trainer.state_dict().items():
         np.testing.assert_array_equal(value, out[f"{name}.next"])
+
+
+@pytest.mark.slow
+@needs_cpp
+def test_bench_dropout_runs_and_checks_its_baseline(tmp_path, capsys):
+    """The benchmark's smoke test: its rows, a baseline with the same outputs accepted, one
+    with another Dropout ratio (other masks, other outputs) refused."""
+    from normgrad.tools import bench_dropout
+    from normgrad.tools.bench_portable import blocks
+
+    forward = next(model for title, model, _, _ in blocks() if title.startswith("Transformer"))
+    step, _ = build_step_graph(build_training_graph(forward, loss="mse"), "sgd")
+    onnx.save(rewrites.expand_dropout_masks(step), tmp_path / "same.onnx")
+    assert bench_dropout.main(["--rounds", "1", "--steps", "1", "--baseline", str(tmp_path / "same.onnx")]) == 0
+    printed = capsys.readouterr().out
+    for row in ("| C++ kernel |", "| function body |", "| step, DropoutMask kernel |", "| step, no Dropout |",
+                f"| step, {tmp_path / 'same.onnx'} |"):
+        assert row in printed
+    other = onnx.ModelProto.FromString(step.SerializeToString())
+    ratio = next(node for node in other.graph.node if node.op_type == "Constant" and node.output[0] == "ratio")
+    ratio.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array(0.5, np.float32), "ratio"))
+    onnx.save(other, tmp_path / "other.onnx")
+    with pytest.raises(SystemExit, match="differ from the DropoutMask step's"):
+        bench_dropout.main(["--rounds", "1", "--steps", "1", "--baseline", str(tmp_path / "other.onnx")])

@@ -2,7 +2,7 @@
 (the standard-op generator, which the step graphs drew before the operator and still draw in
 the ``--inline`` and portable forms), per element and in a whole training step.
 
-    python -m normgrad.tools.bench_dropout [--rounds 15] [--steps 5]
+    python -m normgrad.tools.bench_dropout [--rounds 15] [--steps 5] [--baseline STEP.onnx]
 
 CPU time (time.process_time) at 1 thread, every side in this process, interleaved rounds
 (each round runs every side, in a new order), medians over the rounds of each round's
@@ -12,6 +12,9 @@ operator (this release's default form) and with it expanded into the standard-op
 (``normgrad.graphs.rewrites.expand_dropout_masks``: bitwise the same masks, the graph the
 default form was before the operator), both with the C++ kernels of the other operators
 registered as the Trainer runs; and the same layer without Dropout as the floor.
+``--baseline``: also the step graph of that file (the same layer's SGD step graph written by
+another normgrad checkout, e.g. ``build_step_graph(build_training_graph(forward, loss="mse"),
+"sgd")`` saved by the previous release), after checking its outputs are bitwise this one's.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def _mask_calls() -> Dict[str, Callable[[], object]]:
     return calls
 
 
-def _step_calls() -> Dict[str, Callable[[], object]]:
+def _step_calls(baseline: Optional[str] = None) -> Dict[str, Callable[[], object]]:
     from normgrad.graphs import build_step_graph, build_training_graph, rewrites
     from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.tools.bench_portable import blocks
@@ -80,11 +83,19 @@ def _step_calls() -> Dict[str, Callable[[], object]]:
         forms = {"step, DropoutMask kernel": step,
                  "step, standard-op generator": rewrites.expand_dropout_masks(onnx.ModelProto.FromString(
                      step.SerializeToString()))} if dropout else {"step, no Dropout": step}
+        if dropout and baseline:
+            forms[f"step, {baseline}"] = onnx.load(baseline)
+        outputs = {}
         for name, model in forms.items():
             session = _session(model, True)
             wanted = {i.name for i in session.get_inputs()}
             fed = {k: v for k, v in feeds.items() if k in wanted}
+            outputs[name] = session.run(None, fed)
             calls[name] = lambda session=session, fed=fed: session.run(None, fed)
+        first = outputs["step, DropoutMask kernel"] if dropout else None
+        for name, values in outputs.items():
+            if dropout and not all(np.array_equal(a, b) for a, b in zip(values, first)):
+                raise SystemExit(f"bench_dropout: the outputs of '{name}' differ from the DropoutMask step's")
     return calls
 
 
@@ -111,6 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m normgrad.tools.bench_dropout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5, help="calls per side and round")
+    parser.add_argument("--baseline", default=None, help="an older normgrad's SGD step graph of the same layer (.onnx)")
     args = parser.parse_args(argv)
     elements = int(np.prod(MASK_SHAPE))
     masks = measure(_mask_calls(), args.rounds, args.steps)
@@ -120,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, samples in masks.items():
         ms = statistics.median(samples)
         print(f"| {name} | {ms * 1e6 / elements:.2f} | {ms:.3f} | {min(samples):.3f}-{max(samples):.3f} |")
-    steps = measure(_step_calls(), args.rounds, args.steps)
+    steps = measure(_step_calls(args.baseline), args.rounds, args.steps)
     base = statistics.median(steps["step, DropoutMask kernel"])
     print("\nSGD step of the transformer layer [16, 32, 64], Dropout 0.1, mse, 1 thread, CPU time:")
     print("| side | ms per step | range over rounds | / DropoutMask kernel |")
