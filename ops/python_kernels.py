@@ -8,15 +8,17 @@ Two traps of the onnxruntime-extensions bridge are handled here:
 * Any exception raised inside a kernel calls ``std::terminate``. Our kernels therefore
   never raise: input that breaks an operator's contract is reported on the ``normgrad``
   logger at ERROR level (message naming the input and the rule, also kept in
-  :func:`errors`) and the kernel returns outputs filled with NaN, so the process survives
-  and no plausible-looking number comes out. ``session.run`` itself cannot be made to raise.
+  :func:`errors`) and the kernel returns outputs filled with NaN (a bool output, DropoutMask's
+  mask: all false, every element dropped), so the process survives and no plausible-looking
+  number comes out. ``session.run`` itself cannot be made to raise.
 * Outputs are marshalled by default through ``flatten().tolist()`` (~150 ms per million
   elements). :func:`_invoke` replaces that invocation hook and, for normgrad's kernels,
-  hands contiguous float32 arrays straight to the bridge's ``memcpy`` (their shapes are
-  the shapes it allocates, so the copy stays in bounds).
+  hands contiguous arrays of the declared dtypes (float32; ``OUTPUT_DTYPES``: bool) straight
+  to the bridge's ``memcpy`` (their shapes are the shapes it allocates, so the copy stays in
+  bounds).
 
 What still cannot work through this bridge: float16/bfloat16 (the kernels declare float
-only, so onnxruntime rejects such a model when the session is created) and omitted
+for every float input, so onnxruntime rejects such a model when the session is created) and omitted
 optional inputs or outputs (the bridge declares every input and output required, so
 onnxruntime rejects such a node when the session is created). Both fail at session
 creation with onnxruntime's own error, never mid-run.
