@@ -40,8 +40,8 @@ from typing import Dict, Set
 import numpy as np
 import onnx
 import onnx.helper as oh
-import onnx.numpy_helper as onh
 import onnx.inliner
+import onnx.numpy_helper as onh
 import onnx.version_converter
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
