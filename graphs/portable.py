@@ -289,21 +289,23 @@ def _layer_norm_statistics_beside(model: onnx.ModelProto, names: _Names) -> None
     graph.node.extend(nodes)
 
 
-def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> None:
+def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> onnx.ModelProto:
     """Training-mode Dropout of a training graph as the step graph writes it: a mask drawn by
     standard integer ops from two new scalar inputs, ``dropout_seed`` (int64) and ``step``
     (float, the step graph's 1-based optimizer step; :func:`normgrad.graphs.rewrites.seed_dropout`),
     which the gradient reads as it read the node's mask. OpenVINO refuses training-mode
     Dropout ("Training mode is not supported for Dropout op"). A step graph is built from the
     training graph before this rewrite (``build_step_graph(training, ..., portable=True)``;
-    ``normgrad export --portable --optimizer`` does so): it draws its own masks."""
+    ``normgrad export --portable --optimizer`` does so): it draws its own masks. Each draw's
+    DropoutMask node (the step graph's too) is written as its function body, the standard
+    ops (:func:`normgrad.graphs.rewrites.expand_dropout_masks`)."""
     import json
 
     from normgrad.graphs import rewrites
 
     graph = model.graph
     if not rewrites._training_dropouts(graph):
-        return
+        return rewrites.expand_dropout_masks(model)
     if "step" in names.used:
         raise ValueError("the graph already has a value named 'step', the input a seeded Dropout mask needs")
     names("step")
@@ -319,6 +321,7 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> None:
         meta[rewrites.METADATA_DROPOUT].value = value
     else:
         model.metadata_props.append(onnx.StringStringEntryProto(key=rewrites.METADATA_DROPOUT, value=value))
+    return rewrites.expand_dropout_masks(model)
 
 
 def _is_float64_scalar(types: Dict[str, onnx.TypeProto], name: str) -> bool:
@@ -587,7 +590,7 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
     if "layer_norm_statistics_beside" not in skip:
         _layer_norm_statistics_beside(model, names)
     if "dropout_seeded" not in skip:
-        _dropout_seeded(model, names)
+        model = _dropout_seeded(model, names)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:

@@ -40,6 +40,7 @@ from typing import Dict, Set
 import numpy as np
 import onnx
 import onnx.helper as oh
+import onnx.inliner
 import onnx.numpy_helper as onh
 import onnx.version_converter
 
@@ -47,9 +48,11 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
+from normgrad.ops import DOMAIN, dropout_mask
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
-           "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
+           "expand_dropout_masks", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
+           "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
@@ -297,107 +300,10 @@ graph, an input of the gradient graph (:func:`normgrad.graphs.optimizers.build_g
 METADATA_DROPOUT = "normgrad.dropout"
 """Model metadata key: JSON {"seed": the default seed, "outputs": {Dropout output: its data input}}."""
 
-_LIMB_BITS = 15
-"""The generator computes on 30-bit words held as two 15-bit limbs in int32: every product and
-sum stays below 2**31, so a runtime that computes integers in 32 bits (OpenVINO's CPU plugin
-does so for int64) gets the same mask bitwise."""
-_LIMB = 1 << _LIMB_BITS
-_WORD_BITS = 2 * _LIMB_BITS
 _CHAIN_KEYS = (0x3C751DE9, 0x2B3D0209)
 """The fixed odd 30-bit keys of the key chain's two draws (varied hex digits, as squares keys should be)."""
-_UNIFORM_BITS = 24
-"""Bits of each element's uniform number: float32 holds them exactly."""
 _COUNTER_LIMBS = (("seed", 5), ("step", 2), ("micro_batch", 2))
 """The key chain's counters and their 15-bit limbs (5 cover an int64 seed)."""
-
-
-class _Emitter:
-    """Appends default-domain nodes with fresh names under one prefix."""
-
-    def __init__(self, prefix: str):
-        self.prefix, self.nodes, self._count = prefix, [], 0
-
-    def _name(self, hint: str) -> str:
-        self._count += 1
-        return f"{self.prefix}/{hint}{self._count}"
-
-    def const(self, value, dtype=np.int64) -> str:
-        name = self._name("c")
-        self.nodes.append(oh.make_node("Constant", [], [name], value=onh.from_array(np.asarray(value, dtype))))
-        return name
-
-    def op(self, op_type: str, *inputs: str, output: str = None, **attributes) -> str:
-        output = output or self._name(op_type.lower())
-        self.nodes.append(oh.make_node(op_type, list(inputs), [output], **attributes))
-        return output
-
-    def divmod(self, value: str, limb: str, quotient: bool = True) -> tuple:
-        """(value div 2**15 or None, value mod 2**15), floor division, of an integer tensor.
-        Exact where Div and Mod alone are not: OpenVINO computes int32 Div and Mod (and casts
-        and shifts) in float32, off past 2**24, so its quotient may be 1 off; the remainder is
-        then taken of a value below 3 * 2**15, and the quotient divides an exact multiple of
-        2**15 (truncating and flooring Div agree on it)."""
-        rough = self.op("Sub", value, self.op("Mul", self.op("Div", value, limb), limb))
-        remainder = self.op("Mod", self.op("Add", rough, limb), limb)
-        if not quotient:
-            return None, remainder
-        return self.op("Div", self.op("Sub", value, remainder), limb), remainder
-
-    def limbs(self, value: str, count: int) -> list:
-        """The ``count`` low 15-bit limbs of an int64 tensor (floor remainders)."""
-        limb, found = self.const(_LIMB), []
-        for _ in range(count):
-            value, remainder = self.divmod(value, limb)
-            found.append(remainder)
-        return found
-
-    def carry(self, low: str, high: str, limb: str) -> tuple:
-        """(high + low div 2**15) mod 2**15, low mod 2**15: a word from unnormalized limbs."""
-        carry, low = self.divmod(low, limb)
-        return self.divmod(self.op("Add", high, carry), limb, quotient=False)[1], low
-
-    def squares(self, counter: tuple, key: tuple) -> tuple:
-        """Widynski's counter-based generator "squares" on 30-bit words (four rounds of
-        squaring and swapping halves, mod 2**30) for each element of the word ``counter``
-        under the word ``key``; words are (high, low) pairs of 15-bit int32 limbs."""
-        limb = self.const(_LIMB, np.int32)
-
-        def times(a, b):  # a * b mod 2**30
-            low = self.op("Mul", a[1], b[1])
-            cross = self.op("Add", self.op("Mul", a[0], b[1]), self.op("Mul", a[1], b[0]))
-            return self.carry(low, cross, limb)
-
-        def plus(a, b):  # a + b mod 2**30
-            return self.carry(self.op("Add", a[1], b[1]), self.op("Add", a[0], b[0]), limb)
-
-        def square_plus(a, b):  # a * a + b mod 2**30: 2 * high * low + carries stays below 2**31
-            low = self.op("Add", self.op("Mul", a[1], a[1]), b[1])
-            cross = self.op("Add", self.op("Mul", a[0], self.op("Add", a[1], a[1])), b[0])
-            return self.carry(low, cross, limb)
-
-        swap = lambda word: (word[1], word[0])  # noqa: E731  (rotation by 15 bits)
-        y = times(counter, key)
-        z = plus(y, key)
-        x = swap(square_plus(y, y))
-        x = swap(square_plus(x, z))
-        x = swap(square_plus(x, y))
-        return square_plus(x, z)
-
-    def odd(self, word: tuple) -> tuple:
-        low = word[1]
-        return word[0], self.op("Add", self.op("Sub", low, self.op("Mod", low, self.const(2, np.int32))),
-                                self.const(1, np.int32))
-
-    def split(self, value: str, count: int) -> list:
-        """The ``count`` elements of the 1-D ``value``, each of shape [1]."""
-        if count == 1:
-            return [value]
-        parts = [self._name("part") for _ in range(count)]
-        self.nodes.append(oh.make_node("Split", [value, self.const([1] * count)], parts, axis=0))
-        return parts
-
-    def word_const(self, value: int) -> tuple:
-        return self.const(value >> _LIMB_BITS, np.int32), self.const(value & (_LIMB - 1), np.int32)
 
 
 def _training_dropouts(graph: onnx.GraphProto) -> list:
@@ -416,18 +322,22 @@ def _training_dropouts(graph: onnx.GraphProto) -> list:
 
 def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
     """Replaces, in place, every Dropout node of ``graph`` that may run in training mode by
-    standard ops whose mask is a function of (seed, step, micro-batch, node, element):
+    ops whose mask is a function of (seed, step, micro-batch, node, element):
 
-    * squares on 30-bit words (:meth:`_Emitter.squares`: four rounds of x * x + y mod 2**30
-      and swapping 15-bit halves), exact in 32-bit integer arithmetic, so every runtime
-      (OpenVINO computes int64 in 32 bits, tract has no int64 Square) draws the same masks;
+    * squares on 30-bit words (:func:`normgrad.ops.dropout_mask.squares`: four rounds of
+      x * x + y mod 2**30 and swapping 15-bit halves), exact in 32-bit integer arithmetic, so
+      every runtime (OpenVINO computes int64 in 32 bits, tract has no int64 Square) draws the
+      same masks;
     * a key: the 15-bit limbs of the seed (5), the step (2) and the micro-batch (2), limb j
       with value v as the counter j * 2**15 + v, each drawn under K1; the draws summed mod
       2**30 and drawn again under K2, made odd; node i (graph order) gets squares(i, key),
       made odd;
     * element e (row-major, mod 2**30) is kept when squares(e, node key)'s top 24 bits /
       2**24 >= ratio: probability 1 - ratio; kept elements are divided by 1 - ratio, as
-      Dropout does.
+      Dropout does. This draw is a ``normgrad:DropoutMask`` node (the key chain before it
+      is a few scalar standard ops): onnxruntime runs its kernel, other runtimes its function
+      body, the same generator in standard ops, which ``--inline`` and the portable form write
+      in its place (:func:`expand_dropout_masks`).
 
     The seed is the new int64 scalar input ``dropout_seed`` (``seed``, recorded in the
     metadata, is what :class:`normgrad.train.Trainer` feeds by default); ``step`` names a
@@ -457,7 +367,7 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
     for reserved in (DROPOUT_SEED_INPUT, DROPOUT_MICRO_BATCH_INPUT):
         if reserved in names:
             raise ValueError(f"the graph already has a value named {reserved!r}")
-    emit = _Emitter(_unique(graph, "dropout_mask"))
+    emit = dropout_mask.Emitter(_unique(graph, "dropout_mask"))
     one = emit.const([1])
     step_int = emit.op("Cast", step, to=onnx.TensorProto.INT64)
     emit.op("Constant", value=onh.from_array(np.array(0, np.int64)), output=DROPOUT_MICRO_BATCH_INPUT)
@@ -467,7 +377,7 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
                 emit.op("Cast", emit.op("Concat", *limbs, axis=0), to=onnx.TensorProto.INT32))
     drawn = emit.squares(counters, emit.word_const(_CHAIN_KEYS[0]))
     high, low = (emit.op("ReduceSum", half, keepdims=1) for half in drawn)
-    summed = emit.carry(low, high, emit.const(_LIMB, np.int32))
+    summed = emit.carry(low, high, emit.const(dropout_mask.LIMB, np.int32))
     key = emit.odd(emit.squares(summed, emit.word_const(_CHAIN_KEYS[1])))
     node_keys = emit.odd(emit.squares((emit.const(np.zeros(len(dropouts)), np.int32),
                                        emit.const(np.arange(len(dropouts)), np.int32)), key))
@@ -480,19 +390,8 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
         x = node.input[0]
         ratio = node.input[1] if len(node.input) > 1 and node.input[1] else emit.const(0.5, np.float32)
         training = node.input[2]
-        count = emit.op("Cast", emit.op("Size", x), to=onnx.TensorProto.INT32)
-        elements = emit.op("Range", emit.const(0, np.int32), count, emit.const(1, np.int32))
-        limb = emit.const(_LIMB, np.int32)
-        high, low = emit.divmod(elements, limb)
-        counter = (emit.op("Mod", high, limb), low)  # high < 2**16: exact
-        high, low = emit.squares(counter, node_keys[index])
-        dropped_bits = _WORD_BITS - _UNIFORM_BITS
-        drawn = emit.op("Add", emit.op("Mul", high, emit.const(1 << (_LIMB_BITS - dropped_bits), np.int32)),
-                        emit.op("Div", low, emit.const(1 << dropped_bits, np.int32)))
-        uniform = emit.op("Mul", emit.op("Cast", drawn, to=onnx.TensorProto.FLOAT),
-                          emit.const(2.0 ** -_UNIFORM_BITS, np.float32))
-        uniform = emit.op("Reshape", uniform, emit.op("Shape", x))
-        keep = emit.op("GreaterOrEqual", uniform, emit.op("Cast", ratio, to=onnx.TensorProto.FLOAT))
+        keep = emit.op(dropout_mask.OP_TYPE, x, emit.op("Cast", ratio, to=onnx.TensorProto.FLOAT), *node_keys[index],
+                       domain=DOMAIN)
         runtime = _constant_values(graph, training) is None
         mask = node.output[1] if len(node.output) > 1 and node.output[1] else None
         if runtime:
@@ -512,6 +411,27 @@ def seed_dropout(graph: onnx.GraphProto, step: str, seed: int) -> dict:
     graph.node.extend(nodes)
     graph.input.append(oh.make_tensor_value_info(DROPOUT_SEED_INPUT, onnx.TensorProto.INT64, []))
     return outputs
+
+
+def expand_dropout_masks(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every main-graph DropoutMask node replaced by its function body (the
+    generator in standard integer ops, as :func:`seed_dropout` wrote it before the operator
+    existed); ``model`` itself when it has none."""
+    if not any(n.domain == DOMAIN and n.op_type == dropout_mask.OP_TYPE for n in model.graph.node):
+        return model
+    selected = (DOMAIN, dropout_mask.OP_TYPE)
+    if not any((f.domain, f.name) == selected for f in model.functions):
+        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        model.functions.append(dropout_mask.function_body(opset))
+    model = onnx.inliner.inline_selected_functions(model, [selected])
+    kept = [f for f in model.functions if (f.domain, f.name) != selected]
+    del model.functions[:]
+    model.functions.extend(kept)
+    if not any(n.domain == DOMAIN for n in model.graph.node) and not any(f.domain == DOMAIN for f in kept):
+        opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(opsets)
+    return model
 
 
 def _body_producers(body: onnx.GraphProto) -> dict:

@@ -13,6 +13,7 @@ from normgrad.ops import (
     all_reduce,
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
+    dropout_mask,
     gated_update,
     group_normalization_grad,
     layer_normalization_grad,
@@ -35,6 +36,7 @@ OPERATORS = {
         adam_update,
         sgd_update,
         gated_update,
+        dropout_mask,
     )
 }
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
@@ -45,6 +47,8 @@ axis) whose shape the ones it equals when omitted have}), which
 input: the scalar that means the same as omitting it}; ``function_body(opset, reads)``
 then reads those named in ``reads``), which ``normgrad.add_functions`` reads; optionally
 ``python_kernel`` (what the float32 Python kernel runs instead of ``reference``); optionally
+INPUT_DTYPES / OUTPUT_DTYPES ({name: NumPy dtype} of the inputs and outputs that are not
+float32, which the Python kernels declare); optionally
 STATIC_SUM_AXES_OF ((x, param) input positions; ``function_body(opset, sum_axes=...)`` then
 takes reduction axes known at export, which ``normgrad.graphs.inline`` gives it)."""
 

@@ -8,15 +8,17 @@ Two traps of the onnxruntime-extensions bridge are handled here:
 * Any exception raised inside a kernel calls ``std::terminate``. Our kernels therefore
   never raise: input that breaks an operator's contract is reported on the ``normgrad``
   logger at ERROR level (message naming the input and the rule, also kept in
-  :func:`errors`) and the kernel returns outputs filled with NaN, so the process survives
-  and no plausible-looking number comes out. ``session.run`` itself cannot be made to raise.
+  :func:`errors`) and the kernel returns outputs filled with NaN (a bool output, DropoutMask's
+  mask: all false, every element dropped), so the process survives and no plausible-looking
+  number comes out. ``session.run`` itself cannot be made to raise.
 * Outputs are marshalled by default through ``flatten().tolist()`` (~150 ms per million
   elements). :func:`_invoke` replaces that invocation hook and, for normgrad's kernels,
-  hands contiguous float32 arrays straight to the bridge's ``memcpy`` (their shapes are
-  the shapes it allocates, so the copy stays in bounds).
+  hands contiguous arrays of the declared dtypes (float32; ``OUTPUT_DTYPES``: bool) straight
+  to the bridge's ``memcpy`` (their shapes are the shapes it allocates, so the copy stays in
+  bounds).
 
 What still cannot work through this bridge: float16/bfloat16 (the kernels declare float
-only, so onnxruntime rejects such a model when the session is created) and omitted
+for every float input, so onnxruntime rejects such a model when the session is created) and omitted
 optional inputs or outputs (the bridge declares every input and output required, so
 onnxruntime rejects such a node when the session is created). Both fail at session
 creation with onnxruntime's own error, never mid-run.
@@ -40,6 +42,8 @@ __all__ = ["library_path", "errors", "last_kernel_seconds"]
 _LOGGER = logging.getLogger("normgrad")
 _ERRORS: collections.deque = collections.deque(maxlen=100)
 _FLOAT = PyCustomOpDef.dt_float
+_KERNEL_TYPES = {np.dtype(np.float32): _FLOAT, np.dtype(np.bool_): PyCustomOpDef.dt_bool,
+                 np.dtype(np.int32): PyCustomOpDef.dt_int32}
 _last_kernel_seconds = [0.0]
 
 
@@ -69,8 +73,20 @@ def _failure_shapes(module, inputs) -> list:
     return shapes
 
 
+def _input_dtype(module, name: str) -> np.dtype:
+    if name in getattr(module, "BOOL_INPUTS", ()):
+        return np.dtype(np.bool_)
+    return getattr(module, "INPUT_DTYPES", {}).get(name, np.dtype(np.float32))
+
+
+def _output_dtypes(module) -> list:
+    """Each output's dtype: float32 unless the module's OUTPUT_DTYPES says otherwise."""
+    return [getattr(module, "OUTPUT_DTYPES", {}).get(name, np.dtype(np.float32)) for name in module.OUTPUTS]
+
+
 def _make_kernel(module) -> Callable:
     compute = getattr(module, "python_kernel", module.reference)
+    dtypes = _output_dtypes(module)
 
     def kernel(*inputs, **attributes):
         try:
@@ -80,19 +96,21 @@ def _make_kernel(module) -> Callable:
                 raise NormgradInputError(
                     f"{module.OP_TYPE}: outputs {unset} are named but their flag attributes are 0"
                 )
-            return tuple(np.asarray(out, dtype=np.float32) for out in outputs)
+            return tuple(np.asarray(out, dtype=dtype) for out, dtype in zip(outputs, dtypes))
         except Exception as error:  # any exception here would abort the process
             message = f"{error} (float32 Python kernel; outputs set to NaN)"
             _ERRORS.append(message)
             _LOGGER.error(message)
-            return tuple(np.full(shape, np.nan, np.float32) for shape in _failure_shapes(module, inputs))
+            # NaN where the output is float; an all-false mask (everything dropped) where it is bool
+            return tuple(np.full(shape, np.nan if dtype.kind == "f" else 0, dtype)
+                         for shape, dtype in zip(_failure_shapes(module, inputs), dtypes))
 
     kernel.__name__ = module.OP_TYPE
     return kernel
 
 
 def _invoke(kernel_id, feed, attributes):
-    """Replacement for onnxruntime-extensions' hook: normgrad's kernels hand float32 arrays
+    """Replacement for onnxruntime-extensions' hook: normgrad's kernels hand arrays of their declared dtypes
     over instead of Python lists; other libraries' Python ops keep the original hook."""
     if kernel_id not in _KERNEL_IDS:
         return _ocos._on_pyop_invocation(kernel_id, feed, attributes)
@@ -100,8 +118,8 @@ def _invoke(kernel_id, feed, attributes):
     opdef = _ocos.Opdef._odlist[kernel_id]
     outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
     flat = [kernel_id]
-    for output in outputs:
-        array = np.ascontiguousarray(output, dtype=np.float32)
+    for output, dtype in zip(outputs, _KERNEL_IDS[kernel_id]):
+        array = np.ascontiguousarray(output, dtype=dtype)
         flat += [array.shape, array]
     _last_kernel_seconds[0] = time.perf_counter() - start
     return tuple(flat)
@@ -110,11 +128,12 @@ def _invoke(kernel_id, feed, attributes):
 _KERNEL_IDS = {
     onnx_op(
         op_type=f"{DOMAIN}::{module.OP_TYPE}",
-        inputs=[PyCustomOpDef.dt_bool if name in getattr(module, "BOOL_INPUTS", ()) else _FLOAT for name in module.INPUTS],
-        outputs=[_FLOAT] * len(module.OUTPUTS),
+        inputs=[_KERNEL_TYPES[_input_dtype(module, name)] for name in module.INPUTS],
+        outputs=[_KERNEL_TYPES[dtype] for dtype in _output_dtypes(module)],
         attrs={name: PyCustomOpDef.dt_float if isinstance(default, float) else PyCustomOpDef.dt_int64
                for name, default in module.ATTRIBUTES.items()},
-    )(_make_kernel(module))._id
+    )(_make_kernel(module))._id: _output_dtypes(module)
     for module in OPERATORS.values()
 }
+"""{kernel id: its outputs' dtypes}."""
 PyCustomOpDef.install_hooker(_invoke)

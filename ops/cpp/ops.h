@@ -6,15 +6,16 @@
 namespace normgrad {
 
 // Where an input or output takes its element type from.
-enum TypeClass : char { kClassT = 'T', kClassU = 'U', kClassBool = 'B' };
+// 'F' and 'I' are always float32 and int32 (DropoutMask's ratio and key limbs).
+enum TypeClass : char { kClassT = 'T', kClassU = 'U', kClassBool = 'B', kClassFloat = 'F', kClassInt32 = 'I' };
 
 struct OpDescriptor {
   const char* name;
   int num_inputs;
   int num_outputs;
-  const char* input_classes;    // one 'T', 'U' or 'B' (bool) per input
+  const char* input_classes;    // one 'T', 'U', 'B' (bool), 'F' (float32) or 'I' (int32) per input
   const char* input_optional;   // one '0' or '1' per input
-  const char* output_classes;   // one 'T' or 'U' per output
+  const char* output_classes;   // one 'T', 'U' or 'B' (bool) per output
   const char* output_optional;  // one '0' or '1' per output
   // Which (T, U) pairs get a typed kernel: 'a' = all nine, 'f' = U in {T, float};
   // 'd' = T alone, over float, float16, bfloat16 and double.
@@ -40,6 +41,7 @@ extern const OpDescriptor kAllReduce;
 extern const OpDescriptor kAdamUpdate;
 extern const OpDescriptor kSGDUpdate;
 extern const OpDescriptor kGatedUpdate;
+extern const OpDescriptor kDropoutMask;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

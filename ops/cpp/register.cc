@@ -191,6 +191,16 @@ OrtStatus* error_status(const char* op, const char* what) noexcept {
   return g_api->CreateStatus(ORT_FAIL, message);
 }
 
+// The element type of a class that has one (bool, float32, int32); UNDEFINED (0) for T and U.
+ONNXTensorElementDataType fixed_type(char type_class) {
+  switch (type_class) {
+    case kClassBool: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    case kClassFloat: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case kClassInt32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+}
+
 // One typed registration of an operator.
 struct OpVariant : OrtCustomOp {
   const OpDescriptor* desc;
@@ -212,12 +222,13 @@ struct OpVariant : OrtCustomOp {
     GetInputType = [](const OrtCustomOp* op, size_t i) {
       const OpVariant& v = self(op);
       if (v.any) return v.input_types[i];
-      if (v.desc->input_classes[i] == kClassBool) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+      if (const auto fixed = fixed_type(v.desc->input_classes[i])) return fixed;
       return v.desc->input_classes[i] == kClassT ? v.t : v.u;
     };
     GetInputTypeCount = [](const OrtCustomOp* op) { return static_cast<size_t>(self(op).desc->num_inputs); };
     GetOutputType = [](const OrtCustomOp* op, size_t i) {
       const OpVariant& v = self(op);
+      if (const auto fixed = fixed_type(v.desc->output_classes[i])) return fixed;
       if (v.any) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
       return v.desc->output_classes[i] == kClassT ? v.t : v.u;
     };
@@ -276,7 +287,7 @@ std::vector<OpVariant*>* build_ops() {
   auto* ops = new std::vector<OpVariant*>();
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
-                                &kSGDUpdate, &kGatedUpdate}) {
+                                &kSGDUpdate, &kGatedUpdate, &kDropoutMask}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
       for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                      ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE}) {
@@ -284,7 +295,8 @@ std::vector<OpVariant*>* build_ops() {
       }
       auto* v = new OpVariant(d, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
       v->any = true;
-      // a bool input stays bool: onnxruntime types the outputs after the last untyped input
+      // a bool input stays bool: onnxruntime types the outputs after the last untyped input (a
+      // float32 or int32 class is left untyped, so that the kernel names a mistyped one)
       for (int i = 0; i < d->num_inputs; ++i) {
         if (d->input_classes[i] == kClassBool) v->input_types[i] = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
       }
