@@ -98,12 +98,14 @@ def _scan(
     reverse: bool,
     like: str,
     mask: Optional[str] = None,
+    outputs_reversed: bool = False,
 ) -> Tuple[List[str], List[str]]:
     """A Scan over axis 0 of ``sequences`` carrying ``states``; ``body(states, slices)``
     emits the step (through ``ctx``) and returns (new states, per-step outputs). Returns
     (final states, stacked outputs in time order). Every value is of ``like``'s type but
     the sequence ``mask`` (bool); every state and step slice is [batch, n]. ``reverse``
-    runs from the last step to the first (as a forward Scan over reversed sequences)."""
+    runs from the last step to the first (as a forward Scan over reversed sequences);
+    with ``outputs_reversed`` its stacked outputs stay in that order (last step first)."""
     elem_type = ctx.elem_type(like)
     if reverse:
         mask_index = list(sequences).index(mask) if mask is not None else None
@@ -129,7 +131,7 @@ def _scan(
     results = ctx.op("Scan", *states, *sequences, outputs=len(outputs), body=graph, num_scan_inputs=len(sequences))
     results = [results] if isinstance(results, str) else results
     stacked = results[len(states):]
-    if reverse:
+    if reverse and not outputs_reversed:
         stacked = [_reversed_in_time(ctx, output) for output in stacked]
     return results[:len(states)], stacked
 
@@ -160,13 +162,25 @@ class _Direction:
         self.x = self.in_time_order(common.x)
         self.h0 = common.state(_input(node, _INITIAL_H), index)
         self.c0 = common.state(_input(node, _INITIAL_C), index) if node.op_type == "LSTM" else None
-        self.y = self.h_prev = self.dy = self.dyh = self.dyc = None
+        self.y = self._h_prev = self.dy = self.dyh = self.dyc = None
 
     def set_output(self, y: str) -> None:
-        """This direction's Y, [T, B, H] in processing order, and the hidden states entering each step."""
+        """This direction's Y, [T, B, H] in processing order."""
         self.y = y
-        previous = self.ctx.op("Slice", y, self.ctx.ints([0]), self.ctx.ints([-1]), self.ctx.ints([0]))
-        self.h_prev = self.ctx.op("Concat", self.ctx.unsqueeze(self.h0, [0]), previous, axis=0)
+
+    @property
+    def h_prev(self) -> str:
+        """The hidden states entering each step, [T, B, H] in processing order."""
+        if self._h_prev is None:
+            previous = self.ctx.op("Slice", self.y, self.ctx.ints([0]), self.ctx.ints([-1]), self.ctx.ints([0]))
+            self._h_prev = self.ctx.op("Concat", self.ctx.unsqueeze(self.h0, [0]), previous, axis=0)
+        return self._h_prev
+
+    def h_prev_reversed(self) -> str:
+        """:attr:`h_prev` last step first (Y's steps T - 2 .. 0, then initial_h): one copy, as :attr:`h_prev` is."""
+        ctx = self.ctx
+        previous = ctx.op("Slice", self.y, ctx.ints([-2]), ctx.ints([-(2 ** 63)]), ctx.ints([0]), ctx.ints([-1]))
+        return ctx.op("Concat", previous, ctx.unsqueeze(self.h0, [0]), axis=0)
 
     def take_gradients(self, dy: Optional[str], dyh: Optional[str], dyc: Optional[str]) -> None:
         """The gradients of Y, Y_h, Y_c ([T, D, B, H] and [D, B, H]; None: not used) for this direction."""
@@ -197,17 +211,23 @@ class _Direction:
     def masked(self, mask: Optional[str], value: str, otherwise: str) -> str:
         return value if mask is None else self.ctx.op("Where", mask, value, otherwise)
 
-    def weight_gradients(self, d_pre_w: str, d_pre_r: str, r_input: str) -> Dict[str, str]:
+    def weight_gradients(self, d_pre_w: str, d_pre_r: str, r_input: str, reversed_steps: bool = False) -> Dict[str, str]:
         """dX (in time order), dW, dR, dB of the pre-activations' gradients ([T, B, G*H],
-        ``d_pre_r`` the part through R, whose input sequence is ``r_input``)."""
+        ``d_pre_r`` the part through R, whose input sequence is ``r_input``). With
+        ``reversed_steps`` the gradients and ``r_input`` are last step first, as a reverse
+        Scan returns them: the sums over all steps pair them with X reversed alike."""
         ctx, gates = self.ctx, _GATES[self.common.kind]
         width = gates * self.common.hidden
-        dx = self.in_time_order(ctx.op("MatMul", d_pre_w, self.w)) if ctx.needs_grad(self.common.node.input[_X]) else None
+        x = _reversed_in_time(ctx, self.x) if reversed_steps else self.x
+        dx = None
+        if ctx.needs_grad(self.common.node.input[_X]):
+            dx = ctx.op("MatMul", d_pre_w, self.w)
+            dx = self.in_time_order(_reversed_in_time(ctx, dx) if reversed_steps else dx)
         flat_w = ctx.op("Reshape", d_pre_w, ctx.ints([-1, width]))
         flat_r = flat_w if d_pre_r == d_pre_w else ctx.op("Reshape", d_pre_r, ctx.ints([-1, width]))
         result = {
             "x": dx,
-            "w": ctx.op("Gemm", flat_w, self.flat(self.x), transA=1),
+            "w": ctx.op("Gemm", flat_w, self.flat(x), transA=1),
             "r": ctx.op("Gemm", flat_r, self.flat(r_input), transA=1),
         }
         db_w = ctx.reduce("ReduceSum", flat_w, [0], keepdims=False)
@@ -273,14 +293,13 @@ def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str,
     w_bias, r_bias = run.bias_halves()
     if w_bias is not None:
         xw = ctx.op("Add", xw, ctx.op("Add", w_bias, r_bias))
-    r_t = ctx.op("Transpose", run.r, perm=[1, 0])
     peep = [run.block(run.peephole, k, k + 1, axis=0) for k in range(3)] if run.peephole is not None else None
     mask = run.common.mask
     zero = ctx.scalar(0.0, like)
 
     def step(states, slices):
         (h_prev, c_prev), (xw_t, *mask_t) = states, slices
-        pre = ctx.op("Add", xw_t, ctx.op("MatMul", h_prev, r_t))
+        pre = ctx.op("Gemm", h_prev, run.r, xw_t, transB=1)
         if peep is None:
             ifo, g = ctx.op("Split", pre, ctx.ints([3 * hidden, hidden]), axis=-1, outputs=2)
             ifo, g = ctx.op(act_f, ifo), ctx.op(act_g, g)
@@ -324,7 +343,6 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
     g, cells, tanh_c = run.kept["g"], run.kept["cells"], run.kept["act_c"]
     c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.c0, [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
-    tanh_c = ctx.op(act_h, cells)
     a_i = ctx.op("Mul", g, _derivative(ctx, act_f, i, like))
     a_o = ctx.op("Mul", tanh_c, _derivative(ctx, act_f, o, like))
     a_f = ctx.op("Mul", c_prev_all, _derivative(ctx, act_f, f, like))
@@ -353,10 +371,12 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
         return [dh_prev, ctx.op("Mul", d_c, keep_t)], [d_pre]
 
     sequences = ([dy] if dy is not None else []) + [a_c, factors, keep] + masks
-    (dh0, dc0), (d_pre,) = _scan(ctx, [run.dyh, run.dyc], sequences, backward_step, reverse=True, like=like, mask=mask)
-    result = run.weight_gradients(d_pre, d_pre, run.h_prev)
+    (dh0, dc0), (d_pre,) = _scan(ctx, [run.dyh, run.dyc], sequences, backward_step, reverse=True, like=like, mask=mask,
+                                 outputs_reversed=True)
+    result = run.weight_gradients(d_pre, d_pre, run.h_prev_reversed(), reversed_steps=True)
     result.update(h0=dh0, c0=dc0)
     if run.peephole is not None:
+        d_pre = _reversed_in_time(ctx, d_pre)
         sums = []
         for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all)):
             product = ctx.op("Mul", run.block(d_pre, block, block + 1), state)
