@@ -300,31 +300,25 @@ def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str,
     def step(states, slices):
         (h_prev, c_prev), (xw_t, *mask_t) = states, slices
         pre = ctx.op("Gemm", h_prev, run.r, xw_t, transB=1)
-        if peep is None:
-            ifo, g = ctx.op("Split", pre, ctx.ints([3 * hidden, hidden]), axis=-1, outputs=2)
-            ifo, g = ctx.op(act_f, ifo), ctx.op(act_g, g)
-            i, o, f = ctx.op("Split", ifo, ctx.ints([hidden] * 3), axis=-1, outputs=3)
-            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
-        else:
-            p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=-1, outputs=4)
-            i = ctx.op(act_f, ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev)))
-            f = ctx.op(act_f, ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev)))
-            g = ctx.op(act_g, p_c)
-            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
-            o = ctx.op(act_f, ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
-            ifo = ctx.op("Concat", i, o, f, axis=-1)
+        p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=-1, outputs=4)
+        if peep is not None:
+            p_i = ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev))
+            p_f = ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev))
+        i, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
+        c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
+        o = ctx.op(act_f, p_o if peep is None else ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
         act_c = ctx.op(act_h, c)
         h = ctx.op("Mul", o, act_c)
         if not mask_t:
-            return [h, c], [h, ifo, g, c, act_c]
+            return [h, c], [h, i, o, f, g, c, act_c]
         within = mask_t[0]  # past the end: the state is kept, Y is 0
         c = ctx.op("Where", within, c, c_prev)
-        return [ctx.op("Where", within, h, h_prev), c], [ctx.op("Where", within, h, zero), ifo, g, c, act_c]
+        return [ctx.op("Where", within, h, h_prev), c], [ctx.op("Where", within, h, zero), i, o, f, g, c, act_c]
 
     sequences = [xw] + ([mask] if mask is not None else [])
-    (h_last, c_last), (y, ifo, g, cells, act_c) = _scan(ctx, [run.h0, run.c0], sequences, step, reverse=False,
-                                                        like=like, mask=mask)
-    run.kept = dict(ifo=ifo, g=g, cells=cells, act_c=act_c, peep=peep)
+    (h_last, c_last), (y, i, o, f, g, cells, act_c) = _scan(ctx, [run.h0, run.c0], sequences, step, reverse=False,
+                                                            like=like, mask=mask)
+    run.kept = dict(i=i, o=o, f=f, g=g, cells=cells, act_c=act_c, peep=peep)
     return y, h_last, c_last
 
 
@@ -339,8 +333,8 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
     peep = run.kept["peep"]
     mask = run.common.mask
     masks = [mask] if mask is not None else []
-    i, o, f = ctx.op("Split", run.kept["ifo"], ctx.ints([hidden] * 3), axis=-1, outputs=3)
-    g, cells, tanh_c = run.kept["g"], run.kept["cells"], run.kept["act_c"]
+    i, o, f, g = (run.kept[gate] for gate in "iofg")
+    cells, tanh_c = run.kept["cells"], run.kept["act_c"]
     c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.c0, [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
     a_i = ctx.op("Mul", g, _derivative(ctx, act_f, i, like))
