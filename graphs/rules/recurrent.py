@@ -283,24 +283,35 @@ class _Common:
         return self.zeros() if value is None else self.ctx.op("Gather", value, index)
 
 
+def _feature_major(ctx: GradientContext, value: str, rank: int) -> str:
+    """[..., B, n] as [..., n, B] (and back)."""
+    return ctx.op("Transpose", value, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
+
+
 def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Tuple[str, str, str]:
     """One direction of an LSTM (gates i, o, f, c; peepholes i, o, f) computed as a Scan that
     keeps the activated gates, the cell states and act_h(c) for :func:`_lstm` (in ``run``).
-    Returns (Y in processing order, the last h, the last c)."""
+    Returns (Y in processing order, the last h, the last c).
+
+    The Scans of the LSTM run feature-major: states [H, B], step slices [4H, B], so each
+    step's GEMM has the weight as its left operand (MLAS packs the right one on every call:
+    [B, H] there is 32x less than R)."""
     hidden, like = run.common.hidden, run.common.node.input[_X]
     act_f, act_g, act_h = activations
-    xw = ctx.op("MatMul", run.x, ctx.op("Transpose", run.w, perm=[1, 0]))
+    xw = ctx.op("MatMul", run.w, _feature_major(ctx, run.x, 3))  # [T, 4H, B]
     w_bias, r_bias = run.bias_halves()
     if w_bias is not None:
-        xw = ctx.op("Add", xw, ctx.op("Add", w_bias, r_bias))
-    peep = [run.block(run.peephole, k, k + 1, axis=0) for k in range(3)] if run.peephole is not None else None
-    mask = run.common.mask
+        xw = ctx.op("Add", xw, ctx.unsqueeze(ctx.op("Add", w_bias, r_bias), [1]))
+    peep = None
+    if run.peephole is not None:
+        peep = [ctx.unsqueeze(run.block(run.peephole, k, k + 1, axis=0), [1]) for k in range(3)]
+    mask = None if run.common.mask is None else _feature_major(ctx, run.common.mask, 3)  # [T, 1, B]
     zero = ctx.scalar(0.0, like)
 
     def step(states, slices):
         (h_prev, c_prev), (xw_t, *mask_t) = states, slices
-        pre = ctx.op("Gemm", h_prev, run.r, xw_t, transB=1)
-        p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=-1, outputs=4)
+        pre = ctx.op("Gemm", run.r, h_prev, xw_t)
+        p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=0, outputs=4)
         if peep is not None:
             p_i = ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev))
             p_f = ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev))
@@ -315,27 +326,28 @@ def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str,
         c = ctx.op("Where", within, c, c_prev)
         return [ctx.op("Where", within, h, h_prev), c], [ctx.op("Where", within, h, zero), i, o, f, g, c, act_c]
 
+    c0 = _feature_major(ctx, run.c0, 2)
     sequences = [xw] + ([mask] if mask is not None else [])
-    (h_last, c_last), (y, i, o, f, g, cells, act_c) = _scan(ctx, [run.h0, run.c0], sequences, step, reverse=False,
-                                                            like=like, mask=mask)
-    run.kept = dict(i=i, o=o, f=f, g=g, cells=cells, act_c=act_c, peep=peep)
-    return y, h_last, c_last
+    (h_last, c_last), (y, i, o, f, g, cells, act_c) = _scan(ctx, [_feature_major(ctx, run.h0, 2), c0], sequences, step,
+                                                            reverse=False, like=like, mask=mask)
+    run.kept = dict(i=i, o=o, f=f, g=g, cells=cells, act_c=act_c, peep=peep, c0=c0, mask=mask)
+    return _feature_major(ctx, y, 3), _feature_major(ctx, h_last, 2), _feature_major(ctx, c_last, 2)
 
 
 def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
-    """The backward of one direction of an LSTM from what :func:`_lstm_forward` kept.
+    """The backward of one direction of an LSTM from what :func:`_lstm_forward` kept,
+    feature-major as it.
 
     The backward step is d_c = dc + dh a_c, d_pre = [d_c, dh, d_c, d_c] * factors,
-    dc_{t-1} = d_c keep, dh_{t-1} = d_pre R, with a_c, factors and keep (the peepholes
+    dc_{t-1} = d_c keep, dh_{t-1} = R^T d_pre, with a_c, factors and keep (the peepholes
     folded in) computed for all steps at once before the Scan."""
-    hidden, like = run.common.hidden, run.common.node.input[_X]
+    like = run.common.node.input[_X]
     act_f, act_g, act_h = activations
-    peep = run.kept["peep"]
-    mask = run.common.mask
+    peep, mask = run.kept["peep"], run.kept["mask"]
     masks = [mask] if mask is not None else []
     i, o, f, g = (run.kept[gate] for gate in "iofg")
     cells, tanh_c = run.kept["cells"], run.kept["act_c"]
-    c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.c0, [0]),
+    c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.kept["c0"], [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
     a_i = ctx.op("Mul", g, _derivative(ctx, act_f, i, like))
     a_o = ctx.op("Mul", tanh_c, _derivative(ctx, act_f, o, like))
@@ -346,13 +358,14 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
     if peep is not None:
         a_c = ctx.op("Add", a_c, ctx.op("Mul", a_o, peep[1]))
         keep = ctx.op("Add", keep, ctx.op("Add", ctx.op("Mul", a_i, peep[0]), ctx.op("Mul", a_f, peep[2])))
-    factors = ctx.op("Concat", a_i, a_o, a_f, a_g, axis=-1)
-    dy = run.dy
+    factors = ctx.op("Concat", a_i, a_o, a_f, a_g, axis=1)
+    dy = None if run.dy is None else _feature_major(ctx, run.dy, 3)
     if mask is not None:  # past the end: no gate gradient, the state gradients pass unchanged
         zero = ctx.scalar(0.0, like)
         factors, a_c = ctx.op("Where", mask, factors, zero), ctx.op("Where", mask, a_c, zero)
         keep = ctx.op("Where", mask, keep, ctx.scalar(1.0, like))
         dy = None if dy is None else ctx.op("Where", mask, dy, zero)
+    r_t = ctx.op("Transpose", run.r, perm=[1, 0])
 
     def backward_step(states, slices):
         (dh, dc), slices = states, list(slices)
@@ -360,21 +373,21 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
         a_c_t, factors_t, keep_t, *mask_t = slices
         dh_total = dh if dy_t is None else ctx.op("Add", dh, dy_t)
         d_c = ctx.op("Add", dc, ctx.op("Mul", dh_total, a_c_t))
-        d_pre = ctx.op("Mul", ctx.op("Concat", d_c, dh_total, d_c, d_c, axis=-1), factors_t)
-        dh_prev = run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", d_pre, run.r), dh)
+        d_pre = ctx.op("Mul", ctx.op("Concat", d_c, dh_total, d_c, d_c, axis=0), factors_t)
+        dh_prev = run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", r_t, d_pre), dh)
         return [dh_prev, ctx.op("Mul", d_c, keep_t)], [d_pre]
 
     sequences = ([dy] if dy is not None else []) + [a_c, factors, keep] + masks
-    (dh0, dc0), (d_pre,) = _scan(ctx, [run.dyh, run.dyc], sequences, backward_step, reverse=True, like=like, mask=mask,
-                                 outputs_reversed=True)
-    result = run.weight_gradients(d_pre, d_pre, run.h_prev_reversed(), reversed_steps=True)
-    result.update(h0=dh0, c0=dc0)
+    (dh0, dc0), (d_pre,) = _scan(ctx, [_feature_major(ctx, run.dyh, 2), _feature_major(ctx, run.dyc, 2)], sequences,
+                                 backward_step, reverse=True, like=like, mask=mask, outputs_reversed=True)
+    d_pre_rows = _feature_major(ctx, d_pre, 3)
+    result = run.weight_gradients(d_pre_rows, d_pre_rows, run.h_prev_reversed(), reversed_steps=True)
+    result.update(h0=_feature_major(ctx, dh0, 2), c0=_feature_major(ctx, dc0, 2))
     if run.peephole is not None:
         d_pre = _reversed_in_time(ctx, d_pre)
-        sums = []
-        for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all)):
-            product = ctx.op("Mul", run.block(d_pre, block, block + 1), state)
-            sums.append(ctx.reduce("ReduceSum", run.flat(product), [0], keepdims=False))
+        sums = [ctx.reduce("ReduceSum", ctx.op("Mul", run.block(d_pre, block, block + 1, axis=1), state), [0, 2],
+                           keepdims=False)
+                for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all))]
         result["p"] = ctx.op("Concat", *sums, axis=0)
     return result
 
