@@ -6,15 +6,18 @@ activations.
 
 An LSTM that needs gradients is computed in the training graph by a forward of ours that
 keeps what the backward reads (:meth:`GradientContext.replace_forward`): the input
-projection X W^T of all steps is one MatMul, and a ``Scan`` over time does the step's
-h R^T, the gates and the cell, returning the activated gates, the cell states and
-act(c) with Y. GRU and RNN nodes stay as they are (onnxruntime's fused kernels) and the
-GRU's backward recomputes its gates from the node's output Y (added to the node when
-absent): the hidden state before step t is ``initial_h`` or Y at t - 1, so every gate
-pre-activation of every step is one batched MatMul of X with W plus one of Y shifted by a
-step with R. The backward's reverse-time recurrence of the state gradients is a Scan with
-one [batch, gates*hidden] x [gates*hidden, hidden] MatMul per step (two for GRU with
-``linear_before_reset=0``); the weight gradients are then one GEMM each over all steps at once.
+projection W X^T of all steps is one MatMul, and a ``Scan`` over time does the step's
+R h, the gates and the cell, returning the activated gates, the cell states and act(c)
+with Y. The LSTM's Scans run feature-major ([hidden, batch] states), so that each step's
+GEMM has the weight as its left operand (see :func:`_lstm_forward`). GRU and RNN nodes
+stay as they are (onnxruntime's fused kernels) and the GRU's backward recomputes its gates
+from the node's output Y (added to the node when absent): the hidden state before step t
+is ``initial_h`` or Y at t - 1, so every gate pre-activation of every step is one batched
+MatMul of X with W plus one of Y shifted by a step with R. The backward's reverse-time
+recurrence of the state gradients is a Scan with one [batch, gates*hidden] x
+[gates*hidden, hidden] MatMul per step (two for GRU with ``linear_before_reset=0``; the
+LSTM's is [hidden, gates*hidden] x [gates*hidden, batch]); the weight gradients are then
+one GEMM each over all steps at once.
 
 Each direction is differentiated as a forward recurrence: the reverse direction on the
 inputs and outputs reversed in time within each sequence's length (``ReverseSequence`` with
