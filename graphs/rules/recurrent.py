@@ -378,18 +378,17 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
         d_c = ctx.op("Add", dc, ctx.op("Mul", dh_total, a_c_t))
         d_pre = ctx.op("Mul", ctx.op("Concat", d_c, dh_total, d_c, d_c, axis=0), factors_t)
         dh_prev = run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", r_t, d_pre), dh)
-        return [dh_prev, ctx.op("Mul", d_c, keep_t)], [d_pre]
+        return [dh_prev, ctx.op("Mul", d_c, keep_t)], [_feature_major(ctx, d_pre, 2)]  # [B, 4H] for the GEMMs
 
     sequences = ([dy] if dy is not None else []) + [a_c, factors, keep] + masks
     (dh0, dc0), (d_pre,) = _scan(ctx, [_feature_major(ctx, run.dyh, 2), _feature_major(ctx, run.dyc, 2)], sequences,
                                  backward_step, reverse=True, like=like, mask=mask, outputs_reversed=True)
-    d_pre_rows = _feature_major(ctx, d_pre, 3)
-    result = run.weight_gradients(d_pre_rows, d_pre_rows, run.h_prev_reversed(), reversed_steps=True)
+    result = run.weight_gradients(d_pre, d_pre, run.h_prev_reversed(), reversed_steps=True)
     result.update(h0=_feature_major(ctx, dh0, 2), c0=_feature_major(ctx, dc0, 2))
     if run.peephole is not None:
         d_pre = _reversed_in_time(ctx, d_pre)
-        sums = [ctx.reduce("ReduceSum", ctx.op("Mul", run.block(d_pre, block, block + 1, axis=1), state), [0, 2],
-                           keepdims=False)
+        sums = [ctx.reduce("ReduceSum", ctx.op("Mul", run.block(d_pre, block, block + 1), _feature_major(ctx, state, 3)),
+                           [0, 1], keepdims=False)
                 for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all))]
         result["p"] = ctx.op("Concat", *sums, axis=0)
     return result
