@@ -6,15 +6,18 @@ activations.
 
 An LSTM that needs gradients is computed in the training graph by a forward of ours that
 keeps what the backward reads (:meth:`GradientContext.replace_forward`): the input
-projection X W^T of all steps is one MatMul, and a ``Scan`` over time does the step's
-h R^T, the gates and the cell, returning the activated gates, the cell states and
-act(c) with Y. GRU and RNN nodes stay as they are (onnxruntime's fused kernels) and the
-GRU's backward recomputes its gates from the node's output Y (added to the node when
-absent): the hidden state before step t is ``initial_h`` or Y at t - 1, so every gate
-pre-activation of every step is one batched MatMul of X with W plus one of Y shifted by a
-step with R. The backward's reverse-time recurrence of the state gradients is a Scan with
-one [batch, gates*hidden] x [gates*hidden, hidden] MatMul per step (two for GRU with
-``linear_before_reset=0``); the weight gradients are then one GEMM each over all steps at once.
+projection W X^T of all steps is one MatMul, and a ``Scan`` over time does the step's
+R h, the gates and the cell, returning the activated gates, the cell states and act(c)
+with Y. The LSTM's Scans run feature-major ([hidden, batch] states), so that each step's
+GEMM has the weight as its left operand (see :func:`_lstm_forward`). GRU and RNN nodes
+stay as they are (onnxruntime's fused kernels) and the GRU's backward recomputes its gates
+from the node's output Y (added to the node when absent): the hidden state before step t
+is ``initial_h`` or Y at t - 1, so every gate pre-activation of every step is one batched
+MatMul of X with W plus one of Y shifted by a step with R. The backward's reverse-time
+recurrence of the state gradients is a Scan with one [batch, gates*hidden] x
+[gates*hidden, hidden] MatMul per step (two for GRU with ``linear_before_reset=0``; the
+LSTM's is [hidden, gates*hidden] x [gates*hidden, batch]); the weight gradients are then
+one GEMM each over all steps at once.
 
 Each direction is differentiated as a forward recurrence: the reverse direction on the
 inputs and outputs reversed in time within each sequence's length (``ReverseSequence`` with
@@ -98,12 +101,14 @@ def _scan(
     reverse: bool,
     like: str,
     mask: Optional[str] = None,
+    outputs_reversed: bool = False,
 ) -> Tuple[List[str], List[str]]:
     """A Scan over axis 0 of ``sequences`` carrying ``states``; ``body(states, slices)``
     emits the step (through ``ctx``) and returns (new states, per-step outputs). Returns
     (final states, stacked outputs in time order). Every value is of ``like``'s type but
     the sequence ``mask`` (bool); every state and step slice is [batch, n]. ``reverse``
-    runs from the last step to the first (as a forward Scan over reversed sequences)."""
+    runs from the last step to the first (as a forward Scan over reversed sequences);
+    with ``outputs_reversed`` its stacked outputs stay in that order (last step first)."""
     elem_type = ctx.elem_type(like)
     if reverse:
         mask_index = list(sequences).index(mask) if mask is not None else None
@@ -129,7 +134,7 @@ def _scan(
     results = ctx.op("Scan", *states, *sequences, outputs=len(outputs), body=graph, num_scan_inputs=len(sequences))
     results = [results] if isinstance(results, str) else results
     stacked = results[len(states):]
-    if reverse:
+    if reverse and not outputs_reversed:
         stacked = [_reversed_in_time(ctx, output) for output in stacked]
     return results[:len(states)], stacked
 
@@ -160,13 +165,25 @@ class _Direction:
         self.x = self.in_time_order(common.x)
         self.h0 = common.state(_input(node, _INITIAL_H), index)
         self.c0 = common.state(_input(node, _INITIAL_C), index) if node.op_type == "LSTM" else None
-        self.y = self.h_prev = self.dy = self.dyh = self.dyc = None
+        self.y = self._h_prev = self.dy = self.dyh = self.dyc = None
 
     def set_output(self, y: str) -> None:
-        """This direction's Y, [T, B, H] in processing order, and the hidden states entering each step."""
+        """This direction's Y, [T, B, H] in processing order."""
         self.y = y
-        previous = self.ctx.op("Slice", y, self.ctx.ints([0]), self.ctx.ints([-1]), self.ctx.ints([0]))
-        self.h_prev = self.ctx.op("Concat", self.ctx.unsqueeze(self.h0, [0]), previous, axis=0)
+
+    @property
+    def h_prev(self) -> str:
+        """The hidden states entering each step, [T, B, H] in processing order."""
+        if self._h_prev is None:
+            previous = self.ctx.op("Slice", self.y, self.ctx.ints([0]), self.ctx.ints([-1]), self.ctx.ints([0]))
+            self._h_prev = self.ctx.op("Concat", self.ctx.unsqueeze(self.h0, [0]), previous, axis=0)
+        return self._h_prev
+
+    def h_prev_reversed(self) -> str:
+        """:attr:`h_prev` last step first (Y's steps T - 2 .. 0, then initial_h): one copy, as :attr:`h_prev` is."""
+        ctx = self.ctx
+        previous = ctx.op("Slice", self.y, ctx.ints([-2]), ctx.ints([-(2 ** 63)]), ctx.ints([0]), ctx.ints([-1]))
+        return ctx.op("Concat", previous, ctx.unsqueeze(self.h0, [0]), axis=0)
 
     def take_gradients(self, dy: Optional[str], dyh: Optional[str], dyc: Optional[str]) -> None:
         """The gradients of Y, Y_h, Y_c ([T, D, B, H] and [D, B, H]; None: not used) for this direction."""
@@ -197,17 +214,23 @@ class _Direction:
     def masked(self, mask: Optional[str], value: str, otherwise: str) -> str:
         return value if mask is None else self.ctx.op("Where", mask, value, otherwise)
 
-    def weight_gradients(self, d_pre_w: str, d_pre_r: str, r_input: str) -> Dict[str, str]:
+    def weight_gradients(self, d_pre_w: str, d_pre_r: str, r_input: str, reversed_steps: bool = False) -> Dict[str, str]:
         """dX (in time order), dW, dR, dB of the pre-activations' gradients ([T, B, G*H],
-        ``d_pre_r`` the part through R, whose input sequence is ``r_input``)."""
+        ``d_pre_r`` the part through R, whose input sequence is ``r_input``). With
+        ``reversed_steps`` the gradients and ``r_input`` are last step first, as a reverse
+        Scan returns them: the sums over all steps pair them with X reversed alike."""
         ctx, gates = self.ctx, _GATES[self.common.kind]
         width = gates * self.common.hidden
-        dx = self.in_time_order(ctx.op("MatMul", d_pre_w, self.w)) if ctx.needs_grad(self.common.node.input[_X]) else None
+        x = _reversed_in_time(ctx, self.x) if reversed_steps else self.x
+        dx = None
+        if ctx.needs_grad(self.common.node.input[_X]):
+            dx = ctx.op("MatMul", d_pre_w, self.w)
+            dx = self.in_time_order(_reversed_in_time(ctx, dx) if reversed_steps else dx)
         flat_w = ctx.op("Reshape", d_pre_w, ctx.ints([-1, width]))
         flat_r = flat_w if d_pre_r == d_pre_w else ctx.op("Reshape", d_pre_r, ctx.ints([-1, width]))
         result = {
             "x": dx,
-            "w": ctx.op("Gemm", flat_w, self.flat(self.x), transA=1),
+            "w": ctx.op("Gemm", flat_w, self.flat(x), transA=1),
             "r": ctx.op("Gemm", flat_r, self.flat(r_input), transA=1),
         }
         db_w = ctx.reduce("ReduceSum", flat_w, [0], keepdims=False)
@@ -263,68 +286,72 @@ class _Common:
         return self.zeros() if value is None else self.ctx.op("Gather", value, index)
 
 
+def _feature_major(ctx: GradientContext, value: str, rank: int) -> str:
+    """[..., B, n] as [..., n, B] (and back)."""
+    return ctx.op("Transpose", value, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
+
+
 def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Tuple[str, str, str]:
     """One direction of an LSTM (gates i, o, f, c; peepholes i, o, f) computed as a Scan that
     keeps the activated gates, the cell states and act_h(c) for :func:`_lstm` (in ``run``).
-    Returns (Y in processing order, the last h, the last c)."""
+    Returns (Y in processing order, the last h, the last c).
+
+    The Scans of the LSTM run feature-major: states [H, B], step slices [4H, B], so each
+    step's GEMM has the weight as its left operand (MLAS packs the right one on every call:
+    [B, H] there is 32x less than R)."""
     hidden, like = run.common.hidden, run.common.node.input[_X]
     act_f, act_g, act_h = activations
-    xw = ctx.op("MatMul", run.x, ctx.op("Transpose", run.w, perm=[1, 0]))
+    xw = ctx.op("MatMul", run.w, _feature_major(ctx, run.x, 3))  # [T, 4H, B]
     w_bias, r_bias = run.bias_halves()
     if w_bias is not None:
-        xw = ctx.op("Add", xw, ctx.op("Add", w_bias, r_bias))
-    r_t = ctx.op("Transpose", run.r, perm=[1, 0])
-    peep = [run.block(run.peephole, k, k + 1, axis=0) for k in range(3)] if run.peephole is not None else None
-    mask = run.common.mask
+        xw = ctx.op("Add", xw, ctx.unsqueeze(ctx.op("Add", w_bias, r_bias), [1]))
+    peep = None
+    if run.peephole is not None:
+        peep = [ctx.unsqueeze(run.block(run.peephole, k, k + 1, axis=0), [1]) for k in range(3)]
+    mask = None if run.common.mask is None else _feature_major(ctx, run.common.mask, 3)  # [T, 1, B]
     zero = ctx.scalar(0.0, like)
 
     def step(states, slices):
         (h_prev, c_prev), (xw_t, *mask_t) = states, slices
-        pre = ctx.op("Add", xw_t, ctx.op("MatMul", h_prev, r_t))
-        if peep is None:
-            ifo, g = ctx.op("Split", pre, ctx.ints([3 * hidden, hidden]), axis=-1, outputs=2)
-            ifo, g = ctx.op(act_f, ifo), ctx.op(act_g, g)
-            i, o, f = ctx.op("Split", ifo, ctx.ints([hidden] * 3), axis=-1, outputs=3)
-            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
-        else:
-            p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=-1, outputs=4)
-            i = ctx.op(act_f, ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev)))
-            f = ctx.op(act_f, ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev)))
-            g = ctx.op(act_g, p_c)
-            c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
-            o = ctx.op(act_f, ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
-            ifo = ctx.op("Concat", i, o, f, axis=-1)
+        pre = ctx.op("Gemm", run.r, h_prev, xw_t)
+        p_i, p_o, p_f, p_c = ctx.op("Split", pre, ctx.ints([hidden] * 4), axis=0, outputs=4)
+        if peep is not None:
+            p_i = ctx.op("Add", p_i, ctx.op("Mul", peep[0], c_prev))
+            p_f = ctx.op("Add", p_f, ctx.op("Mul", peep[2], c_prev))
+        i, f, g = ctx.op(act_f, p_i), ctx.op(act_f, p_f), ctx.op(act_g, p_c)
+        c = ctx.op("Add", ctx.op("Mul", f, c_prev), ctx.op("Mul", i, g))
+        o = ctx.op(act_f, p_o if peep is None else ctx.op("Add", p_o, ctx.op("Mul", peep[1], c)))
         act_c = ctx.op(act_h, c)
         h = ctx.op("Mul", o, act_c)
         if not mask_t:
-            return [h, c], [h, ifo, g, c, act_c]
+            return [h, c], [h, i, o, f, g, c, act_c]
         within = mask_t[0]  # past the end: the state is kept, Y is 0
         c = ctx.op("Where", within, c, c_prev)
-        return [ctx.op("Where", within, h, h_prev), c], [ctx.op("Where", within, h, zero), ifo, g, c, act_c]
+        return [ctx.op("Where", within, h, h_prev), c], [ctx.op("Where", within, h, zero), i, o, f, g, c, act_c]
 
+    c0 = _feature_major(ctx, run.c0, 2)
     sequences = [xw] + ([mask] if mask is not None else [])
-    (h_last, c_last), (y, ifo, g, cells, act_c) = _scan(ctx, [run.h0, run.c0], sequences, step, reverse=False,
-                                                        like=like, mask=mask)
-    run.kept = dict(ifo=ifo, g=g, cells=cells, act_c=act_c, peep=peep)
-    return y, h_last, c_last
+    (h_last, c_last), (y, i, o, f, g, cells, act_c) = _scan(ctx, [_feature_major(ctx, run.h0, 2), c0], sequences, step,
+                                                            reverse=False, like=like, mask=mask)
+    run.kept = dict(i=i, o=o, f=f, g=g, cells=cells, act_c=act_c, peep=peep, c0=c0, mask=mask)
+    return _feature_major(ctx, y, 3), _feature_major(ctx, h_last, 2), _feature_major(ctx, c_last, 2)
 
 
 def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
-    """The backward of one direction of an LSTM from what :func:`_lstm_forward` kept.
+    """The backward of one direction of an LSTM from what :func:`_lstm_forward` kept,
+    feature-major as it.
 
     The backward step is d_c = dc + dh a_c, d_pre = [d_c, dh, d_c, d_c] * factors,
-    dc_{t-1} = d_c keep, dh_{t-1} = d_pre R, with a_c, factors and keep (the peepholes
+    dc_{t-1} = d_c keep, dh_{t-1} = R^T d_pre, with a_c, factors and keep (the peepholes
     folded in) computed for all steps at once before the Scan."""
-    hidden, like = run.common.hidden, run.common.node.input[_X]
+    like = run.common.node.input[_X]
     act_f, act_g, act_h = activations
-    peep = run.kept["peep"]
-    mask = run.common.mask
+    peep, mask = run.kept["peep"], run.kept["mask"]
     masks = [mask] if mask is not None else []
-    i, o, f = ctx.op("Split", run.kept["ifo"], ctx.ints([hidden] * 3), axis=-1, outputs=3)
-    g, cells, tanh_c = run.kept["g"], run.kept["cells"], run.kept["act_c"]
-    c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.c0, [0]),
+    i, o, f, g = (run.kept[gate] for gate in "iofg")
+    cells, tanh_c = run.kept["cells"], run.kept["act_c"]
+    c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.kept["c0"], [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
-    tanh_c = ctx.op(act_h, cells)
     a_i = ctx.op("Mul", g, _derivative(ctx, act_f, i, like))
     a_o = ctx.op("Mul", tanh_c, _derivative(ctx, act_f, o, like))
     a_f = ctx.op("Mul", c_prev_all, _derivative(ctx, act_f, f, like))
@@ -334,13 +361,14 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
     if peep is not None:
         a_c = ctx.op("Add", a_c, ctx.op("Mul", a_o, peep[1]))
         keep = ctx.op("Add", keep, ctx.op("Add", ctx.op("Mul", a_i, peep[0]), ctx.op("Mul", a_f, peep[2])))
-    factors = ctx.op("Concat", a_i, a_o, a_f, a_g, axis=-1)
-    dy = run.dy
+    factors = ctx.op("Concat", a_i, a_o, a_f, a_g, axis=1)
+    dy = None if run.dy is None else _feature_major(ctx, run.dy, 3)
     if mask is not None:  # past the end: no gate gradient, the state gradients pass unchanged
         zero = ctx.scalar(0.0, like)
         factors, a_c = ctx.op("Where", mask, factors, zero), ctx.op("Where", mask, a_c, zero)
         keep = ctx.op("Where", mask, keep, ctx.scalar(1.0, like))
         dy = None if dy is None else ctx.op("Where", mask, dy, zero)
+    r_t = ctx.op("Transpose", run.r, perm=[1, 0])
 
     def backward_step(states, slices):
         (dh, dc), slices = states, list(slices)
@@ -348,19 +376,20 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
         a_c_t, factors_t, keep_t, *mask_t = slices
         dh_total = dh if dy_t is None else ctx.op("Add", dh, dy_t)
         d_c = ctx.op("Add", dc, ctx.op("Mul", dh_total, a_c_t))
-        d_pre = ctx.op("Mul", ctx.op("Concat", d_c, dh_total, d_c, d_c, axis=-1), factors_t)
-        dh_prev = run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", d_pre, run.r), dh)
-        return [dh_prev, ctx.op("Mul", d_c, keep_t)], [d_pre]
+        d_pre = ctx.op("Mul", ctx.op("Concat", d_c, dh_total, d_c, d_c, axis=0), factors_t)
+        dh_prev = run.masked(mask_t[0] if mask_t else None, ctx.op("MatMul", r_t, d_pre), dh)
+        return [dh_prev, ctx.op("Mul", d_c, keep_t)], [_feature_major(ctx, d_pre, 2)]  # [B, 4H] for the GEMMs
 
     sequences = ([dy] if dy is not None else []) + [a_c, factors, keep] + masks
-    (dh0, dc0), (d_pre,) = _scan(ctx, [run.dyh, run.dyc], sequences, backward_step, reverse=True, like=like, mask=mask)
-    result = run.weight_gradients(d_pre, d_pre, run.h_prev)
-    result.update(h0=dh0, c0=dc0)
+    (dh0, dc0), (d_pre,) = _scan(ctx, [_feature_major(ctx, run.dyh, 2), _feature_major(ctx, run.dyc, 2)], sequences,
+                                 backward_step, reverse=True, like=like, mask=mask, outputs_reversed=True)
+    result = run.weight_gradients(d_pre, d_pre, run.h_prev_reversed(), reversed_steps=True)
+    result.update(h0=_feature_major(ctx, dh0, 2), c0=_feature_major(ctx, dc0, 2))
     if run.peephole is not None:
-        sums = []
-        for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all)):
-            product = ctx.op("Mul", run.block(d_pre, block, block + 1), state)
-            sums.append(ctx.reduce("ReduceSum", run.flat(product), [0], keepdims=False))
+        d_pre = _reversed_in_time(ctx, d_pre)
+        sums = [ctx.reduce("ReduceSum", ctx.op("Mul", run.block(d_pre, block, block + 1), _feature_major(ctx, state, 3)),
+                           [0, 1], keepdims=False)
+                for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all))]
         result["p"] = ctx.op("Concat", *sums, axis=0)
     return result
 
