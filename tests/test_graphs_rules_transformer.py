@@ -43,6 +43,44 @@ def test_where(shapes):
     _check(forward)
 
 
+def _safe_softmax_model():
+    """torch's safe softmax as the dynamo exporter writes it: Where(IsNaN(p), 0, p), p = Softmax(s)."""
+    nodes = [oh.make_node("Constant", [], ["zero"], value=onnx.numpy_helper.from_array(np.zeros((), np.float32))),
+             oh.make_node("Softmax", ["s"], ["p"], axis=-1), oh.make_node("IsNaN", ["p"], ["nan"]),
+             oh.make_node("Where", ["nan", "zero", "p"], ["q"]), _node("Mul", ["q", "v"])]
+    params = {"v": np.linspace(-1, 1, 20).astype(np.float32).reshape(4, 5)}
+    return model(nodes, {"s": (3, 4, 5)}, ["y"], params)
+
+
+def test_safe_softmax_gradient():
+    """Where(IsNaN(p), 0, p) passes dy to the Softmax output p unmasked (no Where in the
+    backward): the gradient matches finite differences, and a row made NaN by a non-finite
+    input has a NaN gradient, as through the masked form, the other rows untouched."""
+    forward = _safe_softmax_model()
+    _check(forward)
+    training, initial = build_training_graph(forward)
+    assert sum(n.op_type == "Where" for n in training.graph.node) == 1  # the forward's
+    masked = onnx.ModelProto()
+    masked.CopyFrom(forward)
+    masked.graph.node[3].input[0] = "nan_used"  # a condition the rule cannot see through
+    masked.graph.node.insert(3, oh.make_node("Identity", ["nan"], ["nan_used"]))
+    masked_training, _ = build_training_graph(masked)
+    assert sum(n.op_type == "Where" for n in masked_training.graph.node) == 2
+    rng = np.random.default_rng(1)
+    s = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    s[1, 2, 3], s[2, 0, 1] = np.inf, np.nan
+    feeds = {**initial, "s": s, "y_grad": rng.standard_normal((3, 4, 5)).astype(np.float32)}
+    results = []
+    for graph in (training, masked_training):
+        session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+        results.append(session.run(["s_grad"], feeds)[0])
+    bad = np.zeros((3, 4), bool)
+    bad[1, 2] = bad[2, 0] = True
+    for result in results:
+        assert np.isnan(result[bad]).all() and np.isfinite(result[~bad]).all()
+    np.testing.assert_array_equal(results[0][~bad], results[1][~bad])
+
+
 @pytest.mark.parametrize("op_type", ["Max", "Min", "Mean", "Sum"])
 @pytest.mark.parametrize("shapes", [((3, 4),), ((2, 3, 4), (2, 3, 4)), ((2, 1, 4), (3, 1), (4,))])
 def test_variadic(op_type, shapes):
