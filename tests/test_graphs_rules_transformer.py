@@ -372,3 +372,28 @@ def test_gelu_erf_decomposition_node_by_node():
     (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
     np.testing.assert_allclose(grad, dy * _gelu_erf_derivative(x), rtol=1e-5, atol=1e-6)
 
+
+@pytest.mark.parametrize("form", ["dynamo", "torchscript"])
+def test_gelu_erf_chain_differentiated_as_one(form):
+    """The exporters' written-out erf GELU (constants as Constant nodes, as exported) takes
+    the short backward of graphs/patterns/gelu_erf_chain.py: no Erf, Div or Neg in it; the
+    gradient is GELU's float64 derivative (not finite differences: the checker's float64 Erf
+    is an approximation)."""
+    def constant(name, value):
+        return oh.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.asarray(value, np.float32)))
+
+    nodes = [constant("sqrt2", np.sqrt(2)), constant("one", 1.0), constant("half", 0.5),
+             oh.make_node("Div", ["x", "sqrt2"], ["e0"]), oh.make_node("Erf", ["e0"], ["e1"]),
+             oh.make_node("Add", ["one", "e1"], ["e2"])]
+    if form == "dynamo":
+        nodes += [oh.make_node("Mul", ["half", "e2"], ["e3"]), _node("Mul", ["x", "e3"])]
+    else:
+        nodes += [oh.make_node("Mul", ["e2", "x"], ["e3"]), _node("Mul", ["e3", "half"])]
+    forward = model(nodes, {"x": (4, 6)}, ["y"])
+    training = build_training_graph(forward)
+    backward = [n.op_type for n in training.model.graph.node[len(nodes):]]
+    assert not {"Erf", "Div", "Neg", "Sum"} & set(backward), backward
+    x = np.linspace(-6, 6, 24, dtype=np.float32).reshape(4, 6)
+    dy = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
+    np.testing.assert_allclose(grad, dy * _gelu_erf_derivative(x), rtol=1e-5, atol=1e-6)
