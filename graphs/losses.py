@@ -56,7 +56,7 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
     (:func:`softmax_cross_entropy_gradient`)."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    log_probs = ctx.op("LogSoftmax", output, axis=1)
+    probs = ctx.op("Softmax", output, axis=1)
     if ignore_index is None:
         safe, valid = labels, None
         count = ctx.op("CastLike", ctx.op("Size", labels), output)
@@ -67,7 +67,12 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
         count = ctx.reduce("ReduceSum", valid, None, keepdims=False)
     masked = (lambda value: value) if valid is None else (lambda value: ctx.op("Mul", value, valid))
     index = ctx.unsqueeze(safe, [1])
-    picked = ctx.op("Squeeze", ctx.op("GatherElements", log_probs, index, axis=1), ctx.ints([1]))
+    if label_smoothing:  # the loss sums every class's log-probability
+        log_probs = ctx.op("LogSoftmax", output, axis=1)
+        picked = ctx.op("GatherElements", log_probs, index, axis=1)
+    else:
+        picked = _log_probability_at(ctx, output, probs, index)
+    picked = ctx.op("Squeeze", picked, ctx.ints([1]))
     if valid is None and not label_smoothing:  # a plain mean (OpenVINO's EP leaves a ReduceSum to a scalar on the CPU)
         loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
     else:
@@ -85,7 +90,21 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
         ctx.op("Div", valid, count), [1])
     shift = ctx.op("Mul", weight, smoothing_per_class) if label_smoothing else None
     lowered = ctx.op("Mul", weight, ctx.scalar(1.0 - label_smoothing, output)) if label_smoothing else weight
-    return loss, softmax_cross_entropy_gradient(ctx, ctx.op("Softmax", output, axis=1), index, weight, lowered, shift)
+    return loss, softmax_cross_entropy_gradient(ctx, probs, index, weight, lowered, shift)
+
+
+def _log_probability_at(ctx: GradientContext, logits: str, probs: str, index: str) -> str:
+    """log_softmax(logits) at ``index`` along axis 1, from ``probs`` = softmax(logits, axis 1)
+    without a LogSoftmax pass over [samples, classes] (a vocabulary-sized one costs as much as
+    the Softmax the gradient needs): with m the largest logit of a sample, the largest
+    probability is 1 / sum_c exp(logits_c - m), at least 1/C, so never underflowing, and
+    log_softmax(logits)_t = (logits_t - m) + log(max probs). Two reading passes (ReduceMax)
+    instead of one writing a tensor. A non-finite logit makes the sample's whole softmax NaN,
+    and its log-probability with it."""
+    top = ctx.reduce("ReduceMax", logits, [1], keepdims=True)
+    largest = ctx.reduce("ReduceMax", probs, [1], keepdims=True)
+    below_top = ctx.op("Sub", ctx.op("GatherElements", logits, index, axis=1), top)
+    return ctx.op("Add", below_top, ctx.op("Log", largest))
 
 
 def softmax_cross_entropy_gradient(ctx: GradientContext, probs: str, index: str, weight: str,

@@ -129,6 +129,29 @@ def test_cross_entropy_options_gradient_matches_finite_differences(shape, option
     np.testing.assert_allclose(x_grad, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("options", [{}, dict(ignore_index=-100)])
+def test_cross_entropy_of_far_apart_logits_matches_float64(options):
+    """Logits spread over hundreds (labels' probabilities far below float32's smallest, large
+    offsets): each sample's log-probability still matches float64, and a sample with a
+    non-finite logit makes the loss non-finite."""
+    rng = np.random.default_rng(7)
+    shape = (64, 300)
+    x = (rng.standard_normal(shape) * 60 + rng.uniform(-500, 500, (shape[0], 1))).astype(np.float32)
+    labels = rng.integers(0, shape[1], shape[0])
+    training = build_training_graph(_additive_model(shape), loss="cross_entropy", loss_options=options)
+    y, value = _outputs(training, ["y", "loss"], {"x": x, "labels": labels})
+    expected = _cross_entropy64(y.astype(np.float64), labels, 0.0, None)
+    assert expected > 150  # most labels' probabilities underflow float32
+    assert abs(float(value) - expected) <= 1e-6 * expected
+    for bad in (np.nan, np.inf, -np.inf):
+        broken = x.copy()
+        broken[5, :] = -np.inf if bad == -np.inf else broken[5, :]  # -inf: a row with no finite logit
+        if bad != -np.inf:
+            broken[5, 3] = bad
+        (value,) = _outputs(training, ["loss"], {"x": broken, "labels": labels})
+        assert not np.isfinite(value), bad
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 2.0])
 def test_smooth_l1_beta_matches_torch_and_finite_differences(beta):
     rng = np.random.default_rng(7)

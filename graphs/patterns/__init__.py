@@ -174,4 +174,10 @@ class Matches:
 
 
 # Importing the pattern modules registers their matchers.
-from normgrad.graphs.patterns import batch_norm_relu, layer_norm_chain, rms_norm_chain, torch_group_norm  # noqa: E402,F401
+from normgrad.graphs.patterns import (  # noqa: E402,F401
+    batch_norm_relu,
+    gelu_erf_chain,
+    layer_norm_chain,
+    rms_norm_chain,
+    torch_group_norm,
+)

@@ -1,0 +1,78 @@
+"""The exact (erf) GELU as torch's exporters write it before opset 20: one short backward.
+
+    a = Div(x, sqrt(2)); b = Add(Erf(a), 1)
+    y = Mul(x, Mul(b, 0.5))        # the dynamo exporter (BERT's intermediate activation)
+    y = Mul(Mul(x, b), 0.5)        # TorchScript
+    (any operand order)
+
+Node by node its gradient takes ten passes over x's size (the two Mul gradients, the Erf
+gradient's square, Neg, Exp and two Muls, the Div's, and the Sum of x's two paths). Here it
+is dy (Phi(x) + x phi(x)), Phi(x) = b / 2 (the forward's, or one Mul), x phi(x) =
+x exp(log(1 / sqrt(2 pi)) - a^2): six passes (Mul, Sub, Exp, Mul, Add, Mul).
+
+Matched with onnxscript's rewriter (:mod:`normgrad.graphs.patterns._declarative`), then
+checked strictly, else the per-node rules apply: x of a float type, the constants fixed
+scalars (sqrt(2) to float precision, 1, 0.5), each intermediate value read by the chain
+alone and not a graph output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import numpy as np
+import onnx
+
+from normgrad.graphs.context import GradientContext
+from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns._declarative import ChainPattern
+from normgrad.graphs.patterns._row_norm import float_input
+
+__all__ = ["PATTERN", "match_gelu_erf_chain"]
+
+PATTERN = "gelu_erf_chain"
+
+
+def _erf_plus_one(op, x, root2, one):
+    return op.Add(op.Erf(op.Div(x, root2, _outputs=["scaled"])), one, _outputs=["twice_cdf"])
+
+
+def _dynamo(op, x, root2, one, half):
+    return op.Mul(x, op.Mul(_erf_plus_one(op, x, root2, one), half, _outputs=["cdf"]))
+
+
+def _torchscript(op, x, root2, one, half):
+    return op.Mul(op.Mul(x, _erf_plus_one(op, x, root2, one)), half)
+
+
+_CHAIN = ChainPattern("the written-out GELU", _dynamo, _torchscript, differentiable=("x",))
+
+_CONSTANTS = {"root2": math.sqrt(2.0), "one": 1.0, "half": 0.5}
+
+
+@register(PATTERN)
+def match_gelu_erf_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
+    """The chain ending at ``anchor``, or None."""
+    if anchor.op_type != "Mul" or anchor.domain not in ("", "ai.onnx") or "Erf" not in view.op_types:
+        return None
+    found = _CHAIN.match(view, ctx, anchor)
+    if found is None:
+        return None
+    bound, nodes = found
+    x = bound["x"]
+    if not float_input(ctx, x):
+        return None
+    for name, expected in _CONSTANTS.items():
+        value = view.static_value(ctx, bound[name])
+        if value is None or value.size != 1 or not np.isclose(float(value.reshape(())), expected, rtol=1e-6, atol=0):
+            return None
+    scaled, twice_cdf, cdf = bound["scaled"], bound["twice_cdf"], bound.get("cdf")
+
+    def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
+        phi = cdf or ctx.op("Mul", twice_cdf, ctx.scalar(0.5, x))
+        density = ctx.op("Exp", ctx.op("Sub", ctx.scalar(math.log(1 / math.sqrt(2 * math.pi)), x),
+                                       ctx.op("Mul", scaled, scaled)))
+        return [(x, ctx.op("Mul", dy, ctx.op("Add", phi, ctx.op("Mul", x, density))))]
+
+    return Match(PATTERN, anchor, nodes, gradient)
