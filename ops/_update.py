@@ -75,6 +75,12 @@ class Declarations(NamedTuple):
     written: an output may share its input's buffer (``normgrad.graphs.structure.in_place_updates``)."""
 
 
+MODULE_API = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OPTIONAL", "BOOL_INPUTS", "HYPERPARAMETERS", "ELEMENTWISE",
+              "SCALAR_IF_OMITTED", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "TYPES", "SPEC", "Result",
+              "skip_reason", "validate", "reference", "python_kernel", "schema", "function_body"]
+"""The public names of every update operator's module (its ``__all__``)."""
+
+
 def declarations(spec: UpdateSpec) -> Declarations:
     """The module-level declarations of an update operator."""
     return Declarations(spec.op_type, spec.inputs, spec.outputs, {}, spec.optional, spec.bool_inputs,

@@ -59,9 +59,7 @@ import onnx
 
 from normgrad.ops import _common, _update
 
-__all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OPTIONAL", "BOOL_INPUTS", "HYPERPARAMETERS", "ELEMENTWISE",
-           "SCALAR_IF_OMITTED", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "TYPES", "SPEC", "Result",
-           "skip_reason", "validate", "reference", "python_kernel", "schema", "function_body"]
+__all__ = list(_update.MODULE_API)
 
 SPEC = _update.UpdateSpec(
     op_type="AdamUpdate",
