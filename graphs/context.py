@@ -63,6 +63,7 @@ class GradientContext:
                 if value is not None:
                     self._constants[node.output[0]] = value
         self._producers = {name: node for node in graph.node for name in node.output if name}
+        self._gemm_products: Set[str] = set()  # outputs of emitted Gemms without C
         self._used: Set[str] = set(self._types)
         for node in graph.node:
             self._used.update(node.input)
@@ -172,6 +173,8 @@ class GradientContext:
         )
         self.nodes.append(node)
         self._record_rank(node)
+        if op_type == "Gemm" and not domain and len(node.input) == 2:
+            self._gemm_products.add(names[0])
         return names[0] if len(names) == 1 else names
 
     def _record_rank(self, node: onnx.NodeProto) -> None:
@@ -228,8 +231,19 @@ class GradientContext:
         return self.op("Reshape", value, self.shape_of(like))
 
     def sum_all(self, values: Sequence[str]) -> str:
-        """The sum of ``values`` (itself if there is one)."""
-        return values[0] if len(values) == 1 else self.op("Sum", *values)
+        """The sum of ``values`` (itself if there is one). The outputs of Gemms without C
+        are added one at a time, each in a Sum of two, which onnxruntime's GemmSumFusion
+        turns into that Gemm's C: they cost no pass of their own."""
+        if len(values) == 1:
+            return values[0]
+        products = [v for v in values if v in self._gemm_products]
+        if len(products) < 2 or len(values) == 2:
+            return self.op("Sum", *values)
+        others = [v for v in values if v not in self._gemm_products]
+        total = self.sum_all(others) if others else None
+        for product in products:
+            total = product if total is None else self.op("Sum", product, total)
+        return total
 
     def gradient_of(self, grad: str, forward: str) -> str:
         """Records that backward value ``grad`` is the gradient of forward value ``forward``

@@ -738,6 +738,7 @@ def transposed_weight_products(model: onnx.ModelProto) -> bool:
     producers = {name: node for node in graph.node for name in node.output if name}
     names = set(types) | {n for node in graph.node for n in [*node.input, *node.output, node.name]}
     casts = {}  # (V, to): its Cast, written once for every product that reads it
+    flattened = {}  # x: its Flatten, one for every product that reads it (their dx sum as 2-D Gemm outputs)
     nodes, changed = [], False
     for node in graph.node:
         source = _transposed_matrix(node, producers, types)
@@ -762,7 +763,9 @@ def transposed_weight_products(model: onnx.ModelProto) -> bool:
         if types.get(x, (None, None))[1] == 2:
             emit("Gemm", x, read, output=y, transB=1)
         else:
-            product = emit("Gemm", emit("Flatten", x, axis=-1), read, transB=1)
+            if x not in flattened:
+                flattened[x] = emit("Flatten", x, axis=-1)
+            product = emit("Gemm", flattened[x], read, transB=1)
             shape = emit("Concat", emit("Shape", x, end=-1), emit("Shape", weight, start=0, end=1), axis=0)
             emit("Reshape", product, shape, output=y)
         changed = True

@@ -54,6 +54,37 @@ def test_batched_matmul_weight_gradient_is_one_gemm():
     assert checks and max(c.error for c in checks) < 1e-4
 
 
+
+@pytest.mark.parametrize("level", ["basic", "all"])
+def test_products_of_one_input_sum_their_dx_inside_the_gemms(tmp_path, level):
+    """q, k and v read one h (as attention does): one Flatten of h, and h's gradient the
+    Gemms' outputs added one at a time, which onnxruntime turns into Gemm C inputs (no Sum
+    of them left in the graph it runs); gradients against float64 finite differences."""
+    import onnxruntime as ort
+
+    nodes = [oh.make_node("Mul", ["x", "s"], ["h"]), oh.make_node("Relu", ["h"], ["r"])]
+    for name in "qkv":
+        nodes += [oh.make_node("Transpose", [f"w{name}"], [f"w{name}t"], perm=[1, 0]),
+                  oh.make_node("MatMul", ["h", f"w{name}t"], [name])]
+    nodes += [oh.make_node("Add", ["q", "k"], ["qk"]), oh.make_node("Add", ["v", "r"], ["vr"]),
+              oh.make_node("Add", ["qk", "vr"], ["y"])]
+    forward = model(nodes, {"x": (2, 3, 4)}, ["y"], weights(0, s=(4,), wq=(4, 4), wk=(4, 4), wv=(4, 4)))
+    training = build_training_graph(forward)
+    graph = training.model.graph
+    assert [n.input[0] for n in graph.node if n.op_type == "Flatten"] == ["h"]
+    gemms = {n.output[0] for n in graph.node if n.op_type == "Gemm" and len(n.input) == 2}
+    sums = [n for n in graph.node if n.op_type == "Sum" and set(n.input) & gemms]
+    assert sums and all(len(n.input) == 2 for n in sums)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{level.upper()}")
+    options.optimized_model_filepath = str(tmp_path / "running.onnx")
+    ort.InferenceSession(training.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    running = onnx.load(tmp_path / "running.onnx").graph
+    gemm_outputs = {n.output[0] for n in running.node if n.op_type == "Gemm"}
+    assert not [n.name for n in running.node if n.op_type == "Sum" and set(n.input) & gemm_outputs]
+    checks = check_gradients(training, directions=2)
+    assert checks and max(c.error for c in checks) < 1e-4, max(checks, key=lambda c: c.error)
+
 # -- tiny transformers: against the batched forms, every optimization level -----------------
 
 STEPS = 10
