@@ -91,6 +91,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     rewrites.recurrent_layout_0(model)
     rewrites.embedding_bags(model)
     rewrites.fold_integer_constants(model)
+    rewrites.gelu_erf_fusable_order(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)

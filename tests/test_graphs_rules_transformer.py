@@ -399,3 +399,38 @@ def test_gelu_erf_chain_differentiated_as_one(form):
     dy = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
     (grad,) = _run(training, {"x": x, "y_grad": dy}, ["x_grad"])
     np.testing.assert_allclose(grad, dy * _gelu_erf_derivative(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("orders", [("x", "e3", "half", "e2"), ("e3", "x", "e2", "half")])
+def test_dynamo_gelu_erf_written_in_the_order_onnxruntime_fuses(tmp_path, orders):
+    """The dynamo exporter's x * ((erf(x / sqrt 2) + 1) * 0.5) becomes (x * (erf + 1)) * 0.5:
+    the same bits on float32 values up to 2^127 (a product by 0.5 is exact; beyond, x times
+    erf + 1 = 2 overflows where the exported product does not), and
+    onnxruntime's optimizer turns it into one Gelu kernel, which it does not for the other
+    order. (Its gradient: test_gelu_erf_chain_differentiated_as_one.)"""
+    from normgrad.graphs import rewrites
+
+    consts = {"sqrt2": np.float32(np.sqrt(2)), "one": np.float32(1.0), "half": np.float32(0.5)}
+    nodes = [oh.make_node("Div", ["x", "sqrt2"], ["e0"]), oh.make_node("Erf", ["e0"], ["e1"]),
+             oh.make_node("Add", ["one", "e1"], ["e2"]), oh.make_node("Mul", list(orders[2:]), ["e3"]),
+             _node("Mul", list(orders[:2]))]
+    exported = model(nodes, {"x": (4, 64)}, ["y"], consts)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(exported)
+    assert rewrites.gelu_erf_fusable_order(rewritten) == 1
+    assert rewrites.gelu_erf_fusable_order(rewritten) == 0  # nothing left in the other order
+    x = np.concatenate([np.linspace(-12, 12, 128), np.geomspace(1e-30, 1.7e38, 64), -np.geomspace(1e-30, 1.7e38, 64)])
+    x = x.astype(np.float32).reshape(4, 64)
+    fused, values = {}, {}
+    for tag, graph in (("exported", exported), ("rewritten", rewritten)):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(tmp_path / f"{tag}.onnx")
+        ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        fused[tag] = {n.op_type for n in onnx.load(tmp_path / f"{tag}.onnx").graph.node}
+        plain = ort.SessionOptions()
+        plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        values[tag] = ort.InferenceSession(graph.SerializeToString(), plain,
+                                           providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert fused["rewritten"] == {"Gelu"} and "Gelu" not in fused["exported"]
+    np.testing.assert_array_equal(values["rewritten"], values["exported"])
