@@ -96,7 +96,7 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
     model = _infer_shapes(model)
-    if rewrites.transposed_weight_products(model):
+    if rewrites.transposed_weight_products(model) | bool(rewrites.tiling_slices_as_split(model)):
         model = _infer_shapes(model)
     return model, opset
 

@@ -430,6 +430,52 @@ def test_slice_with_value_ints_constants_pads_by_static_amounts():
     _check(forward)
 
 
+def _halves(bounds, shape=(2, 3, 5, 8), plus_x=True):
+    """rotate_half: y = Concat(-x[..., a:b], x[..., c:d]) (* 2 + x), its Slices' bounds given."""
+    (a, b), (c, d) = bounds
+    params = _ints(a=[a], b=[b], c=[c], d=[d], axis=[-1])
+    nodes = [oh.make_node("Slice", ["x", "a", "b", "axis"], ["second"]), oh.make_node("Slice", ["x", "c", "d", "axis"], ["first"]),
+             oh.make_node("Neg", ["second"], ["negated"])]
+    if plus_x:
+        nodes += [oh.make_node("Concat", ["negated", "first"], ["rotated"], axis=-1),
+                  oh.make_node("Add", ["rotated", "rotated"], ["twice"]), _node("Add", ["twice", "x"])]
+    else:
+        nodes.append(_node("Concat", ["negated", "first"], axis=-1))
+    return model(nodes, {"x": shape}, ["y"], params)
+
+
+@pytest.mark.parametrize("bounds", [((4, 1 << 62), (0, 4)), ((-4, 8), (-100, -4)), ((5, 8), (0, 5))])
+def test_slices_covering_an_axis_become_one_split(bounds):
+    """Slices of one value that cover an axis exactly once (rotate_half's halves) are one
+    Split: the gradient a Concat instead of a zero Pad per Slice and their Sum; the forward
+    the same bits."""
+    forward = _halves(bounds)
+    training = build_training_graph(forward)
+    nodes = training.model.graph.node
+    assert [n.input[0] for n in nodes if n.op_type == "Split"].count("x") == 1  # (and the Concat's gradient)
+    assert not [n for n in nodes if n.op_type in ("Slice", "Pad")]
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 8)).astype(np.float32)
+    exported = ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+    trained = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": x, "y_grad": np.ones_like(x)}
+    np.testing.assert_array_equal(trained.run(["y"], training.feeds(feeds))[0], exported.run(None, {"x": x})[0])
+    _check(forward)
+
+
+@pytest.mark.parametrize("bounds, shape", [
+    (((4, 8), (0, 3)), (2, 3, 5, 8)),  # a gap
+    (((3, 8), (0, 4)), (2, 3, 5, 8)),  # an overlap
+    (((4, 1 << 62), (0, 4)), (2, 3, 5, "L")),  # a length known at run time only
+])
+def test_slices_not_covering_an_axis_stay_slices(bounds, shape):
+    forward = _halves(bounds, shape, plus_x=False)
+    nodes = build_training_graph(forward).model.graph.node
+    assert [n.input[0] for n in nodes if n.op_type == "Slice"].count("x") == 2
+    assert not [n for n in nodes if n.op_type == "Split" and n.input[0] == "x"]
+    if "L" not in shape:
+        _check(forward)
+
+
 @pytest.mark.parametrize("node, shape, params, message", [
     (oh.make_node("Resize", ["x", "", "s"], ["y"], name="crop", mode="linear", coordinate_transformation_mode="tf_crop_and_resize"),
      (1, 1, 4, 4), _floats(s=[1, 1, 2, 2]), "Resize node 'crop'.*tf_crop_and_resize"),
