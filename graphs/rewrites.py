@@ -32,6 +32,9 @@ would produce a wrong or rejected model.
 * Slices of one value along one axis that together cover it exactly, each element once
   (``rotate_half``'s ``x[..., :d/2]`` and ``x[..., d/2:]``), become one Split: its gradient
   is a Concat, where the Slices' is a zero Pad each and a Sum (:func:`tiling_slices_as_split`).
+* RMSNorm's ``x * Reciprocal(Sqrt(mean(x^2) + eps))`` (or ``x * (1 / Sqrt(..))``) becomes
+  ``x / Sqrt(..)``, which onnxruntime fuses into one SimplifiedLayerNormalization kernel
+  (:func:`rms_norm_division`; within one rounding of the product).
 * The dynamo exporter's erf GELU, ``x * ((erf(x / sqrt 2) + 1) * 0.5)``, is written in
   TorchScript's order, ``(x * (erf(x / sqrt 2) + 1)) * 0.5``, which onnxruntime fuses into
   one Gelu kernel (:func:`gelu_erf_fusable_order`; the same bits: a product by 0.5 is exact,
@@ -909,4 +912,66 @@ def tiling_slices_as_split(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(nodes)
     return sum(1 for new in replaced.values() if new)
+
+
+def _centred(x: str, made_by) -> bool:
+    """Whether ``x`` is Sub(a, ReduceMean(a)): the chain is then a LayerNorm's (left as it is)."""
+    sub = made_by(x, "Sub")
+    mean = made_by(sub.input[1], "ReduceMean") if sub is not None else None
+    return mean is not None and mean.input[0] == sub.input[0]
+
+
+def rms_norm_division(model: onnx.ModelProto) -> int:
+    """Rewrites, in place, each ``Mul(x, r)`` with r = ``Reciprocal(s)`` or ``Div(1, s)`` read
+    by that Mul alone, s = ``Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x)), eps))``, into
+    ``Div(x, s)`` (the node producing r dropped), unless x is centred (a LayerNorm's chain);
+    returns how many. onnxruntime's SimplifiedLayerNormFusion matches the division and not
+    the product."""
+    graph = model.graph
+    producers = {name: node for node in graph.node for name in node.output if name}
+    readers: Dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+
+    def made_by(name: str, op_type: str):
+        node = producers.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def squares_of(name: str, x: str) -> bool:
+        power, product = made_by(name, "Pow"), made_by(name, "Mul")
+        if power is not None:
+            exponent = _constant_values(graph, power.input[1])
+            return power.input[0] == x and exponent is not None and exponent.size == 1 and float(exponent.reshape(())) == 2.0
+        return product is not None and list(product.input) == [x, x]
+
+    dropped = set()
+    rewritten = 0
+    for node in graph.node:
+        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        for x, inverse in (node.input, node.input[::-1]):
+            inverter = made_by(inverse, "Reciprocal") or made_by(inverse, "Div")
+            if inverter is None or readers.get(inverse) != 1 or inverse in outputs:
+                continue
+            if inverter.op_type == "Div":
+                one = _constant_values(graph, inverter.input[0])
+                if one is None or one.size != 1 or float(one.reshape(())) != 1.0:
+                    continue
+            root = made_by(inverter.input[-1], "Sqrt")
+            add = made_by(root.input[0], "Add") if root is not None else None
+            mean = next((made_by(i, "ReduceMean") for i in add.input if made_by(i, "ReduceMean")), None) if add else None
+            if mean is None or not squares_of(mean.input[0], x) or _centred(x, made_by):
+                continue
+            node.op_type = "Div"
+            node.input[:] = [x, root.output[0]]
+            dropped.add(id(inverter))
+            rewritten += 1
+            break
+    if dropped:
+        nodes = [node for node in graph.node if id(node) not in dropped]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return rewritten
 
