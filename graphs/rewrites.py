@@ -812,34 +812,48 @@ def _without_unread(nodes: list, outputs: Set[str], op_types) -> list:
         nodes = kept
 
 
+class _ChainIndex:
+    """Who produces and who reads each value of a graph, for the chain rewrites below."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.graph = graph
+        self.producers = {name: node for node in graph.node for name in node.output if name}
+        self.readers: Dict[str, int] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.readers[name] = self.readers.get(name, 0) + 1
+        self.outputs = {o.name for o in graph.output}
+
+    def made_by(self, name: str, op_type: str):
+        """The standard-domain ``op_type`` node producing ``name``, or None."""
+        node = self.producers.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def read_once(self, name: str) -> bool:
+        """Whether one node reads ``name`` and it is no graph output."""
+        return self.readers.get(name) == 1 and name not in self.outputs
+
+    def is_scalar(self, name: str, value: float) -> bool:
+        """Whether ``name`` is a constant of one element equal to ``value``."""
+        found = _constant_values(self.graph, name)
+        return found is not None and found.size == 1 and float(found.reshape(())) == value
+
+
 def gelu_erf_fusable_order(model: onnx.ModelProto) -> int:
     """Rewrites, in place, each ``Mul(x, Mul(Add(Erf(Div(x, c)), 1), 0.5))`` (either operand
     order in each Mul and the Add) into ``Mul(Mul(x, Add(...)), 0.5)`` where the inner
     ``Mul(.., 0.5)`` is read by that product alone; returns how many. Only the order of the
     products changes: onnxruntime's GeluFusion matches this order and not the other."""
     graph = model.graph
-    producers = {name: node for node in graph.node for name in node.output if name}
-    readers: Dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
-
-    def made_by(name: str, op_type: str):
-        node = producers.get(name)
-        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-    def is_scalar(name: str, value: float) -> bool:
-        found = _constant_values(graph, name)
-        return found is not None and found.size == 1 and float(found.reshape(())) == value
-
+    index = _ChainIndex(graph)
+    made_by, is_scalar = index.made_by, index.is_scalar
     rewritten = 0
     for node in graph.node:
         if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
         for x, cdf in (node.input, node.input[::-1]):
             halving = made_by(cdf, "Mul")
-            if halving is None or readers.get(cdf) != 1 or cdf in outputs:
+            if halving is None or not index.read_once(cdf):
                 continue
             sums = [(b, h) for b, h in (halving.input, halving.input[::-1]) if is_scalar(h, 0.5)]
             add = made_by(sums[0][0], "Add") if sums else None
@@ -928,22 +942,13 @@ def rms_norm_division(model: onnx.ModelProto) -> int:
     returns how many. onnxruntime's SimplifiedLayerNormFusion matches the division and not
     the product."""
     graph = model.graph
-    producers = {name: node for node in graph.node for name in node.output if name}
-    readers: Dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
-
-    def made_by(name: str, op_type: str):
-        node = producers.get(name)
-        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+    index = _ChainIndex(graph)
+    made_by = index.made_by
 
     def squares_of(name: str, x: str) -> bool:
         power, product = made_by(name, "Pow"), made_by(name, "Mul")
         if power is not None:
-            exponent = _constant_values(graph, power.input[1])
-            return power.input[0] == x and exponent is not None and exponent.size == 1 and float(exponent.reshape(())) == 2.0
+            return power.input[0] == x and index.is_scalar(power.input[1], 2.0)
         return product is not None and list(product.input) == [x, x]
 
     dropped = set()
@@ -953,12 +958,10 @@ def rms_norm_division(model: onnx.ModelProto) -> int:
             continue
         for x, inverse in (node.input, node.input[::-1]):
             inverter = made_by(inverse, "Reciprocal") or made_by(inverse, "Div")
-            if inverter is None or readers.get(inverse) != 1 or inverse in outputs:
+            if inverter is None or not index.read_once(inverse):
                 continue
-            if inverter.op_type == "Div":
-                one = _constant_values(graph, inverter.input[0])
-                if one is None or one.size != 1 or float(one.reshape(())) != 1.0:
-                    continue
+            if inverter.op_type == "Div" and not index.is_scalar(inverter.input[0], 1.0):
+                continue
             root = made_by(inverter.input[-1], "Sqrt")
             add = made_by(root.input[0], "Add") if root is not None else None
             mean = next((made_by(i, "ReduceMean") for i in add.input if made_by(i, "ReduceMean")), None) if add else None
