@@ -48,7 +48,7 @@ def _scatter_add_rows(ctx: GradientContext, data: str, rank: int, axis: int, fla
     along_axis = [1] * axis + [-1] + [1] * (rank - axis - 1)
     indices = ctx.op("Reshape", flat, ctx.ints(along_axis))
     if axis == 0 and elem_type == onnx.TensorProto.FLOAT:
-        return ctx.op(embedding_grad.OP_TYPE, dy, indices, ctx.shape_of(data), domain=DOMAIN)
+        return ctx.declare(ctx.op(embedding_grad.OP_TYPE, dy, indices, ctx.shape_of(data), domain=DOMAIN), data)
     indices = ctx.op("Expand", indices, ctx.shape_of(dy))
     zeros = _zeros(ctx, data, ctx.shape_of(data))
     return ctx.op("ScatterElements", zeros, indices, dy, axis=axis, reduction="add")
