@@ -592,6 +592,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     new_graph.initializer.extend(graph.initializer)
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
     new_graph.value_info.extend(original_value_info)
+    new_graph.value_info.extend(ctx.declared)
     if ctx.forward_replacements:
         for node in graph.node:
             replacement = ctx.forward_replacements.get(next((name for name in node.output if name), ""))

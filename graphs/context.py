@@ -75,6 +75,8 @@ class GradientContext:
         self._counters: Dict[str, int] = {}  # per scope: fresh names continue, never probe from 1 again
         self.batch_statistics: Dict[str, "BatchStatistics"] = {}
         """{Y of a training-mode BatchNormalization: its forward statistics}, set by the builder."""
+        self.declared: List[onnx.ValueInfoProto] = []
+        """Value infos of emitted values (:meth:`declare`); the builder writes them into the graph."""
         self.forward_replacements: Dict[str, List[onnx.NodeProto]] = {}
         """{first output of a forward node: the nodes the training graph computes it with instead}
         (:meth:`replace_forward`); the builder puts them in the node's place."""
@@ -198,6 +200,17 @@ class GradientContext:
             if rank is not None:
                 change = self._constant_lengths[node.input[1]]
                 self._emitted_ranks[out] = rank + change if op_type == "Unsqueeze" else rank - change
+
+    def declare(self, name: str, like: str) -> str:
+        """Declares emitted value ``name`` in the graph's value_info with the type and shape of
+        forward value ``like``, when its shape is static (onnxruntime knows no output shape of a
+        normgrad node, and some of its fusions need one: a Gemm takes a summand of known shape as
+        its C); returns ``name``."""
+        type_proto = self.type_of(like)
+        if type_proto is not None and self.static_shape(like) is not None and self.elem_type(like):
+            self._types[name] = type_proto
+            self.declared.append(oh.make_value_info(name, type_proto))
+        return name
 
     def known_rank(self, name: str) -> Optional[int]:
         """The rank of ``name`` if known: a forward value's, a recorded gradient's

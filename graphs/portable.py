@@ -29,6 +29,10 @@ minimal reproducer of each:
   standard ops, as the step graph draws it: integer arithmetic exact in 32 bits, so OpenVINO
   (which computes int64 in 32 bits and int32 Div/Mod in float32:
   ``test_openvino_defects.py``) draws onnxruntime's masks bitwise.
+* **EmbeddingGrad as its standard ops** (not a defect: the graph other runtimes got before
+  the operator existed): the gradient of a Gather from a float32 table, which onnxruntime's
+  CPU provider runs as one normgrad kernel, is written as its function body, a
+  ScatterElements into a zero table (:func:`normgrad.graphs.rewrites.expand_operator`).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -78,6 +82,7 @@ import onnx.shape_inference
 from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
+from normgrad.ops import embedding_grad
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -518,12 +523,12 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
     graph.input.extend(ordered)
 
 
-REWRITES = ("group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded", "onehot_as_equal",
-            "size_as_shape_product", "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
-            "float64_scalars_in_float32", "unused_inputs_last")
+REWRITES = ("group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
+            "embedding_grad_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
+            "constant_casts_folded", "scan_bodies_self_contained", "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
-COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "scan_bodies_self_contained",
-                   "float64_scalars_in_float32")
+COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "embedding_grad_expanded",
+                   "scan_bodies_self_contained", "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -591,6 +596,10 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         _layer_norm_statistics_beside(model, names)
     if "dropout_seeded" not in skip:
         model = _dropout_seeded(model, names)
+    if "embedding_grad_expanded" not in skip:
+        from normgrad.graphs.rewrites import expand_operator
+
+        model = expand_operator(model, embedding_grad.OP_TYPE)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:

@@ -58,10 +58,10 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, dropout_mask
+from normgrad.ops import DOMAIN, OPERATORS, dropout_mask
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
-           "expand_dropout_masks", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
+           "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
            "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader"]
 
@@ -427,12 +427,18 @@ def expand_dropout_masks(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with every main-graph DropoutMask node replaced by its function body (the
     generator in standard integer ops, as :func:`seed_dropout` wrote it before the operator
     existed); ``model`` itself when it has none."""
-    if not any(n.domain == DOMAIN and n.op_type == dropout_mask.OP_TYPE for n in model.graph.node):
+    return expand_operator(model, dropout_mask.OP_TYPE)
+
+
+def expand_operator(model: onnx.ModelProto, op_type: str) -> onnx.ModelProto:
+    """``model`` with every main-graph node of the normgrad operator ``op_type`` replaced by
+    its function body; ``model`` itself when it has none."""
+    if not any(n.domain == DOMAIN and n.op_type == op_type for n in model.graph.node):
         return model
-    selected = (DOMAIN, dropout_mask.OP_TYPE)
+    selected = (DOMAIN, op_type)
     if not any((f.domain, f.name) == selected for f in model.functions):
         opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-        model.functions.append(dropout_mask.function_body(opset))
+        model.functions.append(OPERATORS[op_type].function_body(opset))
     model = onnx.inliner.inline_selected_functions(model, [selected])
     kept = [f for f in model.functions if (f.domain, f.name) != selected]
     del model.functions[:]

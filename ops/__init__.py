@@ -14,6 +14,7 @@ from normgrad.ops import (
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
     dropout_mask,
+    embedding_grad,
     gated_update,
     group_normalization_grad,
     layer_normalization_grad,
@@ -37,6 +38,7 @@ OPERATORS = {
         sgd_update,
         gated_update,
         dropout_mask,
+        embedding_grad,
     )
 }
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

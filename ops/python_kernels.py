@@ -43,7 +43,7 @@ _LOGGER = logging.getLogger("normgrad")
 _ERRORS: collections.deque = collections.deque(maxlen=100)
 _FLOAT = PyCustomOpDef.dt_float
 _KERNEL_TYPES = {np.dtype(np.float32): _FLOAT, np.dtype(np.bool_): PyCustomOpDef.dt_bool,
-                 np.dtype(np.int32): PyCustomOpDef.dt_int32}
+                 np.dtype(np.int32): PyCustomOpDef.dt_int32, np.dtype(np.int64): PyCustomOpDef.dt_int64}
 _last_kernel_seconds = [0.0]
 
 

@@ -82,6 +82,31 @@ def cpp_available() -> bool:
     return True
 
 
+def cpp_error(op_type: str, feeds: dict) -> str:
+    """The error message of the C++ kernel of ``op_type`` run on ``feeds`` (by input name), in
+    a one-node model without onnx's type checks (which would refuse bad types first)."""
+    import onnx
+    import onnx.helper as oh
+    import onnxruntime as ort
+
+    from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, operator
+    from normgrad.ops._common import tensor_type
+
+    outputs = list(operator(op_type).OUTPUTS)
+    node = oh.make_node(op_type, list(feeds), outputs, domain=DOMAIN)
+    graph = oh.make_graph([node], op_type, [oh.make_tensor_value_info(name, tensor_type(value.dtype), list(value.shape))
+                                            for name, value in feeds.items()],
+                          [onnx.ValueInfoProto(name=name) for name in outputs])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", ONNX_OPSET), oh.make_opsetid(DOMAIN, OPSET_VERSION)],
+                          ir_version=IR_VERSION)
+    options = ort.SessionOptions()
+    normgrad.session_options("cpp", options)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception) as error:
+        session.run(None, feeds)
+    return str(error.value)
+
+
 @pytest.fixture(params=harness.BACKENDS)
 def backend(request) -> str:
     if request.param == "cpp" and not cpp_available():

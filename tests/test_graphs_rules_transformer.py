@@ -9,11 +9,13 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
+import normgrad
 from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_training_graph
 from normgrad.graphs.patterns import _declarative
 from normgrad.graphs.rules import gather
 
 from _graph_models import model, weights
+from conftest import cpp_available
 from test_graphs_rules import _check, _node
 
 
@@ -148,18 +150,22 @@ def test_gather_elements(indices, axis):
                                             ("GatherElements", (20, 64))])
 def test_gather_gradient_is_bitwise_the_same_for_any_thread_count(op_type, shape):
     """Repeated indices accumulate in one order (onnxruntime's ScatterND add would not): a
-    scatter-add, or for tables of at most ONE_HOT_ROWS rows one GEMM of the one-hot indices."""
+    scatter-add (for Gather an EmbeddingGrad node: its C++ kernel and its ScatterElements
+    body), or for tables of at most ONE_HOT_ROWS rows one GEMM of the one-hot indices."""
     rng = np.random.default_rng(0)
     idx = rng.integers(0, shape[0], (32, 64)).astype(np.int64)
     training, initial = build_training_graph(model([_node(op_type, ["x", "idx"])], {"x": shape}, ["y"], {"idx": idx}))
     one_hot = op_type == "Gather" and shape[0] <= gather.ONE_HOT_ROWS
-    assert any(n.op_type == ("Gemm" if one_hot else "ScatterElements") for n in training.graph.node)
+    expected_op = "Gemm" if one_hot else "EmbeddingGrad" if op_type == "Gather" else "ScatterElements"
+    assert any(n.op_type == expected_op for n in training.graph.node)
     feeds = {**initial, "x": rng.standard_normal(shape).astype(np.float32)}
     feeds["y_grad"] = rng.standard_normal((32, 64, shape[1]) if op_type == "Gather" else (32, 64)).astype(np.float32)
     results = []
-    for threads in (1, 2, 3):
+    for kernels, threads in [(None, 1), (None, 2), (None, 3)] + ([("cpp", 1), ("cpp", 2)] if cpp_available() else []):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        if kernels:
+            normgrad.session_options(kernels, options)
         session = ort.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
         results.append(session.run(["x_grad"], feeds)[0])
     for result in results[1:]:
