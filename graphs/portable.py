@@ -9,6 +9,9 @@ minimal reproducer of each:
 * **weights as pure inputs**: an input that is also an initializer is frozen to its stored
   value by OpenVINO, so fed weights were ignored. The initializer goes; its value is
   returned (for a checkpoint).
+* **the SoftmaxCrossEntropy loss node as its function body** (costly: the kernel is faster):
+  the standard ops the cross-entropy losses are written in without the operator
+  (``normgrad.ops.softmax_cross_entropy``), which the rewrites below then see as before.
 * **no constant weight shared by a ConvTranspose**: a constant square weight [C, C, k, k]
   read by both a Conv and a ConvTranspose gives a wrong ConvTranspose. Each ConvTranspose
   gets its own copy of a constant weight another node also reads.
@@ -518,11 +521,11 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
     graph.input.extend(ordered)
 
 
-REWRITES = ("group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded", "onehot_as_equal",
+REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded", "onehot_as_equal",
             "size_as_shape_product", "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
             "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
-COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "scan_bodies_self_contained",
+COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "scan_bodies_self_contained",
                    "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
@@ -584,6 +587,11 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         model = copy.deepcopy(model)
     _refuse_training_batch_norm(model.graph)
     moved = weights_as_inputs(model.graph)
+    if "cross_entropy_expanded" not in skip:
+        from normgrad.graphs import rewrites
+        from normgrad.ops import softmax_cross_entropy
+
+        model = rewrites.expand_operator(model, softmax_cross_entropy)
     if "group_normalization_expanded" not in skip:
         model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)

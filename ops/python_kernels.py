@@ -43,7 +43,7 @@ _LOGGER = logging.getLogger("normgrad")
 _ERRORS: collections.deque = collections.deque(maxlen=100)
 _FLOAT = PyCustomOpDef.dt_float
 _KERNEL_TYPES = {np.dtype(np.float32): _FLOAT, np.dtype(np.bool_): PyCustomOpDef.dt_bool,
-                 np.dtype(np.int32): PyCustomOpDef.dt_int32}
+                 np.dtype(np.int32): PyCustomOpDef.dt_int32, np.dtype(np.int64): PyCustomOpDef.dt_int64}
 _last_kernel_seconds = [0.0]
 
 
@@ -68,6 +68,9 @@ def _failure_shapes(module, inputs) -> list:
     shapes = []
     for name in module.OUTPUTS:
         source, axis = module.OUTPUT_SHAPE_FROM[name]
+        if source is None:  # a scalar output
+            shapes.append(())
+            continue
         shape = tuple(inputs[module.INPUTS.index(source)].shape)
         shapes.append(shape if axis is None else (shape[axis : axis + 1] or (0,)))
     return shapes

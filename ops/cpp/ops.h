@@ -6,14 +6,22 @@
 namespace normgrad {
 
 // Where an input or output takes its element type from.
-// 'F' and 'I' are always float32 and int32 (DropoutMask's ratio and key limbs).
-enum TypeClass : char { kClassT = 'T', kClassU = 'U', kClassBool = 'B', kClassFloat = 'F', kClassInt32 = 'I' };
+// 'F' and 'I' are always float32 and int32 (DropoutMask's ratio and key limbs), 'L' int64
+// (SoftmaxCrossEntropy's labels).
+enum TypeClass : char {
+  kClassT = 'T',
+  kClassU = 'U',
+  kClassBool = 'B',
+  kClassFloat = 'F',
+  kClassInt32 = 'I',
+  kClassInt64 = 'L'
+};
 
 struct OpDescriptor {
   const char* name;
   int num_inputs;
   int num_outputs;
-  const char* input_classes;    // one 'T', 'U', 'B' (bool), 'F' (float32) or 'I' (int32) per input
+  const char* input_classes;    // one 'T', 'U', 'B' (bool), 'F' (float32), 'I' (int32) or 'L' (int64) per input
   const char* input_optional;   // one '0' or '1' per input
   const char* output_classes;   // one 'T', 'U' or 'B' (bool) per output
   const char* output_optional;  // one '0' or '1' per output
@@ -42,6 +50,7 @@ extern const OpDescriptor kAdamUpdate;
 extern const OpDescriptor kSGDUpdate;
 extern const OpDescriptor kGatedUpdate;
 extern const OpDescriptor kDropoutMask;
+extern const OpDescriptor kSoftmaxCrossEntropy;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

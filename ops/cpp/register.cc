@@ -197,6 +197,7 @@ ONNXTensorElementDataType fixed_type(char type_class) {
     case kClassBool: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
     case kClassFloat: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     case kClassInt32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case kClassInt64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
 }
@@ -287,7 +288,7 @@ std::vector<OpVariant*>* build_ops() {
   auto* ops = new std::vector<OpVariant*>();
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
-                                &kSGDUpdate, &kGatedUpdate, &kDropoutMask}) {
+                                &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kSoftmaxCrossEntropy}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
       for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                      ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE}) {

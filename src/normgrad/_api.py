@@ -13,7 +13,7 @@ import onnx
 import numpy as np
 import onnx.numpy_helper
 
-from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION, NormgradInputError
+from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION, NormgradInputError, _common
 
 __all__ = [
     "add_functions",
@@ -129,13 +129,15 @@ def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
     that its function body must read them (one body serves every node of an op type, and a
     body cannot test whether an input is present). Every ``op_type`` node omitting one of
     them is fed its scalar, which means the same (``CastLike`` of a float32 Constant to the
-    node's ``input``, written just before the node)."""
+    node's ``input``, written just before the node). Then the attributes some node sets to
+    a non-default value that select another body (``ATTRIBUTES_READ_UNLESS_DEFAULT``)."""
     module = OPERATORS[op_type]
     scalars = getattr(module, "SCALAR_IF_OMITTED", {})
     nodes = [node for nodes in _node_lists(model) for node in nodes if node.domain == DOMAIN and node.op_type == op_type]
+    attributes = _common.attribute_reads(module, nodes)
     reads = tuple(name for name in scalars if any(_given(node, module, name) for node in nodes))
     if not reads:
-        return reads
+        return attributes
     for nodes in _node_lists(model):
         rewritten = []
         for node in nodes:
@@ -160,7 +162,7 @@ def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
             rewritten.append(node)
         del nodes[:]
         nodes.extend(rewritten)
-    return reads
+    return reads + attributes
 
 
 def _default_opset(model: onnx.ModelProto) -> int:

@@ -1,0 +1,39 @@
+// softmax_cross_entropy_math.h's row pass on AVX2 lanes: the same float32 operations as
+// PortableLanes, 8 at a time. Compiled with -mavx2 -ffp-contract=off, never -mfma; runs only
+// where update_avx2() says the CPU has AVX2.
+#include "softmax_cross_entropy_math.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+namespace normgrad {
+namespace {
+
+struct AVX2Lanes {
+  using V = __m256;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V splat(float s) { return _mm256_set1_ps(s); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }  // b where either is NaN, as lane_max
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V exp_minus(V logits, float m) {
+    using namespace exp_constants;
+    const V x = _mm256_sub_ps(logits, _mm256_set1_ps(m));
+    const V n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+    V r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2High)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Low)));
+    V p = _mm256_set1_ps(kP[0]);
+    for (int k = 1; k < 6; ++k) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP[k]));
+    const V y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const V value = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+    return _mm256_blendv_ps(value, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(kLow), _CMP_LT_OQ));
+  }
+};
+
+}  // namespace
+
+SoftmaxRow softmax_row_avx2(const float* x, float* e, size_t n) { return softmax_row<AVX2Lanes>(x, e, n); }
+
+}  // namespace normgrad
+#endif
