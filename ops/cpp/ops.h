@@ -23,7 +23,7 @@ struct OpDescriptor {
   int num_outputs;
   const char* input_classes;    // one 'T', 'U', 'B' (bool), 'F' (float32), 'I' (int32) or 'L' (int64) per input
   const char* input_optional;   // one '0' or '1' per input
-  const char* output_classes;   // one 'T', 'U' or 'B' (bool) per output
+  const char* output_classes;   // one 'T', 'U', 'B' (bool) or 'F' (float32) per output
   const char* output_optional;  // one '0' or '1' per output
   // Which (T, U) pairs get a typed kernel: 'a' = all nine, 'f' = U in {T, float};
   // 'd' = T alone, over float, float16, bfloat16 and double.

@@ -11,7 +11,6 @@
 
 #include "ops.h"
 #include "softmax_cross_entropy_math.h"
-#include "update_math.h"
 
 namespace normgrad {
 namespace {
@@ -66,7 +65,7 @@ struct SoftmaxCrossEntropy final : KernelBase {
     const float counted_weight = 1.0f / static_cast<float>(count);
     const float ignored_weight = 0.0f / static_cast<float>(count);
     std::vector<double> picked(rows);
-    const bool avx2 = update_avx2();
+    const bool avx2 = softmax_cross_entropy_avx2();
     auto row = [&](size_t i) {
       const float* xi = x + i * classes;
       float* gi = grad + i * classes;
@@ -74,7 +73,11 @@ struct SoftmaxCrossEntropy final : KernelBase {
       const bool counted = ignore_index == kNoIgnoreIndex || label[i] != ignore_index;
       const float weight = counted ? counted_weight : ignored_weight;
       const float scale = static_cast<float>(static_cast<double>(weight) / r.sum);
-      for (size_t c = 0; c < classes; ++c) gi[c] *= scale;
+      if (avx2) {
+        scale_row_avx2(gi, classes, scale);
+      } else {
+        scale_row<PortableLanes>(gi, classes, scale);
+      }
       const size_t t = counted ? static_cast<size_t>(label[i]) : 0;
       if (counted) gi[t] -= weight;
       // the label's log-probability, times 0 where ignored (NaN stays NaN, as the standard-op form)
@@ -92,7 +95,7 @@ struct SoftmaxCrossEntropy final : KernelBase {
 }  // namespace
 
 extern const OpDescriptor kSoftmaxCrossEntropy = {
-    kOp, 2, 2, "TL", "00", "TT", "00", 'd', 0, &create_kernel<SoftmaxCrossEntropy>,
+    kOp, 2, 2, "TL", "00", "FF", "00", 'd', 0, &create_kernel<SoftmaxCrossEntropy>,
 };
 
 }  // namespace normgrad
