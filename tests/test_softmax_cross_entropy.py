@@ -165,16 +165,19 @@ np.save(sys.argv[1], np.concatenate([out["dlogits"].ravel(), np.atleast_1d(out["
 
 @needs_cpp
 def test_cpp_lanes_and_thread_counts_give_the_same_bits(tmp_path):
-    """The portable lanes (NORMGRAD_KERNELS=generic) and the AVX2 ones at 1, 2 and 4 threads:
-    bitwise the same loss and gradient (a row length with a tail after the lane groups)."""
+    """The portable lanes (NORMGRAD_KERNELS=generic) and the AVX2 ones at 1, 2 and 4 threads,
+    and on onnxruntime 1.19.2 (NORMGRAD_OLD_ORT_PYTHON): bitwise the same loss and gradient (a
+    row length with a tail after the lane groups)."""
     results = {}
-    for kernels in ("generic", "auto"):
+    old_python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")  # the library loaded by onnxruntime 1.19.2 too
+    for kernels in ("generic", "auto") + (("auto on onnxruntime 1.19.2",) if old_python else ()):
         env = {name: value for name, value in os.environ.items() if name != "NORMGRAD_KERNELS"}
         if kernels == "generic":
             env["NORMGRAD_KERNELS"] = "generic"
+        python = old_python if kernels.endswith("1.19.2") else sys.executable
         for threads in (1, 2, 4):
-            path = tmp_path / f"{kernels}_{threads}.npy"
-            process = subprocess.run([sys.executable, "-c", _RUN_CPP, str(path), str(threads)], env=env,
+            path = tmp_path / f"{kernels.split()[0]}_{len(kernels)}_{threads}.npy"
+            process = subprocess.run([python, "-c", _RUN_CPP, str(path), str(threads)], env=env,
                                      capture_output=True, text=True, timeout=600)
             assert process.returncode == 0, process.stderr[-3000:]
             results[kernels, threads] = np.load(path)
