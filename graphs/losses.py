@@ -15,8 +15,10 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext
+from normgrad.ops import DOMAIN, softmax_cross_entropy
 
-__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "append_loss", "softmax_cross_entropy_gradient"]
+__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "append_loss", "cross_entropy_standard_ops",
+           "softmax_cross_entropy_gradient"]
 
 
 @dataclasses.dataclass
@@ -45,17 +47,33 @@ def _mse(ctx: GradientContext, output: str, labels: str) -> tuple:
 
 
 def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothing: float = 0.0,
-                   ignore_index: Optional[int] = None) -> tuple:
+                   ignore_index: Optional[int] = None, matrix: Optional[bool] = None) -> tuple:
     """torch's ``cross_entropy`` with class-index labels, ``reduction="mean"``: over the
     samples whose label is not ``ignore_index`` (all when None), the mean of
     (1 - ls)(-log_softmax(y)[label]) + ls/C (-sum_c log_softmax(y)_c);
     d/dy = (softmax(y) - (1 - ls) onehot - ls/C) / count on those samples, 0 on the others.
 
+    Float32 [N, C] logits (``matrix``; None: y's known type and rank say) without label
+    smoothing: one ``normgrad:SoftmaxCrossEntropy`` node, whose function body is
+    :func:`cross_entropy_standard_ops`; the other cases are written in standard ops."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if matrix is None:
+        matrix = ctx.elem_type(output) == onnx.TensorProto.FLOAT and ctx.known_rank(output) == 2
+    if matrix and not label_smoothing:
+        ignored = {} if ignore_index is None else {"ignore_index": ignore_index}
+        loss, grad = ctx.op(softmax_cross_entropy.OP_TYPE, output, labels, outputs=2, domain=DOMAIN, **ignored)
+        return loss, grad
+    return cross_entropy_standard_ops(ctx, output, labels, label_smoothing, ignore_index)
+
+
+def cross_entropy_standard_ops(ctx: GradientContext, output: str, labels: str, label_smoothing: float = 0.0,
+                               ignore_index: Optional[int] = None) -> tuple:
+    """:func:`_cross_entropy` in standard ops (y of rank >= 2, any float type).
+
     The gradient is softmax(y) times each sample's weight (1/count, 0 where ignored), its
     entry at the label lowered by (1 - ls) times the weight
     (:func:`softmax_cross_entropy_gradient`)."""
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     probs = ctx.op("Softmax", output, axis=1)
     if ignore_index is None:
         safe, valid = labels, None
@@ -138,7 +156,7 @@ def _causal_lm(ctx: GradientContext, output: str, labels: str, ignore_index: int
     shifted = ctx.op("Pad", following, ctx.ints([0, 0, 0, 1]), beyond)
     rows = ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(output, start=-1), axis=0)
     loss, grad = _cross_entropy(ctx, ctx.op("Reshape", logits, rows), ctx.op("Reshape", shifted, ctx.ints([-1])),
-                                ignore_index=ignore_index)
+                                ignore_index=ignore_index, matrix=True)
     grad = ctx.reshape_like(grad, output)
     return loss, grad if logits == output else ctx.op("CastLike", grad, output)
 

@@ -9,6 +9,9 @@ minimal reproducer of each:
 * **weights as pure inputs**: an input that is also an initializer is frozen to its stored
   value by OpenVINO, so fed weights were ignored. The initializer goes; its value is
   returned (for a checkpoint).
+* **the SoftmaxCrossEntropy loss node as its function body** (costly: the kernel is faster):
+  the standard ops the cross-entropy losses are written in without the operator
+  (``normgrad.ops.softmax_cross_entropy``), which the rewrites below then see as before.
 * **no constant weight shared by a ConvTranspose**: a constant square weight [C, C, k, k]
   read by both a Conv and a ConvTranspose gives a wrong ConvTranspose. Each ConvTranspose
   gets its own copy of a constant weight another node also reads.
@@ -82,7 +85,7 @@ import onnx.shape_inference
 from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
-from normgrad.ops import embedding_grad
+from normgrad.ops import embedding_grad, softmax_cross_entropy
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -523,12 +526,12 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
     graph.input.extend(ordered)
 
 
-REWRITES = ("group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
+REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
             "embedding_grad_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
             "constant_casts_folded", "scan_bodies_self_contained", "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
-COSTLY_REWRITES = ("onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded", "embedding_grad_expanded",
-                   "scan_bodies_self_contained", "float64_scalars_in_float32")
+COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
+                   "embedding_grad_expanded", "scan_bodies_self_contained", "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -565,6 +568,13 @@ def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
         node.output[:] = [names(f"{node.name or 'scan'}/carried_final") for _ in outer] + list(node.output)
 
 
+def _expanded(model: onnx.ModelProto, module) -> onnx.ModelProto:
+    """``model`` with every node of the normgrad operator of ``module`` written as its function body."""
+    from normgrad.graphs.rewrites import expand_operator  # (rewrites imports this module)
+
+    return expand_operator(model, module)
+
+
 def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bool = False
                   ) -> Tuple[onnx.ModelProto, Dict[str, np.ndarray]]:
     """A copy of a training or step graph that every execution provider runs correctly (see
@@ -589,6 +599,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         model = copy.deepcopy(model)
     _refuse_training_batch_norm(model.graph)
     moved = weights_as_inputs(model.graph)
+    if "cross_entropy_expanded" not in skip:
+        model = _expanded(model, softmax_cross_entropy)
     if "group_normalization_expanded" not in skip:
         model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)
@@ -597,9 +609,7 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
     if "dropout_seeded" not in skip:
         model = _dropout_seeded(model, names)
     if "embedding_grad_expanded" not in skip:
-        from normgrad.graphs.rewrites import expand_operator
-
-        model = expand_operator(model, embedding_grad.OP_TYPE)
+        model = _expanded(model, embedding_grad)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:

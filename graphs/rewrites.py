@@ -58,7 +58,7 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, OPERATORS, dropout_mask
+from normgrad.ops import DOMAIN, _common, dropout_mask
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
@@ -427,18 +427,20 @@ def expand_dropout_masks(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with every main-graph DropoutMask node replaced by its function body (the
     generator in standard integer ops, as :func:`seed_dropout` wrote it before the operator
     existed); ``model`` itself when it has none."""
-    return expand_operator(model, dropout_mask.OP_TYPE)
+    return expand_operator(model, dropout_mask)
 
 
-def expand_operator(model: onnx.ModelProto, op_type: str) -> onnx.ModelProto:
-    """``model`` with every main-graph node of the normgrad operator ``op_type`` replaced by
+def expand_operator(model: onnx.ModelProto, module) -> onnx.ModelProto:
+    """``model`` with every main-graph node of the normgrad operator ``module`` replaced by
     its function body; ``model`` itself when it has none."""
-    if not any(n.domain == DOMAIN and n.op_type == op_type for n in model.graph.node):
+    selected = (DOMAIN, module.OP_TYPE)
+    nodes = [n for n in model.graph.node if (n.domain, n.op_type) == selected]
+    if not nodes:
         return model
-    selected = (DOMAIN, op_type)
     if not any((f.domain, f.name) == selected for f in model.functions):
         opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-        model.functions.append(OPERATORS[op_type].function_body(opset))
+        reads = _common.attribute_reads(module, nodes)
+        model.functions.append(module.function_body(opset, reads) if reads else module.function_body(opset))
     model = onnx.inliner.inline_selected_functions(model, [selected])
     kept = [f for f in model.functions if (f.domain, f.name) != selected]
     del model.functions[:]

@@ -12,6 +12,7 @@ import onnx
 from onnx import helper
 
 from normgrad.graphs.structure import subgraph_captures
+from normgrad.ops import DOMAIN, OPSET_VERSION
 
 __all__ = ["read_names", "prune_unused_initializers", "cast_like_to_cast", "tidy"]
 
@@ -45,6 +46,9 @@ def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
     skeleton.opset_import.extend(model.opset_import)
+    if not any(o.domain == DOMAIN for o in model.opset_import) and any(n.domain == DOMAIN for n in model.graph.node):
+        # the normgrad nodes a training graph has before add_functions imports their domain
+        skeleton.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
     skeleton.functions.extend(model.functions)
     target = skeleton.graph
     target.name = graph.name

@@ -20,6 +20,7 @@ from normgrad.ops import (
     layer_normalization_grad,
     rms_normalization_grad,
     sgd_update,
+    softmax_cross_entropy,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
 
@@ -39,6 +40,7 @@ OPERATORS = {
         gated_update,
         dropout_mask,
         embedding_grad,
+        softmax_cross_entropy,
     )
 }
 """Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
@@ -47,7 +49,9 @@ OPERATORS = {
 axis) whose shape the ones it equals when omitted have}), which
 ``normgrad.prepare_for_python_kernels`` reads; optionally SCALAR_IF_OMITTED ({optional
 input: the scalar that means the same as omitting it}; ``function_body(opset, reads)``
-then reads those named in ``reads``), which ``normgrad.add_functions`` reads; optionally
+then reads those named in ``reads``) and ATTRIBUTES_READ_UNLESS_DEFAULT (attributes whose
+non-default value on some node puts their name in ``reads``), which
+``normgrad.add_functions`` reads; optionally
 ``python_kernel`` (what the float32 Python kernel runs instead of ``reference``); optionally
 INPUT_DTYPES / OUTPUT_DTYPES ({name: NumPy dtype} of the inputs and outputs that are not
 float32, which the Python kernels declare); optionally

@@ -16,6 +16,7 @@ __all__ = [
     "FLOAT_TYPES",
     "NormgradInputError",
     "as_float_array",
+    "attribute_reads",
     "broadcast_error",
     "check_attribute_flag",
     "check_rank",
@@ -104,6 +105,17 @@ def check_attribute_flag(op: str, name: str, value: int) -> int:
     if value not in (0, 1):
         raise NormgradInputError(f"{op}: attribute '{name}' must be 0 or 1; got {value}")
     return int(value)
+
+
+def attribute_reads(module, nodes) -> tuple:
+    """The attributes of ``module.ATTRIBUTES_READ_UNLESS_DEFAULT`` that some of ``nodes`` (of
+    its op type) sets to a non-default value: its function body must then read them."""
+    def value(node, name):
+        attribute = next((a for a in node.attribute if a.name == name), None)
+        return module.ATTRIBUTES[name] if attribute is None else onnx.helper.get_attribute_value(attribute)
+
+    return tuple(name for name in getattr(module, "ATTRIBUTES_READ_UNLESS_DEFAULT", ())
+                 if any(value(node, name) != module.ATTRIBUTES[name] for node in nodes))
 
 
 def tensor_type(dtype: np.dtype) -> int:

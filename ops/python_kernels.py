@@ -21,7 +21,8 @@ What still cannot work through this bridge: float16/bfloat16 (the kernels declar
 for every float input, so onnxruntime rejects such a model when the session is created) and omitted
 optional inputs or outputs (the bridge declares every input and output required, so
 onnxruntime rejects such a node when the session is created). Both fail at session
-creation with onnxruntime's own error, never mid-run.
+creation with onnxruntime's own error, never mid-run. A scalar output (SoftmaxCrossEntropy's
+loss) comes out of the bridge with shape [1]; ``normgrad.prepare_for_python_kernels`` reshapes it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def _failure_shapes(module, inputs) -> list:
     shapes = []
     for name in module.OUTPUTS:
         source, axis = module.OUTPUT_SHAPE_FROM[name]
+        if source is None:  # a scalar output
+            shapes.append(())
+            continue
         shape = tuple(inputs[module.INPUTS.index(source)].shape)
         shapes.append(shape if axis is None else (shape[axis : axis + 1] or (0,)))
     return shapes

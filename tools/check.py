@@ -40,8 +40,9 @@ from normgrad.graphs.builder import (METADATA_GRADIENTS, METADATA_LOSS, METADATA
                                      training_graph_parts)
 from normgrad.graphs.portable import weights_as_inputs
 from normgrad.graphs.structure import subgraph_captures
+from normgrad.ops import DOMAIN
 
-__all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "check_metadata", "main"]
+__all__ = ["GradientCheck", "random_feeds", "forward_function", "check_gradients", "check_metadata", "reference_op", "main"]
 
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
@@ -250,7 +251,7 @@ def _forward_model(model: onnx.ModelProto, outputs: Sequence[str], double: bool 
     )
     if double:
         _to_double(graph)
-    forward = oh.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx")])
+    forward = oh.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx", DOMAIN)])
     forward.ir_version = model.ir_version
     return forward
 
@@ -258,9 +259,31 @@ def _forward_model(model: onnx.ModelProto, outputs: Sequence[str], double: bool 
 # ------------------------------------------------------------------ float64 evaluation
 
 
+def reference_op(module):
+    """An ``OpRun`` evaluating ``module``'s operator with its float64 NumPy reference."""
+    from onnx.reference.op_run import OpRun
+
+    def _run(self, *args, **_):
+        # an omitted input ("") is None: onnx 1.23's evaluator passes the value of an earlier
+        # node's omitted output (also "") in its place
+        given = list(self.onnx_node.input)
+        values = {name: arg if index >= len(given) or given[index] else None
+                  for index, (name, arg) in enumerate(zip(module.INPUTS, args))}
+        kwargs = {k: values.get(k) for k in module.INPUTS}
+        attributes = {name: type(default)(getattr(self, name, default)) for name, default in module.ATTRIBUTES.items()}
+        result = module.reference(**kwargs, **attributes)
+        return tuple(result)[: len(self.onnx_node.output)]
+
+    from normgrad.ops import DOMAIN
+
+    return type(module.OP_TYPE, (OpRun,), {"op_domain": DOMAIN, "_run": _run})
+
+
 def _float64_ops() -> list:
     """Operator overrides for ``ReferenceEvaluator``: Conv as strided windows and one BLAS
-    tensordot per group (the reference Conv loops in Python: ~10x slower on a ResNet)."""
+    tensordot per group (the reference Conv loops in Python: ~10x slower on a ResNet); the
+    normgrad operators by their float64 NumPy references (the loss's SoftmaxCrossEntropy is
+    a forward node)."""
     from onnx.reference.ops.op_conv import Conv
 
     class FastConv(Conv):
@@ -294,7 +317,9 @@ def _float64_ops() -> list:
             return (Y.astype(X.dtype),)
 
     FastConv.__name__ = "Conv"
-    return [FastConv]
+    from normgrad.ops import OPERATORS
+
+    return [FastConv] + [reference_op(module) for module in OPERATORS.values()]
 
 
 def _onnxruntime_runner(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarray]], list]:

@@ -314,39 +314,19 @@ def _node_cases() -> List[Callable[[], Case]]:
 # ----------------------------------------------------------------------------- training graphs
 
 
-def _op_class(module):
-    """An ``OpRun`` evaluating ``module``'s operator with its float64 NumPy reference."""
-    from onnx.reference.op_run import OpRun
-
-    def _run(self, *args, **_):
-        # an omitted input ("") is None: onnx 1.23's evaluator passes the value of an earlier
-        # node's omitted output (also "") in its place
-        given = list(self.onnx_node.input)
-        values = {name: arg if index >= len(given) or given[index] else None
-                  for index, (name, arg) in enumerate(zip(module.INPUTS, args))}
-        kwargs = {k: values.get(k) for k in module.INPUTS}
-        attributes = {name: type(default)(getattr(self, name, default)) for name, default in module.ATTRIBUTES.items()}
-        result = module.reference(**kwargs, **attributes)
-        return tuple(result)[: len(self.onnx_node.output)]
-
-    from normgrad.ops import DOMAIN
-
-    return type(module.OP_TYPE, (OpRun,), {"op_domain": DOMAIN, "_run": _run})
-
-
 def float64_outputs(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """Every output of ``model`` evaluated in float64: a float64 copy of the graph run by
     ``onnx.reference.ReferenceEvaluator``, normgrad nodes by the NumPy references."""
     from onnx.reference import ReferenceEvaluator
 
     from normgrad.ops import OPERATORS
-    from normgrad.tools.check import _to_double
+    from normgrad.tools.check import _to_double, reference_op
 
     double = copy.deepcopy(model)
     del double.functions[:]
     _to_double(double.graph)
     evaluator = ReferenceEvaluator(
-        double, new_ops=[_op_class(module) for module in OPERATORS.values()]
+        double, new_ops=[reference_op(module) for module in OPERATORS.values()]
     )
     names = [o.name for o in model.graph.output]
     doubles = {k: v.astype(np.float64) if v.dtype.kind == "f" or v.dtype == _BF16 else v for k, v in feeds.items()}

@@ -6,7 +6,8 @@
 namespace normgrad {
 
 // Where an input or output takes its element type from.
-// 'F' and 'I' are always float32 and int32 (DropoutMask's ratio and key limbs), 'L' int64.
+// 'F' and 'I' are always float32 and int32 (DropoutMask's ratio and key limbs), 'L' int64
+// (EmbeddingGrad's indices and shape, SoftmaxCrossEntropy's labels).
 enum TypeClass : char {
   kClassT = 'T', kClassU = 'U', kClassBool = 'B', kClassFloat = 'F', kClassInt32 = 'I', kClassInt64 = 'L'
 };
@@ -17,7 +18,7 @@ struct OpDescriptor {
   int num_outputs;
   const char* input_classes;    // one 'T', 'U', 'B' (bool), 'F' (float32), 'I' (int32) or 'L' (int64) per input
   const char* input_optional;   // one '0' or '1' per input
-  const char* output_classes;   // one 'T', 'U' or 'B' (bool) per output
+  const char* output_classes;   // one 'T', 'U', 'B' (bool) or 'F' (float32) per output
   const char* output_optional;  // one '0' or '1' per output
   // Which (T, U) pairs get a typed kernel: 'a' = all nine, 'f' = U in {T, float};
   // 'd' = T alone, over float, float16, bfloat16 and double.
@@ -45,6 +46,7 @@ extern const OpDescriptor kSGDUpdate;
 extern const OpDescriptor kGatedUpdate;
 extern const OpDescriptor kDropoutMask;
 extern const OpDescriptor kEmbeddingGrad;
+extern const OpDescriptor kSoftmaxCrossEntropy;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

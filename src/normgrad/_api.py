@@ -13,7 +13,7 @@ import onnx
 import numpy as np
 import onnx.numpy_helper
 
-from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION, NormgradInputError
+from normgrad.ops import DOMAIN, ONNX_OPSET, OPERATORS, OPSET_VERSION, NormgradInputError, _common
 
 __all__ = [
     "add_functions",
@@ -129,13 +129,15 @@ def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
     that its function body must read them (one body serves every node of an op type, and a
     body cannot test whether an input is present). Every ``op_type`` node omitting one of
     them is fed its scalar, which means the same (``CastLike`` of a float32 Constant to the
-    node's ``input``, written just before the node)."""
+    node's ``input``, written just before the node). Then the attributes some node sets to
+    a non-default value that select another body (``ATTRIBUTES_READ_UNLESS_DEFAULT``)."""
     module = OPERATORS[op_type]
     scalars = getattr(module, "SCALAR_IF_OMITTED", {})
     nodes = [node for nodes in _node_lists(model) for node in nodes if node.domain == DOMAIN and node.op_type == op_type]
+    attributes = _common.attribute_reads(module, nodes)
     reads = tuple(name for name in scalars if any(_given(node, module, name) for node in nodes))
     if not reads:
-        return reads
+        return attributes
     for nodes in _node_lists(model):
         rewritten = []
         for node in nodes:
@@ -160,7 +162,7 @@ def _body_reads(model: onnx.ModelProto, op_type: str, fresh) -> tuple:
             rewritten.append(node)
         del nodes[:]
         nodes.extend(rewritten)
-    return reads
+    return reads + attributes
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -299,7 +301,8 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
     * every omitted output gets a named placeholder (``NODE/unused_OUTPUT``) that nothing
       reads; a flag attribute (``OUTPUT_FLAGS``) that is 0 while every output it enables is
       omitted is set to 1, so the placeholders get values. The outputs the node names keep
-      their values.
+      their values;
+    * a scalar output, which the bridge hands over with shape [1], is reshaped back to [].
 
     ``normgrad.inference_session(..., backend="python")`` applies it; call it yourself when
     you register ``session_options("python")`` on a session of your own.
@@ -326,12 +329,31 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
             if module is not None:
                 rewritten += _bridge_node(node, module, fresh)
             rewritten.append(node)
+            if module is not None:
+                rewritten += _scalar_outputs_reshaped(node, module, fresh)
         del nodes[:]
         nodes.extend(rewritten)  # copies, so subgraphs are rewritten first
 
     for nodes in [model.graph.node] + [function.node for function in model.functions]:
         rewrite(nodes)
     return model
+
+
+def _scalar_outputs_reshaped(node: onnx.NodeProto, module, fresh) -> list:
+    """The bridge hands a scalar output (``OUTPUT_SHAPE_FROM`` (None, None): SoftmaxCrossEntropy's
+    loss) over with shape [1]: each one the node names is renamed, then reshaped back to [];
+    returns the nodes that must run after it."""
+    after = []
+    for index, name in enumerate(module.OUTPUTS):
+        if getattr(module, "OUTPUT_SHAPE_FROM", {}).get(name, ("", None))[0] is not None or not node.output[index]:
+            continue
+        prefix = node.name or node.op_type
+        bridged, shape = fresh(f"{prefix}/{name}_bridged"), fresh(f"{prefix}/{name}_scalar_shape")
+        after.append(onnx.helper.make_node("Constant", [], [shape], name=fresh(shape),
+                                           value=onnx.numpy_helper.from_array(np.zeros(0, np.int64))))
+        after.append(onnx.helper.make_node("Reshape", [bridged, shape], [node.output[index]], name=fresh(bridged)))
+        node.output[index] = bridged
+    return after
 
 
 def _bridge_node(node: onnx.NodeProto, module, fresh) -> list:
