@@ -9,6 +9,7 @@ from __future__ import annotations
 import onnx.defs
 
 from normgrad.ops import (
+    activation_grad,
     adam_update,
     all_reduce,
     batch_norm_elemt_backward,
@@ -37,9 +38,10 @@ OPERATORS = {
         sgd_update,
         gated_update,
         dropout_mask,
+        *activation_grad.OPERATORS,
     )
 }
-"""Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
+"""Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
 ``validate``, ``reference``, ``schema`` and ``function_body``; optionally OUTPUT_FLAGS
 ({output: the flag attribute enabling it}) and ONES_IF_OMITTED ({optional input: (input,
 axis) whose shape the ones it equals when omitted have}), which

@@ -42,6 +42,9 @@ extern const OpDescriptor kAdamUpdate;
 extern const OpDescriptor kSGDUpdate;
 extern const OpDescriptor kGatedUpdate;
 extern const OpDescriptor kDropoutMask;
+extern const OpDescriptor kSiLUGrad;
+extern const OpDescriptor kGeluGrad;
+extern const OpDescriptor kGeluTanhGrad;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

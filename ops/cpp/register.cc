@@ -287,7 +287,8 @@ std::vector<OpVariant*>* build_ops() {
   auto* ops = new std::vector<OpVariant*>();
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
-                                &kSGDUpdate, &kGatedUpdate, &kDropoutMask}) {
+                                &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kSiLUGrad, &kGeluGrad,
+                                &kGeluTanhGrad}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
       for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                      ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE}) {

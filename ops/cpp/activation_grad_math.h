@@ -1,0 +1,141 @@
+// SiLUGrad, GeluGrad, GeluTanhGrad (ops/activation_grad.py): dx = dy * f'(x) in float32, one
+// branch-free loop per activation that the compiler vectorizes. Every operation is one IEEE
+// float32 operation (compiled with -ffp-contract=off, never -mfma), so activation_grad.cc's
+// baseline loop and activation_grad_avx2.cc's -mavx2 copy give the same bits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace normgrad {
+
+enum class Activation : int { kSilu = 0, kGeluErf = 1, kGeluTanh = 2 };
+
+namespace activation_math {
+
+inline float from_bits(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+inline uint32_t to_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+// exp(hi + lo) for hi + lo <= ~1 (lo small beside hi, or 0): Cephes' expf polynomial after a
+// Cody-Waite reduction by n ln 2 that takes lo in; 2^n applied in two halves so that results
+// down to the subnormals round once. 0 below -104 (and for a NaN hi: callers mask NaN x).
+inline float exp_split(float hi, float lo) {
+  const bool in_range = hi >= -104.0f;
+  const float a = in_range ? hi : -104.0f;
+  const float b = in_range ? lo : 0.0f;
+  const float shifted = (a + b) * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to integer
+  const float n = shifted - 12582912.0f;
+  float r = a - n * 0.693359375f;  // exact: n has <= 8 bits, ln 2's head 9
+  r = r + b;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * (r * r) + r + 1.0f;
+  const int32_t k = static_cast<int32_t>(n);  // in [-151, 2]
+  const int32_t half = k / 2;
+  const float scaled = y * from_bits(static_cast<uint32_t>(half + 127) << 23) *
+                       from_bits(static_cast<uint32_t>(k - half + 127) << 23);
+  return in_range ? scaled : 0.0f;
+}
+
+// s + c s (1 - s), s = sigmoid(v) for v = hi + lo (lo small beside hi, or 0), with s and 1 - s
+// from e = exp(-|v|) (neither by a subtraction from 1); the product term is 0 where s (1 - s)
+// is (|v| past ~104, or infinite v).
+inline float sigmoid_slope(float hi, float lo, float c) {
+  const bool negative = hi < 0.0f;
+  const float e = exp_split(negative ? hi : -hi, negative ? lo : -lo);
+  const float big = 1.0f / (1.0f + e);
+  const float small = e * big;
+  const float s = negative ? small : big;
+  const float spread = big * small;
+  return s + (spread == 0.0f ? 0.0f : c * spread);
+}
+
+// Phi(x) + x phi(x). E = exp(-x^2 / 2) with x^2 / 2 = h + l (x's 12-bit head squared is exact);
+// Phi(-|x|) = erfc(a) / 2 = E erfcx(a) / 2, a = |x| / sqrt 2, erfcx(a) = t g(u) with
+// t = 1 / (1 + a / 2) and g a degree-10 polynomial in u = (2t - 1.15) / 0.85 (a weighted
+// Chebyshev fit of erfcx(a) / t over t in [0.15, 1], i.e. a <= 11.3, past which E is 0;
+// relative error 5e-9, 1.8e-7 in float32 arithmetic).
+inline float gelu_erf_slope(float x) {
+  const float head = from_bits(to_bits(x) & 0xfffff000u);
+  const float tail = x - head;
+  const float h = 0.5f * (head * head);
+  const float l = 0.5f * (tail * (x + head));
+  const float density = exp_split(-h, -l);  // exp(-x^2 / 2)
+  const float a = (x < 0.0f ? -x : x) * 0.707106781186547524f;
+  const float t = 1.0f / (1.0f + 0.5f * a);
+  const float u = t * 2.35294118f + -1.35294118f;
+  float g = 7.251941497e-06f;
+  g = g * u + 6.516255326e-06f;
+  g = g * u + -8.070564218e-05f;
+  g = g * u + 1.802346378e-05f;
+  g = g * u + 6.714848569e-04f;
+  g = g * u + -7.633089554e-04f;
+  g = g * u + -6.591075566e-03f;
+  g = g * u + 6.847580429e-03f;
+  g = g * u + 1.057643220e-01f;
+  g = g * u + 3.285916448e-01f;
+  g = g * u + 5.655282736e-01f;
+  const float tail_cdf = 0.5f * (density * (t * g));  // Phi(-|x|)
+  const float cdf = x >= 0.0f ? 1.0f - tail_cdf : tail_cdf;
+  return cdf + (density == 0.0f ? 0.0f : x * (density * 0.398942280401432678f));
+}
+
+// torch's gelu(approximate="tanh"): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). 2u is
+// computed in double and split into two floats: exp(-|2u|) changes by |2u| times 2u's relative
+// error (x = -9: 2u = -65, and float32 arithmetic gave 170 ulps).
+inline float gelu_tanh_slope(float x) {
+  const double wide = x;
+  const double v = 1.5957691216057308 * (wide * (1.0 + 0.044715 * (wide * wide)));  // 2 sqrt(2/pi) ...
+  const float hi = static_cast<float>(v);
+  const float lo = static_cast<float>(v - static_cast<double>(hi));
+  const float c = 1.59576912160573071f * (x * (1.0f + 0.134145f * (x * x)));
+  return sigmoid_slope(hi, lo, c);
+}
+
+template <Activation kind>
+inline float slope(float x) {
+  if (kind == Activation::kSilu) return sigmoid_slope(x, 0.0f, x);
+  if (kind == Activation::kGeluErf) return gelu_erf_slope(x);
+  return gelu_tanh_slope(x);
+}
+
+template <Activation kind>
+inline void loop(const float* dy, const float* x, float* dx, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const float xi = x[i];
+    const float f = slope<kind>(xi);
+    dx[i] = dy[i] * (xi == xi ? f : xi);
+  }
+}
+
+}  // namespace activation_math
+
+// dx[i] = dy[i] * f'(x[i]) for i in [begin, end).
+inline void activation_grad_loop(Activation kind, const float* dy, const float* x, float* dx, size_t begin,
+                                 size_t end) {
+  switch (kind) {
+    case Activation::kSilu: activation_math::loop<Activation::kSilu>(dy, x, dx, begin, end); break;
+    case Activation::kGeluErf: activation_math::loop<Activation::kGeluErf>(dy, x, dx, begin, end); break;
+    case Activation::kGeluTanh: activation_math::loop<Activation::kGeluTanh>(dy, x, dx, begin, end); break;
+  }
+}
+
+// The loop compiled with -mavx2 (activation_grad_avx2.cc); run only where update_avx2() is true.
+void activation_grad_avx2(Activation kind, const float* dy, const float* x, float* dx, size_t begin, size_t end);
+
+}  // namespace normgrad
