@@ -179,5 +179,6 @@ from normgrad.graphs.patterns import (  # noqa: E402,F401
     gelu_erf_chain,
     layer_norm_chain,
     rms_norm_chain,
+    silu,
     torch_group_norm,
 )
