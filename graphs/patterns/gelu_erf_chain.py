@@ -30,7 +30,7 @@ from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern
 from normgrad.graphs.patterns._row_norm import float_input
-from normgrad.graphs.patterns.silu import activation_gradient
+from normgrad.graphs.rules.activations import activation_gradient
 
 __all__ = ["PATTERN", "match_gelu_erf_chain"]
 

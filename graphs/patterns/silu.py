@@ -21,23 +21,15 @@ import onnx
 from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, register
 from normgrad.graphs.patterns._row_norm import float_input
-from normgrad.ops import DOMAIN, activation_grad
+from normgrad.graphs.rules.activations import activation_gradient
 
-__all__ = ["PATTERN", "match_silu", "activation_gradient"]
+__all__ = ["PATTERN", "match_silu"]
 
 PATTERN = "silu"
 
 
 def _default_domain(node: Optional[onnx.NodeProto], op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
-def activation_gradient(ctx: GradientContext, activation: str, dy: str, x: str, known=None) -> str:
-    """dx of an activation: its normgrad operator for a float32 x, else the standard-op form
-    (``known``: the forward values that form reads, see ``standard_form``)."""
-    if ctx.elem_type(x) == onnx.TensorProto.FLOAT:
-        return ctx.op(activation_grad.ACTIVATIONS[activation], dy, x, domain=DOMAIN)
-    return activation_grad.standard_form(activation, ctx.op, lambda value: ctx.scalar(value, x), dy, x, known)
 
 
 @register(PATTERN)

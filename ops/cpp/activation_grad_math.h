@@ -27,14 +27,15 @@ inline uint32_t to_bits(float value) {
 }
 
 // exp(hi + lo) for hi + lo <= ~1 (lo small beside hi, or 0): Cephes' expf polynomial after a
-// Cody-Waite reduction by n ln 2 that takes lo in; 2^n applied in two halves so that results
-// down to the subnormals round once. 0 below -104 (and for a NaN hi: callers mask NaN x).
+// Cody-Waite reduction by n ln 2 that takes lo in; 2^n applied as 2^(n + 64) (a normal float
+// for every n here) times 2^-64, so that results down to the subnormals round once. 0 below
+// -104 (and for a NaN hi: callers mask NaN x).
 inline float exp_split(float hi, float lo) {
   const bool in_range = hi >= -104.0f;
   const float a = in_range ? hi : -104.0f;
   const float b = in_range ? lo : 0.0f;
   const float shifted = (a + b) * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to integer
-  const float n = shifted - 12582912.0f;
+  const float n = shifted - 12582912.0f;                             // in [-151, 2]
   float r = a - n * 0.693359375f;  // exact: n has <= 8 bits, ln 2's head 9
   r = r + b;
   r = r - n * -2.12194440e-4f;
@@ -45,10 +46,9 @@ inline float exp_split(float hi, float lo) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * (r * r) + r + 1.0f;
-  const int32_t k = static_cast<int32_t>(n);  // in [-151, 2]
-  const int32_t half = k / 2;
-  const float scaled = y * from_bits(static_cast<uint32_t>(half + 127) << 23) *
-                       from_bits(static_cast<uint32_t>(k - half + 127) << 23);
+  // shifted's low mantissa bits hold n (two's complement): n + 64 + 127 as the exponent field
+  const uint32_t exponent = (to_bits(shifted) - to_bits(12582912.0f) + (64u + 127u)) << 23;
+  const float scaled = (y * from_bits(exponent)) * 0x1p-64f;
   return in_range ? scaled : 0.0f;
 }
 
