@@ -312,3 +312,16 @@ def test_float16_keeps_the_standard_form():
     forward = _forward(onnx.TensorProto.FLOAT16)
     training = build_training_graph(forward, loss="mse")
     assert not any(n.domain == DOMAIN and n.op_type in OP.values() for n in training.model.graph.node)
+
+
+@needs_cpp
+def test_bench_activation_grad_runs(capsys):
+    """The benchmark's smoke test: a row per activation, both sides timed (each side's output
+    checked against the float64 reference inside)."""
+    from normgrad.tools import bench_activation_grad
+
+    result = bench_activation_grad.main(["--rounds", "1", "--shape", "16", "33"])
+    printed = capsys.readouterr().out
+    for activation, op_type in OP.items():
+        assert f"| {activation} ({op_type}) |" in printed
+        assert result[activation]["standard"] > 0 and result[activation]["operator"] > 0
