@@ -39,13 +39,12 @@ inline float exp_split(float hi, float lo) {
   float r = a - n * 0.693359375f;  // exact: n has <= 8 bits, ln 2's head 9
   r = r + b;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * (r * r) + r + 1.0f;
+  // Estrin's scheme (the loop is latency-bound: Horner's chain of dependent steps was slower)
+  const float r2 = r * r;
+  const float r4 = r2 * r2;
+  const float p = (5.0000001201e-1f + 1.6666665459e-1f * r) + (4.1665795894e-2f + 8.3334519073e-3f * r) * r2 +
+                  (1.3981999507e-3f + 1.9875691500e-4f * r) * r4;
+  const float y = p * r2 + r + 1.0f;
   // shifted's low mantissa bits hold n (two's complement): n + 64 + 127 as the exponent field
   const uint32_t exponent = (to_bits(shifted) - to_bits(12582912.0f) + (64u + 127u)) << 23;
   const float scaled = (y * from_bits(exponent)) * 0x1p-64f;
@@ -79,17 +78,11 @@ inline float gelu_erf_slope(float x) {
   const float a = (x < 0.0f ? -x : x) * 0.707106781186547524f;
   const float t = 1.0f / (1.0f + 0.5f * a);
   const float u = t * 2.35294118f + -1.35294118f;
-  float g = 7.251941497e-06f;
-  g = g * u + 6.516255326e-06f;
-  g = g * u + -8.070564218e-05f;
-  g = g * u + 1.802346378e-05f;
-  g = g * u + 6.714848569e-04f;
-  g = g * u + -7.633089554e-04f;
-  g = g * u + -6.591075566e-03f;
-  g = g * u + 6.847580429e-03f;
-  g = g * u + 1.057643220e-01f;
-  g = g * u + 3.285916448e-01f;
-  g = g * u + 5.655282736e-01f;
+  const float u2 = u * u;
+  const float u4 = u2 * u2;
+  const float g = ((5.655282736e-01f + 3.285916448e-01f * u) + (1.057643220e-01f + 6.847580429e-03f * u) * u2) +
+                  ((-6.591075566e-03f + -7.633089554e-04f * u) + (6.714848569e-04f + 1.802346378e-05f * u) * u2) * u4 +
+                  ((-8.070564218e-05f + 6.516255326e-06f * u) + 7.251941497e-06f * u2) * (u4 * u4);
   const float tail_cdf = 0.5f * (density * (t * g));  // Phi(-|x|)
   const float cdf = x >= 0.0f ? 1.0f - tail_cdf : tail_cdf;
   return cdf + (density == 0.0f ? 0.0f : x * (density * 0.398942280401432678f));
