@@ -27,28 +27,25 @@ inline uint32_t to_bits(float value) {
 }
 
 // exp(hi + lo) for hi + lo <= ~1 (lo small beside hi, or 0): Cephes' expf polynomial after a
-// Cody-Waite reduction by n ln 2 that takes lo in; 2^n applied as 2^(n + 64) (a normal float
-// for every n here) times 2^-64, so that results down to the subnormals round once. 0 below
-// -104 (and for a NaN hi: callers mask NaN x).
+// Cody-Waite reduction by n ln 2 that takes lo in, times 2^n (n >= -149: a float, subnormal
+// below -126, so results down to the subnormals round once). 0 below -103 (where exp is
+// below 2^-148; and for a NaN hi: callers mask NaN x). The loop is latency-bound: the
+// steps are ordered for short dependency chains (Estrin's scheme for the polynomial).
 inline float exp_split(float hi, float lo) {
-  const bool in_range = hi >= -104.0f;
-  const float a = in_range ? hi : -104.0f;
+  const bool in_range = hi >= -103.0f;
+  const float a = in_range ? hi : -103.0f;
   const float b = in_range ? lo : 0.0f;
   const float shifted = (a + b) * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to integer
-  const float n = shifted - 12582912.0f;                             // in [-151, 2]
-  float r = a - n * 0.693359375f;  // exact: n has <= 8 bits, ln 2's head 9
-  r = r + b;
-  r = r - n * -2.12194440e-4f;
-  // Estrin's scheme (the loop is latency-bound: Horner's chain of dependent steps was slower)
+  const float n = shifted - 12582912.0f;                             // in [-149, 2]
+  const float r = (a - n * 0.693359375f) + (b - n * -2.12194440e-4f);  // n * ln 2's 9-bit head is exact
   const float r2 = r * r;
   const float r4 = r2 * r2;
   const float p = (5.0000001201e-1f + 1.6666665459e-1f * r) + (4.1665795894e-2f + 8.3334519073e-3f * r) * r2 +
                   (1.3981999507e-3f + 1.9875691500e-4f * r) * r4;
-  const float y = p * r2 + r + 1.0f;
-  // shifted's low mantissa bits hold n (two's complement): n + 64 + 127 as the exponent field
-  const uint32_t exponent = (to_bits(shifted) - to_bits(12582912.0f) + (64u + 127u)) << 23;
-  const float scaled = (y * from_bits(exponent)) * 0x1p-64f;
-  return in_range ? scaled : 0.0f;
+  // shifted's low mantissa bits hold n (two's complement): 2^(n + 64) as exponent bits, times 2^-64
+  const float scale = from_bits((to_bits(shifted) - to_bits(12582912.0f) + (64u + 127u)) << 23) * 0x1p-64f;
+  const float y = (p * r2 + (r + 1.0f)) * scale;
+  return in_range ? y : 0.0f;
 }
 
 // s + c s (1 - s), s = sigmoid(v) for v = hi + lo (lo small beside hi, or 0), with s and 1 - s
@@ -88,15 +85,15 @@ inline float gelu_erf_slope(float x) {
   return cdf + (density == 0.0f ? 0.0f : x * (density * 0.398942280401432678f));
 }
 
-// torch's gelu(approximate="tanh"): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). 2u is
-// computed in double and split into two floats: exp(-|2u|) changes by |2u| times 2u's relative
-// error (x = -9: 2u = -65, and float32 arithmetic gave 170 ulps).
+// torch's gelu(approximate="tanh"): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). 2u and
+// its derivative are computed in double, 2u split into two floats: exp(-|2u|) changes by |2u|
+// times 2u's relative error (x = -9: 2u = -65, and float32 arithmetic gave 170 ulps).
 inline float gelu_tanh_slope(float x) {
   const double wide = x;
   const double v = 1.5957691216057308 * (wide * (1.0 + 0.044715 * (wide * wide)));  // 2 sqrt(2/pi) ...
   const float hi = static_cast<float>(v);
   const float lo = static_cast<float>(v - static_cast<double>(hi));
-  const float c = 1.59576912160573071f * (x * (1.0f + 0.134145f * (x * x)));
+  const float c = static_cast<float>(1.5957691216057308 * (wide * (1.0 + 0.134145 * (wide * wide))));
   return sigmoid_slope(hi, lo, c);
 }
 
@@ -107,12 +104,21 @@ inline float slope(float x) {
   return gelu_tanh_slope(x);
 }
 
+// Two independent halves of [begin, end) per iteration: twice the instruction-level
+// parallelism for the latency-bound chain; each element's arithmetic is the same.
 template <Activation kind>
 inline void loop(const float* dy, const float* x, float* dx, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) {
+  const size_t half = (end - begin) / 2;
+  const size_t mid = begin + half;
+  for (size_t i = begin; i < mid; ++i) {
+    const float xa = x[i], xb = x[i + half];
+    const float fa = slope<kind>(xa), fb = slope<kind>(xb);
+    dx[i] = dy[i] * (xa == xa ? fa : xa);
+    dx[i + half] = dy[i + half] * (xb == xb ? fb : xb);
+  }
+  for (size_t i = begin + 2 * half; i < end; ++i) {
     const float xi = x[i];
-    const float f = slope<kind>(xi);
-    dx[i] = dy[i] * (xi == xi ? f : xi);
+    dx[i] = dy[i] * (xi == xi ? slope<kind>(xi) : xi);
   }
 }
 
