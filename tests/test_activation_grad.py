@@ -325,3 +325,56 @@ def test_bench_activation_grad_runs(capsys):
     for activation, op_type in OP.items():
         assert f"| {activation} ({op_type}) |" in printed
         assert result[activation]["standard"] > 0 and result[activation]["operator"] > 0
+
+
+_TANH_CONSTANTS = {"three": 3.0, "cubic": 0.044715, "root": math.sqrt(2 / math.pi), "one": 1.0, "half": 0.5}
+
+
+@pytest.mark.parametrize("form", ["half_first", "half_last"])
+def test_tanh_gelu_chain_is_one_operator(form):
+    """The written-out tanh GELU (NewGELUActivation's 0.5 * x first, or x (1 + tanh) first)
+    differentiates as one GeluTanhGrad with onnxscript's rewriter (node by node without it);
+    the gradient is the float64 derivative either way (to the body's float32 rounding)."""
+    nodes = [_const(name, value) for name, value in _TANH_CONSTANTS.items()]
+    nodes += [oh.make_node("Pow", ["x", "three"], ["p"]), oh.make_node("Mul", ["cubic", "p"], ["c"]),
+              oh.make_node("Add", ["c", "x"], ["a"]), oh.make_node("Mul", ["root", "a"], ["u"]),
+              oh.make_node("Tanh", ["u"], ["t"]), oh.make_node("Add", ["one", "t"], ["b"])]
+    if form == "half_first":
+        nodes += [oh.make_node("Mul", ["half", "x"], ["h"]), oh.make_node("Mul", ["b", "h"], ["y"])]
+    else:
+        nodes += [oh.make_node("Mul", ["x", "b"], ["h"]), oh.make_node("Mul", ["h", "half"], ["y"])]
+    graph = oh.make_graph(nodes, "gelu", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 6])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 6])])
+    forward = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=IR_VERSION)
+    training = build_training_graph(forward)
+    backward = [n.op_type for n in training.model.graph.node[len(nodes):]]
+    if _declarative.AVAILABLE:
+        assert "GeluTanhGrad" in backward and "Tanh" not in backward and "Pow" not in backward, backward
+    x = np.linspace(-6, 6, 24, dtype=np.float32).reshape(4, 6)
+    dy = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (grad,) = session.run(["x_grad"], training.feeds({"x": x, "y_grad": dy}))
+    # a plain session runs the body, the float32 textbook form: 1 - t^2 cancels in the tails
+    np.testing.assert_allclose(grad, dy * activation_grad.derivative("gelu_tanh", x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_new_gelu_as_exported_matches_torch(tmp_path):
+    """transformers' NewGELUActivation (GPT-2's gelu_new) exported by TorchScript: one
+    GeluTanhGrad with onnxscript's rewriter, x's gradient torch autograd's."""
+    torch = pytest.importorskip("torch")
+    activations = pytest.importorskip("transformers.activations")
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), activations.NewGELUActivation(), torch.nn.Linear(8, 3))
+    x = torch.linspace(-3, 3, 30).reshape(5, 6)
+    path = tmp_path / "gelu.onnx"
+    torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"], dynamo=False, opset_version=18)
+    training = build_training_graph(onnx.load(path))
+    ops = [n.op_type for n in training.model.graph.node]
+    if _declarative.AVAILABLE:
+        assert "GeluTanhGrad" in ops, ops
+    dy = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (grad,) = session.run(["x_grad"], training.feeds({"x": x.numpy(), "y_grad": dy.numpy()}))
+    xt = x.clone().requires_grad_(True)
+    module(xt).backward(dy)
+    np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-4, atol=1e-5)
