@@ -9,6 +9,7 @@ from __future__ import annotations
 import onnx.defs
 
 from normgrad.ops import (
+    activation_grad,
     adam_update,
     all_reduce,
     batch_norm_elemt_backward,
@@ -41,9 +42,10 @@ OPERATORS = {
         dropout_mask,
         embedding_grad,
         softmax_cross_entropy,
+        *activation_grad.OPERATORS,
     )
 }
-"""Every operator module by op type. Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
+"""Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
 ``validate``, ``reference``, ``schema`` and ``function_body``; optionally OUTPUT_FLAGS
 ({output: the flag attribute enabling it}) and ONES_IF_OMITTED ({optional input: (input,
 axis) whose shape the ones it equals when omitted have}), which

@@ -177,7 +177,9 @@ class Matches:
 from normgrad.graphs.patterns import (  # noqa: E402,F401
     batch_norm_relu,
     gelu_erf_chain,
+    gelu_tanh_chain,
     layer_norm_chain,
     rms_norm_chain,
+    silu,
     torch_group_norm,
 )

@@ -7,8 +7,10 @@
 
 Node by node its gradient takes ten passes over x's size (the two Mul gradients, the Erf
 gradient's square, Neg, Exp and two Muls, the Div's, and the Sum of x's two paths). Here it
-is dy (Phi(x) + x phi(x)), Phi(x) = b / 2 (the forward's, or one Mul), x phi(x) =
-x exp(log(1 / sqrt(2 pi)) - a^2): six passes (Mul, Sub, Exp, Mul, Add, Mul).
+is one ``GeluGrad`` for a float32 x (dy (Phi(x) + x phi(x)) in one pass); other float types
+take six passes (:func:`normgrad.ops.activation_grad.standard_form`): Phi(x) = b / 2 (the
+forward's, or one Mul), x phi(x) = x exp(log(1 / sqrt(2 pi)) - a^2) (Mul, Sub, Exp, Mul,
+Add, Mul).
 
 Matched with onnxscript's rewriter (:mod:`normgrad.graphs.patterns._declarative`), then
 checked strictly, else the per-node rules apply: x of a float type, the constants fixed
@@ -28,6 +30,7 @@ from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern
 from normgrad.graphs.patterns._row_norm import float_input
+from normgrad.graphs.rules.activations import activation_gradient
 
 __all__ = ["PATTERN", "match_gelu_erf_chain"]
 
@@ -70,9 +73,7 @@ def match_gelu_erf_chain(view: GraphView, ctx: GradientContext, anchor: onnx.Nod
     scaled, twice_cdf, cdf = bound["scaled"], bound["twice_cdf"], bound.get("cdf")
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
-        phi = cdf or ctx.op("Mul", twice_cdf, ctx.scalar(0.5, x))
-        density = ctx.op("Exp", ctx.op("Sub", ctx.scalar(math.log(1 / math.sqrt(2 * math.pi)), x),
-                                       ctx.op("Mul", scaled, scaled)))
-        return [(x, ctx.op("Mul", dy, ctx.op("Add", phi, ctx.op("Mul", x, density))))]
+        known = {"scaled": scaled, "twice_cdf": twice_cdf, "cdf": cdf, "root2": bound["root2"]}
+        return [(x, activation_gradient(ctx, "gelu_erf", dy, x, {k: v for k, v in known.items() if v}))]
 
     return Match(PATTERN, anchor, nodes, gradient)

@@ -15,8 +15,9 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
+from normgrad.ops import DOMAIN, activation_grad
 
-__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "prelu_gradient"]
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "prelu_gradient", "activation_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
 
@@ -56,32 +57,24 @@ def _one_minus(ctx: GradientContext, value: str, like: str) -> str:
     return ctx.op("Sub", ctx.scalar(1.0, like), value)
 
 
-_TANH_GELU_CUBIC = 0.044715
+def activation_gradient(ctx: GradientContext, activation: str, dy: str, x: str, known=None) -> str:
+    """dx of an activation of :mod:`normgrad.ops.activation_grad`: its operator (one pass) for
+    a float32 x, else the standard-op form (``known``: the forward values it reads)."""
+    if ctx.elem_type(x) == onnx.TensorProto.FLOAT:
+        return ctx.op(activation_grad.ACTIVATIONS[activation], dy, x, domain=DOMAIN)
+    return activation_grad.standard_form(activation, ctx.op, lambda value: ctx.scalar(value, x), dy, x, known)
 
 
 def _gelu(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -> str:
-    """none: Phi(x) + x phi(x); tanh: with t = tanh(sqrt(2/pi) (x + c x^3)),
-    0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2)."""
+    """none: Phi(x) + x phi(x); tanh: ``GeluTanhGrad`` (float32) or its standard form, with
+    t = tanh(sqrt(2/pi) (x + c x^3)), 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2)."""
+    if attr(node, "approximate", "none") == "tanh":
+        return activation_gradient(ctx, "gelu_tanh", dy, x)
     half = ctx.scalar(0.5, x)
     square = ctx.op("Mul", x, x)
-    if attr(node, "approximate", "none") == "tanh":
-        cubic = ctx.scalar(_TANH_GELU_CUBIC, x)
-        inner = ctx.op("Mul", ctx.scalar(math.sqrt(2 / math.pi), x), ctx.op("Add", x, ctx.op("Mul", cubic, ctx.op("Mul", square, x))))
-        t = ctx.op("Tanh", inner)
-        slope = ctx.op(
-            "Mul",
-            ctx.scalar(math.sqrt(2 / math.pi), x),
-            ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Mul", ctx.scalar(3 * _TANH_GELU_CUBIC, x), square)),
-        )
-        local = ctx.op(
-            "Mul",
-            half,
-            ctx.op("Add", ctx.op("Add", ctx.scalar(1.0, x), t), ctx.op("Mul", x, ctx.op("Mul", _one_minus(ctx, ctx.op("Mul", t, t), x), slope))),
-        )
-    else:
-        cdf = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Erf", ctx.op("Mul", x, ctx.scalar(math.sqrt(0.5), x)))))
-        pdf = ctx.op("Mul", ctx.scalar(1 / math.sqrt(2 * math.pi), x), ctx.op("Exp", ctx.op("Mul", ctx.scalar(-0.5, x), square)))
-        local = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
+    cdf = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Erf", ctx.op("Mul", x, ctx.scalar(math.sqrt(0.5), x)))))
+    pdf = ctx.op("Mul", ctx.scalar(1 / math.sqrt(2 * math.pi), x), ctx.op("Exp", ctx.op("Mul", ctx.scalar(-0.5, x), square)))
+    local = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
     return ctx.op("Mul", dy, local)
 
 

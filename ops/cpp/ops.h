@@ -47,6 +47,9 @@ extern const OpDescriptor kGatedUpdate;
 extern const OpDescriptor kDropoutMask;
 extern const OpDescriptor kEmbeddingGrad;
 extern const OpDescriptor kSoftmaxCrossEntropy;
+extern const OpDescriptor kSiLUGrad;
+extern const OpDescriptor kGeluGrad;
+extern const OpDescriptor kGeluTanhGrad;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

@@ -1,0 +1,54 @@
+"""SiLU (Swish) as the exporters write it, ``Mul(x, Sigmoid(x))`` in either operand order
+(torch's dynamo and TorchScript exporters for ``F.silu`` / ``nn.SiLU``: Llama's and Mistral's
+gated MLP, EfficientNet's MBConv): one ``SiLUGrad`` for a float32 x.
+
+Node by node its gradient takes six passes over x's size (the Mul's two products, the
+Sigmoid's 1 - s, s (1 - s) and its product with the incoming gradient, and the Sum of x's
+two paths); ``SiLUGrad`` reads dy and x once. Other float types keep that node-by-node form
+(:func:`normgrad.ops.activation_grad.standard_form`, reading the forward's sigmoid).
+
+Matched strictly by hand (no onnxscript needed), else the per-node rules apply: a
+default-domain Mul of x and Sigmoid(x), x of a float type, the Sigmoid's output read by that
+Mul alone and not a graph output.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import onnx
+
+from normgrad.graphs.context import GradientContext
+from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns._row_norm import float_input
+from normgrad.graphs.rules.activations import activation_gradient
+
+__all__ = ["PATTERN", "match_silu"]
+
+PATTERN = "silu"
+
+
+def _default_domain(node: Optional[onnx.NodeProto], op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+@register(PATTERN)
+def match_silu(view: GraphView, ctx: GradientContext, mul: onnx.NodeProto) -> Optional[Match]:
+    """``mul`` = Mul(x, Sigmoid(x)), or None."""
+    if not _default_domain(mul, "Mul") or len(mul.input) != 2 or "Sigmoid" not in view.op_types:
+        return None
+    for x, gate in (tuple(mul.input), tuple(reversed(mul.input))):
+        sigmoid = view.producer.get(gate)
+        if x != gate and _default_domain(sigmoid, "Sigmoid") and sigmoid.input[0] == x:
+            break
+    else:
+        return None
+    if not float_input(ctx, x) or not view.only_consumer(gate, mul):
+        return None
+
+    def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
+        if not ctx.needs_grad(x):
+            return []
+        return [(x, activation_gradient(ctx, "silu", dy, x, {"sigmoid": gate}))]
+
+    return Match(PATTERN, mul, [mul, sigmoid], gradient)

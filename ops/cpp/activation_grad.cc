@@ -1,0 +1,67 @@
+// SiLUGrad, GeluGrad, GeluTanhGrad: dx = dy * f'(x) in one pass (ops/activation_grad.py), one
+// kernel class for the three, activation_grad_math.h's loop over fixed chunks (elementwise:
+// the same bits for any thread count), on 8 AVX lanes where update_avx2().
+#include <algorithm>
+#include <string>
+
+#include "activation_grad_math.h"
+#include "ops.h"
+#include "update_math.h"
+
+namespace normgrad {
+namespace {
+
+constexpr size_t kChunk = 1 << 14;
+
+template <Activation kKind>
+struct ActivationGrad final : KernelBase {
+  explicit ActivationGrad(const OrtKernelInfo*) {}
+  const char* name() const override { return op_name(); }
+  static const char* op_name() {
+    return kKind == Activation::kSilu ? "SiLUGrad" : kKind == Activation::kGeluErf ? "GeluGrad" : "GeluTanhGrad";
+  }
+
+  void compute(OrtKernelContext* ctx) override {
+    const char* op = op_name();
+    const Input dy = get_input_any_type(ctx, 0, op, "dy");
+    const Input x = get_input_any_type(ctx, 1, op, "x");
+    for (const auto& [in, input_name] : {std::pair<const Input&, const char*>{dy, "dy"}, {x, "x"}}) {
+      if (!in.present) fail(std::string(op) + ": input '" + input_name + "' is required");
+      if (in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        fail(std::string(op) + ": input '" + input_name + "' must be float32; got " + dtype_name(in.onnx_type));
+      }
+    }
+    if (dy.shape != x.shape) {
+      fail(std::string(op) + ": input 'dy' must have the shape of 'x' " + shape_str(x.shape) + "; got " +
+           shape_str(dy.shape));
+    }
+    const float* const dy_data = static_cast<const float*>(dy.data);
+    const float* const x_data = static_cast<const float*>(x.data);
+    float* const dx = static_cast<float*>(get_output(ctx, 0, x.shape));
+    const size_t n = x.size;
+    const bool avx2 = update_avx2();
+    auto chunk = [&](size_t c) {
+      const size_t begin = c * kChunk, end = std::min(n, (c + 1) * kChunk);
+      if (avx2) {
+        activation_grad_avx2(kKind, dy_data, x_data, dx, begin, end);
+      } else {
+        activation_grad_loop(kKind, dy_data, x_data, dx, begin, end);
+      }
+    };
+    parallel_for(ctx, (n + kChunk - 1) / kChunk, chunk, n);
+  }
+};
+
+}  // namespace
+
+extern const OpDescriptor kSiLUGrad = {
+    "SiLUGrad", 2, 1, "TT", "00", "T", "0", 'd', 1, &create_kernel<ActivationGrad<Activation::kSilu>>,
+};
+extern const OpDescriptor kGeluGrad = {
+    "GeluGrad", 2, 1, "TT", "00", "T", "0", 'd', 1, &create_kernel<ActivationGrad<Activation::kGeluErf>>,
+};
+extern const OpDescriptor kGeluTanhGrad = {
+    "GeluTanhGrad", 2, 1, "TT", "00", "T", "0", 'd', 1, &create_kernel<ActivationGrad<Activation::kGeluTanh>>,
+};
+
+}  // namespace normgrad
