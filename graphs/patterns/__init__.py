@@ -24,7 +24,12 @@ import onnx
 
 from normgrad.graphs.context import GradientContext
 
-__all__ = ["GraphView", "Match", "Matches", "register", "find_matches"]
+__all__ = ["GraphView", "Match", "Matches", "register", "find_matches", "is_op"]
+
+
+def is_op(node: Optional[onnx.NodeProto], op_type: str) -> bool:
+    """Whether ``node`` is a standard-domain ``op_type`` node (False for None)."""
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _node_inputs(node: onnx.NodeProto) -> List[str]:

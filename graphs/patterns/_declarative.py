@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -100,6 +101,23 @@ class ChainPattern:
         except Exception as error:  # an optional speed-up must not break the export
             self._warn(view, f"onnxscript's rewriter failed on this graph ({type(error).__name__}: {error})")
             return None
+
+    def match_scalars(
+        self, view: GraphView, ctx: GradientContext, node: onnx.NodeProto, marker: str, scalars: Dict[str, float]
+    ) -> Optional[Tuple[Dict[str, Binding], List[onnx.NodeProto]]]:
+        """:meth:`match` for a chain ending at the Mul ``node`` of a graph that has a
+        ``marker`` node, whose variables named in ``scalars`` are one-element constants of
+        those values (to float precision); else None."""
+        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or marker not in view.op_types:
+            return None
+        found = self.match(view, ctx, node)
+        if found is None:
+            return None
+        for name, expected in scalars.items():
+            value = view.static_value(ctx, found[0][name])
+            if value is None or value.size != 1 or not np.isclose(float(value.reshape(())), expected, rtol=1e-6, atol=0):
+                return None
+        return found
 
     def _warn(self, view: GraphView, reason: str, hint: str = "") -> None:
         """Warns once per graph that ``self``'s chains go node by node, and why."""

@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns import GraphView, Match, is_op, register
 from normgrad.graphs.rules.batch_norm import batch_norm_backward
 
 __all__ = ["PATTERN", "match_batch_norm_relu"]
@@ -44,17 +44,13 @@ __all__ = ["PATTERN", "match_batch_norm_relu"]
 PATTERN = "batch_norm_relu"
 
 
-def _is(node: Optional[onnx.NodeProto], op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
 @register(PATTERN)
 def match_batch_norm_relu(view: GraphView, ctx: GradientContext, relu: onnx.NodeProto) -> Optional[Match]:
     """BatchNormalization → ``relu``, or None."""
-    if not _is(relu, "Relu") or len(relu.input) != 1 or not relu.output[0]:
+    if not is_op(relu, "Relu") or len(relu.input) != 1 or not relu.output[0]:
         return None
     norm = view.producer.get(relu.input[0])
-    if not _is(norm, "BatchNormalization") or norm.output[0] not in ctx.batch_statistics:
+    if not is_op(norm, "BatchNormalization") or norm.output[0] not in ctx.batch_statistics:
         return None
     if not view.only_consumer(norm.output[0], relu):
         return None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Tuple
 
-import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -57,19 +56,13 @@ _CONSTANTS = {"root2": math.sqrt(2.0), "one": 1.0, "half": 0.5}
 @register(PATTERN)
 def match_gelu_erf_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
-    if anchor.op_type != "Mul" or anchor.domain not in ("", "ai.onnx") or "Erf" not in view.op_types:
-        return None
-    found = _CHAIN.match(view, ctx, anchor)
+    found = _CHAIN.match_scalars(view, ctx, anchor, "Erf", _CONSTANTS)
     if found is None:
         return None
     bound, nodes = found
     x = bound["x"]
     if not float_input(ctx, x):
         return None
-    for name, expected in _CONSTANTS.items():
-        value = view.static_value(ctx, bound[name])
-        if value is None or value.size != 1 or not np.isclose(float(value.reshape(())), expected, rtol=1e-6, atol=0):
-            return None
     scaled, twice_cdf, cdf = bound["scaled"], bound["twice_cdf"], bound.get("cdf")
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:

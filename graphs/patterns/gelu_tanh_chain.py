@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Tuple
 
-import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -56,19 +55,13 @@ _CONSTANTS = {"three": 3.0, "cubic": TANH_GELU_CUBIC, "root": math.sqrt(2 / math
 @register(PATTERN)
 def match_gelu_tanh_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
-    if anchor.op_type != "Mul" or anchor.domain not in ("", "ai.onnx") or "Tanh" not in view.op_types:
-        return None
-    found = _CHAIN.match(view, ctx, anchor)
+    found = _CHAIN.match_scalars(view, ctx, anchor, "Tanh", _CONSTANTS)
     if found is None:
         return None
     bound, nodes = found
     x = bound["x"]
     if ctx.elem_type(x) != onnx.TensorProto.FLOAT:
         return None
-    for name, expected in _CONSTANTS.items():
-        value = view.static_value(ctx, bound[name])
-        if value is None or value.size != 1 or not np.isclose(float(value.reshape(())), expected, rtol=1e-6, atol=0):
-            return None
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
         return [(x, activation_gradient(ctx, "gelu_tanh", dy, x))]

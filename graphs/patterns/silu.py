@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns import GraphView, Match, is_op, register
 from normgrad.graphs.patterns._row_norm import float_input
 from normgrad.graphs.rules.activations import activation_gradient
 
@@ -28,18 +28,14 @@ __all__ = ["PATTERN", "match_silu"]
 PATTERN = "silu"
 
 
-def _default_domain(node: Optional[onnx.NodeProto], op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
 @register(PATTERN)
 def match_silu(view: GraphView, ctx: GradientContext, mul: onnx.NodeProto) -> Optional[Match]:
     """``mul`` = Mul(x, Sigmoid(x)), or None."""
-    if not _default_domain(mul, "Mul") or len(mul.input) != 2 or "Sigmoid" not in view.op_types:
+    if not is_op(mul, "Mul") or len(mul.input) != 2 or "Sigmoid" not in view.op_types:
         return None
     for x, gate in (tuple(mul.input), tuple(reversed(mul.input))):
         sigmoid = view.producer.get(gate)
-        if x != gate and _default_domain(sigmoid, "Sigmoid") and sigmoid.input[0] == x:
+        if x != gate and is_op(sigmoid, "Sigmoid") and sigmoid.input[0] == x:
             break
     else:
         return None
