@@ -948,7 +948,9 @@ def rms_norm_division(model: onnx.ModelProto) -> int:
     by that Mul alone, s = ``Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x)), eps))``, into
     ``Div(x, s)`` (the node producing r dropped), unless x is centred (a LayerNorm's chain);
     returns how many. onnxruntime's SimplifiedLayerNormFusion matches the division and not
-    the product."""
+    the product. In every such chain (divisions as exported too) the Add is written mean
+    first: onnxruntime 1.19.2's fusion takes the Add's second input as epsilon, and fused
+    ``Add(eps, mean)`` into a wrong forward (35% off on small x; 1.32's does not)."""
     graph = model.graph
     index = _ChainIndex(graph)
     made_by = index.made_by
@@ -959,10 +961,25 @@ def rms_norm_division(model: onnx.ModelProto) -> int:
             return power.input[0] == x and index.is_scalar(power.input[1], 2.0)
         return product is not None and list(product.input) == [x, x]
 
+    def mean_first(root_name: str, x: str) -> bool:
+        """Whether ``root_name`` is Sqrt(Add(ReduceMean(x^2), eps)) of an x not centred; if
+        so, its Add written mean first."""
+        root = made_by(root_name, "Sqrt")
+        add = made_by(root.input[0], "Add") if root is not None else None
+        mean = next((made_by(i, "ReduceMean") for i in add.input if made_by(i, "ReduceMean")), None) if add else None
+        if mean is None or not squares_of(mean.input[0], x) or _centred(x, made_by):
+            return False
+        add.input[:] = [mean.output[0]] + [i for i in add.input if i != mean.output[0]]
+        return True
+
     dropped = set()
-    rewritten = 0
     for node in graph.node:
-        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        if node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        if node.op_type == "Div":
+            mean_first(node.input[1], node.input[0])
+            continue
+        if node.op_type != "Mul":
             continue
         for x, inverse in (node.input, node.input[::-1]):
             inverter = made_by(inverse, "Reciprocal") or made_by(inverse, "Div")
@@ -970,19 +987,15 @@ def rms_norm_division(model: onnx.ModelProto) -> int:
                 continue
             if inverter.op_type == "Div" and not index.is_scalar(inverter.input[0], 1.0):
                 continue
-            root = made_by(inverter.input[-1], "Sqrt")
-            add = made_by(root.input[0], "Add") if root is not None else None
-            mean = next((made_by(i, "ReduceMean") for i in add.input if made_by(i, "ReduceMean")), None) if add else None
-            if mean is None or not squares_of(mean.input[0], x) or _centred(x, made_by):
+            if not mean_first(inverter.input[-1], x):
                 continue
             node.op_type = "Div"
-            node.input[:] = [x, root.output[0]]
+            node.input[:] = [x, inverter.input[-1]]
             dropped.add(id(inverter))
-            rewritten += 1
             break
     if dropped:
         nodes = [node for node in graph.node if id(node) not in dropped]
         del graph.node[:]
         graph.node.extend(nodes)
-    return rewritten
+    return len(dropped)
 

@@ -373,6 +373,16 @@ def test_rms_norm_chain_fused(inverse, casts, affine, swap, tmp_path):
     running = {n.op_type for n in onnx.load(tmp_path / "running.onnx").graph.node}
     if affine:  # (onnxruntime's fusion wants the scale)
         assert "SimplifiedLayerNormalization" in running and "Pow" not in running, running
+    # the fused forward as the unfused one (onnxruntime 1.19.2's fusion read Add(eps, mean)'s mean as epsilon)
+    x_value = (np.random.default_rng(1).standard_normal((2, 3, 8)) * 0.05).astype(np.float32)
+    feeds = training.feeds({"x": x_value, "out_grad": np.ones((2, 3, 8), np.float32)})
+    outputs = []
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        session = ort.InferenceSession(training.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        outputs.append(session.run(["out"], feeds)[0])
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
     _check(training)
 
 
