@@ -92,7 +92,6 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     rewrites.embedding_bags(model)
     rewrites.fold_integer_constants(model)
     rewrites.gelu_erf_fusable_order(model)
-    rewrites.rms_norm_division(model)
     needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)

@@ -32,9 +32,6 @@ would produce a wrong or rejected model.
 * Slices of one value along one axis that together cover it exactly, each element once
   (``rotate_half``'s ``x[..., :d/2]`` and ``x[..., d/2:]``), become one Split: its gradient
   is a Concat, where the Slices' is a zero Pad each and a Sum (:func:`tiling_slices_as_split`).
-* RMSNorm's ``x * Reciprocal(Sqrt(mean(x^2) + eps))`` (or ``x * (1 / Sqrt(..))``) becomes
-  ``x / Sqrt(..)``, which onnxruntime fuses into one SimplifiedLayerNormalization kernel
-  (:func:`rms_norm_division`; within one rounding of the product).
 * The dynamo exporter's erf GELU, ``x * ((erf(x / sqrt 2) + 1) * 0.5)``, is written in
   TorchScript's order, ``(x * (erf(x / sqrt 2) + 1)) * 0.5``, which onnxruntime fuses into
   one Gelu kernel (:func:`gelu_erf_fusable_order`; the same bits: a product by 0.5 is exact,
@@ -821,7 +818,7 @@ def _without_unread(nodes: list, outputs: Set[str], op_types) -> list:
 
 
 class _ChainIndex:
-    """Who produces and who reads each value of a graph, for the chain rewrites below."""
+    """Who produces and who reads each value of a graph, for the chain rewrite below."""
 
     def __init__(self, graph: onnx.GraphProto):
         self.graph = graph
@@ -934,68 +931,3 @@ def tiling_slices_as_split(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(nodes)
     return sum(1 for new in replaced.values() if new)
-
-
-def _centred(x: str, made_by) -> bool:
-    """Whether ``x`` is Sub(a, ReduceMean(a)): the chain is then a LayerNorm's (left as it is)."""
-    sub = made_by(x, "Sub")
-    mean = made_by(sub.input[1], "ReduceMean") if sub is not None else None
-    return mean is not None and mean.input[0] == sub.input[0]
-
-
-def rms_norm_division(model: onnx.ModelProto) -> int:
-    """Rewrites, in place, each ``Mul(x, r)`` with r = ``Reciprocal(s)`` or ``Div(1, s)`` read
-    by that Mul alone, s = ``Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x)), eps))``, into
-    ``Div(x, s)`` (the node producing r dropped), unless x is centred (a LayerNorm's chain);
-    returns how many. onnxruntime's SimplifiedLayerNormFusion matches the division and not
-    the product. In every such chain (divisions as exported too) the Add is written mean
-    first: onnxruntime 1.19.2's fusion takes the Add's second input as epsilon, and fused
-    ``Add(eps, mean)`` into a wrong forward (35% off on small x; 1.32's does not)."""
-    graph = model.graph
-    index = _ChainIndex(graph)
-    made_by = index.made_by
-
-    def squares_of(name: str, x: str) -> bool:
-        power, product = made_by(name, "Pow"), made_by(name, "Mul")
-        if power is not None:
-            return power.input[0] == x and index.is_scalar(power.input[1], 2.0)
-        return product is not None and list(product.input) == [x, x]
-
-    def mean_first(root_name: str, x: str) -> bool:
-        """Whether ``root_name`` is Sqrt(Add(ReduceMean(x^2), eps)) of an x not centred; if
-        so, its Add written mean first."""
-        root = made_by(root_name, "Sqrt")
-        add = made_by(root.input[0], "Add") if root is not None else None
-        mean = next((made_by(i, "ReduceMean") for i in add.input if made_by(i, "ReduceMean")), None) if add else None
-        if mean is None or not squares_of(mean.input[0], x) or _centred(x, made_by):
-            return False
-        add.input[:] = [mean.output[0]] + [i for i in add.input if i != mean.output[0]]
-        return True
-
-    dropped = set()
-    for node in graph.node:
-        if node.domain not in ("", "ai.onnx") or len(node.input) != 2:
-            continue
-        if node.op_type == "Div":
-            mean_first(node.input[1], node.input[0])
-            continue
-        if node.op_type != "Mul":
-            continue
-        for x, inverse in (node.input, node.input[::-1]):
-            inverter = made_by(inverse, "Reciprocal") or made_by(inverse, "Div")
-            if inverter is None or not index.read_once(inverse):
-                continue
-            if inverter.op_type == "Div" and not index.is_scalar(inverter.input[0], 1.0):
-                continue
-            if not mean_first(inverter.input[-1], x):
-                continue
-            node.op_type = "Div"
-            node.input[:] = [x, inverter.input[-1]]
-            dropped.add(id(inverter))
-            break
-    if dropped:
-        nodes = [node for node in graph.node if id(node) not in dropped]
-        del graph.node[:]
-        graph.node.extend(nodes)
-    return len(dropped)
-

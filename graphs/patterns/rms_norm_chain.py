@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -78,17 +77,6 @@ def _cast(op, x, eps):
 _CHAIN = ChainPattern("the written-out RMSNorm", _scaled, _cast, _times_inverse, _divided, differentiable=("x", "w"))
 
 
-def _rows_of(ctx: GradientContext, x: str, axis: int) -> Optional[List[int]]:
-    """The static normalised dims of a float32/float64 ``x`` (else None). A chain written as
-    x / rms (rewrites.rms_norm_division) then has its 1 / rms recomputed from x in the
-    backward, one read of x, so that nothing reads the chain's own values and onnxruntime
-    can fuse its forward into one kernel."""
-    shape = ctx.static_shape(x)
-    if ctx.elem_type(x) not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) or shape is None:
-        return None
-    return shape[axis:]
-
-
 @register(PATTERN)
 def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
@@ -97,16 +85,11 @@ def match_rms_norm_chain(view: GraphView, ctx: GradientContext, anchor: onnx.Nod
         return None
     x, w, axis = chain.x, chain.w, chain.axis
     rms, inv_rms = chain.bound["rms"], chain.bound.get("inv_rms") or chain.bound.get("one_over_rms")
-    rows_of = _rows_of(ctx, x, axis)
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
-        if inv_rms is None and rows_of is not None:  # x / rms: its 1 / rms again from x (see _rows_of)
-            mean_square = ctx.op("Div", ctx.reduce("ReduceSumSquare", x, list(range(axis, len(rows_of) + axis)),
-                                                   keepdims=True), ctx.scalar(float(np.prod(rows_of)), x))
-            statistic = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", mean_square, chain.bound["eps"])))
-        else:
-            statistic = inv_rms or ctx.op("Reciprocal", rms)
-        dx, dscale, _ = row_norm_gradient(ctx, "RMSNormalizationGrad", dy, anchor.output[0], x, w, [(statistic, rms)], axis)
+        dx, dscale, _ = row_norm_gradient(
+            ctx, "RMSNormalizationGrad", dy, anchor.output[0], x, w, [(inv_rms or ctx.op("Reciprocal", rms), rms)], axis
+        )
         return [(name, grad) for name, grad in ((x, dx), (w, dscale)) if grad is not None and ctx.needs_grad(name)]
 
     return Match(PATTERN, anchor, chain.nodes, gradient)
