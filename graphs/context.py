@@ -9,6 +9,8 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
+from normgrad.ops import DOMAIN, matrix_transpose
+
 __all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe"]
 
 FLOAT_ELEM_TYPES = frozenset(
@@ -17,6 +19,14 @@ FLOAT_ELEM_TYPES = frozenset(
 """Element types a gradient can flow through."""
 
 Dim = Union[int, str, None]
+
+WEIGHT_GRADIENT_TRANSPOSED_MACS = 1 << 24
+"""Float32 weight gradients of at least this many multiply-adds read a MatrixTranspose copy
+(:meth:`GradientContext.weight_gradient`)."""
+PLAIN_GEMM_MIN_COLUMNS = 256
+"""MLAS picks the K blocking of a product whose A is not transposed from the columns each
+thread computes (with a transposed A, never): from 256 columns on, 1 and 2 threads get the
+same blocking and so the same bits (at 128, they differ)."""
 
 
 def reserve_name(used: Set[str], name: str) -> str:
@@ -64,6 +74,7 @@ class GradientContext:
                     self._constants[node.output[0]] = value
         self._producers = {name: node for node in graph.node for name in node.output if name}
         self._gemm_products: Set[str] = set()  # outputs of emitted Gemms without C
+        self._transposed: Dict[str, str] = {}  # value -> its MatrixTranspose
         self._used: Set[str] = set(self._types)
         for node in graph.node:
             self._used.update(node.input)
@@ -257,6 +268,35 @@ class GradientContext:
         for product in products:
             total = product if total is None else self.op("Sum", product, total)
         return total
+
+    def weight_gradient(self, p: str, q: str, dims: Optional[Sequence[Optional[int]]], like: str,
+                        alpha: float = 1.0) -> str:
+        """alpha P^T Q for 2-D P [t, m] and Q [t, n] (``dims`` = (t, m, n), None where unknown;
+        ``like``: a forward value of their element type): a weight's gradient, summed over the
+        t rows. MLAS multiplies a transposed A panel by panel, about 20% slower than
+        contiguous operands, and onnxruntime folds a Transpose feeding a Gemm back into its
+        transA; a float32 product of at least WEIGHT_GRADIENT_TRANSPOSED_MACS multiply-adds
+        reads a MatrixTranspose copy instead where that measured faster: P^T when m <= n
+        (attention and MLP-down projections), the product (Q^T P)^T when m >= 8 n (a
+        vocabulary head: its transposes are of the small sides). Between, the transA Gemm
+        stays (the MLP-up projections: the copies cost what the GEMM gains), and where the
+        plain product would have fewer than PLAIN_GEMM_MIN_COLUMNS columns."""
+        t, m, n = dims if dims is not None else (None, None, None)
+        scale = alpha if alpha != 1.0 else None
+        if None in (t, m, n) or self.elem_type(like) != onnx.TensorProto.FLOAT \
+                or t * m * n < WEIGHT_GRADIENT_TRANSPOSED_MACS:
+            return self.op("Gemm", p, q, alpha=scale, transA=1)
+        if m <= n and n >= PLAIN_GEMM_MIN_COLUMNS:
+            return self.op("Gemm", self._matrix_transpose(p), q, alpha=scale)
+        if m >= 8 * n and m >= PLAIN_GEMM_MIN_COLUMNS:
+            return self._matrix_transpose(self.op("Gemm", self._matrix_transpose(q), p, alpha=scale))
+        return self.op("Gemm", p, q, alpha=scale, transA=1)
+
+    def _matrix_transpose(self, value: str) -> str:
+        """One MatrixTranspose node per value (products of one input share it)."""
+        if value not in self._transposed:
+            self._transposed[value] = self.op(matrix_transpose.OP_TYPE, value, domain=DOMAIN)
+        return self._transposed[value]
 
     def gradient_of(self, grad: str, forward: str) -> str:
         """Records that backward value ``grad`` is the gradient of forward value ``forward``

@@ -19,6 +19,7 @@ from normgrad.ops import (
     gated_update,
     group_normalization_grad,
     layer_normalization_grad,
+    matrix_transpose,
     rms_normalization_grad,
     sgd_update,
     softmax_cross_entropy,
@@ -42,6 +43,7 @@ OPERATORS = {
         dropout_mask,
         embedding_grad,
         softmax_cross_entropy,
+        matrix_transpose,
         *activation_grad.OPERATORS,
     )
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
@@ -52,13 +53,16 @@ def matmul_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
 
 
 def _flattened_gradients(ctx: GradientContext, a: str, b: str, dy: str) -> List[Optional[str]]:
-    """Gradients of A [..., k] @ B [k, n] with A's leading axes flattened: dB = Gemm(A2, dY2,
-    transA=1) sums over them inside the GEMM (no batched [..., k, n] product, no ReduceSum,
-    no Transpose) and dA = Gemm(dY2, B, transB=1) reads B as it is (no transposed copy)."""
+    """Gradients of A [..., k] @ B [k, n] with A's leading axes flattened: dB = A2^T dY2
+    (:meth:`GradientContext.weight_gradient`) sums over them inside one GEMM (no batched
+    [..., k, n] product, no ReduceSum) and dA = Gemm(dY2, B, transB=1) reads B as it is (no
+    transposed copy)."""
     dy2 = ctx.op("Flatten", dy, axis=-1)
     result: List[Optional[str]] = [None, None]
     if ctx.needs_grad(a):
         result[0] = ctx.reshape_like(ctx.op("Gemm", dy2, b, transB=1), a)
     if ctx.needs_grad(b):
-        result[1] = ctx.op("Gemm", ctx.op("Flatten", a, axis=-1), dy2, transA=1)
+        a_shape, b_shape = ctx.static_shape(a), ctx.static_shape(b)
+        dims = (int(np.prod(a_shape[:-1])), *b_shape) if a_shape and b_shape else None
+        result[1] = ctx.weight_gradient(ctx.op("Flatten", a, axis=-1), dy2, dims, b)
     return result

@@ -47,6 +47,7 @@ extern const OpDescriptor kGatedUpdate;
 extern const OpDescriptor kDropoutMask;
 extern const OpDescriptor kEmbeddingGrad;
 extern const OpDescriptor kSoftmaxCrossEntropy;
+extern const OpDescriptor kMatrixTranspose;
 extern const OpDescriptor kSiLUGrad;
 extern const OpDescriptor kGeluGrad;
 extern const OpDescriptor kGeluTanhGrad;

@@ -289,7 +289,7 @@ std::vector<OpVariant*>* build_ops() {
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
                                 &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kEmbeddingGrad,
-                                &kSoftmaxCrossEntropy, &kSiLUGrad, &kGeluGrad,
+                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kSiLUGrad, &kGeluGrad,
                                 &kGeluTanhGrad}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
       for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
