@@ -25,16 +25,16 @@ def gemm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Option
         else:  # dA = dY B'^T
             result[0] = ctx.op("Gemm", dy, b, alpha=alpha, transB=1 - trans_b)
     if ctx.needs_grad(b):
-        a_shape, y_shape = ctx.static_shape(a), ctx.static_shape(y)
-        rows, k = (a_shape[::-1] if trans_a else a_shape) if a_shape else (None, None)
-        n = y_shape[1] if y_shape else None
-        if trans_a:  # dB = dY^T A^T or A dY
+        if trans_a:  # dB = dY^T A^T, or A dY
             result[1] = ctx.op("Gemm", dy, a, alpha=alpha, transA=1, transB=1) if trans_b else \
                 ctx.op("Gemm", a, dy, alpha=alpha)
-        elif trans_b:  # dB = dY^T A
-            result[1] = ctx.weight_gradient(dy, a, (rows, n, k), a, alpha)
-        else:  # dB = A^T dY
-            result[1] = ctx.weight_gradient(a, dy, (rows, k, n), a, alpha)
+        else:
+            rows, k = ctx.static_shape(a) or (None, None)
+            n = (ctx.static_shape(y) or (None, None))[1]
+            if trans_b:  # dB = dY^T A
+                result[1] = ctx.weight_gradient(dy, a, (rows, n, k), a, alpha)
+            else:  # dB = A^T dY
+                result[1] = ctx.weight_gradient(a, dy, (rows, k, n), a, alpha)
     if len(node.input) > 2 and ctx.needs_grad(node.input[2]):
         c = node.input[2]
         scaled = dy if beta == 1.0 else ctx.op("Mul", dy, ctx.scalar(beta, c))
