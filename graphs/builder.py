@@ -96,7 +96,9 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     model = rewrites.convert_opset(model, opset, needed)
     opset = _default_opset(model)
     model = _infer_shapes(model)
-    if rewrites.transposed_weight_products(model) | bool(rewrites.tiling_slices_as_split(model)):
+    products_rewritten = rewrites.transposed_weight_products(model)
+    slices_rewritten = rewrites.tiling_slices_as_split(model)
+    if products_rewritten or slices_rewritten:
         model = _infer_shapes(model)
     return model, opset
 

@@ -40,6 +40,7 @@ would produce a wrong or rejected model.
 
 from __future__ import annotations
 
+import collections
 import copy
 
 from typing import Dict, Set
@@ -817,48 +818,31 @@ def _without_unread(nodes: list, outputs: Set[str], op_types) -> list:
         nodes = kept
 
 
-class _ChainIndex:
-    """Who produces and who reads each value of a graph, for the chain rewrite below."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.graph = graph
-        self.producers = {name: node for node in graph.node for name in node.output if name}
-        self.readers: Dict[str, int] = {}
-        for node in graph.node:
-            for name in node.input:
-                self.readers[name] = self.readers.get(name, 0) + 1
-        self.outputs = {o.name for o in graph.output}
-
-    def made_by(self, name: str, op_type: str):
-        """The standard-domain ``op_type`` node producing ``name``, or None."""
-        node = self.producers.get(name)
-        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-    def read_once(self, name: str) -> bool:
-        """Whether one node reads ``name`` and it is no graph output."""
-        return self.readers.get(name) == 1 and name not in self.outputs
-
-    def is_scalar(self, name: str, value: float) -> bool:
-        """Whether ``name`` is a constant of one element equal to ``value``."""
-        found = _constant_values(self.graph, name)
-        return found is not None and found.size == 1 and float(found.reshape(())) == value
-
-
 def gelu_erf_fusable_order(model: onnx.ModelProto) -> int:
     """Rewrites, in place, each ``Mul(x, Mul(Add(Erf(Div(x, c)), 1), 0.5))`` (either operand
     order in each Mul and the Add) into ``Mul(Mul(x, Add(...)), 0.5)`` where the inner
     ``Mul(.., 0.5)`` is read by that product alone; returns how many. Only the order of the
     products changes: onnxruntime's GeluFusion matches this order and not the other."""
     graph = model.graph
-    index = _ChainIndex(graph)
-    made_by, is_scalar = index.made_by, index.is_scalar
+    producers = {name: node for node in graph.node for name in node.output if name}
+    readers = collections.Counter(name for node in graph.node for name in node.input)
+    outputs = {o.name for o in graph.output}
+
+    def made_by(name: str, op_type: str):
+        node = producers.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def is_scalar(name: str, value: float) -> bool:
+        found = _constant_values(graph, name)
+        return found is not None and found.size == 1 and float(found.reshape(())) == value
+
     rewritten = 0
     for node in graph.node:
         if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
         for x, cdf in (node.input, node.input[::-1]):
             halving = made_by(cdf, "Mul")
-            if halving is None or not index.read_once(cdf):
+            if halving is None or readers[cdf] != 1 or cdf in outputs:
                 continue
             sums = [(b, h) for b, h in (halving.input, halving.input[::-1]) if is_scalar(h, 0.5)]
             add = made_by(sums[0][0], "Add") if sums else None
