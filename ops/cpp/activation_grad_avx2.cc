@@ -26,6 +26,7 @@ inline F8 sign_select(F8 x, F8 a, F8 b) { return F8(_mm256_blendv_ps(b.v, a.v, x
 inline F8 flip_unless_negative(F8 x, F8 v) {
   return F8(_mm256_xor_ps(v.v, _mm256_andnot_ps(x.v, _mm256_set1_ps(-0.0f))));
 }
+inline F8 magnitude(F8 x) { return F8(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x.v)); }
 inline F8 pow2_from_shifted(F8 shifted) {
   const int offset = 64 + 127 - 0x4b400000;  // 0x4b400000: 1.5 * 2^23's bits
   const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(shifted.v), _mm256_set1_epi32(offset));

@@ -29,7 +29,7 @@ inline uint32_t to_bits(float value) {
 // The math below is written once for a lane type V: float here (the baseline loop), 8 AVX
 // lanes in activation_grad_avx2.cc, both with the same operations in the same order. A lane
 // type has + - * / and unary -, comparisons giving a mask, V(float) and the helpers below
-// (select, at_least, sign_select, flip_unless_negative, pow2_from_shifted, head12); its wide
+// (select, at_least, sign_select, flip_unless_negative, magnitude, pow2_from_shifted, head12); its wide
 // type (double here) has + - * with widen and narrow.
 inline float select(bool mask, float a, float b) { return mask ? a : b; }
 
@@ -41,6 +41,9 @@ inline float sign_select(float x, float a, float b) { return (to_bits(x) >> 31) 
 
 // v, negated where x's sign bit is clear: flip_unless_negative(x, x) is -|x|.
 inline float flip_unless_negative(float x, float v) { return from_bits(to_bits(v) ^ (~to_bits(x) & 0x80000000u)); }
+
+// |x|: x with its sign bit cleared.
+inline float magnitude(float x) { return from_bits(to_bits(x) & 0x7fffffffu); }
 
 // 2^n from shifted = n + 1.5 * 2^23 (n in its low mantissa bits, two's complement), n >= -149:
 // 2^(n + 64) as exponent bits, times 2^-64.
@@ -117,12 +120,8 @@ template <class V>
 inline V gelu_erf_slope(V x) {
   const V head = head12(x);
   const V tail = x - head;
-  const V h = V(0.5f) * (head * head);
-  const V l = V(0.5f) * (tail * (x + head));
-  const V density = exp_split(-h, -l);  // exp(-x^2 / 2)
-  const auto negative = x < V(0.0f);
-  const V a = select(negative, -x, x) * V(0.707106781186547524f);
-  const V t = V(1.0f) / (V(1.0f) + V(0.5f) * a);
+  const V density = exp_split(V(-0.5f) * (head * head), V(-0.5f) * (tail * (x + head)));  // exp(-x^2 / 2)
+  const V t = V(1.0f) / (V(1.0f) + magnitude(x) * V(0.353553390593273762f));  // a / 2 = |x| / sqrt 8
   const V u = t * V(2.35294118f) + V(-1.35294118f);
   const V u2 = u * u;
   const V u4 = u2 * u2;
@@ -131,7 +130,7 @@ inline V gelu_erf_slope(V x) {
       ((V(-6.591075566e-03f) + V(-7.633089554e-04f) * u) + (V(6.714848569e-04f) + V(1.802346378e-05f) * u) * u2) * u4 +
       ((V(-8.070564218e-05f) + V(6.516255326e-06f) * u) + V(7.251941497e-06f) * u2) * (u4 * u4);
   const V tail_cdf = V(0.5f) * (density * (t * g));  // Phi(-|x|)
-  const V cdf = select(negative, tail_cdf, V(1.0f) - tail_cdf);
+  const V cdf = select(x < V(0.0f), tail_cdf, V(1.0f) - tail_cdf);
   return cdf + select(density == V(0.0f), V(0.0f), x * (density * V(0.398942280401432678f)));
 }
 
