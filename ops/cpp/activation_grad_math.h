@@ -57,15 +57,16 @@ inline float head12(float x) { return from_bits(to_bits(x) & 0xfffff000u); }
 inline double widen(float x) { return x; }
 inline float narrow(double x) { return static_cast<float>(x); }
 
-// exp(r) 2^n for the reduced r (|r| <= ln 2 / 2) and shifted = n + 1.5 * 2^23: Cephes' expf
-// polynomial (Estrin's scheme: short dependency chains), times 2^n (n >= -149: a float,
-// subnormal below -126, so results down to the subnormals round once).
+// exp(r) 2^n for the reduced r (|r| <= ln 2 / 2) and shifted = n + 1.5 * 2^23: 1 + r + r^2 p(r),
+// p of degree 4 fitted for relative error (3.6e-9 with these float32 coefficients, as small as
+// Cephes' expf polynomial of one degree more; Estrin's scheme: short dependency chains), times
+// 2^n (n >= -149: a float, subnormal below -126, so results down to the subnormals round once).
 template <class V>
 inline V exp_reduced(V r, V shifted) {
   const V r2 = r * r;
   const V r4 = r2 * r2;
-  const V p = (V(5.0000001201e-1f) + V(1.6666665459e-1f) * r) + (V(4.1665795894e-2f) + V(8.3334519073e-3f) * r) * r2 +
-              (V(1.3981999507e-3f) + V(1.9875691500e-4f) * r) * r4;
+  const V p = (V(4.999999404e-1f) + V(1.666652113e-1f) * r) + (V(4.166818783e-2f) + V(8.368702605e-3f) * r) * r2 +
+              V(1.382572926e-3f) * r4;
   return (p * r2 + (r + V(1.0f))) * pow2_from_shifted(shifted);
 }
 
