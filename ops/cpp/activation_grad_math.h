@@ -1,7 +1,7 @@
-// SiLUGrad, GeluGrad, GeluTanhGrad (ops/activation_grad.py): dx = dy * f'(x) in float32, one
-// branch-free loop per activation that the compiler vectorizes. Every operation is one IEEE
-// float32 operation (compiled with -ffp-contract=off, never -mfma), so activation_grad.cc's
-// baseline loop and activation_grad_avx2.cc's -mavx2 copy give the same bits.
+// SiLUGrad, GeluGrad, GeluTanhGrad (ops/activation_grad.py): dx = dy * f'(x) in float32, the
+// math written once over a lane type: float in activation_grad.cc's baseline loop (branch-free,
+// the compiler vectorizes it), 8 AVX lanes in activation_grad_avx2.cc. Every operation is one
+// IEEE operation (compiled with -ffp-contract=off, never -mfma), so both give the same bits.
 #pragma once
 
 #include <cstddef>
@@ -26,39 +26,90 @@ inline uint32_t to_bits(float value) {
   return bits;
 }
 
-// exp(hi + lo) for hi + lo <= ~1 (lo small beside hi, or 0): Cephes' expf polynomial after a
-// Cody-Waite reduction by n ln 2 that takes lo in, times 2^n (n >= -149: a float, subnormal
-// below -126, so results down to the subnormals round once). 0 below -103 (where exp is
-// below 2^-148; and for a NaN hi: callers mask NaN x). The loop is latency-bound: the
-// steps are ordered for short dependency chains (Estrin's scheme for the polynomial).
-inline float exp_split(float hi, float lo) {
-  const bool in_range = hi >= -103.0f;
-  const float a = in_range ? hi : -103.0f;
-  const float b = in_range ? lo : 0.0f;
-  const float shifted = (a + b) * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to integer
-  const float n = shifted - 12582912.0f;                             // in [-149, 2]
-  const float r = (a - n * 0.693359375f) + (b - n * -2.12194440e-4f);  // n * ln 2's 9-bit head is exact
-  const float r2 = r * r;
-  const float r4 = r2 * r2;
-  const float p = (5.0000001201e-1f + 1.6666665459e-1f * r) + (4.1665795894e-2f + 8.3334519073e-3f * r) * r2 +
-                  (1.3981999507e-3f + 1.9875691500e-4f * r) * r4;
-  // shifted's low mantissa bits hold n (two's complement): 2^(n + 64) as exponent bits, times 2^-64
-  const float scale = from_bits((to_bits(shifted) - to_bits(12582912.0f) + (64u + 127u)) << 23) * 0x1p-64f;
-  const float y = (p * r2 + (r + 1.0f)) * scale;
-  return in_range ? y : 0.0f;
+// The math below is written once for a lane type V: float here (the baseline loop), 8 AVX
+// lanes in activation_grad_avx2.cc, both with the same operations in the same order. A lane
+// type has + - * / and unary -, comparisons giving a mask, V(float) and the helpers below
+// (select, at_least, sign_select, flip_unless_negative, magnitude, pow2_from_shifted, head12); its wide
+// type (double here) has + - * with widen and narrow.
+inline float select(bool mask, float a, float b) { return mask ? a : b; }
+
+// v where v >= floor, else floor (a NaN v too): one max instruction on lanes.
+inline float at_least(float v, float floor) { return v >= floor ? v : floor; }
+
+// a where x's sign bit is set (x negative, -0 or a negative NaN), else b.
+inline float sign_select(float x, float a, float b) { return (to_bits(x) >> 31) ? a : b; }
+
+// v, negated where x's sign bit is clear: flip_unless_negative(x, x) is -|x|.
+inline float flip_unless_negative(float x, float v) { return from_bits(to_bits(v) ^ (~to_bits(x) & 0x80000000u)); }
+
+// |x|: x with its sign bit cleared.
+inline float magnitude(float x) { return from_bits(to_bits(x) & 0x7fffffffu); }
+
+// 2^n from shifted = n + 1.5 * 2^23 (n in its low mantissa bits, two's complement), n >= -149:
+// 2^(n + 64) as exponent bits, times 2^-64.
+inline float pow2_from_shifted(float shifted) {
+  return from_bits((to_bits(shifted) - to_bits(12582912.0f) + (64u + 127u)) << 23) * 0x1p-64f;
 }
 
-// s + c s (1 - s), s = sigmoid(v) for v = hi + lo (lo small beside hi, or 0), with s and 1 - s
-// from e = exp(-|v|) (neither by a subtraction from 1); the product term is 0 where s (1 - s)
-// is (|v| past ~104, or infinite v).
-inline float sigmoid_slope(float hi, float lo, float c) {
-  const bool negative = hi < 0.0f;
-  const float e = exp_split(negative ? hi : -hi, negative ? lo : -lo);
-  const float big = 1.0f / (1.0f + e);
-  const float small = e * big;
-  const float s = negative ? small : big;
-  const float spread = big * small;
-  return s + (spread == 0.0f ? 0.0f : c * spread);
+// x with its low 12 mantissa bits cleared: a 12-bit head whose square is exact.
+inline float head12(float x) { return from_bits(to_bits(x) & 0xfffff000u); }
+
+inline double widen(float x) { return x; }
+inline float narrow(double x) { return static_cast<float>(x); }
+
+// exp(r) 2^n for the reduced r (|r| <= ln 2 / 2) and shifted = n + 1.5 * 2^23: 1 + r + r^2 p(r),
+// p of degree 4 fitted for relative error (3.6e-9 with these float32 coefficients, as small as
+// Cephes' expf polynomial of one degree more; Estrin's scheme: short dependency chains), times
+// 2^n (n >= -149: a float, subnormal below -126, so results down to the subnormals round once).
+template <class V>
+inline V exp_reduced(V r, V shifted) {
+  const V r2 = r * r;
+  const V r4 = r2 * r2;
+  const V p = (V(4.999999404e-1f) + V(1.666652113e-1f) * r) + (V(4.166818783e-2f) + V(8.368702605e-3f) * r) * r2 +
+              V(1.382572926e-3f) * r4;
+  return (p * r2 + (r + V(1.0f))) * pow2_from_shifted(shifted);
+}
+
+// exp(hi + lo) for hi + lo <= ~1 (lo small beside hi): a Cody-Waite reduction by n ln 2 that
+// takes lo in (n ln 2's 9-bit head is exact), then exp_reduced. 0 below -103 (where exp is
+// below 2^-148; and for a NaN hi: callers mask NaN x).
+template <class V>
+inline V exp_split(V hi, V lo) {
+  const auto in_range = hi >= V(-103.0f);
+  const V a = at_least(hi, V(-103.0f));
+  const V b = select(in_range, lo, V(0.0f));
+  const V shifted = (a + b) * V(1.44269504088896341f) + V(12582912.0f);  // 1.5 * 2^23: round to integer
+  const V n = shifted - V(12582912.0f);                                  // in [-149, 2]
+  const V r = (a - n * V(0.693359375f)) + (b - n * V(-2.12194440e-4f));
+  return select(in_range, exp_reduced(r, shifted), V(0.0f));
+}
+
+// exp_split(hi, 0) without lo's operations: the same values.
+template <class V>
+inline V exp_single(V hi) {
+  const auto in_range = hi >= V(-103.0f);
+  const V a = at_least(hi, V(-103.0f));
+  const V shifted = a * V(1.44269504088896341f) + V(12582912.0f);
+  const V n = shifted - V(12582912.0f);
+  const V r = (a - n * V(0.693359375f)) - n * V(-2.12194440e-4f);
+  return select(in_range, exp_reduced(r, shifted), V(0.0f));
+}
+
+// s + c s (1 - s), s = sigmoid(v), from e = exp(-|v|) (neither s nor 1 - s by a subtraction
+// from 1); the product term is 0 where s (1 - s) is (|v| past ~104, or infinite v).
+template <class V>
+inline V sigmoid_slope_from(V v, V e, V c) {
+  const V big = V(1.0f) / (V(1.0f) + e);
+  const V small = e * big;
+  const V s = sign_select(v, small, big);
+  const V spread = big * small;
+  return s + select(spread == V(0.0f), V(0.0f), c * spread);
+}
+
+// sigmoid_slope_from for v = hi + lo (lo small beside hi).
+template <class V>
+inline V sigmoid_slope(V hi, V lo, V c) {
+  return sigmoid_slope_from(hi, exp_split(flip_unless_negative(hi, hi), flip_unless_negative(hi, lo)), c);
 }
 
 // Phi(x) + x phi(x). E = exp(-x^2 / 2) with x^2 / 2 = h + l (x's 12-bit head squared is exact);
@@ -66,42 +117,51 @@ inline float sigmoid_slope(float hi, float lo, float c) {
 // t = 1 / (1 + a / 2) and g a degree-10 polynomial in u = (2t - 1.15) / 0.85 (a weighted
 // Chebyshev fit of erfcx(a) / t over t in [0.15, 1], i.e. a <= 11.3, past which E is 0;
 // relative error 5e-9, 1.8e-7 in float32 arithmetic).
-inline float gelu_erf_slope(float x) {
-  const float head = from_bits(to_bits(x) & 0xfffff000u);
-  const float tail = x - head;
-  const float h = 0.5f * (head * head);
-  const float l = 0.5f * (tail * (x + head));
-  const float density = exp_split(-h, -l);  // exp(-x^2 / 2)
-  const float a = (x < 0.0f ? -x : x) * 0.707106781186547524f;
-  const float t = 1.0f / (1.0f + 0.5f * a);
-  const float u = t * 2.35294118f + -1.35294118f;
-  const float u2 = u * u;
-  const float u4 = u2 * u2;
-  const float g = ((5.655282736e-01f + 3.285916448e-01f * u) + (1.057643220e-01f + 6.847580429e-03f * u) * u2) +
-                  ((-6.591075566e-03f + -7.633089554e-04f * u) + (6.714848569e-04f + 1.802346378e-05f * u) * u2) * u4 +
-                  ((-8.070564218e-05f + 6.516255326e-06f * u) + 7.251941497e-06f * u2) * (u4 * u4);
-  const float tail_cdf = 0.5f * (density * (t * g));  // Phi(-|x|)
-  const float cdf = x >= 0.0f ? 1.0f - tail_cdf : tail_cdf;
-  return cdf + (density == 0.0f ? 0.0f : x * (density * 0.398942280401432678f));
+template <class V>
+inline V gelu_erf_slope(V x) {
+  const V head = head12(x);
+  const V tail = x - head;
+  const V density = exp_split(V(-0.5f) * (head * head), V(-0.5f) * (tail * (x + head)));  // exp(-x^2 / 2)
+  const V t = V(1.0f) / (V(1.0f) + magnitude(x) * V(0.353553390593273762f));  // a / 2 = |x| / sqrt 8
+  const V u = t * V(2.35294118f) + V(-1.35294118f);
+  const V u2 = u * u;
+  const V u4 = u2 * u2;
+  const V g =
+      ((V(5.655282736e-01f) + V(3.285916448e-01f) * u) + (V(1.057643220e-01f) + V(6.847580429e-03f) * u) * u2) +
+      ((V(-6.591075566e-03f) + V(-7.633089554e-04f) * u) + (V(6.714848569e-04f) + V(1.802346378e-05f) * u) * u2) * u4 +
+      ((V(-8.070564218e-05f) + V(6.516255326e-06f) * u) + V(7.251941497e-06f) * u2) * (u4 * u4);
+  const V tail_cdf = V(0.5f) * (density * (t * g));  // Phi(-|x|)
+  const V cdf = select(x < V(0.0f), tail_cdf, V(1.0f) - tail_cdf);
+  return cdf + select(density == V(0.0f), V(0.0f), x * (density * V(0.398942280401432678f)));
 }
 
 // torch's gelu(approximate="tanh"): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). 2u and
 // its derivative are computed in double, 2u split into two floats: exp(-|2u|) changes by |2u|
 // times 2u's relative error (x = -9: 2u = -65, and float32 arithmetic gave 170 ulps).
-inline float gelu_tanh_slope(float x) {
-  const double wide = x;
-  const double v = 1.5957691216057308 * (wide * (1.0 + 0.044715 * (wide * wide)));  // 2 sqrt(2/pi) ...
-  const float hi = static_cast<float>(v);
-  const float lo = static_cast<float>(v - static_cast<double>(hi));
-  const float c = static_cast<float>(1.5957691216057308 * (wide * (1.0 + 0.134145 * (wide * wide))));
+template <class V>
+inline V gelu_tanh_slope(V x) {
+  using W = decltype(widen(x));
+  const W wide = widen(x);
+  const W square = wide * wide;
+  const W v = W(1.5957691216057308) * (wide * (W(1.0) + W(0.044715) * square));  // 2 sqrt(2/pi) ...
+  const V hi = narrow(v);
+  const V lo = narrow(v - widen(hi));
+  const V c = narrow(W(1.5957691216057308) * (wide * (W(1.0) + W(0.134145) * square)));
   return sigmoid_slope(hi, lo, c);
 }
 
-template <Activation kind>
-inline float slope(float x) {
-  if (kind == Activation::kSilu) return sigmoid_slope(x, 0.0f, x);
-  if (kind == Activation::kGeluErf) return gelu_erf_slope(x);
-  return gelu_tanh_slope(x);
+// dy * f'(x), a NaN x giving NaN.
+template <Activation kind, class V>
+inline V grad(V dy, V x) {
+  V slope;
+  if (kind == Activation::kSilu) {
+    slope = sigmoid_slope_from(x, exp_single(flip_unless_negative(x, x)), x);
+  } else if (kind == Activation::kGeluErf) {
+    slope = gelu_erf_slope(x);
+  } else {
+    slope = gelu_tanh_slope(x);
+  }
+  return dy * select(x == x, slope, x);
 }
 
 // Two independent halves of [begin, end) per iteration: twice the instruction-level
@@ -111,15 +171,10 @@ inline void loop(const float* dy, const float* x, float* dx, size_t begin, size_
   const size_t half = (end - begin) / 2;
   const size_t mid = begin + half;
   for (size_t i = begin; i < mid; ++i) {
-    const float xa = x[i], xb = x[i + half];
-    const float fa = slope<kind>(xa), fb = slope<kind>(xb);
-    dx[i] = dy[i] * (xa == xa ? fa : xa);
-    dx[i + half] = dy[i + half] * (xb == xb ? fb : xb);
+    dx[i] = grad<kind>(dy[i], x[i]);
+    dx[i + half] = grad<kind>(dy[i + half], x[i + half]);
   }
-  for (size_t i = begin + 2 * half; i < end; ++i) {
-    const float xi = x[i];
-    dx[i] = dy[i] * (xi == xi ? slope<kind>(xi) : xi);
-  }
+  for (size_t i = begin + 2 * half; i < end; ++i) dx[i] = grad<kind>(dy[i], x[i]);
 }
 
 }  // namespace activation_math

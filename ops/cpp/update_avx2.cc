@@ -1,28 +1,17 @@
 // The AVX2 loops of AdamUpdate and SGDUpdate: update_math.h's arithmetic on 8 lanes at a
 // time, read and written straight from the tensors. This file is compiled with -mavx2 and
 // -ffp-contract=off but without -mfma (no a*b+c can become one rounding), and nothing here
-// runs unless update_avx2() says the CPU has AVX2. The lane type lives in an anonymous
-// namespace, so every instantiation compiled with AVX2 is local to this file.
+// runs unless update_avx2() says the CPU has AVX2. The lane type is lanes_avx2.h's F8.
 #include "update_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-
 #include <cstring>
+
+#include "lanes_avx2.h"
 
 namespace normgrad {
 namespace {
 
-struct F8 {
-  __m256 v;
-  F8() = default;
-  explicit F8(__m256 lanes) : v(lanes) {}
-  explicit F8(float scalar) : v(_mm256_set1_ps(scalar)) {}
-};
-inline F8 operator+(F8 a, F8 b) { return F8(_mm256_add_ps(a.v, b.v)); }
-inline F8 operator-(F8 a, F8 b) { return F8(_mm256_sub_ps(a.v, b.v)); }
-inline F8 operator*(F8 a, F8 b) { return F8(_mm256_mul_ps(a.v, b.v)); }
-inline F8 operator/(F8 a, F8 b) { return F8(_mm256_div_ps(a.v, b.v)); }
 inline F8 lane_sqrt(F8 a) { return F8(_mm256_sqrt_ps(a.v)); }
 inline F8 lane_max_nan(F8 a, F8 b) {  // a where a > b or a is NaN, else b (NaN b: b)
   const __m256 take_a = _mm256_or_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ), _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
