@@ -23,6 +23,7 @@ from normgrad.ops import (
     rms_normalization_grad,
     sgd_update,
     softmax_cross_entropy,
+    swiglu_grad,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
 
@@ -45,6 +46,7 @@ OPERATORS = {
         softmax_cross_entropy,
         matrix_transpose,
         *activation_grad.OPERATORS,
+        swiglu_grad,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

@@ -43,7 +43,7 @@ from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["ACTIVATIONS", "OPERATORS", "TANH_GELU_CUBIC", "Result", "ActivationGradOperator", "derivative",
-           "standard_form"]
+           "body_writer", "sigmoid", "standard_form"]
 
 TANH_GELU_CUBIC = 0.044715
 """The cubic coefficient of the tanh GELU (torch's, transformers' NewGELU)."""
@@ -65,6 +65,11 @@ def _sigmoid_parts(v: np.ndarray):
     e = np.exp(-np.abs(v))
     big, small = 1.0 / (1.0 + e), e / (1.0 + e)
     return np.where(v >= 0, big, small), np.where(v >= 0, small, big)
+
+
+def sigmoid(v: np.ndarray) -> np.ndarray:
+    """sigmoid(v) in float64 NumPy."""
+    return _sigmoid_parts(np.asarray(v, np.float64))[0]
 
 
 def _erfc(values: np.ndarray) -> np.ndarray:
@@ -127,6 +132,24 @@ def standard_form(activation: str, op: Callable, scalar: Callable, dy: str, x: s
     raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
 
 
+def body_writer():
+    """(nodes, op, scalar): a node list and the ``op`` and ``scalar`` writers
+    :func:`standard_form` takes, appending to it (float32 constants), for function bodies."""
+    nodes = []
+
+    def op(op_type: str, *inputs: str) -> str:
+        output = f"t{len(nodes)}"
+        nodes.append(oh.make_node(op_type, list(inputs), [output]))
+        return output
+
+    def scalar(value: float) -> str:
+        output = f"t{len(nodes)}"
+        nodes.append(oh.make_node("Constant", [], [output], value=onh.from_array(np.array(value, np.float32))))
+        return output
+
+    return nodes, op, scalar
+
+
 class ActivationGradOperator:
     """One activation's operator, with the attributes ``normgrad.ops`` reads of an operator
     module (see ``normgrad.ops.OPERATORS``)."""
@@ -185,18 +208,7 @@ class ActivationGradOperator:
 
     def function_body(self, opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
         """:func:`standard_form` as an ONNX function (float32 constants)."""
-        nodes = []
-
-        def op(op_type: str, *inputs: str) -> str:
-            output = f"t{len(nodes)}"
-            nodes.append(oh.make_node(op_type, list(inputs), [output]))
-            return output
-
-        def scalar(value: float) -> str:
-            output = f"t{len(nodes)}"
-            nodes.append(oh.make_node("Constant", [], [output], value=onh.from_array(np.array(value, np.float32))))
-            return output
-
+        nodes, op, scalar = body_writer()
         dx = standard_form(self.activation, op, scalar, "dy", "x")
         nodes.append(oh.make_node("Identity", [dx], ["dx"]))
         return oh.make_function(_common.DOMAIN, self.OP_TYPE, list(INPUTS), list(OUTPUTS), nodes,

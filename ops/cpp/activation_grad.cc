@@ -1,6 +1,7 @@
 // SiLUGrad, GeluGrad, GeluTanhGrad: dx = dy * f'(x) in one pass (ops/activation_grad.py), one
-// kernel class for the three, activation_grad_math.h's loop over fixed chunks (elementwise:
-// the same bits for any thread count), on 8 AVX lanes where update_avx2().
+// kernel class for the three, and SwiGLUGrad (ops/swiglu_grad.py): activation_grad_math.h's
+// loops over fixed chunks (elementwise: the same bits for any thread count), on 8 AVX lanes
+// where update_avx2().
 #include <algorithm>
 #include <string>
 
@@ -52,8 +53,51 @@ struct ActivationGrad final : KernelBase {
   }
 };
 
+struct SwiGLUGrad final : KernelBase {
+  explicit SwiGLUGrad(const OrtKernelInfo*) {}
+  const char* name() const override { return "SwiGLUGrad"; }
+
+  void compute(OrtKernelContext* ctx) override {
+    const char* op = name();
+    const char* names[3] = {"dy", "gate", "up"};
+    Input in[3];
+    for (size_t k = 0; k < 3; ++k) {
+      in[k] = get_input_any_type(ctx, k, op, names[k]);
+      if (!in[k].present) fail(std::string(op) + ": input '" + names[k] + "' is required");
+      if (in[k].onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        fail(std::string(op) + ": input '" + names[k] + "' must be float32; got " + dtype_name(in[k].onnx_type));
+      }
+    }
+    for (size_t k : {0, 2}) {
+      if (in[k].shape != in[1].shape) {
+        fail(std::string(op) + ": input '" + names[k] + "' must have the shape of 'gate' " + shape_str(in[1].shape) +
+             "; got " + shape_str(in[k].shape));
+      }
+    }
+    const float* const dy = static_cast<const float*>(in[0].data);
+    const float* const gate = static_cast<const float*>(in[1].data);
+    const float* const up = static_cast<const float*>(in[2].data);
+    float* const dgate = static_cast<float*>(get_output(ctx, 0, in[1].shape));
+    float* const dup = static_cast<float*>(get_output(ctx, 1, in[1].shape));
+    const size_t n = in[1].size;
+    const bool avx2 = update_avx2();
+    auto chunk = [&](size_t c) {
+      const size_t begin = c * kChunk, end = std::min(n, (c + 1) * kChunk);
+      if (avx2) {
+        swiglu_grad_avx2(dy, gate, up, dgate, dup, begin, end);
+      } else {
+        swiglu_grad_loop(dy, gate, up, dgate, dup, begin, end);
+      }
+    };
+    parallel_for(ctx, (n + kChunk - 1) / kChunk, chunk, n);
+  }
+};
+
 }  // namespace
 
+extern const OpDescriptor kSwiGLUGrad = {
+    "SwiGLUGrad", 3, 2, "TTT", "000", "TT", "00", 'd', 1, &create_kernel<SwiGLUGrad>,
+};
 extern const OpDescriptor kSiLUGrad = {
     "SiLUGrad", 2, 1, "TT", "00", "T", "0", 'd', 1, &create_kernel<ActivationGrad<Activation::kSilu>>,
 };

@@ -74,7 +74,48 @@ void lanes(const float* dy, const float* x, float* dx, size_t begin, size_t end)
   std::memcpy(dx + i, x_block, (end - i) * sizeof(float));
 }
 
+// swiglu_grad on 4 vectors per iteration, then single vectors, then a zero-padded one.
+void swiglu_lanes(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
+                  size_t end) {
+  constexpr size_t kVectors = 4;
+  auto at = [&](size_t i, F8& dg, F8& du) {
+    activation_math::swiglu_grad(F8(_mm256_loadu_ps(dy + i)), F8(_mm256_loadu_ps(gate + i)),
+                                 F8(_mm256_loadu_ps(up + i)), dg, du);
+  };
+  size_t i = begin;
+  for (; i + 8 * kVectors <= end; i += 8 * kVectors) {
+    F8 dg[kVectors], du[kVectors];
+    for (size_t k = 0; k < kVectors; ++k) at(i + 8 * k, dg[k], du[k]);
+    for (size_t k = 0; k < kVectors; ++k) {
+      _mm256_storeu_ps(dgate + i + 8 * k, dg[k].v);
+      _mm256_storeu_ps(dup + i + 8 * k, du[k].v);
+    }
+  }
+  F8 dg, du;
+  for (; i + 8 <= end; i += 8) {
+    at(i, dg, du);
+    _mm256_storeu_ps(dgate + i, dg.v);
+    _mm256_storeu_ps(dup + i, du.v);
+  }
+  if (i == end) return;
+  alignas(32) float blocks[5][8] = {};
+  std::memcpy(blocks[0], dy + i, (end - i) * sizeof(float));
+  std::memcpy(blocks[1], gate + i, (end - i) * sizeof(float));
+  std::memcpy(blocks[2], up + i, (end - i) * sizeof(float));
+  activation_math::swiglu_grad(F8(_mm256_load_ps(blocks[0])), F8(_mm256_load_ps(blocks[1])),
+                               F8(_mm256_load_ps(blocks[2])), dg, du);
+  _mm256_store_ps(blocks[3], dg.v);
+  _mm256_store_ps(blocks[4], du.v);
+  std::memcpy(dgate + i, blocks[3], (end - i) * sizeof(float));
+  std::memcpy(dup + i, blocks[4], (end - i) * sizeof(float));
+}
+
 }  // namespace
+
+void swiglu_grad_avx2(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
+                      size_t end) {
+  swiglu_lanes(dy, gate, up, dgate, dup, begin, end);
+}
 
 void activation_grad_avx2(Activation kind, const float* dy, const float* x, float* dx, size_t begin, size_t end) {
   switch (kind) {
@@ -90,5 +131,6 @@ void activation_grad_avx2(Activation kind, const float* dy, const float* x, floa
 namespace normgrad {
 // Not an x86 CPU: update_avx2() is false, so this is never called.
 void activation_grad_avx2(Activation, const float*, const float*, float*, size_t, size_t) { __builtin_trap(); }
+void swiglu_grad_avx2(const float*, const float*, const float*, float*, float*, size_t, size_t) { __builtin_trap(); }
 }  // namespace normgrad
 #endif

@@ -98,12 +98,20 @@ inline V exp_single(V hi) {
 // s + c s (1 - s), s = sigmoid(v), from e = exp(-|v|) (neither s nor 1 - s by a subtraction
 // from 1); the product term is 0 where s (1 - s) is (|v| past ~104, or infinite v).
 template <class V>
-inline V sigmoid_slope_from(V v, V e, V c) {
+struct SigmoidSlope {
+  V sigmoid, slope;
+};
+template <class V>
+inline SigmoidSlope<V> sigmoid_and_slope(V v, V e, V c) {
   const V big = V(1.0f) / (V(1.0f) + e);
   const V small = e * big;
   const V s = sign_select(v, small, big);
   const V spread = big * small;
-  return s + select(spread == V(0.0f), V(0.0f), c * spread);
+  return {s, s + select(spread == V(0.0f), V(0.0f), c * spread)};
+}
+template <class V>
+inline V sigmoid_slope_from(V v, V e, V c) {
+  return sigmoid_and_slope(v, e, c).slope;
 }
 
 // sigmoid_slope_from for v = hi + lo (lo small beside hi).
@@ -164,6 +172,15 @@ inline V grad(V dy, V x) {
   return dy * select(x == x, slope, x);
 }
 
+// SwiGLUGrad (ops/swiglu_grad.py), y = silu(gate) up: dgate = (dy up) silu'(gate), bitwise
+// SiLUGrad's dx for dy up; dup = dy (gate sigmoid(gate)). A NaN gate gives NaN for both.
+template <class V>
+inline void swiglu_grad(V dy, V gate, V up, V& dgate, V& dup) {
+  const SigmoidSlope<V> parts = sigmoid_and_slope(gate, exp_single(flip_unless_negative(gate, gate)), gate);
+  dgate = (dy * up) * select(gate == gate, parts.slope, gate);
+  dup = dy * (gate * parts.sigmoid);
+}
+
 // Two independent halves of [begin, end) per iteration: twice the instruction-level
 // parallelism for the latency-bound chain; each element's arithmetic is the same.
 template <Activation kind>
@@ -189,7 +206,15 @@ inline void activation_grad_loop(Activation kind, const float* dy, const float* 
   }
 }
 
-// The loop compiled with -mavx2 (activation_grad_avx2.cc); run only where update_avx2() is true.
+// SwiGLUGrad over [begin, end).
+inline void swiglu_grad_loop(const float* dy, const float* gate, const float* up, float* dgate, float* dup,
+                             size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) activation_math::swiglu_grad(dy[i], gate[i], up[i], dgate[i], dup[i]);
+}
+
+// The loops compiled with -mavx2 (activation_grad_avx2.cc); run only where update_avx2() is true.
+void swiglu_grad_avx2(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
+                      size_t end);
 void activation_grad_avx2(Activation kind, const float* dy, const float* x, float* dx, size_t begin, size_t end);
 
 }  // namespace normgrad

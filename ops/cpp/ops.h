@@ -51,6 +51,7 @@ extern const OpDescriptor kMatrixTranspose;
 extern const OpDescriptor kSiLUGrad;
 extern const OpDescriptor kGeluGrad;
 extern const OpDescriptor kGeluTanhGrad;
+extern const OpDescriptor kSwiGLUGrad;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

@@ -1,0 +1,223 @@
+"""SwiGLUGrad (ops/swiglu_grad.py): the float64 reference against finite differences and torch
+autograd; the C++ kernel's dgate bitwise SiLUGrad's for dy * up and both outputs within a few
+float32 ulps of the reference (both loops, 1/2/4 threads, bitwise alike); the Python kernel
+and the function body; bad inputs named; the step graph of a gated MLP uses the operator for
+``Mul(SiLU(gate), up)`` and matches its ``--inline`` form (the standard ops) at every
+optimization level, and the pattern stays off where it does not apply."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+
+from conftest import cpp_available, cpp_error
+from normgrad.graphs import build_step_graph, build_training_graph
+from normgrad.graphs.optimizers import hyperparameter_feeds
+from normgrad.ops import DOMAIN, IR_VERSION, NormgradInputError, activation_grad, harness, swiglu_grad
+from test_activation_grad import LEVELS, _step_outputs
+
+OP = swiglu_grad.OP_TYPE
+needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
+
+
+def _inputs(n=20011, seed=0):
+    rng = np.random.default_rng(seed)
+    gate = np.concatenate([rng.standard_normal(n) * 4, [np.inf, -np.inf, np.nan, 0.0, -0.0, 90.0, -90.0, -110.0]])
+    return {"dy": rng.standard_normal(gate.size).astype(np.float32), "gate": gate.astype(np.float32),
+            "up": rng.standard_normal(gate.size).astype(np.float32)}
+
+
+def test_reference_is_the_gradient_of_silu_gate_times_up():
+    """Central float64 differences of y = silu(gate) up, against both outputs."""
+    rng = np.random.default_rng(1)
+    gate, up, dy = (rng.standard_normal(50) * 3 for _ in range(3))
+    silu = lambda g: g / (1 + np.exp(-g))  # noqa: E731
+    h = 1e-6
+    result = swiglu_grad.reference(dy, gate, up)
+    np.testing.assert_allclose(result.dgate, dy * up * (silu(gate + h) - silu(gate - h)) / (2 * h), rtol=1e-7,
+                               atol=1e-9)
+    np.testing.assert_allclose(result.dup, dy * silu(gate), rtol=1e-12, atol=0)
+
+
+def test_reference_matches_torch_autograd():
+    torch = pytest.importorskip("torch")
+    values = _inputs(500)
+    gate, up = (torch.tensor(values[k].astype(np.float64)[:500], requires_grad=True) for k in ("gate", "up"))
+    (torch.nn.functional.silu(gate) * up).backward(torch.tensor(values["dy"].astype(np.float64)[:500]))
+    result = swiglu_grad.reference(*(values[k].astype(np.float64)[:500] for k in ("dy", "gate", "up")))
+    np.testing.assert_allclose(result.dgate, gate.grad.numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(result.dup, up.grad.numpy(), rtol=1e-12, atol=1e-15)
+
+
+def _within_ulps(got, truth, scale, ulps=8):
+    """NaN where the truth is, infinities equal, the rest within ``ulps`` float32 ulps of ``scale``."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(truth))
+    infinite = np.isinf(truth)
+    np.testing.assert_array_equal(got[infinite], truth[infinite])
+    finite = np.isfinite(truth)
+    bound = ulps * np.spacing(np.abs(scale[finite]).astype(np.float32)).astype(np.float64) + 2.0**-140
+    error = np.abs(got.astype(np.float64)[finite] - truth[finite])
+    assert (error <= bound).all(), np.flatnonzero(~(error <= bound))[:5]
+
+
+@pytest.mark.parametrize("backend", ["python"] + (["cpp"] if cpp_available() else []))
+def test_kernels_within_a_few_ulps_of_the_reference(backend):
+    """dgate at the scale of |dy up| times the sum of silu''s terms' magnitudes, dup at |dy silu(gate)|."""
+    values = _inputs()
+    out = harness.run(backend, OP, values)
+    wide = {k: v.astype(np.float64) for k, v in values.items()}
+    truth = swiglu_grad.reference(**wide)
+    with np.errstate(all="ignore"):
+        s = activation_grad.sigmoid(wide["gate"])
+        terms = np.nan_to_num(s + np.abs(wide["gate"]) * s * (1 - s), nan=1.0)  # 1 at gate = inf
+        _within_ulps(out["dgate"], truth.dgate, np.abs(wide["dy"] * wide["up"]) * terms)
+        _within_ulps(out["dup"], truth.dup, np.abs(wide["dy"] * wide["gate"]) * s)
+
+
+@needs_cpp
+def test_dgate_is_silu_grad_of_dy_times_up_bitwise():
+    values = _inputs()
+    silu = harness.run("cpp", "SiLUGrad", {"dy": values["dy"] * values["up"], "x": values["gate"]})["dx"]
+    np.testing.assert_array_equal(harness.run("cpp", OP, values)["dgate"], silu)
+
+
+@pytest.mark.parametrize("backend", ["functions", "evaluator"])
+def test_function_body(backend):
+    """The standard ops (away from the tails, where 1 - s cancels in float32)."""
+    values = {k: v[:2000] for k, v in _inputs().items()}
+    out = harness.run(backend, OP, values)
+    truth = swiglu_grad.reference(**{k: v.astype(np.float64) for k, v in values.items()})
+    np.testing.assert_allclose(out["dgate"], truth.dgate, rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(out["dup"], truth.dup, rtol=1e-5, atol=1e-6)
+
+
+@needs_cpp
+def test_cpp_loops_bitwise_at_every_thread_count():
+    """The AVX2 lanes and the portable loop (NORMGRAD_KERNELS=generic, in a subprocess: the
+    library reads it once), at 1, 2 and 4 threads, past the kernel's 16384-element chunks."""
+    values = _inputs(70001)
+    first = harness.run("cpp", OP, values, threads=1)
+    for threads in (2, 4):
+        for name, array in harness.run("cpp", OP, values, threads=threads).items():
+            np.testing.assert_array_equal(array, first[name], err_msg=f"{name} at {threads} threads")
+    script = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); from test_swiglu_grad import _inputs; "
+              "from normgrad.ops import harness; out = harness.run('cpp', 'SwiGLUGrad', _inputs(70001), threads=2); "
+              "np.save(sys.argv[2], np.stack([out['dgate'], out['dup']]))")
+    path = os.path.join(os.environ.get("PYTEST_TMPDIR", "/tmp"), f"swiglu_generic_{os.getpid()}.npy")
+    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), path],
+                          env={**os.environ, "NORMGRAD_KERNELS": "generic"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    generic = np.load(path)
+    os.remove(path)
+    np.testing.assert_array_equal(generic[0], first["dgate"])
+    np.testing.assert_array_equal(generic[1], first["dup"])
+
+
+BAD = {
+    "up of another shape": ("up", np.zeros((2, 4), np.float32), "must have the shape of 'gate' [2, 3]; got [2, 4]"),
+    "dy of another shape": ("dy", np.zeros(6, np.float32), "must have the shape of 'gate' [2, 3]; got [6]"),
+    "int32 gate": ("gate", np.zeros((2, 3), np.int32), "must be float32; got int32"),
+}
+
+
+def _good():
+    return {name: np.ones((2, 3), np.float32) for name in swiglu_grad.INPUTS}
+
+
+@needs_cpp
+@pytest.mark.parametrize("case", BAD)
+def test_cpp_bad_input_names_the_input(case):
+    name, bad, rule = BAD[case]
+    assert f"{OP}: input '{name}' {rule}" in cpp_error(OP, {**_good(), name: bad})
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_validate_names_the_input(case):
+    name, bad, rule = BAD[case]
+    with pytest.raises(NormgradInputError) as error:
+        swiglu_grad.reference(**{**_good(), name: bad})
+    assert f"{OP}: input '{name}' {rule.split(';')[0].replace(' [2, 3]', '')}" in str(error.value)
+
+
+# ----------------------------------------------------------------------------- step graphs
+
+
+def _forward(variant="swiglu"):
+    """x @ wg -> SiLU (Mul(g, Sigmoid(g))) -> times up = x @ wu -> @ wd; variants where the
+    pattern must not apply: the SiLU also read elsewhere, up broadcast, up the SiLU's input."""
+    rng = np.random.default_rng(0)
+    weights = {name: onh.from_array((rng.standard_normal(shape) * 0.7).astype(np.float32), name)
+               for name, shape in (("wg", (6, 8)), ("wu", (6, 8)), ("wd", (8, 4)), ("bias", (1, 8)))}
+    up = {"swiglu": "u", "broadcast": "bias", "self": "g", "read twice": "u"}[variant]
+    nodes = [oh.make_node("MatMul", ["x", "wg"], ["g"]), oh.make_node("MatMul", ["x", "wu"], ["u"]),
+             oh.make_node("Sigmoid", ["g"], ["s"]), oh.make_node("Mul", ["g", "s"], ["a"]),
+             oh.make_node("Mul", ["a", up], ["p"])]
+    if variant == "read twice":
+        nodes += [oh.make_node("Add", ["p", "a"], ["q"]), oh.make_node("MatMul", ["q", "wd"], ["y"])]
+    else:
+        nodes.append(oh.make_node("MatMul", ["p", "wd"], ["y"]))
+    graph = oh.make_graph(nodes, "gated_mlp", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [5, 6])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [5, 4])], list(weights.values()))
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=IR_VERSION)
+
+
+def test_step_graph_uses_the_operator_and_matches_the_inline_form():
+    """One SwiGLUGrad, no SiLUGrad; the updated weights match the ``--inline`` form's at every
+    level with the C++ and Python kernels and the inlined body, and the same bits at 1, 2 and
+    4 threads; the gradients are torch's."""
+    forward = _forward()
+    step, initial = build_step_graph(build_training_graph(forward, loss="mse"), "sgd")
+    inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "sgd")
+    ops = [n.op_type for n in step.graph.node if n.domain == DOMAIN]
+    assert ops.count(OP) == 1 and "SiLUGrad" not in ops
+    assert not any(n.domain == DOMAIN for n in inline.graph.node)
+    rng = np.random.default_rng(7)
+    x, labels = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    feeds = {**hyperparameter_feeds(step), **initial, "x": x, "labels": labels, "lr": np.array(0.1, np.float32),
+             "step": np.array(1, np.float32)}
+    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
+    for kernels in (["cpp"] if cpp_available() else []) + ["python", None]:
+        for level in LEVELS:
+            got = _step_outputs(step, feeds, kernels, level)
+            for name in ("wg.next", "wu.next", "wd.next"):
+                np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{kernels} {level} {name}")
+    if cpp_available():
+        outputs = [_step_outputs(step, feeds, "cpp", "ORT_ENABLE_ALL", threads) for threads in (1, 2, 4)]
+        for other in outputs[1:]:
+            for name in outputs[0]:
+                assert other[name].tobytes() == outputs[0][name].tobytes(), name
+    torch = pytest.importorskip("torch")
+    w = {k: torch.tensor(initial[k].astype(np.float64), requires_grad=True) for k in ("wg", "wu", "wd")}
+    tx = torch.tensor(x.astype(np.float64))
+    y = (torch.nn.functional.silu(tx @ w["wg"]) * (tx @ w["wu"])) @ w["wd"]
+    torch.nn.functional.mse_loss(y, torch.tensor(labels.astype(np.float64))).backward()
+    got = _step_outputs(step, feeds, "cpp" if cpp_available() else None, "ORT_ENABLE_ALL")
+    for k in w:
+        np.testing.assert_allclose(got[f"{k}.next"], initial[k] - 0.1 * w[k].grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["broadcast", "self", "read twice"])
+def test_pattern_stays_off_where_it_does_not_apply(variant):
+    """up broadcast, up the SiLU's own input, or the SiLU read elsewhere: SiLUGrad and the
+    product's own gradients; the step still matches its --inline form."""
+    forward = _forward(variant)
+    step, initial = build_step_graph(build_training_graph(forward, loss="mse"), "sgd")
+    inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "sgd")
+    ops = [n.op_type for n in step.graph.node if n.domain == DOMAIN]
+    assert OP not in ops and ops.count("SiLUGrad") == 1
+    rng = np.random.default_rng(3)
+    feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((5, 6)).astype(np.float32),
+             "labels": rng.standard_normal((5, 4)).astype(np.float32), "lr": np.array(0.1, np.float32),
+             "step": np.array(1, np.float32)}
+    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
+    got = _step_outputs(step, feeds, "cpp" if cpp_available() else None, "ORT_ENABLE_ALL")
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
