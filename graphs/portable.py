@@ -36,6 +36,8 @@ minimal reproducer of each:
   the operator existed): the gradient of a Gather from a float32 table, which onnxruntime's
   CPU provider runs as one normgrad kernel, is written as its function body, a
   ScatterElements into a zero table (:func:`normgrad.graphs.rewrites.expand_operator`).
+* **SoftmaxGrad as its standard ops** (not a defect either): the gradient of a float32
+  Softmax over the last axis (onnxruntime's CPU provider only) becomes Mul, ReduceSum, Sub, Mul.
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -85,7 +87,7 @@ import onnx.shape_inference
 from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
-from normgrad.ops import embedding_grad, softmax_cross_entropy
+from normgrad.ops import embedding_grad, softmax_cross_entropy, softmax_grad
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -528,10 +530,12 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
             "embedding_grad_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
-            "constant_casts_folded", "scan_bodies_self_contained", "float64_scalars_in_float32", "unused_inputs_last")
+            "constant_casts_folded", "scan_bodies_self_contained", "float64_scalars_in_float32", "unused_inputs_last",
+            "softmax_grad_expanded")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
 COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
-                   "embedding_grad_expanded", "scan_bodies_self_contained", "float64_scalars_in_float32")
+                   "embedding_grad_expanded", "scan_bodies_self_contained", "float64_scalars_in_float32",
+                   "softmax_grad_expanded")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -610,6 +614,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         model = _dropout_seeded(model, names)
     if "embedding_grad_expanded" not in skip:
         model = _expanded(model, embedding_grad)
+    if "softmax_grad_expanded" not in skip:
+        model = _expanded(model, softmax_grad)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:

@@ -22,6 +22,7 @@ from normgrad.ops import (
     rms_normalization_grad,
     sgd_update,
     softmax_cross_entropy,
+    softmax_grad,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
 
@@ -43,6 +44,7 @@ OPERATORS = {
         embedding_grad,
         softmax_cross_entropy,
         *activation_grad.OPERATORS,
+        softmax_grad,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
