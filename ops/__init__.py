@@ -23,6 +23,7 @@ from normgrad.ops import (
     rms_normalization_grad,
     sgd_update,
     softmax_cross_entropy,
+    softmax_grad,
     swiglu_grad,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
@@ -47,6 +48,7 @@ OPERATORS = {
         matrix_transpose,
         *activation_grad.OPERATORS,
         swiglu_grad,
+        softmax_grad,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

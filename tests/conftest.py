@@ -163,3 +163,24 @@ def relu_masked_truth(inputs: dict) -> dict:
     y = inputs["relu_output"]
     masked = np.where(y.astype(np.float64) > 0, inputs["grad_out"].astype(np.float64), 0.0)
     return {**{k: v for k, v in inputs.items() if k != "relu_output"}, "grad_out": masked.astype(inputs["grad_out"].dtype)}
+
+
+def cpp_results_by_loop_and_threads(tmp_path, script: str) -> dict:
+    """{(NORMGRAD_KERNELS "generic" or "auto", threads 1/2/4): the array ``script`` saves}:
+    ``script`` runs in a fresh process with the output path and the thread count as its
+    arguments (the baseline loop and the dispatched AVX2 one, each at every thread count)."""
+    import subprocess
+    import sys
+
+    results = {}
+    for kernels in ("generic", "auto"):
+        env = {name: value for name, value in os.environ.items() if name != "NORMGRAD_KERNELS"}
+        if kernels == "generic":
+            env["NORMGRAD_KERNELS"] = "generic"
+        for threads in (1, 2, 4):
+            path = tmp_path / f"{kernels}_{threads}.npy"
+            process = subprocess.run([sys.executable, "-c", script, str(path), str(threads)], env=env, cwd=tmp_path,
+                                     capture_output=True, text=True, timeout=600)
+            assert process.returncode == 0, process.stderr[-3000:]
+            results[kernels, threads] = np.load(path)
+    return results

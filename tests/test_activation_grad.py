@@ -8,9 +8,6 @@ onnxscript) and match their ``--inline`` form (the standard ops) at every optimi
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -20,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import cpp_available
+from conftest import cpp_available, cpp_results_by_loop_and_threads
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.patterns import _declarative
@@ -153,17 +150,7 @@ np.save(sys.argv[1], np.stack([harness.run("cpp", op, {"dy": dy, "x": x}, thread
 def test_cpp_loops_bitwise_at_every_thread_count(tmp_path):
     """The baseline loop (NORMGRAD_KERNELS=generic) and the AVX2 one at 1, 2 and 4 threads:
     the same bits, within a few ulps of the reference."""
-    results = {}
-    for kernels in ("generic", "auto"):
-        env = {name: value for name, value in os.environ.items() if name != "NORMGRAD_KERNELS"}
-        if kernels == "generic":
-            env["NORMGRAD_KERNELS"] = "generic"
-        for threads in (1, 2, 4):
-            path = tmp_path / f"{kernels}_{threads}.npy"
-            process = subprocess.run([sys.executable, "-c", _RUN_CPP, str(path), str(threads)], env=env, cwd=tmp_path,
-                                     capture_output=True, text=True, timeout=600)
-            assert process.returncode == 0, process.stderr[-3000:]
-            results[kernels, threads] = np.load(path)
+    results = cpp_results_by_loop_and_threads(tmp_path, _RUN_CPP)
     first = results["generic", 1]
     for where, value in results.items():
         assert value.tobytes() == first.tobytes(), where

@@ -15,7 +15,7 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.ops import DOMAIN, activation_grad
+from normgrad.ops import DOMAIN, activation_grad, softmax_grad
 
 __all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "prelu_gradient", "activation_gradient"]
 
@@ -150,11 +150,17 @@ def prelu_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optio
 
 @register("Softmax", "LogSoftmax")
 def softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
-    """Softmax: y * (dy - sum(dy * y)); LogSoftmax: dy - exp(y) * sum(dy), sums along ``axis``."""
+    """Softmax: y * (dy - sum(dy * y)); LogSoftmax: dy - exp(y) * sum(dy), sums along ``axis``.
+
+    A float32 Softmax over the last axis (attention's) differentiates as one
+    ``normgrad:SoftmaxGrad`` (one pass per row instead of four over the tensor)."""
     y, dy = node.output[0], grads[0]
     axis = attr(node, "axis", -1)
+    rank = ctx.rank(y, node)
     if node.op_type == "Softmax":
-        total = ctx.reduce("ReduceSum", ctx.op("Mul", dy, y), [axis], keepdims=True, rank=ctx.rank(y, node))
-        return [ctx.op("Mul", y, ctx.op("Sub", dy, total))]
-    total = ctx.reduce("ReduceSum", dy, [axis], keepdims=True, rank=ctx.rank(y, node))
+        if ctx.elem_type(y) == onnx.TensorProto.FLOAT and (axis == -1 or (rank is not None and axis == rank - 1)):
+            return [ctx.op(softmax_grad.OP_TYPE, dy, y, domain=DOMAIN)]
+        return [softmax_grad.standard_form(
+            ctx.op, lambda value: ctx.reduce("ReduceSum", value, [axis], keepdims=True, rank=rank), dy, y)]
+    total = ctx.reduce("ReduceSum", dy, [axis], keepdims=True, rank=rank)
     return [ctx.op("Sub", dy, ctx.op("Mul", ctx.op("Exp", y), total))]

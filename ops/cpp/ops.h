@@ -52,6 +52,7 @@ extern const OpDescriptor kSiLUGrad;
 extern const OpDescriptor kGeluGrad;
 extern const OpDescriptor kGeluTanhGrad;
 extern const OpDescriptor kSwiGLUGrad;
+extern const OpDescriptor kSoftmaxGrad;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

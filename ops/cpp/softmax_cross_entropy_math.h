@@ -69,6 +69,11 @@ struct PortableLanes {
     for (int k = 0; k < 8; ++k) v.f[k] = a.f[k] + b.f[k];
     return v;
   }
+  static V sub(const V& a, const V& b) {
+    V v;
+    for (int k = 0; k < 8; ++k) v.f[k] = a.f[k] - b.f[k];
+    return v;
+  }
   static V mul(const V& a, const V& b) {
     V v;
     for (int k = 0; k < 8; ++k) v.f[k] = a.f[k] * b.f[k];
