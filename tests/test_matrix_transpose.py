@@ -125,6 +125,7 @@ FORMS = {  # name: (rows t, out, in); the weight gradient is P^T Q with P [t, m]
     "square": (512, 256, 256),
     "vocabulary head": (256, 2048, 32),
     "wide": (4096, 128, 64),
+    "narrow": (1024, 256, 128),
     "small": (64, 32, 32),
 }
 TRANSPOSES = {  # (form, matmul): MatrixTranspose nodes (GradientContext.weight_gradient's rule)
@@ -135,7 +136,9 @@ TRANSPOSES = {  # (form, matmul): MatrixTranspose nodes (GradientContext.weight_
     ("small", False): 0,  # below the threshold
     # MatMul(x3, V): dV [in, out] = x^T dY, m = in, n = out
     ("square", True): 1, ("vocabulary head", True): 1, ("small", True): 0,
-    ("wide", True): 0,  # m <= n, but fewer than PLAIN_GEMM_MIN_COLUMNS columns: Gemm transA
+    ("narrow", False): 0,  # n < m < 8 n
+    # m <= n, but a plain product of fewer than 256 rows and 512 columns: Gemm transA
+    ("wide", True): 0, ("narrow", True): 0,
 }
 
 
@@ -171,7 +174,7 @@ def _session(graph, kernels=None, threads=1, level="ORT_ENABLE_ALL"):
 def test_weight_gradient_forms_are_the_float64_gradient_everywhere(form, matmul):
     """Which operands the default training graph transposes follows the shape; the weight's
     gradient is x^T dY (float64 truth) and bitwise the same at every optimization level,
-    thread count and kernel choice; the --inline graph (onnxruntime's own Gemm transA) agrees."""
+    1, 2 and 4 threads and kernel choice; the --inline graph (onnxruntime's own Gemm transA) agrees."""
     rows, out, inn = FORMS[form]
     forward, weights = _linear(rows, out, inn, matmul)
     (name, weight), = weights.items()
@@ -188,7 +191,7 @@ def test_weight_gradient_forms_are_the_float64_gradient_everywhere(form, matmul)
     truth = truth if matmul else truth.T
     runs = {}
     for kernels in [None, "python"] + (["cpp"] if cpp_available() else []):
-        for threads in (1, 2):
+        for threads in (1, 2, 4):
             for level in LEVELS:
                 runs[(kernels, threads, level)] = _session(training, kernels, threads, level).run(
                     [f"{name}_grad"], feeds)[0]
