@@ -8,8 +8,6 @@ optimization level, and the pattern stays off where it does not apply."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -17,7 +15,7 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from conftest import cpp_available, cpp_error
+from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.ops import DOMAIN, IR_VERSION, NormgradInputError, activation_grad, harness, swiglu_grad
@@ -99,25 +97,17 @@ def test_function_body(backend):
 
 
 @needs_cpp
-def test_cpp_loops_bitwise_at_every_thread_count():
-    """The AVX2 lanes and the portable loop (NORMGRAD_KERNELS=generic, in a subprocess: the
-    library reads it once), at 1, 2 and 4 threads, past the kernel's 16384-element chunks."""
-    values = _inputs(70001)
-    first = harness.run("cpp", OP, values, threads=1)
-    for threads in (2, 4):
-        for name, array in harness.run("cpp", OP, values, threads=threads).items():
-            np.testing.assert_array_equal(array, first[name], err_msg=f"{name} at {threads} threads")
-    script = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); from test_swiglu_grad import _inputs; "
-              "from normgrad.ops import harness; out = harness.run('cpp', 'SwiGLUGrad', _inputs(70001), threads=2); "
-              "np.save(sys.argv[2], np.stack([out['dgate'], out['dup']]))")
-    path = os.path.join(os.environ.get("PYTEST_TMPDIR", "/tmp"), f"swiglu_generic_{os.getpid()}.npy")
-    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), path],
-                          env={**os.environ, "NORMGRAD_KERNELS": "generic"}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    generic = np.load(path)
-    os.remove(path)
-    np.testing.assert_array_equal(generic[0], first["dgate"])
-    np.testing.assert_array_equal(generic[1], first["dup"])
+def test_cpp_loops_bitwise_at_every_thread_count(tmp_path):
+    """The AVX2 lanes and the portable loop (NORMGRAD_KERNELS=generic), at 1, 2 and 4 threads,
+    past the kernel's 16384-element chunks: the same bits."""
+    script = (f"import sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+              "from test_swiglu_grad import _inputs; from normgrad.ops import harness; "
+              "out = harness.run('cpp', 'SwiGLUGrad', _inputs(70001), threads=int(sys.argv[2])); "
+              "np.save(sys.argv[1], np.stack([out['dgate'], out['dup']]))")
+    results = cpp_results_by_loop_and_threads(tmp_path, script)
+    first = results["auto", 1]
+    for where, result in results.items():
+        np.testing.assert_array_equal(result, first, err_msg=str(where))
 
 
 BAD = {
