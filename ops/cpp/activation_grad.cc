@@ -24,18 +24,8 @@ struct ActivationGrad final : KernelBase {
 
   void compute(OrtKernelContext* ctx) override {
     const char* op = op_name();
-    const Input dy = get_input_any_type(ctx, 0, op, "dy");
-    const Input x = get_input_any_type(ctx, 1, op, "x");
-    for (const auto& [in, input_name] : {std::pair<const Input&, const char*>{dy, "dy"}, {x, "x"}}) {
-      if (!in.present) fail(std::string(op) + ": input '" + input_name + "' is required");
-      if (in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-        fail(std::string(op) + ": input '" + input_name + "' must be float32; got " + dtype_name(in.onnx_type));
-      }
-    }
-    if (dy.shape != x.shape) {
-      fail(std::string(op) + ": input 'dy' must have the shape of 'x' " + shape_str(x.shape) + "; got " +
-           shape_str(dy.shape));
-    }
+    const std::vector<Input> in = float32_inputs_alike(ctx, op, {"dy", "x"}, 1);
+    const Input &dy = in[0], &x = in[1];
     const float* const dy_data = static_cast<const float*>(dy.data);
     const float* const x_data = static_cast<const float*>(x.data);
     float* const dx = static_cast<float*>(get_output(ctx, 0, x.shape));
@@ -59,21 +49,7 @@ struct SwiGLUGrad final : KernelBase {
 
   void compute(OrtKernelContext* ctx) override {
     const char* op = name();
-    const char* names[3] = {"dy", "gate", "up"};
-    Input in[3];
-    for (size_t k = 0; k < 3; ++k) {
-      in[k] = get_input_any_type(ctx, k, op, names[k]);
-      if (!in[k].present) fail(std::string(op) + ": input '" + names[k] + "' is required");
-      if (in[k].onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-        fail(std::string(op) + ": input '" + names[k] + "' must be float32; got " + dtype_name(in[k].onnx_type));
-      }
-    }
-    for (size_t k : {0, 2}) {
-      if (in[k].shape != in[1].shape) {
-        fail(std::string(op) + ": input '" + names[k] + "' must have the shape of 'gate' " + shape_str(in[1].shape) +
-             "; got " + shape_str(in[k].shape));
-      }
-    }
+    const std::vector<Input> in = float32_inputs_alike(ctx, op, {"dy", "gate", "up"}, 1);
     const float* const dy = static_cast<const float*>(in[0].data);
     const float* const gate = static_cast<const float*>(in[1].data);
     const float* const up = static_cast<const float*>(in[2].data);

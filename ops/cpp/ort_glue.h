@@ -80,6 +80,11 @@ Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char*
 // The same without the element-type check (`dtype` is then meaningless; read `onnx_type`).
 Input get_input_any_type(OrtKernelContext* ctx, size_t index, const char* op, const char* name);
 
+// Inputs 0, 1, ... of `op`, one per name in `names`: each required, float32 and of the shape
+// of input `like` (an index into `names`); fails naming the input and the rule.
+std::vector<Input> float32_inputs_alike(OrtKernelContext* ctx, const char* op, const std::vector<const char*>& names,
+                                        size_t like);
+
 // Whether the node names output `index`.
 bool has_output(OrtKernelContext* ctx, size_t index);
 

@@ -76,6 +76,25 @@ Input get_input_any_type(OrtKernelContext* ctx, size_t index, const char* op, co
   return in;
 }
 
+std::vector<Input> float32_inputs_alike(OrtKernelContext* ctx, const char* op, const std::vector<const char*>& names,
+                                        size_t like) {
+  std::vector<Input> inputs;
+  for (size_t k = 0; k < names.size(); ++k) {
+    inputs.push_back(get_input_any_type(ctx, k, op, names[k]));
+    if (!inputs[k].present) fail(std::string(op) + ": input '" + names[k] + "' is required");
+    if (inputs[k].onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      fail(std::string(op) + ": input '" + names[k] + "' must be float32; got " + dtype_name(inputs[k].onnx_type));
+    }
+  }
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (inputs[k].shape != inputs[like].shape) {
+      fail(std::string(op) + ": input '" + names[k] + "' must have the shape of '" + names[like] + "' " +
+           shape_str(inputs[like].shape) + "; got " + shape_str(inputs[k].shape));
+    }
+  }
+  return inputs;
+}
+
 Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char* name) {
   Input in = get_input_any_type(ctx, index, op, name);
   if (in.present && !to_dtype(in.onnx_type, &in.dtype)) {

@@ -17,19 +17,9 @@ struct SoftmaxGrad final : KernelBase {
   const char* name() const override { return kOp; }
 
   void compute(OrtKernelContext* ctx) override {
-    const Input dy = get_input_any_type(ctx, 0, kOp, "dy");
-    const Input y = get_input_any_type(ctx, 1, kOp, "y");
-    for (const auto& [in, input_name] : {std::pair<const Input&, const char*>{dy, "dy"}, {y, "y"}}) {
-      if (!in.present) fail(std::string(kOp) + ": input '" + input_name + "' is required");
-      if (in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-        fail(std::string(kOp) + ": input '" + input_name + "' must be float32; got " + dtype_name(in.onnx_type));
-      }
-    }
+    const std::vector<Input> in = float32_inputs_alike(ctx, kOp, {"dy", "y"}, 1);
+    const Input &dy = in[0], &y = in[1];
     if (y.shape.empty()) fail(std::string(kOp) + ": input 'y' must have rank >= 1 (rows along the last axis); got a scalar");
-    if (dy.shape != y.shape) {
-      fail(std::string(kOp) + ": input 'dy' must have the shape of 'y' " + shape_str(y.shape) + "; got " +
-           shape_str(dy.shape));
-    }
     float* const dx = static_cast<float*>(get_output(ctx, 0, y.shape));
     const size_t n = static_cast<size_t>(y.shape.back());
     if (n == 0 || y.size == 0) return;
