@@ -184,3 +184,42 @@ def cpp_results_by_loop_and_threads(tmp_path, script: str) -> dict:
             assert process.returncode == 0, process.stderr[-3000:]
             results[kernels, threads] = np.load(path)
     return results
+
+
+OPTIMIZATION_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
+
+
+def step_outputs(model, feeds: dict, kernels, level: str, threads: int = 1) -> dict:
+    """{output name: value} of one run of ``model`` in onnxruntime at optimization ``level``
+    (a GraphOptimizationLevel name), with normgrad's ``kernels`` ("cpp", "python") or, None,
+    the function bodies onnxruntime inlines."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    options.intra_op_num_threads = threads
+    if kernels:
+        normgrad.session_options(kernels, options)
+        model = normgrad.prepare_for_python_kernels(model) if kernels == "python" else model
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, {i.name: feeds[i.name] for i in model.graph.input})))
+
+
+def assert_step_matches_inline(step, inline, feeds: dict, names) -> None:
+    """The default ``step`` graph's outputs ``names`` match its ``--inline`` form's (run
+    unoptimized) with the C++ kernels, the Python kernels and the inlined bodies at every
+    optimization level, and with the C++ kernels its outputs are the same bits at 1, 2 and 4
+    threads."""
+    expected = step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
+    for kernels in (["cpp"] if cpp_available() else []) + ["python", None]:
+        for level in OPTIMIZATION_LEVELS:
+            got = step_outputs(step, feeds, kernels, level)
+            for name in names:
+                np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{kernels} {level} {name}")
+    if cpp_available():
+        outputs = [step_outputs(step, feeds, "cpp", "ORT_ENABLE_ALL", threads) for threads in (1, 2, 4)]
+        for other in outputs[1:]:
+            for name in outputs[0]:
+                assert other[name].tobytes() == outputs[0][name].tobytes(), name

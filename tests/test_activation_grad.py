@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import cpp_available, cpp_results_by_loop_and_threads
+from conftest import assert_step_matches_inline, cpp_available, cpp_results_by_loop_and_threads
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.patterns import _declarative
@@ -27,7 +27,6 @@ from normgrad.ops._common import tensor_type
 ACTIVATIONS = list(activation_grad.ACTIVATIONS)
 OP = activation_grad.ACTIVATIONS
 needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
-LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
 ULPS = 8
 """Kernel error bound, in float32 ulps of |dy| times the sum of f''s terms' magnitudes (the
 scale at which float32 can resolve a result that is a difference of terms)."""
@@ -241,18 +240,6 @@ def _forward(dtype=onnx.TensorProto.FLOAT, silu_order=("h", "s")):
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=IR_VERSION)
 
 
-def _step_outputs(model, feeds, kernels, level, threads=1):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    options.intra_op_num_threads = threads
-    if kernels:
-        normgrad.session_options(kernels, options)
-        model = normgrad.prepare_for_python_kernels(model) if kernels == "python" else model
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, {i.name: feeds[i.name] for i in model.graph.input})))
-
-
 @pytest.mark.parametrize("silu_order", [("h", "s"), ("s", "h")])
 def test_step_graph_uses_the_operators_and_matches_the_inline_form(silu_order):
     """The default step graph has one SiLUGrad and one GeluGrad (the erf chain's only with
@@ -270,18 +257,7 @@ def test_step_graph_uses_the_operators_and_matches_the_inline_form(silu_order):
     feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((5, 6)).astype(np.float32),
              "labels": rng.standard_normal((5, 4)).astype(np.float32), "lr": np.array(0.1, np.float32),
              "step": np.array(1, np.float32)}
-    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
-    for kernels in (["cpp"] if cpp_available() else []) + ["python", None]:
-        for level in LEVELS:
-            got = _step_outputs(step, feeds, kernels, level)
-            for name in ("w1.next", "w2.next", "w3.next"):
-                np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{kernels} {level} {name}")
-    if cpp_available():
-        outputs = [_step_outputs(step, feeds, "cpp", "ORT_ENABLE_ALL", threads) for threads in (1, 2, 4)]
-        for other in outputs[1:]:
-            for name in outputs[0]:
-                assert other[name].tobytes() == outputs[0][name].tobytes(), name
+    assert_step_matches_inline(step, inline, feeds, ("w1.next", "w2.next", "w3.next"))
 
 
 def test_without_onnxscript_silu_still_fused(monkeypatch):

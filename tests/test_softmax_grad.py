@@ -17,12 +17,12 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads
+from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
+                      step_outputs)
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.ops import DOMAIN, IR_VERSION, NormgradInputError, harness, softmax_grad
-from test_activation_grad import LEVELS, _step_outputs
 
 OP = softmax_grad.OP_TYPE
 KERNELS = ["python"] + (["cpp"] if cpp_available() else [])
@@ -200,20 +200,10 @@ def test_step_graph_uses_the_operator_and_matches_the_inline_form():
     feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((3, 5, 6)).astype(np.float32),
              "labels": rng.standard_normal((3, 5, 6)).astype(np.float32), "lr": np.array(0.1, np.float32),
              "step": np.array(1, np.float32)}
-    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
+    expected = step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
     weights = [name + ".next" for name in ("w_q", "w_k", "w_v", "w_o")]
     assert all(np.isfinite(expected[name]).all() for name in weights)
-    for kernels in (["cpp"] if cpp_available() else []) + ["python", None]:
-        for level in LEVELS:
-            got = _step_outputs(step, feeds, kernels, level)
-            for name in weights:
-                np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{kernels} {level} {name}")
-    if cpp_available():
-        outputs = [_step_outputs(step, feeds, "cpp", "ORT_ENABLE_ALL", threads) for threads in (1, 2, 4)]
-        for other in outputs[1:]:
-            for name in outputs[0]:
-                assert other[name].tobytes() == outputs[0][name].tobytes(), name
+    assert_step_matches_inline(step, inline, feeds, weights)
 
 
 def test_gradient_matches_torch_autograd():

@@ -15,11 +15,11 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads
+from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
+                      step_outputs)
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.ops import DOMAIN, IR_VERSION, NormgradInputError, activation_grad, harness, swiglu_grad
-from test_activation_grad import LEVELS, _step_outputs
 
 OP = swiglu_grad.OP_TYPE
 needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
@@ -172,24 +172,13 @@ def test_step_graph_uses_the_operator_and_matches_the_inline_form():
     x, labels = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
     feeds = {**hyperparameter_feeds(step), **initial, "x": x, "labels": labels, "lr": np.array(0.1, np.float32),
              "step": np.array(1, np.float32)}
-    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
-    for kernels in (["cpp"] if cpp_available() else []) + ["python", None]:
-        for level in LEVELS:
-            got = _step_outputs(step, feeds, kernels, level)
-            for name in ("wg.next", "wu.next", "wd.next"):
-                np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{kernels} {level} {name}")
-    if cpp_available():
-        outputs = [_step_outputs(step, feeds, "cpp", "ORT_ENABLE_ALL", threads) for threads in (1, 2, 4)]
-        for other in outputs[1:]:
-            for name in outputs[0]:
-                assert other[name].tobytes() == outputs[0][name].tobytes(), name
+    assert_step_matches_inline(step, inline, feeds, ("wg.next", "wu.next", "wd.next"))
     torch = pytest.importorskip("torch")
     w = {k: torch.tensor(initial[k].astype(np.float64), requires_grad=True) for k in ("wg", "wu", "wd")}
     tx = torch.tensor(x.astype(np.float64))
     y = (torch.nn.functional.silu(tx @ w["wg"]) * (tx @ w["wu"])) @ w["wd"]
     torch.nn.functional.mse_loss(y, torch.tensor(labels.astype(np.float64))).backward()
-    got = _step_outputs(step, feeds, "cpp" if cpp_available() else None, "ORT_ENABLE_ALL")
+    got = step_outputs(step, feeds, "cpp" if cpp_available() else None, "ORT_ENABLE_ALL")
     for k in w:
         np.testing.assert_allclose(got[f"{k}.next"], initial[k] - 0.1 * w[k].grad.numpy(), rtol=1e-5, atol=1e-6)
 
@@ -207,7 +196,7 @@ def test_pattern_stays_off_where_it_does_not_apply(variant):
     feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((5, 6)).astype(np.float32),
              "labels": rng.standard_normal((5, 4)).astype(np.float32), "lr": np.array(0.1, np.float32),
              "step": np.array(1, np.float32)}
-    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
-    got = _step_outputs(step, feeds, "cpp" if cpp_available() else None, "ORT_ENABLE_ALL")
+    expected = step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
+    got = step_outputs(step, feeds, "cpp" if cpp_available() else None, "ORT_ENABLE_ALL")
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
