@@ -1,14 +1,11 @@
 // SafeSoftmax: softmax over the last axis, rows that would be NaN written as 0
-// (ops/safe_softmax.py). Each row in one pass from cache on SoftmaxCrossEntropy's row code
-// (softmax_cross_entropy_math.h): max, exp(x - max) and its float64 sum, then scaled by
-// 1 / sum. The sum is NaN exactly when the row's softmax is (a NaN or +inf entry, or every
-// entry -inf): that row is 0. Rows go to the intra-op threads whole: any thread count gives
-// the same bits.
-#include <cstring>
+// (ops/safe_softmax.py), each row from cache (safe_softmax_math.h): max, exp(x - max) and
+// its float64 sum, then scaled by 1 / sum. Rows go to the intra-op threads whole: any thread
+// count gives the same bits.
 #include <string>
 
 #include "ops.h"
-#include "softmax_cross_entropy_math.h"
+#include "safe_softmax_math.h"
 
 namespace normgrad {
 namespace {
@@ -36,18 +33,10 @@ struct SafeSoftmax final : KernelBase {
     auto task = [&](size_t t) {
       const size_t end = (t + 1) * kRowsPerTask < rows ? (t + 1) * kRowsPerTask : rows;
       for (size_t i = t * kRowsPerTask; i < end; ++i) {
-        const float* xi = x_data + i * n;
-        float* yi = y + i * n;
-        const SoftmaxRow r = avx2 ? softmax_row_avx2(xi, yi, n) : softmax_row<PortableLanes>(xi, yi, n);
-        if (r.sum != r.sum) {
-          std::memset(yi, 0, n * sizeof(float));
-          continue;
-        }
-        const float scale = static_cast<float>(1.0 / r.sum);
         if (avx2) {
-          scale_row_avx2(yi, n, scale);
+          safe_softmax_row_avx2(x_data + i * n, y + i * n, n);
         } else {
-          scale_row<PortableLanes>(yi, n, scale);
+          safe_softmax_row<PortableLanes>(x_data + i * n, y + i * n, n);
         }
       }
     };
