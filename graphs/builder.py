@@ -98,7 +98,8 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     model = _infer_shapes(model)
     products_rewritten = rewrites.transposed_weight_products(model)
     slices_rewritten = rewrites.tiling_slices_as_split(model)
-    if products_rewritten or slices_rewritten:
+    softmaxes_rewritten = rewrites.safe_softmaxes(model)
+    if products_rewritten or slices_rewritten or softmaxes_rewritten:
         model = _infer_shapes(model)
     return model, opset
 

@@ -36,6 +36,10 @@ would produce a wrong or rejected model.
   TorchScript's order, ``(x * (erf(x / sqrt 2) + 1)) * 0.5``, which onnxruntime fuses into
   one Gelu kernel (:func:`gelu_erf_fusable_order`; the same bits: a product by 0.5 is exact,
   below |x| = 2^127, where x (erf + 1) overflows).
+* torch's safe softmax, ``Where(IsNaN(Softmax(x)), 0, Softmax(x))`` over the last axis of a
+  float32 x (scaled-dot-product attention's), becomes one ``normgrad:SafeSoftmax``: one pass
+  per row instead of three, its gradient 0 on fully masked rows as torch's
+  (:func:`safe_softmaxes`).
 """
 
 from __future__ import annotations
@@ -56,12 +60,13 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, _common, dropout_mask
+from normgrad.ops import DOMAIN, _common, dropout_mask, safe_softmax
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
            "recurrent_layout_0", "embedding_bags",
-           "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader"]
+           "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader",
+           "safe_softmaxes"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -914,4 +919,55 @@ def tiling_slices_as_split(model: onnx.ModelProto) -> int:
         nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
         del graph.node[:]
         graph.node.extend(nodes)
+    return sum(1 for new in replaced.values() if new)
+
+
+def safe_softmaxes(model: onnx.ModelProto) -> int:
+    """Rewrites, in place, torch's safe softmax ``Where(IsNaN(s), 0, s)``, s = Softmax(x) over
+    the last axis of a float32 x, into one ``normgrad:SafeSoftmax(x)`` writing the Where's
+    output, where s is read by that IsNaN and that Where alone and the IsNaN by the Where
+    alone (none a graph output) and the 0 is a constant; returns how many. Needs the
+    inferred types. The gradient is then ``SoftmaxGrad`` of the zeroed output: 0 on a fully
+    masked row, as torch's, where the Where and Softmax gradients give NaN."""
+    graph = model.graph
+    types = {info.name: info.type.tensor_type for info in list(graph.input) + list(graph.value_info)}
+    readers: Dict[str, list] = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    outputs = {o.name for o in graph.output}
+    replaced: Dict[int, list] = {}
+    zeros = set()
+    for softmax in graph.node:
+        if softmax.op_type != "Softmax" or softmax.domain not in ("", "ai.onnx"):
+            continue
+        x, s = softmax.input[0], softmax.output[0]
+        x_type = types.get(x)
+        if x_type is None or x_type.elem_type != onnx.TensorProto.FLOAT or not x_type.HasField("shape"):
+            continue
+        rank = len(x_type.shape.dim)
+        if rank == 0 or attr(softmax, "axis", -1) not in (-1, rank - 1):
+            continue
+        pair = sorted(readers[s], key=lambda node: node.op_type)
+        if s in outputs or [n.op_type for n in pair] != ["IsNaN", "Where"] or any(n.domain not in ("", "ai.onnx") for n in pair):
+            continue
+        isnan, where = pair
+        if list(where.input) != [isnan.output[0], where.input[1], s] or readers[isnan.output[0]] != [where] \
+                or isnan.output[0] in outputs:
+            continue
+        zero = _constant_values(graph, where.input[1])
+        if zero is None or zero.dtype != np.float32 or zero.size != 1 or zero.ndim > rank or float(zero.reshape(())) != 0.0:
+            continue
+        fused = oh.make_node(safe_softmax.OP_TYPE, [x], [where.output[0]], name=softmax.name, domain=DOMAIN)
+        replaced.update({id(softmax): [fused], id(isnan): [], id(where): []})
+        zeros.add(where.input[1])
+    if not replaced:
+        return 0
+    nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
+    read = {name for node in nodes for name in node.input} | outputs
+    nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in zeros and n.output[0] not in read)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(oh.make_opsetid(DOMAIN, _common.OPSET_VERSION))
     return sum(1 for new in replaced.values() if new)

@@ -21,6 +21,7 @@ from normgrad.ops import (
     layer_normalization_grad,
     matrix_transpose,
     rms_normalization_grad,
+    safe_softmax,
     sgd_update,
     softmax_cross_entropy,
     softmax_grad,
@@ -49,6 +50,7 @@ OPERATORS = {
         *activation_grad.OPERATORS,
         swiglu_grad,
         softmax_grad,
+        safe_softmax,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

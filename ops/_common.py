@@ -149,6 +149,37 @@ def make_output_type(elem_type: int, dims) -> onnx.TypeProto:
     return onnx.helper.make_tensor_type_proto(elem_type, list(dims))
 
 
+def function_of_standard_form(op_type: str, inputs, outputs, opset: int, write) -> onnx.FunctionProto:
+    """The normgrad function ``op_type`` whose body ``write(op) -> [output value, ...]`` appends
+    with ``op(op_type, *inputs, **attributes) -> output name`` (default-domain nodes)."""
+    nodes = []
+
+    def op(node_type: str, *node_inputs: str, **attributes) -> str:
+        output = f"t{len(nodes)}"
+        nodes.append(onnx.helper.make_node(node_type, list(node_inputs), [output], **attributes))
+        return output
+
+    for value, name in zip(write(op), outputs):
+        nodes.append(onnx.helper.make_node("Identity", [value], [name]))
+    return onnx.helper.make_function(DOMAIN, op_type, list(inputs), list(outputs), nodes,
+                                     [onnx.helper.make_opsetid("", opset)])
+
+
+def rows_output_infer(op_type: str, index: int, name: str):
+    """Type and shape inference of an operator over rows along the last axis whose one output
+    has input ``index``'s (``name``) type and shape, which must have rank >= 1."""
+
+    def infer(ctx) -> None:
+        row_type = input_tensor_type(ctx, index)
+        if row_type is not None:
+            dims = known_dims(row_type)
+            if dims is not None and not dims:
+                raise NormgradInputError(f"{op_type}: input '{name}' must have rank >= 1 (rows along the last axis); got a scalar")
+            ctx.set_output_type(0, make_output_type(row_type.elem_type, dims))
+
+    return infer
+
+
 def attribute_int(ctx, name: str, default: int) -> int:
     """An int attribute of the node being inferred, or ``default`` when absent."""
     attr = ctx.get_attribute(name)

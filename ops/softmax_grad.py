@@ -28,7 +28,6 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.ops import _common
@@ -87,15 +86,6 @@ def standard_form(op: Callable, row_sum: Callable, dy: str, y: str) -> str:
     return op("Mul", y, op("Sub", dy, row_sum(op("Mul", dy, y))))
 
 
-def _infer(ctx) -> None:
-    y_type = _common.input_tensor_type(ctx, 1)
-    if y_type is not None:
-        dims = _common.known_dims(y_type)
-        if dims is not None and not dims:
-            raise NormgradInputError(f"{OP_TYPE}: input 'y' must have rank >= 1 (rows along the last axis); got a scalar")
-        ctx.set_output_type(0, _common.make_output_type(y_type.elem_type, dims))
-
-
 def schema():
     """The ONNX schema, with type and shape inference."""
     from onnx.defs import OpSchema
@@ -104,24 +94,18 @@ def schema():
     inputs = [param("dy", "T", "The gradient of the softmax's output; y's shape."),
               param("y", "T", "The softmax's output (over the last axis), rank >= 1.")]
     outputs = [param("dx", "T", "y * (dy - sum(dy * y, last axis)); y's shape.")]
-    return _common.make_schema(OP_TYPE, __doc__, inputs, outputs, {"T": "float32."}, _infer, types=("tensor(float)",))
+    return _common.make_schema(OP_TYPE, __doc__, inputs, outputs, {"T": "float32."}, _common.rows_output_infer(OP_TYPE, 1, "y"), types=("tensor(float)",))
 
 
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:
     """:func:`standard_form` as an ONNX function, the sum over axis -1."""
-    nodes = []
 
-    def op(op_type: str, *inputs: str, **attributes) -> str:
-        output = f"t{len(nodes)}"
-        nodes.append(oh.make_node(op_type, list(inputs), [output], **attributes))
-        return output
+    def write(op):
+        def row_sum(value: str) -> str:
+            if opset < 13:
+                return op("ReduceSum", value, axes=[-1], keepdims=1)
+            return op("ReduceSum", value, op("Constant", value=onh.from_array(np.array([-1], np.int64))), keepdims=1)
 
-    def row_sum(value: str) -> str:
-        if opset < 13:
-            return op("ReduceSum", value, axes=[-1], keepdims=1)
-        axes = op("Constant", value=onh.from_array(np.array([-1], np.int64)))
-        return op("ReduceSum", value, axes, keepdims=1)
+        return [standard_form(op, row_sum, "dy", "y")]
 
-    dx = standard_form(op, row_sum, "dy", "y")
-    nodes.append(oh.make_node("Identity", [dx], ["dx"]))
-    return oh.make_function(_common.DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), nodes, [oh.make_opsetid("", opset)])
+    return _common.function_of_standard_form(OP_TYPE, INPUTS, OUTPUTS, opset, write)

@@ -57,13 +57,17 @@ def _safe_softmax_model():
 
 
 def test_safe_softmax_gradient():
-    """Where(IsNaN(p), 0, p) passes dy to the Softmax output p unmasked (no Where in the
-    backward): the gradient matches finite differences, and a row made NaN by a non-finite
-    input has a NaN gradient, as through the masked form, the other rows untouched."""
+    """The builder writes the float32 chain as one normgrad:SafeSoftmax (no Where left), whose
+    gradient matches finite differences and is 0 over a row it zeroed (a non-finite input
+    there; its output is the constant 0). Where the chain is not matched (the condition read
+    through an Identity), Where(IsNaN(p), 0, p) passes dy to the Softmax output p unmasked (no
+    Where in the backward): such a row's gradient is NaN, as through the masked form; the
+    other rows are the same in both."""
     forward = _safe_softmax_model()
     _check(forward)
     training, initial = build_training_graph(forward)
-    assert sum(n.op_type == "Where" for n in training.graph.node) == 1  # the forward's
+    assert [n.op_type for n in training.graph.node].count("SafeSoftmax") == 1
+    assert sum(n.op_type == "Where" for n in training.graph.node) == 0
     masked = onnx.ModelProto()
     masked.CopyFrom(forward)
     masked.graph.node[3].input[0] = "nan_used"  # a condition the rule cannot see through
@@ -80,8 +84,9 @@ def test_safe_softmax_gradient():
         results.append(session.run(["s_grad"], feeds)[0])
     bad = np.zeros((3, 4), bool)
     bad[1, 2] = bad[2, 0] = True
+    assert (results[0][bad] == 0).all() and np.isnan(results[1][bad]).all()
     for result in results:
-        assert np.isnan(result[bad]).all() and np.isfinite(result[~bad]).all()
+        assert np.isfinite(result[~bad]).all()
     np.testing.assert_array_equal(results[0][~bad], results[1][~bad])
 
 

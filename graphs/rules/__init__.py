@@ -14,6 +14,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import onnx
 
+from normgrad.ops import DOMAIN
+
 __all__ = ["Rule", "register", "lookup", "supported_op_types", "UnsupportedOperatorError"]
 
 GradientFn = Callable[..., Sequence[Optional[str]]]
@@ -62,23 +64,27 @@ class Rule:
 
 
 _RULES: Dict[str, Rule] = {}
+_NORMGRAD_RULES: Dict[str, Rule] = {}
+"""The rules of normgrad-domain forward ops, which the builder's own forward rewrites write
+(e.g. SafeSoftmax); not listed by :func:`supported_op_types` (no exported model has them)."""
 
 
-def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: int = 15):
+def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: int = 15, normgrad_domain: bool = False):
     """Decorator registering ``gradient`` as the rule of each of ``op_types``.
 
     Args:
-        op_types: default-domain op types.
+        op_types: default-domain op types (normgrad-domain ones with ``normgrad_domain``).
         inputs: differentiable inputs (see :class:`Rule`).
         outputs: outputs whose gradient the rule reads (see :class:`Rule`).
         min_opset: lowest opset the backward nodes need.
     """
+    rules = _NORMGRAD_RULES if normgrad_domain else _RULES
 
     def decorate(gradient: GradientFn) -> GradientFn:
         for op_type in op_types:
-            if op_type in _RULES:
+            if op_type in rules:
                 raise ValueError(f"two gradient rules for {op_type}")
-            _RULES[op_type] = Rule(op_type, gradient, inputs, outputs, min_opset)
+            rules[op_type] = Rule(op_type, gradient, inputs, outputs, min_opset)
         return gradient
 
     return decorate
@@ -92,6 +98,8 @@ def register_non_differentiable(*op_types: str) -> None:
 
 def lookup(node: onnx.NodeProto) -> Optional[Rule]:
     """The rule of ``node``, or None if its op type has none."""
+    if node.domain == DOMAIN:
+        return _NORMGRAD_RULES.get(node.op_type)
     if node.domain not in ("", "ai.onnx"):
         return None
     return _RULES.get(node.op_type)

@@ -15,9 +15,9 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.ops import DOMAIN, activation_grad, softmax_grad
+from normgrad.ops import DOMAIN, activation_grad, safe_softmax, softmax_grad
 
-__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "prelu_gradient", "activation_gradient"]
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "prelu_gradient", "activation_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
 
@@ -164,3 +164,10 @@ def softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opt
             ctx.op, lambda value: ctx.reduce("ReduceSum", value, [axis], keepdims=True, rank=rank), dy, y)]
     total = ctx.reduce("ReduceSum", dy, [axis], keepdims=True, rank=rank)
     return [ctx.op("Sub", dy, ctx.op("Mul", ctx.op("Exp", y), total))]
+
+
+@register(safe_softmax.OP_TYPE, normgrad_domain=True)
+def safe_softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """normgrad:SafeSoftmax (float32, last axis): ``SoftmaxGrad(dy, y)``, 0 on the rows it zeroed
+    (torch's ``_safe_softmax`` backward), where the standard ops' Where/Softmax gradients give NaN."""
+    return [ctx.op(softmax_grad.OP_TYPE, grads[0], node.output[0], domain=DOMAIN)]

@@ -24,7 +24,9 @@ def where_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optio
     dynamo exporter writes in every attention) passes dy to p unmasked: a Softmax's output is
     NaN over a whole row or nowhere (any NaN or infinite input makes the row's sum NaN), and
     its gradient y * (dy - sum(dy * y)) is NaN over such a row whatever dy is, so the
-    mask would change nothing but cost a pass over the attention weights."""
+    mask would change nothing but cost a pass over the attention weights. (The builder writes
+    the float32 chain over the last axis as one ``normgrad:SafeSoftmax`` before differentiating,
+    whose gradient is 0 over such a row: this serves the chains it does not match.)"""
     condition, y, dy = node.input[0], node.output[0], grads[0]
     result: List[Optional[str]] = [None, None, None]
     for index in (1, 2):
