@@ -18,12 +18,12 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads
+from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
+                      step_outputs)
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.ops import DOMAIN, NormgradInputError, harness, safe_softmax, softmax_grad
-from test_activation_grad import LEVELS, _step_outputs
 from test_softmax_grad import _attention, _ops
 
 OP = safe_softmax.OP_TYPE
@@ -228,20 +228,10 @@ def test_step_graph_matches_the_inline_form(masked):
     assert _ops(step).count(OP) == 1 and not _ops(inline)
     assert [_ops(inline, "").count(op) for op in ("Softmax", "IsNaN")] == [1, 1]
     feeds = _feeds(step, initial)
-    expected = _step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
+    expected = step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
     weights = [name + ".next" for name in ("w_q", "w_k", "w_v", "w_o")]
     assert all(np.isfinite(expected[name]).all() for name in weights)
-    for kernels in (["cpp"] if cpp_available() else []) + ["python", None]:
-        for level in LEVELS:
-            got = _step_outputs(step, feeds, kernels, level)
-            for name in weights:
-                np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{kernels} {level} {name}")
-    if cpp_available():
-        outputs = [_step_outputs(step, feeds, "cpp", "ORT_ENABLE_ALL", threads) for threads in (1, 2, 4)]
-        for other in outputs[1:]:
-            for name in outputs[0]:
-                assert other[name].tobytes() == outputs[0][name].tobytes(), name
+    assert_step_matches_inline(step, inline, feeds, weights)
 
 
 @pytest.mark.parametrize("inline", [False, True])
