@@ -53,6 +53,7 @@ extern const OpDescriptor kGeluGrad;
 extern const OpDescriptor kGeluTanhGrad;
 extern const OpDescriptor kSwiGLUGrad;
 extern const OpDescriptor kSoftmaxGrad;
+extern const OpDescriptor kBiasSoftmaxCrossEntropy;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

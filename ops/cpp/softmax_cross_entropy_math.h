@@ -95,21 +95,35 @@ struct SoftmaxRow {
 // groups, each block's 32 lanes then added to the float64 sum in lane order.
 constexpr size_t kExpSumGroups = 32;
 
-// Writes exp(x_c - max) to e[0, n) (e may be x) and returns (max, their sum).
+// Writes exp(z_c - max) to e[0, n) (e may be x) and returns (max, their sum), with z = x, or
+// z = x + bias (float32) when bias is not null: z goes to e in the max pass, the exp pass
+// reads it back in place.
 template <class L>
-SoftmaxRow softmax_row(const float* x, float* e, size_t n) {
+SoftmaxRow softmax_row(const float* x, const float* bias, float* e, size_t n) {
   using V = typename L::V;
   alignas(32) float lanes[32];
   size_t c = 0;
   V most[4] = {L::splat(-INFINITY), L::splat(-INFINITY), L::splat(-INFINITY), L::splat(-INFINITY)};
+  auto biased = [&](size_t at) {
+    V v = L::load(x + at);
+    if (bias != nullptr) {
+      v = L::add(v, L::load(bias + at));
+      L::store(e + at, v);
+    }
+    return v;
+  };
   for (; c + 32 <= n; c += 32) {
-    for (int a = 0; a < 4; ++a) most[a] = L::max(most[a], L::load(x + c + 8 * a));
+    for (int a = 0; a < 4; ++a) most[a] = L::max(most[a], biased(c + 8 * a));
   }
-  for (; c + 8 <= n; c += 8) most[0] = L::max(most[0], L::load(x + c));
+  for (; c + 8 <= n; c += 8) most[0] = L::max(most[0], biased(c));
   for (int a = 0; a < 4; ++a) L::store(lanes + 8 * a, most[a]);
   float m = lanes[0];
   for (int k = 1; k < 32; ++k) m = lane_max(m, lanes[k]);
-  for (; c < n; ++c) m = lane_max(m, x[c]);
+  for (; c < n; ++c) {
+    if (bias != nullptr) e[c] = x[c] + bias[c];
+    m = lane_max(m, bias != nullptr ? e[c] : x[c]);
+  }
+  if (bias != nullptr) x = e;
   double sum = 0.0;
   c = 0;
   while (c + 8 <= n) {
@@ -129,19 +143,26 @@ SoftmaxRow softmax_row(const float* x, float* e, size_t n) {
   return {m, sum};
 }
 
-// e[0, n) *= scale.
+// e[0, n) *= scale; then, when total is not null, total[0, n) += e[0, n) (float32).
 template <class L>
-void scale_row(float* e, size_t n, float scale) {
+void scale_row(float* e, size_t n, float scale, float* total) {
   const typename L::V factor = L::splat(scale);
   size_t c = 0;
-  for (; c + 8 <= n; c += 8) L::store(e + c, L::mul(L::load(e + c), factor));
-  for (; c < n; ++c) e[c] *= scale;
+  for (; c + 8 <= n; c += 8) {
+    const typename L::V v = L::mul(L::load(e + c), factor);
+    L::store(e + c, v);
+    if (total != nullptr) L::store(total + c, L::add(L::load(total + c), v));
+  }
+  for (; c < n; ++c) {
+    e[c] *= scale;
+    if (total != nullptr) total[c] += e[c];
+  }
 }
 
 // The AVX2 and FMA lanes; call only when softmax_cross_entropy_avx2() (the CPU has both and
 // NORMGRAD_KERNELS is not "generic").
 bool softmax_cross_entropy_avx2();
-SoftmaxRow softmax_row_avx2(const float* x, float* e, size_t n);
-void scale_row_avx2(float* e, size_t n, float scale);
+SoftmaxRow softmax_row_avx2(const float* x, const float* bias, float* e, size_t n);
+void scale_row_avx2(float* e, size_t n, float scale, float* total);
 
 }  // namespace normgrad
