@@ -4,8 +4,8 @@
 // place. Each row's loss term goes to a buffer summed in row order, so any thread count gives
 // the same bits.
 // BiasSoftmaxCrossEntropy (ops/bias_softmax_cross_entropy.py) is the same kernel with a bias:
-// the max pass adds it (float32, as the Add) and writes the sum into the gradient row, the
-// exp pass reads it there; the rows go in fixed blocks of kBiasBlockRows, the scale pass adding
+// the max and exp passes both add it (float32, as the Add; storing the sum and reading it back
+// cost more); the rows go in fixed blocks of kBiasBlockRows, the scale pass adding
 // each gradient row into its block's float32 column sums in row order, the blocks then summed
 // in block order in float64: the same bits at any thread count.
 #include <cmath>

@@ -96,40 +96,30 @@ struct SoftmaxRow {
 constexpr size_t kExpSumGroups = 32;
 
 // Writes exp(z_c - max) to e[0, n) (e may be x) and returns (max, their sum), with z = x, or
-// z = x + bias (float32) when bias is not null: z goes to e in the max pass, the exp pass
-// reads it back in place.
+// z = x + bias (float32) when bias is not null, added in both passes (the same bits; cheaper
+// than storing z and reading it back).
 template <class L>
 SoftmaxRow softmax_row(const float* x, const float* bias, float* e, size_t n) {
   using V = typename L::V;
   alignas(32) float lanes[32];
   size_t c = 0;
   V most[4] = {L::splat(-INFINITY), L::splat(-INFINITY), L::splat(-INFINITY), L::splat(-INFINITY)};
-  auto biased = [&](size_t at) {
-    V v = L::load(x + at);
-    if (bias != nullptr) {
-      v = L::add(v, L::load(bias + at));
-      L::store(e + at, v);
-    }
-    return v;
-  };
+  auto z = [&](size_t at) { return bias != nullptr ? L::add(L::load(x + at), L::load(bias + at)) : L::load(x + at); };
+  auto z_scalar = [&](size_t at) { return bias != nullptr ? x[at] + bias[at] : x[at]; };
   for (; c + 32 <= n; c += 32) {
-    for (int a = 0; a < 4; ++a) most[a] = L::max(most[a], biased(c + 8 * a));
+    for (int a = 0; a < 4; ++a) most[a] = L::max(most[a], z(c + 8 * a));
   }
-  for (; c + 8 <= n; c += 8) most[0] = L::max(most[0], biased(c));
+  for (; c + 8 <= n; c += 8) most[0] = L::max(most[0], z(c));
   for (int a = 0; a < 4; ++a) L::store(lanes + 8 * a, most[a]);
   float m = lanes[0];
   for (int k = 1; k < 32; ++k) m = lane_max(m, lanes[k]);
-  for (; c < n; ++c) {
-    if (bias != nullptr) e[c] = x[c] + bias[c];
-    m = lane_max(m, bias != nullptr ? e[c] : x[c]);
-  }
-  if (bias != nullptr) x = e;
+  for (; c < n; ++c) m = lane_max(m, z_scalar(c));
   double sum = 0.0;
   c = 0;
   while (c + 8 <= n) {
     V block[4] = {L::splat(0.0f), L::splat(0.0f), L::splat(0.0f), L::splat(0.0f)};
     for (size_t g = 0; g < kExpSumGroups && c + 8 <= n; ++g, c += 8) {
-      const V v = L::exp_minus(L::load(x + c), m);
+      const V v = L::exp_minus(z(c), m);
       L::store(e + c, v);
       block[g % 4] = L::add(block[g % 4], v);
     }
@@ -137,7 +127,7 @@ SoftmaxRow softmax_row(const float* x, const float* bias, float* e, size_t n) {
     for (float lane : lanes) sum += lane;
   }
   for (; c < n; ++c) {
-    e[c] = exp_nonpositive(x[c] - m);
+    e[c] = exp_nonpositive(z_scalar(c) - m);
     sum += e[c];
   }
   return {m, sum};
