@@ -8,6 +8,7 @@ else reads it, and the step matches the previous graph's and torch's."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -318,3 +319,81 @@ def test_portable_and_inline_forms_are_standard_ops():
                            "ORT_ENABLE_ALL")
         for name in expected:
             np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+# -- exported heads ------------------------------------------------------------------------------
+
+
+def _torch_head(kind):
+    """A tiny transformers BertForMaskedLM (its decoder bias tied to cls.predictions.bias) whose logits are flattened to [N, vocabulary] (as
+    the bench's), or a plain classifier Linear(16, 7) with bias."""
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "classifier":
+        return torch.nn.Linear(16, 7), torch.randn(8, 16), 7
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=8, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(config).train()
+    with torch.no_grad():  # a bias far from zero, so its gradient's path shows
+        model.cls.predictions.decoder.bias.add_(torch.randn(50))
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            logits = self.model(input_ids=input_ids).logits
+            return logits.reshape(-1, logits.shape[-1])
+
+    return Logits(), torch.randint(0, 50, (2, 8)), 50
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("kind", ["bert", "classifier"])
+def test_exported_heads_match_torch(kind, exporter, tmp_path):
+    """BERT's masked-LM head (MatMul, Add of the decoder bias, Reshape) from both exporters:
+    the default step graph's loss node reads the decoder bias and no Add does; a Linear with
+    bias (one Gemm with C from both exporters, nothing to absorb) keeps SoftmaxCrossEntropy.
+    Either way the loss and every weight's gradient are torch's."""
+    import torch
+
+    import normgrad.torch
+    from _graph_models import run_training
+
+    module, x, classes = _torch_head(kind)
+    forward = normgrad.torch.export(module, (x,), tmp_path / "forward.onnx", exporter=exporter, input_names=["x"],
+                                    output_names=["logits"])
+    training = build_training_graph(forward, loss="cross_entropy")
+    step, _ = build_step_graph(training, "sgd")
+    torch_names = json.loads(next(p.value for p in forward.metadata_props if p.key == "normgrad.torch_parameters"))
+    absorbed = kind == "bert"  # both exporters write the classifier as one Gemm with C
+    assert (OP in _ops(step)) == absorbed and (PLAIN in _ops(step)) != absorbed, _ops(step)
+    if absorbed:  # the node reads the decoder's bias, which no Add reads any more
+        (bias,) = [name for name, torch_name in torch_names.items() if torch_name.endswith(("decoder.bias", "predictions.bias"))]
+        (node,) = [n for n in step.graph.node if n.op_type == OP]
+        assert node.input[2] == bias and not any(n.op_type == "Add" and bias in n.input for n in step.graph.node)
+    labels = np.random.default_rng(0).integers(0, classes, x.shape[0] * (x.shape[1] if kind == "bert" else 1))
+    results = run_training(training, {"x": x.numpy(), "labels": labels})
+    module.zero_grad()
+    loss = torch.nn.functional.cross_entropy(module(x), torch.tensor(labels))
+    loss.backward()
+    assert abs(float(results["loss"]) - loss.item()) <= 1e-5 * max(1.0, loss.item())
+    gradient_of = json.loads(next(p.value for p in training.model.metadata_props if p.key == "normgrad.gradients"))
+    parameters = dict(module.named_parameters())
+    # (some gradients are 0 but for rounding, attention's key bias: measured against the largest)
+    largest = max(float(p.grad.abs().max()) for p in parameters.values() if p.grad is not None)
+    compared = 0
+    weights = {grad_name: source for grad_name, source in gradient_of.items() if source in torch_names}  # not x's
+    for grad_name, source in weights.items():
+        expected = parameters[torch_names[source]].grad.numpy()
+        got = results[grad_name]
+        assert got.shape == expected.shape, source
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * largest,
+                                   err_msg=f"{source} ({torch_names[source]})")
+        compared += 1
+    assert compared == len(parameters) >= 2
