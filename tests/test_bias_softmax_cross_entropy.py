@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 import onnx.helper as oh
+import onnxruntime as ort
 import onnx.numpy_helper as onh
 import pytest
 
@@ -397,3 +398,42 @@ def test_exported_heads_match_torch(kind, exporter, tmp_path):
                                    err_msg=f"{source} ({torch_names[source]})")
         compared += 1
     assert compared == len(parameters) >= 2
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumulation):
+    """The step graph does not compute the logits, its forward tail (metadata) does where
+    they are asked for: ``Trainer.step(outputs=["logits"])`` (one step graph or gradient +
+    optimizer graphs), ``evaluate`` and the inference model give the forward's logits, the
+    inference model with its Add of the trained bias."""
+    from normgrad.graphs.optimizers import build_eval_graph, build_inference_model, forward_outputs
+    from normgrad.train import Trainer, TrainerError
+
+    forward = _head(("N", 3, 6))
+    step, initial = _step(forward)
+    assert "y" not in {o for n in step.graph.node for o in n.output} and forward_outputs(step) == ["y"]
+    assert OP in _ops(step)
+    trainer = Trainer(step, initial, lr=0.1, accumulation=accumulation)
+    rng = np.random.default_rng(3)
+    x, labels = rng.standard_normal((4, 3, 6)).astype(np.float32), rng.integers(0, 11, 12)
+
+    def logits(weights):
+        return (x @ weights["w"] + weights["b"]).reshape(-1, 11)
+
+    before = trainer.state_dict()
+    result = trainer.step(x, labels, outputs=["y"])
+    np.testing.assert_allclose(result.outputs["y"], logits(before), rtol=1e-5, atol=1e-6)
+    after = trainer.state_dict()
+    assert not np.array_equal(after["b"], before["b"])
+    inference = build_inference_model(step, after)
+    assert "Add" in _ops(inference)
+    session = ort.InferenceSession(inference.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], logits(after), rtol=1e-5, atol=1e-6)
+    assert [o.name for o in build_eval_graph(step).graph.output] == ["loss", "y"]
+    evaluated = trainer.evaluate(x, labels, outputs=["y"])
+    np.testing.assert_allclose(evaluated.outputs["y"], logits(after), rtol=1e-5, atol=1e-6)
+    labels[3] = 11  # the trainer still knows C (from the tail's output shape): its own message, state unchanged
+    with pytest.raises(TrainerError, match=re.escape("batch input 'labels' holds 11; cross_entropy labels must be "
+                                                     "class indices 0..10")):
+        trainer.step(x, labels)
+    np.testing.assert_array_equal(trainer.state_dict()["b"], after["b"])
