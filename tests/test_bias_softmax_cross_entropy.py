@@ -404,8 +404,9 @@ def test_exported_heads_match_torch(kind, exporter, tmp_path):
 def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumulation):
     """The step graph does not compute the logits, its forward tail (metadata) does where
     they are asked for: ``Trainer.step(outputs=["logits"])`` (one step graph or gradient +
-    optimizer graphs), ``evaluate`` and the inference model give the forward's logits, the
-    inference model with its Add of the trained bias."""
+    optimizer graphs; a session of its own, the steps not asking run none of the tail),
+    ``evaluate`` and the inference model give the forward's logits, the inference model
+    with its Add of the trained bias."""
     from normgrad.graphs.optimizers import build_eval_graph, build_inference_model, forward_outputs
     from normgrad.train import Trainer, TrainerError
 
@@ -420,6 +421,12 @@ def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumu
     def logits(weights):
         return (x @ weights["w"] + weights["b"]).reshape(-1, 11)
 
+    # the trainer's session for steps not asking for the logits runs no Add; the other one does
+    parts = [trainer._gradient, trainer._gradient_with_tail] if accumulation > 1 else \
+        [trainer._step_part, trainer._step_part_with_tail]
+    assert [("y" in part.outputs) for part in parts] == [False, True]
+    loss = trainer.step(x, labels)
+    assert np.isfinite(loss)
     before = trainer.state_dict()
     result = trainer.step(x, labels, outputs=["y"])
     np.testing.assert_allclose(result.outputs["y"], logits(before), rtol=1e-5, atol=1e-6)
