@@ -444,3 +444,6 @@ def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumu
                                                      "class indices 0..10")):
         trainer.step(x, labels)
     np.testing.assert_array_equal(trainer.state_dict()["b"], after["b"])
+    labels[3], x[1, 2, 0] = 0, np.nan  # a NaN logit row: NaN loss and bias gradient, the trust gate refuses the step
+    with pytest.raises(TrainerError, match="not finite"):
+        Trainer(step, after, lr=0.1, accumulation=accumulation, nonfinite="raise").step(x, labels)
