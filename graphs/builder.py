@@ -539,7 +539,13 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     extra_outputs: List[onnx.ValueInfoProto] = []
     if loss is not None:
         ctx.scope("loss")
-        appended = losses.append_loss(ctx, loss, float_outputs[0], loss_options)
+        bias_add = losses.bias_add_before(graph, ctx, float_outputs[0].name)
+        if bias_add is not None:  # a chain differentiated as a whole gives no gradient to its inner values
+            matches, x_producer = patterns.find_matches(graph, ctx), ctx.producer(bias_add.x)
+            if matches.get(bias_add.add) is not None or (
+                    x_producer is not None and matches.get(x_producer) is not None and not matches.is_anchor(x_producer)):
+                bias_add = None
+        appended = losses.append_loss(ctx, loss, float_outputs[0], loss_options, bias_add)
         if ctx.reserve(appended.labels.name) != appended.labels.name:
             raise ValueError("the model already has a value named 'labels'")
         extra_inputs.append(appended.labels)
@@ -547,7 +553,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         if not data_parallel:  # else the mean over the ranks, below
             ctx.op("Identity", appended.loss, outputs=[loss_name])
         extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(appended.elem_type, [])))
-        seeds = {float_outputs[0].name: appended.grad}
+        seeds = appended.seeds
     elif loss_output is not None:
         ctx.scope("loss")
         seeds = {loss_output: ctx.scalar(1.0, loss_output)}

@@ -15,10 +15,10 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext
-from normgrad.ops import DOMAIN, softmax_cross_entropy
+from normgrad.ops import DOMAIN, bias_softmax_cross_entropy, softmax_cross_entropy
 
-__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "append_loss", "cross_entropy_standard_ops",
-           "softmax_cross_entropy_gradient"]
+__all__ = ["LOSSES", "LOSS_OPTIONS", "LossNodes", "BiasAdd", "append_loss", "bias_add_before",
+           "cross_entropy_standard_ops", "softmax_cross_entropy_gradient"]
 
 
 @dataclasses.dataclass
@@ -28,14 +28,55 @@ class LossNodes:
     Attributes:
         labels: the ``labels`` graph input.
         loss: name of the scalar loss value.
-        grad: name of the gradient of the loss with respect to the model output.
+        seeds: {value: the loss's gradient with respect to it}: the model output's, or, when
+            the loss absorbed the output's bias Add (:func:`bias_add_before`), the Add's
+            other input's and the bias's (those that need one).
         elem_type: the loss's element type (the output's, float32 for causal_lm).
     """
 
     labels: onnx.ValueInfoProto
     loss: str
-    grad: str
+    seeds: Dict[str, str]
     elem_type: int
+
+
+@dataclasses.dataclass
+class BiasAdd:
+    """The Add of a float32 [C] ``bias`` over the last axis of float32 ``x`` (last axis C),
+    whose result reaches the loss's model output through Reshapes alone."""
+
+    x: str
+    bias: str
+    classes: int
+    add: onnx.NodeProto
+
+
+def bias_add_before(graph: onnx.GraphProto, ctx: GradientContext, output: str) -> Optional[BiasAdd]:
+    """The bias Add ``output`` comes from, when the loss may read its inputs instead: ``output``
+    is Add(x, bias) or Reshapes of it, the Add's result and the Reshapes' read by nothing else
+    and (but ``output``) no graph outputs, ``bias`` float32 of static shape [C], ``x`` float32
+    with last axis C, ``output``'s last axis C (so every Reshape keeps each element's column).
+    None otherwise (the loss then reads ``output``)."""
+    readers: Dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    graph_outputs = {o.name for o in graph.output}
+    shape = ctx.shape(output)
+    value, node = output, ctx.producer(output)
+    while node is not None and node.op_type == "Reshape" and node.domain in ("", "ai.onnx"):
+        value, node = node.input[0], ctx.producer(node.input[0])
+        if readers.get(value, 0) != 1 or value in graph_outputs:
+            return None
+    if node is None or node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    for x, bias in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
+        bias_shape, x_shape = ctx.static_shape(bias), ctx.shape(x)
+        if (x != bias and bias_shape is not None and len(bias_shape) == 1 and x_shape
+                and x_shape[-1] == bias_shape[0] and shape and shape[-1] == bias_shape[0]
+                and ctx.elem_type(x) == ctx.elem_type(bias) == onnx.TensorProto.FLOAT):
+            return BiasAdd(x, bias, bias_shape[0], node)
+    return None
 
 
 def _mse(ctx: GradientContext, output: str, labels: str) -> tuple:
@@ -47,7 +88,8 @@ def _mse(ctx: GradientContext, output: str, labels: str) -> tuple:
 
 
 def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothing: float = 0.0,
-                   ignore_index: Optional[int] = None, matrix: Optional[bool] = None) -> tuple:
+                   ignore_index: Optional[int] = None, matrix: Optional[bool] = None,
+                   bias_add: Optional[BiasAdd] = None) -> tuple:
     """torch's ``cross_entropy`` with class-index labels, ``reduction="mean"``: over the
     samples whose label is not ``ignore_index`` (all when None), the mean of
     (1 - ls)(-log_softmax(y)[label]) + ls/C (-sum_c log_softmax(y)_c);
@@ -55,13 +97,24 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
 
     Float32 [N, C] logits (``matrix``; None: y's known type and rank say) without label
     smoothing: one ``normgrad:SoftmaxCrossEntropy`` node, whose function body is
-    :func:`cross_entropy_standard_ops`; the other cases are written in standard ops."""
+    :func:`cross_entropy_standard_ops`; the other cases are written in standard ops. With
+    ``bias_add`` (y = x + bias, through Reshapes): one ``normgrad:BiasSoftmaxCrossEntropy``
+    of x as [N, C] and the bias instead, so that y and its bias's gradient are never passes
+    of their own; the returned gradient is then {x: ..., bias: ...}, else y's."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if matrix is None:
         matrix = ctx.elem_type(output) == onnx.TensorProto.FLOAT and ctx.known_rank(output) == 2
     if matrix and not label_smoothing:
         ignored = {} if ignore_index is None else {"ignore_index": ignore_index}
+        if bias_add is not None:
+            rows = ctx.op("Reshape", bias_add.x, ctx.ints([-1, bias_add.classes]))
+            loss, grad, bias_grad = ctx.op(bias_softmax_cross_entropy.OP_TYPE, rows, labels, bias_add.bias, outputs=3,
+                                           domain=DOMAIN, **ignored)
+            grads = {bias_add.bias: bias_grad} if ctx.needs_grad(bias_add.bias) else {}
+            if ctx.needs_grad(bias_add.x):
+                grads[bias_add.x] = ctx.reshape_like(grad, bias_add.x)
+            return loss, grads
         loss, grad = ctx.op(softmax_cross_entropy.OP_TYPE, output, labels, outputs=2, domain=DOMAIN, **ignored)
         return loss, grad
     return cross_entropy_standard_ops(ctx, output, labels, label_smoothing, ignore_index)
@@ -232,8 +285,10 @@ def labels_info(kind: str, output: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
 
 
 def append_loss(ctx: GradientContext, kind: str, output: onnx.ValueInfoProto,
-                options: Optional[Mapping[str, object]] = None) -> LossNodes:
-    """Emits the ``kind`` loss of forward ``output`` through ``ctx``, with ``options`` (see :data:`LOSS_OPTIONS`).
+                options: Optional[Mapping[str, object]] = None, bias_add: Optional[BiasAdd] = None) -> LossNodes:
+    """Emits the ``kind`` loss of forward ``output`` through ``ctx``, with ``options`` (see :data:`LOSS_OPTIONS`);
+    ``bias_add``: the bias Add ``output`` comes from (:func:`bias_add_before`), which a float32
+    [N, C] cross_entropy without label smoothing absorbs.
 
     Raises:
         ValueError: unknown loss, an option the loss does not take, or a value torch would refuse.
@@ -246,6 +301,9 @@ def append_loss(ctx: GradientContext, kind: str, output: onnx.ValueInfoProto,
             takes = ", ".join(LOSS_OPTIONS.get(kind, ())) or "no options"
             raise ValueError(f"loss {kind} has no option {name!r} (it takes {takes})")
     labels = labels_info(kind, output)
+    if kind == "cross_entropy" and bias_add is not None:
+        options["bias_add"] = bias_add
     loss, grad = LOSSES[kind](ctx, output.name, labels.name, **options)
+    seeds = grad if isinstance(grad, dict) else {output.name: grad}
     elem_type = onnx.TensorProto.FLOAT if kind == "causal_lm" else output.type.tensor_type.elem_type
-    return LossNodes(labels, loss, grad, elem_type)
+    return LossNodes(labels, loss, seeds, elem_type)

@@ -13,6 +13,7 @@ is zeros (SGD's first step takes the gradient as its momentum buffer, as torch d
 
 from __future__ import annotations
 
+import base64
 import copy
 import fnmatch
 import json
@@ -378,6 +379,52 @@ def _live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> List
     return live[::-1]
 
 
+METADATA_FORWARD_TAIL = "normgrad.forward_tail"
+"""Step graph metadata: the forward nodes computing the loss's model output that the step
+does not run (a bias Add the loss node absorbed, ``normgrad.graphs.losses.bias_add_before``,
+and its Reshapes), with the initializers only they read: a JSON string of a base64 GraphProto, which
+:func:`forward_outputs`, :func:`expose_forward_outputs`, :func:`build_eval_graph` and
+:func:`build_inference_model` put back."""
+
+
+def _forward_tail(training: onnx.GraphProto, live: Sequence[onnx.NodeProto], loss_output: str,
+                  state: set) -> Optional[str]:
+    """:data:`METADATA_FORWARD_TAIL` of a step graph of ``live`` nodes, or None when they
+    compute the loss's model output themselves."""
+    running = {id(node) for node in live}
+    tail = [n for n in _live_nodes(list(training.node), [loss_output]) if id(n) not in running]
+    if not tail:
+        return None
+    read_by_step = _read_values(live)
+    read = _read_values(tail)
+    initializers = [t for t in training.initializer if t.name in read and t.name not in read_by_step
+                    and t.name not in state]
+    graph = helper.make_graph(tail, "forward_tail", [], [onnx.ValueInfoProto(name=loss_output)], initializers)
+    return json.dumps(base64.b64encode(graph.SerializeToString()).decode("ascii"))
+
+
+def _tail(model: onnx.ModelProto) -> onnx.GraphProto:
+    """The :data:`METADATA_FORWARD_TAIL` graph of ``model`` (empty without one)."""
+    encoded = next((p.value for p in model.metadata_props if p.key == METADATA_FORWARD_TAIL), None)
+    if encoded is None:
+        return onnx.GraphProto()
+    try:
+        return onnx.GraphProto.FromString(base64.b64decode(json.loads(encoded), validate=True))
+    except Exception:  # not JSON, not base64 or not a GraphProto
+        raise ValueError(f"corrupt step graph: metadata {METADATA_FORWARD_TAIL} is not a base64 GraphProto") from None
+
+
+def _with_tail(model: onnx.ModelProto, names: Sequence[str]) -> Tuple[List[onnx.NodeProto], List[onnx.TensorProto]]:
+    """The forward-tail nodes (and initializers) that compute those of ``names`` the nodes
+    of ``model`` do not."""
+    produced = {o for node in model.graph.node for o in node.output}
+    missing = [n for n in names if n not in produced]
+    tail = _tail(model) if missing else onnx.GraphProto()
+    nodes = _live_nodes(list(tail.node), missing)
+    read = _read_values(nodes)
+    return nodes, [t for t in tail.initializer if t.name in read]
+
+
 def _read_values(nodes: Sequence[onnx.NodeProto]) -> set:
     return {name for node in nodes for name in list(node.input) + subgraph_captures(node)}
 
@@ -392,8 +439,9 @@ def _sub_model(step: onnx.ModelProto, name: str, nodes: List[onnx.NodeProto], in
     """A model of ``nodes`` cut out of ``step``, with the initializers they read (plus
     ``initializers``) and the function bodies and opsets of the domains they use."""
     read = _read_values(nodes)
+    stored = list(step.graph.initializer) + list(_tail(step).initializer)
     graph = helper.make_graph(nodes, name, inputs, outputs,
-                              initializer=[t for t in step.graph.initializer if t.name in read] + list(initializers),
+                              initializer=[t for t in stored if t.name in read] + list(initializers),
                               value_info=[v for v in step.graph.value_info if v.name in read])
     domains = {node.domain for node in nodes} | {""}
     opsets = [o for o in step.opset_import if o.domain in domains or (o.domain == "ai.onnx" and "" in domains)]
@@ -442,8 +490,9 @@ def build_gradient_graph(step: onnx.ModelProto) -> onnx.ModelProto:
     outputs_info = loss + state_outputs + [helper.make_tensor_value_info(next_name(a), TensorProto.FLOAT, _dims(types[p]))
                                            for a, p in zip(accumulated, parameters)]
     state = {**{s: next_name(s) for s in statistics}, **{a: next_name(a) for a in accumulated}}
+    tail = {p.key: p.value for p in step.metadata_props if p.key == METADATA_FORWARD_TAIL}
     return _sub_model(step, f"{step.graph.name}_gradients", nodes, inputs, outputs_info,
-                      {"normgrad.state": json.dumps(state), "normgrad.parameters": json.dumps(parameters)})
+                      {"normgrad.state": json.dumps(state), "normgrad.parameters": json.dumps(parameters), **tail})
 
 
 def _dims(info: onnx.ValueInfoProto) -> List[int]:
@@ -492,18 +541,19 @@ def forward_outputs(step: onnx.ModelProto) -> List[str]:
     """The forward model's outputs that a step graph still computes (those its loss needs;
     for a model computing its own loss (``loss_output``), that output among them)."""
     meta = _step_metadata(step)
-    produced = {o for node in step.graph.node for o in node.output}
+    produced = {o for node in list(step.graph.node) + list(_tail(step).node) for o in node.output}
     return [o for o in meta.get("normgrad.forward_outputs", [meta["normgrad.loss"]["output"]]) if o in produced]
 
 
 def _eval_mode_nodes(step: onnx.ModelProto) -> List[onnx.NodeProto]:
-    """The step graph's nodes with every training-mode BatchNormalization normalizing with its
-    running statistics instead of the batch's, and Dropout as Identity (torch's eval mode)."""
+    """The step graph's nodes (and its forward tail's, :data:`METADATA_FORWARD_TAIL`) with
+    every training-mode BatchNormalization normalizing with its running statistics instead
+    of the batch's, and Dropout as Identity (torch's eval mode)."""
     meta = _metadata(step)
     running = {layer["output"]: layer for layer in meta.get("normgrad.batch_norm", [])}
     dropout_inputs = meta.get(rewrites.METADATA_DROPOUT, {}).get("outputs", {})  # seeded Dropout: {output: input}
     nodes = []
-    for node in step.graph.node:
+    for node in list(step.graph.node) + list(_tail(step).node):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and node.output[0] in running:
             # the layer normalizes with its batch statistics in training: the running ones now
             node = copy.deepcopy(node)
@@ -530,13 +580,15 @@ def _infer_output_types(model: onnx.ModelProto) -> None:
 
 def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
     """A copy of ``model`` (a step, gradient or eval graph) with the values ``names`` (computed
-    by its nodes, e.g. :func:`forward_outputs`) as graph outputs too, after its own outputs,
-    for an onnxruntime session (``model`` itself when they all are outputs already).
+    by its nodes or its forward tail's, e.g. :func:`forward_outputs`) as graph outputs too,
+    after its own outputs, for an onnxruntime session (``model`` itself when they all are
+    outputs already).
 
     Raises:
         ValueError: a name no node of the graph computes.
     """
-    produced = {o for node in model.graph.node for o in node.output}
+    tail_nodes, tail_initializers = _with_tail(model, names)
+    produced = {o for node in list(model.graph.node) + tail_nodes for o in node.output}
     present = {o.name for o in model.graph.output}
     for name in names:
         if name not in produced:
@@ -545,6 +597,8 @@ def expose_forward_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx
     if not added:
         return model
     exposed = copy.deepcopy(model)
+    exposed.graph.node.extend(tail_nodes)  # (they read forward values and state the step reads before its update)
+    exposed.graph.initializer.extend(tail_initializers)
     # typed where the graph records the type; onnxruntime (1.19.2 and newer) infers the
     # others when it loads the model
     known = {v.name: v for v in model.graph.value_info}
@@ -710,8 +764,10 @@ def build_step_graph(
     outputs += [helper.make_tensor_value_info(next_name(s), initializers[s].data_type, list(initializers[s].dims))
                 for s in statistics]
     state_inputs = set(trainable) | set(statistics)
+    live = _live_nodes(nodes + list(optimizer.graph.node), [o.name for o in outputs])
+    tail = _forward_tail(graph, live, json.loads(metadata["normgrad.loss"])["output"], state_inputs)
     step = helper.make_graph(
-        _live_nodes(nodes + list(optimizer.graph.node), [o.name for o in outputs]),
+        live,
         f"{graph.name}_{kind}_step",
         inputs,
         outputs,
@@ -732,6 +788,8 @@ def build_step_graph(
     state_map.update({s: next_name(s) for s in statistics})
     step_metadata["normgrad.state"] = json.dumps(state_map)
     step_metadata["normgrad.running_statistics"] = json.dumps(list(statistics))
+    if tail is not None:
+        step_metadata[METADATA_FORWARD_TAIL] = tail
     if dropout_outputs:
         step_metadata[rewrites.METADATA_DROPOUT] = json.dumps({"seed": int(dropout_seed), "outputs": dropout_outputs})
     data_inputs = [i.name for i in graph.input if i.name not in state_inputs]

@@ -11,7 +11,8 @@ minimal reproducer of each:
   returned (for a checkpoint).
 * **the SoftmaxCrossEntropy loss node as its function body** (costly: the kernel is faster):
   the standard ops the cross-entropy losses are written in without the operator
-  (``normgrad.ops.softmax_cross_entropy``), which the rewrites below then see as before.
+  (``normgrad.ops.softmax_cross_entropy``), which the rewrites below then see as before;
+  BiasSoftmaxCrossEntropy's the same behind an Add of the bias, with a ReduceSum for it.
 * **no constant weight shared by a ConvTranspose**: a constant square weight [C, C, k, k]
   read by both a Conv and a ConvTranspose gives a wrong ConvTranspose. Each ConvTranspose
   gets its own copy of a constant weight another node also reads.
@@ -92,7 +93,8 @@ import onnx.shape_inference
 from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
-from normgrad.ops import embedding_grad, matrix_transpose, safe_softmax, softmax_cross_entropy, softmax_grad
+from normgrad.ops import (bias_softmax_cross_entropy, embedding_grad, matrix_transpose, safe_softmax,
+                          softmax_cross_entropy, softmax_grad)
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -609,7 +611,7 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
     _refuse_training_batch_norm(model.graph)
     moved = weights_as_inputs(model.graph)
     if "cross_entropy_expanded" not in skip:
-        model = _expanded(model, softmax_cross_entropy)
+        model = _expanded(_expanded(model, bias_softmax_cross_entropy), softmax_cross_entropy)
     if "group_normalization_expanded" not in skip:
         model = _expand_function_ops(model, _Names(model.graph))
     names = _Names(model.graph)

@@ -11,6 +11,7 @@ import onnx.defs
 from normgrad.ops import (
     activation_grad,
     adam_update,
+    bias_softmax_cross_entropy,
     all_reduce,
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
@@ -51,6 +52,7 @@ OPERATORS = {
         swiglu_grad,
         softmax_grad,
         safe_softmax,
+        bias_softmax_cross_entropy,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

@@ -46,7 +46,8 @@ from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "NO_IGNORE_INDEX", "ATTRIBUTES_READ_UNLESS_DEFAULT",
-           "OUTPUT_SHAPE_FROM", "INPUT_DTYPES", "Result", "validate", "reference", "schema", "function_body"]
+           "OUTPUT_SHAPE_FROM", "INPUT_DTYPES", "Result", "validate", "reference", "schema", "function_body",
+           "checked_logits_and_labels", "schema_with_ignore_index", "standard_op_function"]
 
 OP_TYPE = "SoftmaxCrossEntropy"
 INPUTS = ("logits", "labels")
@@ -76,17 +77,22 @@ def validate(logits, labels, ignore_index: int = NO_IGNORE_INDEX) -> dict:
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
+    return checked_logits_and_labels(OP_TYPE, logits, labels, ignore_index)
+
+
+def checked_logits_and_labels(op_type: str, logits, labels, ignore_index: int) -> dict:
+    """:func:`validate` for ``op_type`` (the errors name it)."""
     logits, labels = np.asarray(logits), np.asarray(labels)
     # float64 only where a float64 check evaluates the reference
     if logits.dtype not in (np.float32, np.float64):
-        raise NormgradInputError(f"{OP_TYPE}: input 'logits' must be float32; got {logits.dtype}")
+        raise NormgradInputError(f"{op_type}: input 'logits' must be float32; got {logits.dtype}")
     if logits.ndim != 2:
-        raise NormgradInputError(f"{OP_TYPE}: input 'logits' must have rank 2 ([samples, classes]); "
+        raise NormgradInputError(f"{op_type}: input 'logits' must have rank 2 ([samples, classes]); "
                                  f"got shape {list(logits.shape)}")
     if labels.dtype != np.int64:
-        raise NormgradInputError(f"{OP_TYPE}: input 'labels' must be int64; got {labels.dtype}")
+        raise NormgradInputError(f"{op_type}: input 'labels' must be int64; got {labels.dtype}")
     if labels.shape != logits.shape[:1]:
-        raise NormgradInputError(f"{OP_TYPE}: input 'labels' must have shape [{logits.shape[0]}] (one label per row "
+        raise NormgradInputError(f"{op_type}: input 'labels' must have shape [{logits.shape[0]}] (one label per row "
                                  f"of 'logits'); got {list(labels.shape)}")
     classes = logits.shape[1]
     wrong = (labels < 0) | (labels >= classes)
@@ -95,7 +101,7 @@ def validate(logits, labels, ignore_index: int = NO_IGNORE_INDEX) -> dict:
     if wrong.any():
         row = int(np.argmax(wrong))
         ignored = "" if ignore_index == NO_IGNORE_INDEX else f" or ignore_index {ignore_index}"
-        raise NormgradInputError(f"{OP_TYPE}: input 'labels' must hold class indices in [0, {classes}){ignored}; "
+        raise NormgradInputError(f"{op_type}: input 'labels' must hold class indices in [0, {classes}){ignored}; "
                                  f"got {int(labels[row])} at row {row}")
     return {"logits": logits, "labels": labels}
 
@@ -136,10 +142,18 @@ def schema():
               param("labels", "L", "[N] class indices, each in [0, C) or ignore_index.")]
     outputs = [param("loss", "T", "The mean cross-entropy over the samples not ignored (a scalar)."),
                param("dlogits", "T", "d loss / d logits, [N, C].")]
+    return schema_with_ignore_index(OP_TYPE, __doc__, inputs, outputs, _infer)
+
+
+def schema_with_ignore_index(op_type: str, doc: str, inputs, outputs, infer):
+    """The schema of ``op_type`` with float32 T, int64 L and the ``ignore_index`` attribute:
+    SoftmaxCrossEntropy's and BiasSoftmaxCrossEntropy's."""
+    from onnx.defs import OpSchema
+
     attributes = [OpSchema.Attribute("ignore_index", oh.make_attribute("ignore_index", NO_IGNORE_INDEX),
                                      "Samples with this label are not counted; the default counts every sample.")]
-    return _common.make_schema(OP_TYPE, __doc__, inputs, outputs,
-                               {"T": (("tensor(float)",), "float32."), "L": (("tensor(int64)",), "int64.")}, _infer,
+    return _common.make_schema(op_type, doc, inputs, outputs,
+                               {"T": (("tensor(float)",), "float32."), "L": (("tensor(int64)",), "int64.")}, infer,
                                attributes=attributes)
 
 
@@ -151,19 +165,31 @@ to the node's attribute."""
 def function_body(opset: int = _common.ONNX_OPSET, reads=()) -> onnx.FunctionProto:
     """The standard-op form the loss writes without the operator: the plain mean when
     ``reads`` is empty, the masked mean reading ``ignore_index`` when it holds it."""
-    from normgrad.graphs.context import GradientContext
     from normgrad.graphs.losses import cross_entropy_standard_ops
 
-    graph = oh.make_graph([], OP_TYPE, [oh.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", "C"]),
-                                        oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["N"])], [])
+    def write(ctx, ignore_index):
+        return cross_entropy_standard_ops(ctx, "logits", "labels", ignore_index=ignore_index)
+
+    return standard_op_function(OP_TYPE, {"logits": ["N", "C"]}, OUTPUTS, write, opset, reads)
+
+
+def standard_op_function(op_type: str, float_inputs: dict, outputs, write, opset: int, reads) -> onnx.FunctionProto:
+    """The function body ``write(ctx, ignore_index)`` emits (returning the outputs' values
+    in ``outputs``' order) over the float32 ``float_inputs`` ({name: dims}) and int64
+    ``labels``, with ``ignore_index`` a reference to the node's attribute when ``reads``
+    holds it (None otherwise): SoftmaxCrossEntropy's and BiasSoftmaxCrossEntropy's."""
+    from normgrad.graphs.context import GradientContext
+
+    infos = [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims) for name, dims in float_inputs.items()]
+    graph = oh.make_graph([], op_type, infos + [oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["N"])], [])
     ctx = GradientContext(graph, opset, set())
-    ctx.scope(OP_TYPE)
+    ctx.scope(op_type)
     ignore_index = _IGNORE_INDEX_MARK if "ignore_index" in reads else None
-    loss, dlogits = cross_entropy_standard_ops(ctx, "logits", "labels", ignore_index=ignore_index)
-    renamed = {loss: "loss", dlogits: "dlogits"}
+    renamed = dict(zip(write(ctx, ignore_index), outputs))
     nodes = []
     for node in ctx.nodes:
         node = onnx.NodeProto.FromString(node.SerializeToString())
+        node.input[:] = [renamed.get(name, name) for name in node.input]
         node.output[:] = [renamed.get(name, name) for name in node.output]
         value = node.attribute[0].t if node.op_type == "Constant" and node.attribute[0].HasField("t") else None
         if value is not None and value.data_type == onnx.TensorProto.INT64 and onh.to_array(value).tolist() == \
@@ -172,5 +198,7 @@ def function_body(opset: int = _common.ONNX_OPSET, reads=()) -> onnx.FunctionPro
             node.attribute.append(onnx.AttributeProto(name="value_int", ref_attr_name="ignore_index",
                                                       type=onnx.AttributeProto.INT))
         nodes.append(node)
-    return oh.make_function(_common.DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), nodes, [oh.make_opsetid("", opset)],
+    inputs = list(float_inputs)
+    inputs[1:1] = ["labels"]
+    return oh.make_function(_common.DOMAIN, op_type, inputs, list(outputs), nodes, [oh.make_opsetid("", opset)],
                             attribute_protos=[oh.make_attribute("ignore_index", NO_IGNORE_INDEX)])

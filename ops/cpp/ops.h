@@ -54,6 +54,7 @@ extern const OpDescriptor kGeluTanhGrad;
 extern const OpDescriptor kSwiGLUGrad;
 extern const OpDescriptor kSoftmaxGrad;
 extern const OpDescriptor kSafeSoftmax;
+extern const OpDescriptor kBiasSoftmaxCrossEntropy;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {

@@ -13,15 +13,17 @@ bool softmax_cross_entropy_avx2() {
   return supported;
 }
 
-SoftmaxRow softmax_row_avx2(const float* x, float* e, size_t n) { return softmax_row<AVX2Lanes>(x, e, n); }
+SoftmaxRow softmax_row_avx2(const float* x, const float* bias, float* e, size_t n) {
+  return softmax_row<AVX2Lanes>(x, bias, e, n);
+}
 
-void scale_row_avx2(float* e, size_t n, float scale) { scale_row<AVX2Lanes>(e, n, scale); }
+void scale_row_avx2(float* e, size_t n, float scale, float* total) { scale_row<AVX2Lanes>(e, n, scale, total); }
 
 }  // namespace normgrad
 #else
 namespace normgrad {
 bool softmax_cross_entropy_avx2() { return false; }
-SoftmaxRow softmax_row_avx2(const float*, float*, size_t) { return {}; }
-void scale_row_avx2(float*, size_t, float) {}
+SoftmaxRow softmax_row_avx2(const float*, const float*, float*, size_t) { return {}; }
+void scale_row_avx2(float*, size_t, float, float*) {}
 }  // namespace normgrad
 #endif

@@ -92,56 +92,72 @@ struct SoftmaxRow {
 };
 
 // Lane groups per float32 partial sum: 4 interleaved accumulators over blocks of this many
-// groups, each block's 32 lanes then added to the float64 sum in lane order.
+// groups, each block's then added pairwise in float32 (a fixed tree) to two float64 terms of
+// the row's sum.
 constexpr size_t kExpSumGroups = 32;
 
-// Writes exp(x_c - max) to e[0, n) (e may be x) and returns (max, their sum).
+// Writes exp(z_c - max) to e[0, n) (e may be x) and returns (max, their sum), with z = x, or
+// z = x + bias (float32) when bias is not null, added in both passes (the same bits; cheaper
+// than storing z and reading it back). The max and each block's exp sum are reduced as trees
+// of 8-lane vectors (short serial chains: attention's rows are only 128 wide), the tails in
+// order: a fixed order, rows never split.
 template <class L>
-SoftmaxRow softmax_row(const float* x, float* e, size_t n) {
+SoftmaxRow softmax_row(const float* x, const float* bias, float* e, size_t n) {
   using V = typename L::V;
-  alignas(32) float lanes[32];
+  alignas(32) float lanes[8];
   size_t c = 0;
   V most[4] = {L::splat(-INFINITY), L::splat(-INFINITY), L::splat(-INFINITY), L::splat(-INFINITY)};
+  auto z = [&](size_t at) { return bias != nullptr ? L::add(L::load(x + at), L::load(bias + at)) : L::load(x + at); };
+  auto z_scalar = [&](size_t at) { return bias != nullptr ? x[at] + bias[at] : x[at]; };
   for (; c + 32 <= n; c += 32) {
-    for (int a = 0; a < 4; ++a) most[a] = L::max(most[a], L::load(x + c + 8 * a));
+    for (int a = 0; a < 4; ++a) most[a] = L::max(most[a], z(c + 8 * a));
   }
-  for (; c + 8 <= n; c += 8) most[0] = L::max(most[0], L::load(x + c));
-  for (int a = 0; a < 4; ++a) L::store(lanes + 8 * a, most[a]);
-  float m = lanes[0];
-  for (int k = 1; k < 32; ++k) m = lane_max(m, lanes[k]);
-  for (; c < n; ++c) m = lane_max(m, x[c]);
+  for (; c + 8 <= n; c += 8) most[0] = L::max(most[0], z(c));
+  L::store(lanes, L::max(L::max(most[0], most[1]), L::max(most[2], most[3])));
+  // (a NaN entry makes the sum NaN whatever m is: exp of NaN is NaN)
+  float m = lane_max(lane_max(lane_max(lanes[0], lanes[1]), lane_max(lanes[2], lanes[3])),
+                     lane_max(lane_max(lanes[4], lanes[5]), lane_max(lanes[6], lanes[7])));
+  for (; c < n; ++c) m = lane_max(m, z_scalar(c));
   double sum = 0.0;
   c = 0;
   while (c + 8 <= n) {
     V block[4] = {L::splat(0.0f), L::splat(0.0f), L::splat(0.0f), L::splat(0.0f)};
     for (size_t g = 0; g < kExpSumGroups && c + 8 <= n; ++g, c += 8) {
-      const V v = L::exp_minus(L::load(x + c), m);
+      const V v = L::exp_minus(z(c), m);
       L::store(e + c, v);
       block[g % 4] = L::add(block[g % 4], v);
     }
-    for (int a = 0; a < 4; ++a) L::store(lanes + 8 * a, block[a]);
-    for (float lane : lanes) sum += lane;
+    L::store(lanes, L::add(L::add(block[0], block[1]), L::add(block[2], block[3])));
+    sum += static_cast<double>((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+           static_cast<double>((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   }
   for (; c < n; ++c) {
-    e[c] = exp_nonpositive(x[c] - m);
+    e[c] = exp_nonpositive(z_scalar(c) - m);
     sum += e[c];
   }
   return {m, sum};
 }
 
-// e[0, n) *= scale.
+// e[0, n) *= scale; then, when total is not null, total[0, n) += e[0, n) (float32).
 template <class L>
-void scale_row(float* e, size_t n, float scale) {
+void scale_row(float* e, size_t n, float scale, float* total) {
   const typename L::V factor = L::splat(scale);
   size_t c = 0;
-  for (; c + 8 <= n; c += 8) L::store(e + c, L::mul(L::load(e + c), factor));
-  for (; c < n; ++c) e[c] *= scale;
+  for (; c + 8 <= n; c += 8) {
+    const typename L::V v = L::mul(L::load(e + c), factor);
+    L::store(e + c, v);
+    if (total != nullptr) L::store(total + c, L::add(L::load(total + c), v));
+  }
+  for (; c < n; ++c) {
+    e[c] *= scale;
+    if (total != nullptr) total[c] += e[c];
+  }
 }
 
 // The AVX2 and FMA lanes; call only when softmax_cross_entropy_avx2() (the CPU has both and
 // NORMGRAD_KERNELS is not "generic").
 bool softmax_cross_entropy_avx2();
-SoftmaxRow softmax_row_avx2(const float* x, float* e, size_t n);
-void scale_row_avx2(float* e, size_t n, float scale);
+SoftmaxRow softmax_row_avx2(const float* x, const float* bias, float* e, size_t n);
+void scale_row_avx2(float* e, size_t n, float scale, float* total);
 
 }  // namespace normgrad

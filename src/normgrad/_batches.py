@@ -102,9 +102,14 @@ class BatchFeeds:
         output = self._loss_metadata.get("output")
         graph = self.step_model.graph
         if not any(info.name == output for info in graph.value_info):
+            from normgrad.graphs.optimizers import expose_forward_outputs, forward_outputs
+
             try:
+                # the output where only the forward tail computes it (a bias Add the loss absorbed)
+                model = expose_forward_outputs(self.step_model, [output]) if output in forward_outputs(self.step_model) \
+                    else self.step_model
                 # data_prop: C through a Reshape to a Shape-computed size (the rewritten x @ W.T)
-                graph = onnx.shape_inference.infer_shapes(self.step_model, data_prop=True).graph
+                graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
             except Exception:  # a graph onnx cannot infer: labels are checked against 0 only
                 return None
         for info in list(graph.value_info) + list(graph.output):

@@ -170,6 +170,7 @@ _METADATA_RULES = {
         isinstance(v, dict) and _int64(v.get("seed")) and isinstance(v.get("outputs", {}), dict))),
     "normgrad.batch_norm": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)),
     "normgrad.data_parallel": ("an object", lambda v: isinstance(v, dict)),
+    "normgrad.forward_tail": ("a string", lambda v: isinstance(v, str)),
 }
 
 

@@ -235,9 +235,15 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         self._session_arguments = (options, providers)
         self._eval_source = eval_model
         self._evaluation: Optional[_Part] = None
+        # outputs only the step graph's forward tail computes (a bias Add the loss absorbed) would
+        # cost onnxruntime a pass each step: a second session has them, for the steps asking
+        computed = {o for node in model.graph.node for o in node.output}
+        self._tail_outputs = {o for o in self.forward_outputs if o not in computed}
+        everyday = [o for o in self.forward_outputs if o in computed]
         if self.split:
             try:
-                gradient = optimizers.expose_forward_outputs(optimizers.build_gradient_graph(model), self.forward_outputs)
+                gradient_graph = optimizers.build_gradient_graph(model)
+                gradient = optimizers.expose_forward_outputs(gradient_graph, everyday)
                 kind, hyper = optimizers.optimizer_options(model)
             except (ValueError, KeyError, TypeError) as error:
                 raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
@@ -245,16 +251,24 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
+            self._gradient_with_tail = self._gradient if not self._tail_outputs else _Part(
+                onnxruntime, optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs), options, providers,
+                grad_state)
             gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
             self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
             self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
         else:
-            exposed = optimizers.expose_forward_outputs(model, self.forward_outputs)
-            gated = _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
-            self._step_part = _Part(onnxruntime, gated, options, providers, self._state_map)
-        parts = [self._gradient, self._optimizer] if self.split else [self._step_part]
+            def step_part(exposed_outputs):
+                exposed = optimizers.expose_forward_outputs(model, exposed_outputs)
+                gated = _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
+                return _Part(onnxruntime, gated, options, providers, self._state_map)
+
+            self._step_part = step_part(everyday)
+            self._step_part_with_tail = step_part(self.forward_outputs) if self._tail_outputs else self._step_part
+        parts = ([self._gradient, self._gradient_with_tail, self._optimizer] if self.split
+                 else [self._step_part, self._step_part_with_tail])
         # one buffer for a tensor only if every part that updates it can do so in place
         self._in_place = {name for name in self._state_map
                           if all(name in part.in_place for part in parts if name in part.state)}
@@ -378,7 +392,8 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         step = self._step + 1
         scalars = {**self.hyperparameters.feeds(step, self._hyperparameter_inputs), "step": np.array(step, np.float32)}
         if not self.split:
-            loss = self._run(self._step_part, {**feeds, **scalars, **self._dropout_feeds(self._step_part)}, fetched=fetched)
+            part = self._step_part_with_tail if self._tail_outputs & set(fetched) else self._step_part
+            loss = self._run(part, {**feeds, **scalars, **self._dropout_feeds(part)}, fetched=fetched)
         else:
             loss = self._split_step(feeds, scalars, fetched)
         if not bool(self._applied.numpy()):
@@ -419,13 +434,14 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         scale = np.array(1.0 / k, np.float32)
         losses = []
         parts: Dict[str, List[np.ndarray]] = {name: [] for name in fetched or {}}
+        gradient = self._gradient_with_tail if self._tail_outputs & set(parts) else self._gradient
         for i in range(k):
             micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
-            dropout = self._dropout_feeds(self._gradient, i)
+            dropout = self._dropout_feeds(gradient, i)
             if dropout:
                 micro.update(dropout, step=step)
             fetched_micro = dict.fromkeys(parts)
-            losses.append(self._run(self._gradient, {**micro, "grad_scale": scale}, self._zeros if i == 0 else {},
+            losses.append(self._run(gradient, {**micro, "grad_scale": scale}, self._zeros if i == 0 else {},
                                     fetched=fetched_micro))
             for name, value in fetched_micro.items():
                 parts[name].append(value)
