@@ -420,14 +420,18 @@ def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumu
     def logits(weights):
         return (x @ weights["w"] + weights["b"]).reshape(-1, 11)
 
-    # the trainer's session for steps not asking for the logits runs no Add; the other one does
-    parts = [trainer._gradient, trainer._gradient_with_tail] if accumulation > 1 else \
-        [trainer._step_part, trainer._step_part_with_tail]
-    assert [("y" in part.outputs) for part in parts] == [False, True]
+    # the trainer's session for steps not asking for the logits runs no Add; the one that does is
+    # built at the first step asking for them
+    main = trainer._gradient if accumulation > 1 else trainer._step_part
+    assert "y" not in main.outputs and trainer._tail_part is None
+    # one step graph: its Add reads b, which the update must not overwrite in place first (split:
+    # the optimizer's session updates b after the gradients' has read it)
+    assert ("b" in trainer._in_place) == (accumulation > 1)
     loss = trainer.step(x, labels)
-    assert np.isfinite(loss)
+    assert np.isfinite(loss) and trainer._tail_part is None
     before = trainer.state_dict()
     result = trainer.step(x, labels, outputs=["y"])
+    assert "y" in trainer._tail_part.outputs
     np.testing.assert_allclose(result.outputs["y"], logits(before), rtol=1e-5, atol=1e-6)
     after = trainer.state_dict()
     assert not np.array_equal(after["b"], before["b"])

@@ -157,7 +157,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
     ):
         import onnxruntime
 
-        from normgrad.graphs import optimizers
+        from normgrad.graphs import optimizers, structure
 
         self._ort = onnxruntime
         self._eval_path = None if eval_model is None or isinstance(eval_model, onnx.ModelProto) else eval_model
@@ -236,7 +236,8 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         self._eval_source = eval_model
         self._evaluation: Optional[_Part] = None
         # outputs only the step graph's forward tail computes (a bias Add the loss absorbed) would
-        # cost onnxruntime a pass each step: a second session has them, for the steps asking
+        # cost onnxruntime a pass each step: a second session has them, built at the first step
+        # asking for one (its frozen initializers would otherwise be held twice from the start)
         computed = {o for node in model.graph.node for o in node.output}
         self._tail_outputs = {o for o in self.forward_outputs if o not in computed}
         everyday = [o for o in self.forward_outputs if o in computed]
@@ -251,27 +252,32 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
-            self._gradient_with_tail = self._gradient if not self._tail_outputs else _Part(
-                onnxruntime, optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs), options, providers,
-                grad_state)
+            tail_model = optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs)
+            self._tail_state = grad_state
             gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
             self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
             self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
+            parts = [self._gradient, self._optimizer]
         else:
-            def step_part(exposed_outputs):
+            def gated_step(exposed_outputs):
                 exposed = optimizers.expose_forward_outputs(model, exposed_outputs)
-                gated = _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
-                return _Part(onnxruntime, gated, options, providers, self._state_map)
+                return _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
 
-            self._step_part = step_part(everyday)
-            self._step_part_with_tail = step_part(self.forward_outputs) if self._tail_outputs else self._step_part
-        parts = ([self._gradient, self._gradient_with_tail, self._optimizer] if self.split
-                 else [self._step_part, self._step_part_with_tail])
+            self._step_part = _Part(onnxruntime, gated_step(everyday), options, providers, self._state_map)
+            tail_model = gated_step(self.forward_outputs) if self._tail_outputs else None
+            self._tail_state = self._state_map
+            parts = [self._step_part]
         # one buffer for a tensor only if every part that updates it can do so in place
         self._in_place = {name for name in self._state_map
                           if all(name in part.in_place for part in parts if name in part.state)}
+        self._tail_model = tail_model if self._tail_outputs else None
+        self._tail_part: Optional[_Part] = None
+        if self._tail_model is not None:  # what the tail reads (the bias) is not updated in place
+            tail_inputs = {i.name for i in self._tail_model.graph.input}
+            tail_state = {name: out for name, out in self._tail_state.items() if name in tail_inputs}
+            self._in_place -= set(tail_state) - structure.in_place_updates(self._tail_model.graph, tail_state)
         self._buffers: Dict[str, List] = {}
         self._current: Dict[str, int] = {}
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
@@ -291,6 +297,18 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         for name, value in given.items():
             if value is not None:
                 self.hyperparameters.set(name, value)
+
+    def _with_tail(self) -> _Part:
+        """The step's (or, split, the gradients') session that also computes the forward tail's
+        outputs, built at the first step asking for one."""
+        if self._tail_part is None:
+            part = _Part(self._ort, self._tail_model, *self._session_arguments, self._tail_state)
+            unsafe = (self._in_place & set(part.state)) - part.in_place
+            if unsafe:  # the graph onnxruntime runs reads them after their update: not seen before it ran
+                raise TrainerError(f"internal error: the session computing {sorted(self._tail_outputs)} would read "
+                                   f"{sorted(unsafe)} after their in-place update; please report it")
+            self._tail_part = part
+        return self._tail_part
 
     def _hyperparameters(self, model: onnx.ModelProto, inputs) -> Hyperparameters:
         """The step graph's hyperparameters at their defaults (:func:`graph_defaults`)."""
@@ -392,7 +410,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         step = self._step + 1
         scalars = {**self.hyperparameters.feeds(step, self._hyperparameter_inputs), "step": np.array(step, np.float32)}
         if not self.split:
-            part = self._step_part_with_tail if self._tail_outputs & set(fetched) else self._step_part
+            part = self._with_tail() if self._tail_outputs & set(fetched) else self._step_part
             loss = self._run(part, {**feeds, **scalars, **self._dropout_feeds(part)}, fetched=fetched)
         else:
             loss = self._split_step(feeds, scalars, fetched)
@@ -434,7 +452,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         scale = np.array(1.0 / k, np.float32)
         losses = []
         parts: Dict[str, List[np.ndarray]] = {name: [] for name in fetched or {}}
-        gradient = self._gradient_with_tail if self._tail_outputs & set(parts) else self._gradient
+        gradient = self._with_tail() if self._tail_outputs & set(parts) else self._gradient
         for i in range(k):
             micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
             dropout = self._dropout_feeds(gradient, i)
