@@ -360,7 +360,7 @@ def test_exported_heads_match_torch(kind, exporter, tmp_path):
     the default step graph's loss node reads the decoder bias and no Add does; a Linear with
     bias (one Gemm with C from both exporters, nothing to absorb) keeps SoftmaxCrossEntropy.
     Either way the loss and every weight's gradient are torch's."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     import normgrad.torch
     from _graph_models import run_training
