@@ -252,7 +252,8 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
-            tail_model = optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs)
+            tail_model = optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs) \
+                if self._tail_outputs else None
             self._tail_state = grad_state
             gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
             self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
@@ -272,7 +273,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         # one buffer for a tensor only if every part that updates it can do so in place
         self._in_place = {name for name in self._state_map
                           if all(name in part.in_place for part in parts if name in part.state)}
-        self._tail_model = tail_model if self._tail_outputs else None
+        self._tail_model = tail_model
         self._tail_part: Optional[_Part] = None
         if self._tail_model is not None:  # what the tail reads (the bias) is not updated in place
             tail_inputs = {i.name for i in self._tail_model.graph.input}
