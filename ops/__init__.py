@@ -26,6 +26,7 @@ from normgrad.ops import (
     sgd_update,
     softmax_cross_entropy,
     softmax_grad,
+    silu_mul,
     swiglu_grad,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError
@@ -53,6 +54,7 @@ OPERATORS = {
         softmax_grad,
         safe_softmax,
         bias_softmax_cross_entropy,
+        silu_mul,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,
