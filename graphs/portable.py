@@ -539,8 +539,8 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
             "embedding_grad_expanded", "matrix_transpose_expanded", "softmax_grad_expanded", "safe_softmax_expanded",
-            "silu_mul_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight", "constant_casts_folded",
-            "scan_bodies_self_contained", "float64_scalars_in_float32", "unused_inputs_last")
+            "silu_mul_expanded", "onehot_as_equal", "size_as_shape_product", "conv_transpose_own_weight",
+            "constant_casts_folded", "scan_bodies_self_contained", "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
 COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
                    "embedding_grad_expanded", "matrix_transpose_expanded", "softmax_grad_expanded",

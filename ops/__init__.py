@@ -24,9 +24,9 @@ from normgrad.ops import (
     rms_normalization_grad,
     safe_softmax,
     sgd_update,
+    silu_mul,
     softmax_cross_entropy,
     softmax_grad,
-    silu_mul,
     swiglu_grad,
 )
 from normgrad.ops._common import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION, NormgradInputError

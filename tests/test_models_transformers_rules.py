@@ -267,9 +267,9 @@ def test_gated_silu_families_match_torch(exporter, family):
         pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet")
     transformers = pytest.importorskip("transformers")
     llama = _llama_config().to_dict()
-    options = {key: llama[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                           "num_key_value_heads", "vocab_size", "max_position_embeddings",
-                                           "attention_dropout")}
+    options = {key: llama[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                           "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                           "max_position_embeddings", "attention_dropout")}
     config = getattr(transformers, f"{family}Config")(**options, attn_implementation="eager")
     torch.manual_seed(0)
     module = _Outputs(getattr(transformers, f"{family}Model")(config), "input_ids", ("last_hidden_state",))

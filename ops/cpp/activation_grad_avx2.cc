@@ -127,7 +127,8 @@ void silu_mul_lanes(const float* gate, const float* up, float* y, size_t begin, 
   alignas(32) float gate_block[8] = {}, up_block[8] = {};
   std::memcpy(gate_block, gate + i, (end - i) * sizeof(float));
   std::memcpy(up_block, up + i, (end - i) * sizeof(float));
-  _mm256_store_ps(gate_block, activation_math::silu_mul(F8(_mm256_load_ps(gate_block)), F8(_mm256_load_ps(up_block))).v);
+  const F8 out = activation_math::silu_mul(F8(_mm256_load_ps(gate_block)), F8(_mm256_load_ps(up_block)));
+  _mm256_store_ps(gate_block, out.v);
   std::memcpy(y + i, gate_block, (end - i) * sizeof(float));
 }
 
