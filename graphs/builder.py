@@ -99,7 +99,8 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     products_rewritten = rewrites.transposed_weight_products(model)
     slices_rewritten = rewrites.tiling_slices_as_split(model)
     softmaxes_rewritten = rewrites.safe_softmaxes(model)
-    if products_rewritten or slices_rewritten or softmaxes_rewritten:
+    silu_products_rewritten = rewrites.silu_products(model)
+    if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten:
         model = _infer_shapes(model)
     return model, opset
 

@@ -40,6 +40,10 @@ would produce a wrong or rejected model.
   float32 x (scaled-dot-product attention's), becomes one ``normgrad:SafeSoftmax``: one pass
   per row instead of three, its gradient 0 on fully masked rows as torch's
   (:func:`safe_softmaxes`).
+* Llama's gated unit ``Mul(Mul(gate, Sigmoid(gate)), up)`` of float32 gate and up of one static
+  shape becomes one ``normgrad:SiLUMul``: one pass instead of two (onnxruntime's QuickGelu,
+  then the Mul), no silu(gate) written in between; its gradient SwiGLUGrad
+  (:func:`silu_products`).
 """
 
 from __future__ import annotations
@@ -58,15 +62,17 @@ import onnx.version_converter
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
 from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
+from normgrad.graphs.patterns import GraphView
+from normgrad.graphs.patterns.silu import match_gated_silu
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, _common, dropout_mask, safe_softmax
+from normgrad.ops import DOMAIN, _common, dropout_mask, safe_softmax, silu_mul
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
            "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader",
-           "safe_softmaxes"]
+           "safe_softmaxes", "silu_products"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -966,6 +972,33 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
     nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
     read = {name for node in nodes for name in node.input} | outputs
     nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in zeros and n.output[0] not in read)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(oh.make_opsetid(DOMAIN, _common.OPSET_VERSION))
+    return sum(1 for new in replaced.values() if new)
+
+
+def silu_products(model: onnx.ModelProto) -> int:
+    """Rewrites, in place, each ``Mul(Mul(gate, Sigmoid(gate)), up)`` that
+    :func:`normgrad.graphs.patterns.silu.match_gated_silu` accepts (float32 gate and up of one
+    static shape, the Sigmoid and the SiLU read by the chain alone, neither a graph output)
+    into one ``normgrad:SiLUMul(gate, up)`` writing the product's output; returns how many.
+    Needs the inferred types."""
+    graph = model.graph
+    types = {init.name: oh.make_tensor_type_proto(init.data_type, list(init.dims)) for init in graph.initializer}
+    types.update((info.name, info.type) for info in list(graph.input) + list(graph.value_info) + list(graph.output))
+    view = GraphView(graph)
+    replaced: Dict[int, list] = {}
+    for node in graph.node:
+        chain = match_gated_silu(view, types.get, node)
+        if chain is None:
+            continue
+        fused = oh.make_node(silu_mul.OP_TYPE, [chain.gate, chain.up], [node.output[0]], name=node.name, domain=DOMAIN)
+        replaced.update({id(node): [fused], id(chain.silu): [], id(chain.sigmoid): []})
+    if not replaced:
+        return 0
+    nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
     del graph.node[:]
     graph.node.extend(nodes)
     if not any(o.domain == DOMAIN for o in model.opset_import):

@@ -24,6 +24,7 @@ from normgrad.ops import (
     rms_normalization_grad,
     safe_softmax,
     sgd_update,
+    silu_mul,
     softmax_cross_entropy,
     softmax_grad,
     swiglu_grad,
@@ -53,6 +54,7 @@ OPERATORS = {
         softmax_grad,
         safe_softmax,
         bias_softmax_cross_entropy,
+        silu_mul,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

@@ -188,7 +188,8 @@ class _LlamaBlock(nn.Module):
 def _check_model(module, inputs, exporter, input_name, output_names, grad_op, norms):
     """Exports ``module`` (training mode, distinct parameter values) with ``exporter``, asserts
     ``norms`` ``grad_op`` nodes in its training graph, and its outputs and the gradients of
-    every parameter (and of a float input) against torch autograd."""
+    every parameter (and of a float input) against torch autograd; returns the training
+    graph's {op type: count}."""
     module = module.train()
     _distinct_parameters(module)
     inputs_t = torch.tensor(inputs, requires_grad=inputs.dtype.kind == "f")
@@ -206,6 +207,7 @@ def _check_model(module, inputs, exporter, input_name, output_names, grad_op, no
         np.testing.assert_allclose(results[name], out.detach().numpy(), rtol=1e-4, atol=1e-4)
     extra = {input_name: inputs_t.grad.numpy()} if inputs_t.grad is not None else {}
     _assert_gradients_match(results, weights, module, extra)
+    return ops
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -236,7 +238,8 @@ def test_llama_matches_torch(exporter, whole):
     """A Llama decoder block (LlamaDecoderLayer + final LlamaRMSNorm; hidden 32, 2 heads, 1
     KV head) on hidden states, and a whole one-layer LlamaModel (token embedding, causal mask)
     on token ids: the three RMSNorms, written by both exporters as x * rsqrt(mean(x²) + eps)
-    * w with Casts to float32, each one RMSNormalizationGrad (the chain pattern)."""
+    * w with Casts to float32, each one RMSNormalizationGrad (the chain pattern); the gated
+    MLP's silu(gate) * up one SiLUMul, differentiated as one SwiGLUGrad."""
     if "Slice" not in supported_op_types():
         pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet")
     rng = np.random.default_rng(0)
@@ -248,4 +251,29 @@ def test_llama_matches_torch(exporter, whole):
     else:
         module, inputs = _LlamaBlock(), rng.standard_normal((2, 8, 32)).astype(np.float32)
     norms = 3 if _declarative.AVAILABLE else 0
-    _check_model(module, inputs, exporter, "input_ids" if whole else "hidden", ("y",), "RMSNormalizationGrad", norms)
+    ops = _check_model(module, inputs, exporter, "input_ids" if whole else "hidden", ("y",), "RMSNormalizationGrad",
+                       norms)
+    assert (ops["SiLUMul"], ops["SwiGLUGrad"], ops["Sigmoid"]) == (1, 1, 0), ops
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
+def test_gated_silu_families_match_torch(exporter, family):
+    """One-layer MistralModel and Qwen2Model (Llama's layout: RMSNorm, rotary attention with
+    grouped KV heads, Qwen2 with q/k/v biases; the same SiLU-gated MLP) on token ids: their
+    outputs and every parameter's gradient against torch autograd, the gated unit one
+    SiLUMul differentiated as one SwiGLUGrad."""
+    if "Slice" not in supported_op_types():
+        pytest.skip("rotary embeddings slice q and k: no Slice gradient rule on this branch yet")
+    transformers = pytest.importorskip("transformers")
+    llama = _llama_config().to_dict()
+    options = {key: llama[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                           "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                           "max_position_embeddings", "attention_dropout")}
+    config = getattr(transformers, f"{family}Config")(**options, attn_implementation="eager")
+    torch.manual_seed(0)
+    module = _Outputs(getattr(transformers, f"{family}Model")(config), "input_ids", ("last_hidden_state",))
+    inputs = np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int64)
+    norms = 3 if _declarative.AVAILABLE else 0
+    ops = _check_model(module, inputs, exporter, "input_ids", ("y",), "RMSNormalizationGrad", norms)
+    assert (ops["SiLUMul"], ops["SwiGLUGrad"], ops["Sigmoid"]) == (1, 1, 0), ops

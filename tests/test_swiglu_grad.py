@@ -3,7 +3,8 @@ autograd; the C++ kernel's dgate bitwise SiLUGrad's for dy * up and both outputs
 float32 ulps of the reference (both loops, 1/2/4 threads, bitwise alike); the Python kernel
 and the function body; bad inputs named; the step graph of a gated MLP uses the operator for
 ``Mul(SiLU(gate), up)`` and matches its ``--inline`` form (the standard ops) at every
-optimization level, and the pattern stays off where it does not apply."""
+optimization level (the forward's SiLUMul, tests/test_silu_mul.py, differentiated as SwiGLUGrad),
+and neither applies where it should not."""
 
 from __future__ import annotations
 
@@ -139,34 +140,45 @@ def test_validate_names_the_input(case):
 # ----------------------------------------------------------------------------- step graphs
 
 
-def _forward(variant="swiglu"):
-    """x @ wg -> SiLU (Mul(g, Sigmoid(g))) -> times up = x @ wu -> @ wd; variants where the
-    pattern must not apply: the SiLU also read elsewhere, up broadcast, up the SiLU's input."""
+def _forward(variant="swiglu", dtype=onnx.TensorProto.FLOAT):
+    """x @ wg -> SiLU (Mul(g, Sigmoid(g))) -> times up = x @ wu -> @ wd; variants: the
+    operands of either Mul swapped; where the rewrite into SiLUMul must not apply: the SiLU
+    also read elsewhere, up broadcast, up the SiLU's input, the Sigmoid or the SiLU a graph
+    output, a dynamic batch size, another float type (``dtype``)."""
     rng = np.random.default_rng(0)
-    weights = {name: onh.from_array((rng.standard_normal(shape) * 0.7).astype(np.float32), name)
+    values = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    weights = {name: onh.from_array((rng.standard_normal(shape) * 0.7).astype(values), name)
                for name, shape in (("wg", (6, 8)), ("wu", (6, 8)), ("wd", (8, 4)), ("bias", (1, 8)))}
-    up = {"swiglu": "u", "broadcast": "bias", "self": "g", "read twice": "u"}[variant]
+    up = {"broadcast": "bias", "self": "g"}.get(variant, "u")
+    swapped = variant == "both swapped"
     nodes = [oh.make_node("MatMul", ["x", "wg"], ["g"]), oh.make_node("MatMul", ["x", "wu"], ["u"]),
-             oh.make_node("Sigmoid", ["g"], ["s"]), oh.make_node("Mul", ["g", "s"], ["a"]),
-             oh.make_node("Mul", ["a", up], ["p"])]
+             oh.make_node("Sigmoid", ["g"], ["s"]),
+             oh.make_node("Mul", ["s", "g"] if swapped or variant == "sigmoid first" else ["g", "s"], ["a"]),
+             oh.make_node("Mul", [up, "a"] if swapped or variant == "up first" else ["a", up], ["p"])]
     if variant == "read twice":
         nodes += [oh.make_node("Add", ["p", "a"], ["q"]), oh.make_node("MatMul", ["q", "wd"], ["y"])]
     else:
         nodes.append(oh.make_node("MatMul", ["p", "wd"], ["y"]))
-    graph = oh.make_graph(nodes, "gated_mlp", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [5, 6])],
-                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [5, 4])], list(weights.values()))
+    batch = "batch" if variant == "dynamic batch" else 5
+    outputs = [oh.make_tensor_value_info("y", dtype, [batch, 4])]
+    outputs += [oh.make_tensor_value_info(name, dtype, [batch, 8])
+                for name, case in (("s", "sigmoid an output"), ("a", "silu an output")) if variant == case]
+    graph = oh.make_graph(nodes, "gated_mlp", [oh.make_tensor_value_info("x", dtype, [batch, 6])], outputs,
+                          list(weights.values()))
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=IR_VERSION)
 
 
-def test_step_graph_uses_the_operator_and_matches_the_inline_form():
-    """One SwiGLUGrad, no SiLUGrad; the updated weights match the ``--inline`` form's at every
-    level with the C++ and Python kernels and the inlined body, and the same bits at 1, 2 and
-    4 threads; the gradients are torch's."""
-    forward = _forward()
+@pytest.mark.parametrize("variant", ["swiglu", "both swapped"])
+def test_step_graph_uses_the_operator_and_matches_the_inline_form(variant):
+    """The forward's SiLUMul and one SwiGLUGrad, no SiLUGrad, no Sigmoid; the updated weights
+    match the ``--inline`` form's at every level with the C++ and Python kernels and the
+    inlined bodies, and the same bits at 1, 2 and 4 threads; the gradients are torch's."""
+    forward = _forward(variant)
     step, initial = build_step_graph(build_training_graph(forward, loss="mse"), "sgd")
     inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "sgd")
     ops = [n.op_type for n in step.graph.node if n.domain == DOMAIN]
-    assert ops.count(OP) == 1 and "SiLUGrad" not in ops
+    assert ops.count(OP) == 1 and ops.count("SiLUMul") == 1 and "SiLUGrad" not in ops
+    assert not any(n.op_type == "Sigmoid" for n in step.graph.node)
     assert not any(n.domain == DOMAIN for n in inline.graph.node)
     rng = np.random.default_rng(7)
     x, labels = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
@@ -185,13 +197,13 @@ def test_step_graph_uses_the_operator_and_matches_the_inline_form():
 
 @pytest.mark.parametrize("variant", ["broadcast", "self", "read twice"])
 def test_pattern_stays_off_where_it_does_not_apply(variant):
-    """up broadcast, up the SiLU's own input, or the SiLU read elsewhere: SiLUGrad and the
-    product's own gradients; the step still matches its --inline form."""
+    """up broadcast, up the SiLU's own input, or the SiLU read elsewhere: no SiLUMul, SiLUGrad
+    and the product's own gradients; the step still matches its --inline form."""
     forward = _forward(variant)
     step, initial = build_step_graph(build_training_graph(forward, loss="mse"), "sgd")
     inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "sgd")
     ops = [n.op_type for n in step.graph.node if n.domain == DOMAIN]
-    assert OP not in ops and ops.count("SiLUGrad") == 1
+    assert OP not in ops and "SiLUMul" not in ops and ops.count("SiLUGrad") == 1
     rng = np.random.default_rng(3)
     feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((5, 6)).astype(np.float32),
              "labels": rng.standard_normal((5, 4)).astype(np.float32), "lr": np.array(0.1, np.float32),

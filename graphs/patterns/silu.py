@@ -1,8 +1,10 @@
 """SiLU (Swish) as the exporters write it, ``Mul(x, Sigmoid(x))`` in either operand order
 (torch's dynamo and TorchScript exporters for ``F.silu`` / ``nn.SiLU``: Llama's and Mistral's
-gated MLP, EfficientNet's MBConv): one ``SiLUGrad`` for a float32 x; and the gated unit
-``Mul(SiLU(gate), up)`` (Llama's MLP) with gate and up of one static float32 shape: one
-``SwiGLUGrad`` for both factors.
+gated MLP, EfficientNet's MBConv): one ``SiLUGrad`` for a float32 x. The gated unit
+``Mul(SiLU(gate), up)`` (Llama's MLP) with gate and up of one static float32 shape never
+reaches the patterns: the builder writes it as one ``SiLUMul`` beforehand
+(``normgrad.graphs.rewrites.silu_products``, with :func:`match_gated_silu`), whose rule is
+one ``SwiGLUGrad`` for both factors.
 
 Node by node its gradient takes six passes over x's size (the Mul's two products, the
 Sigmoid's 1 - s, s (1 - s) and its product with the incoming gradient, and the Sum of x's
@@ -16,7 +18,7 @@ Mul alone and not a graph output.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import onnx
 
@@ -24,16 +26,15 @@ from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, is_op, register
 from normgrad.graphs.patterns._row_norm import float_input
 from normgrad.graphs.rules.activations import activation_gradient
-from normgrad.ops import DOMAIN, swiglu_grad
 
-__all__ = ["PATTERN", "GATED_PATTERN", "match_silu", "match_swiglu"]
+__all__ = ["PATTERN", "GatedSiLU", "match_silu", "match_gated_silu"]
 
 PATTERN = "silu"
-GATED_PATTERN = "swiglu"
 
 
-def _silu_parts(view: GraphView, ctx: GradientContext, mul: Optional[onnx.NodeProto]):
-    """(x, the Sigmoid's output, the Sigmoid) of ``mul`` = Mul(x, Sigmoid(x)), or None."""
+def _silu_parts(view: GraphView, mul: Optional[onnx.NodeProto]):
+    """(x, the Sigmoid's output, the Sigmoid) of ``mul`` = Mul(x, Sigmoid(x)) with the Sigmoid
+    read by it alone, or None."""
     if not is_op(mul, "Mul") or len(mul.input) != 2 or "Sigmoid" not in view.op_types:
         return None
     for x, gate in (tuple(mul.input), tuple(reversed(mul.input))):
@@ -42,45 +43,58 @@ def _silu_parts(view: GraphView, ctx: GradientContext, mul: Optional[onnx.NodePr
             break
     else:
         return None
-    if not float_input(ctx, x) or not view.only_consumer(gate, mul):
+    if not view.only_consumer(gate, mul):
         return None
     return x, gate, sigmoid
 
 
-@register(GATED_PATTERN)
-def match_swiglu(view: GraphView, ctx: GradientContext, product: onnx.NodeProto) -> Optional[Match]:
-    """``product`` = Mul(SiLU(gate), up) with the SiLU read by it alone, gate and up float32
-    of one static shape, or None."""
+class GatedSiLU(NamedTuple):
+    """One ``product`` = Mul(Mul(gate, Sigmoid(gate)), up) (:func:`match_gated_silu`)."""
+
+    gate: str
+    up: str
+    product: onnx.NodeProto
+    silu: onnx.NodeProto
+    sigmoid: onnx.NodeProto
+
+
+def _float32_shape(type_proto: Optional[onnx.TypeProto]) -> Optional[List[int]]:
+    """The shape of a float32 tensor type if every dim is a known int, else None."""
+    if type_proto is None or not type_proto.HasField("tensor_type"):
+        return None
+    tensor = type_proto.tensor_type
+    if tensor.elem_type != onnx.TensorProto.FLOAT or not tensor.HasField("shape") \
+            or not all(d.HasField("dim_value") for d in tensor.shape.dim):
+        return None
+    return [d.dim_value for d in tensor.shape.dim]
+
+
+def match_gated_silu(view: GraphView, type_of: Callable[[str], Optional[onnx.TypeProto]],
+                     product: onnx.NodeProto) -> Optional[GatedSiLU]:
+    """``product`` = Mul(SiLU(gate), up), either operand order in both Muls, with the SiLU
+    and its Sigmoid read by the chain alone (neither a graph output), gate and up two values
+    of one static float32 shape (``type_of(name)``: a value's inferred type), or None."""
     if not is_op(product, "Mul") or len(product.input) != 2:
         return None
     for activated, up in (tuple(product.input), tuple(reversed(product.input))):
-        mul = view.producer.get(activated)
-        parts = _silu_parts(view, ctx, mul) if activated != up else None
+        silu = view.producer.get(activated)
+        parts = _silu_parts(view, silu) if activated != up else None
         if parts is not None:
             break
     else:
         return None
     gate, _, sigmoid = parts
-    shape = ctx.static_shape(gate)
-    if up == gate or not view.only_consumer(activated, product) or ctx.elem_type(gate) != onnx.TensorProto.FLOAT \
-            or ctx.elem_type(up) != onnx.TensorProto.FLOAT or shape is None or ctx.static_shape(up) != shape:
+    shape = _float32_shape(type_of(gate))
+    if up == gate or not view.only_consumer(activated, product) or shape is None or _float32_shape(type_of(up)) != shape:
         return None
-
-    def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
-        wanted = [name for name in (gate, up) if ctx.needs_grad(name)]
-        if not wanted:
-            return []
-        dgate, dup = ctx.op(swiglu_grad.OP_TYPE, dy, gate, up, outputs=2, domain=DOMAIN)
-        return [(name, grad) for name, grad in ((gate, dgate), (up, dup)) if name in wanted]
-
-    return Match(GATED_PATTERN, product, [product, mul, sigmoid], gradient)
+    return GatedSiLU(gate, up, product, silu, sigmoid)
 
 
 @register(PATTERN)
 def match_silu(view: GraphView, ctx: GradientContext, mul: onnx.NodeProto) -> Optional[Match]:
     """``mul`` = Mul(x, Sigmoid(x)), or None."""
-    parts = _silu_parts(view, ctx, mul)
-    if parts is None:
+    parts = _silu_parts(view, mul)
+    if parts is None or not float_input(ctx, parts[0]):
         return None
     x, gate, sigmoid = parts
 

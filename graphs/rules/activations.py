@@ -15,9 +15,10 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.ops import DOMAIN, activation_grad, safe_softmax, softmax_grad
+from normgrad.ops import DOMAIN, activation_grad, safe_softmax, silu_mul, softmax_grad, swiglu_grad
 
-__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "prelu_gradient", "activation_gradient"]
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "silu_mul_gradient",
+           "prelu_gradient", "activation_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
 
@@ -171,3 +172,12 @@ def safe_softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
     """normgrad:SafeSoftmax (float32, last axis): ``SoftmaxGrad(dy, y)``, 0 on the rows it zeroed
     (torch's ``_safe_softmax`` backward), where the standard ops' Where/Softmax gradients give NaN."""
     return [ctx.op(softmax_grad.OP_TYPE, grads[0], node.output[0], domain=DOMAIN)]
+
+
+@register(silu_mul.OP_TYPE, inputs=(0, 1), normgrad_domain=True)
+def silu_mul_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """normgrad:SiLUMul, y = silu(gate) * up: both gradients from one ``SwiGLUGrad(dy, gate, up)``,
+    which recomputes the sigmoid."""
+    gate, up = node.input
+    dgate, dup = ctx.op(swiglu_grad.OP_TYPE, grads[0], gate, up, outputs=2, domain=DOMAIN)
+    return [dgate if ctx.needs_grad(gate) else None, dup if ctx.needs_grad(up) else None]

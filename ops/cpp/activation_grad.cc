@@ -1,7 +1,7 @@
 // SiLUGrad, GeluGrad, GeluTanhGrad: dx = dy * f'(x) in one pass (ops/activation_grad.py), one
-// kernel class for the three, and SwiGLUGrad (ops/swiglu_grad.py): activation_grad_math.h's
-// loops over fixed chunks (elementwise: the same bits for any thread count), on 8 AVX lanes
-// where update_avx2().
+// kernel class for the three, SwiGLUGrad (ops/swiglu_grad.py) and the forward SiLUMul
+// (ops/silu_mul.py): activation_grad_math.h's loops over fixed chunks (elementwise: the same
+// bits for any thread count), on 8 AVX lanes where update_avx2().
 #include <algorithm>
 #include <string>
 
@@ -69,8 +69,34 @@ struct SwiGLUGrad final : KernelBase {
   }
 };
 
+struct SiLUMul final : KernelBase {
+  explicit SiLUMul(const OrtKernelInfo*) {}
+  const char* name() const override { return "SiLUMul"; }
+
+  void compute(OrtKernelContext* ctx) override {
+    const std::vector<Input> in = float32_inputs_alike(ctx, name(), {"gate", "up"}, 0);
+    const float* const gate = static_cast<const float*>(in[0].data);
+    const float* const up = static_cast<const float*>(in[1].data);
+    float* const y = static_cast<float*>(get_output(ctx, 0, in[0].shape));
+    const size_t n = in[0].size;
+    const bool avx2 = update_avx2();
+    auto chunk = [&](size_t c) {
+      const size_t begin = c * kChunk, end = std::min(n, (c + 1) * kChunk);
+      if (avx2) {
+        silu_mul_avx2(gate, up, y, begin, end);
+      } else {
+        silu_mul_loop(gate, up, y, begin, end);
+      }
+    };
+    parallel_for(ctx, (n + kChunk - 1) / kChunk, chunk, n);
+  }
+};
+
 }  // namespace
 
+extern const OpDescriptor kSiLUMul = {
+    "SiLUMul", 2, 1, "TT", "00", "T", "0", 'd', 0, &create_kernel<SiLUMul>,
+};
 extern const OpDescriptor kSwiGLUGrad = {
     "SwiGLUGrad", 3, 2, "TTT", "000", "TT", "00", 'd', 1, &create_kernel<SwiGLUGrad>,
 };

@@ -110,7 +110,33 @@ void swiglu_lanes(const float* dy, const float* gate, const float* up, float* dg
   std::memcpy(dup + i, blocks[4], (end - i) * sizeof(float));
 }
 
+// silu_mul on 4 vectors per iteration, then single vectors, then a zero-padded one.
+void silu_mul_lanes(const float* gate, const float* up, float* y, size_t begin, size_t end) {
+  constexpr size_t kVectors = 4;
+  auto at = [&](size_t i) {
+    return activation_math::silu_mul(F8(_mm256_loadu_ps(gate + i)), F8(_mm256_loadu_ps(up + i)));
+  };
+  size_t i = begin;
+  for (; i + 8 * kVectors <= end; i += 8 * kVectors) {
+    F8 out[kVectors];
+    for (size_t k = 0; k < kVectors; ++k) out[k] = at(i + 8 * k);
+    for (size_t k = 0; k < kVectors; ++k) _mm256_storeu_ps(y + i + 8 * k, out[k].v);
+  }
+  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(y + i, at(i).v);
+  if (i == end) return;
+  alignas(32) float gate_block[8] = {}, up_block[8] = {};
+  std::memcpy(gate_block, gate + i, (end - i) * sizeof(float));
+  std::memcpy(up_block, up + i, (end - i) * sizeof(float));
+  const F8 out = activation_math::silu_mul(F8(_mm256_load_ps(gate_block)), F8(_mm256_load_ps(up_block)));
+  _mm256_store_ps(gate_block, out.v);
+  std::memcpy(y + i, gate_block, (end - i) * sizeof(float));
+}
+
 }  // namespace
+
+void silu_mul_avx2(const float* gate, const float* up, float* y, size_t begin, size_t end) {
+  silu_mul_lanes(gate, up, y, begin, end);
+}
 
 void swiglu_grad_avx2(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
                       size_t end) {
@@ -132,5 +158,6 @@ namespace normgrad {
 // Not an x86 CPU: update_avx2() is false, so this is never called.
 void activation_grad_avx2(Activation, const float*, const float*, float*, size_t, size_t) { __builtin_trap(); }
 void swiglu_grad_avx2(const float*, const float*, const float*, float*, float*, size_t, size_t) { __builtin_trap(); }
+void silu_mul_avx2(const float*, const float*, float*, size_t, size_t) { __builtin_trap(); }
 }  // namespace normgrad
 #endif

@@ -114,6 +114,13 @@ inline V sigmoid_slope_from(V v, V e, V c) {
   return sigmoid_and_slope(v, e, c).slope;
 }
 
+// sigmoid(gate) and silu'(gate) = sigmoid_slope_from(gate, exp(-|gate|), gate): SiLUGrad's,
+// SwiGLUGrad's and SiLUMul's one source.
+template <class V>
+inline SigmoidSlope<V> silu_sigmoid_and_slope(V gate) {
+  return sigmoid_and_slope(gate, exp_single(flip_unless_negative(gate, gate)), gate);
+}
+
 // sigmoid_slope_from for v = hi + lo (lo small beside hi).
 template <class V>
 inline V sigmoid_slope(V hi, V lo, V c) {
@@ -163,7 +170,7 @@ template <Activation kind, class V>
 inline V grad(V dy, V x) {
   V slope;
   if (kind == Activation::kSilu) {
-    slope = sigmoid_slope_from(x, exp_single(flip_unless_negative(x, x)), x);
+    slope = silu_sigmoid_and_slope(x).slope;
   } else if (kind == Activation::kGeluErf) {
     slope = gelu_erf_slope(x);
   } else {
@@ -176,9 +183,16 @@ inline V grad(V dy, V x) {
 // SiLUGrad's dx for dy up; dup = dy (gate sigmoid(gate)). A NaN gate gives NaN for both.
 template <class V>
 inline void swiglu_grad(V dy, V gate, V up, V& dgate, V& dup) {
-  const SigmoidSlope<V> parts = sigmoid_and_slope(gate, exp_single(flip_unless_negative(gate, gate)), gate);
+  const SigmoidSlope<V> parts = silu_sigmoid_and_slope(gate);
   dgate = (dy * up) * select(gate == gate, parts.slope, gate);
   dup = dy * (gate * parts.sigmoid);
+}
+
+// SiLUMul (ops/silu_mul.py): y = (gate sigmoid(gate)) up, with swiglu_grad's silu(gate) bits
+// (only the sigmoid is computed: the slope's operations are dead and compiled away).
+template <class V>
+inline V silu_mul(V gate, V up) {
+  return (gate * silu_sigmoid_and_slope(gate).sigmoid) * up;
 }
 
 // Two independent halves of [begin, end) per iteration: twice the instruction-level
@@ -212,7 +226,13 @@ inline void swiglu_grad_loop(const float* dy, const float* gate, const float* up
   for (size_t i = begin; i < end; ++i) activation_math::swiglu_grad(dy[i], gate[i], up[i], dgate[i], dup[i]);
 }
 
+// SiLUMul over [begin, end).
+inline void silu_mul_loop(const float* gate, const float* up, float* y, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) y[i] = activation_math::silu_mul(gate[i], up[i]);
+}
+
 // The loops compiled with -mavx2 (activation_grad_avx2.cc); run only where update_avx2() is true.
+void silu_mul_avx2(const float* gate, const float* up, float* y, size_t begin, size_t end);
 void swiglu_grad_avx2(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
                       size_t end);
 void activation_grad_avx2(Activation kind, const float* dy, const float* x, float* dx, size_t begin, size_t end);

@@ -55,6 +55,7 @@ extern const OpDescriptor kSwiGLUGrad;
 extern const OpDescriptor kSoftmaxGrad;
 extern const OpDescriptor kSafeSoftmax;
 extern const OpDescriptor kBiasSoftmaxCrossEntropy;
+extern const OpDescriptor kSiLUMul;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {
