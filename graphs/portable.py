@@ -42,8 +42,9 @@ minimal reproducer of each:
   becomes the standard Transpose, which the runtime folds into its GEMM.
 * **SoftmaxGrad as its standard ops** (not a defect either): the gradient of a float32
   Softmax over the last axis (onnxruntime's CPU provider only) becomes Mul, ReduceSum, Sub, Mul.
-* **SafeSoftmax as its standard ops** (not a defect either): attention's safe softmax
-  (onnxruntime's CPU provider only) becomes the Softmax, IsNaN, Where torch's exporters wrote.
+* **SafeSoftmax and BiasSafeSoftmax as their standard ops** (not a defect either):
+  attention's safe softmax (onnxruntime's CPU provider only) becomes the Add of its mask and
+  the Softmax, IsNaN, Where torch's exporters wrote.
 * **SiLUMul as its standard ops** (not a defect either): Llama's gated unit silu(gate) * up
   (onnxruntime's CPU provider only) becomes the Sigmoid, Mul, Mul torch's exporters wrote.
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
@@ -95,7 +96,7 @@ import onnx.shape_inference
 from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
-from normgrad.ops import (bias_softmax_cross_entropy, embedding_grad, matrix_transpose, safe_softmax,
+from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, embedding_grad, matrix_transpose, safe_softmax,
                           silu_mul, softmax_cross_entropy, softmax_grad)
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
@@ -629,7 +630,7 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
     if "softmax_grad_expanded" not in skip:
         model = _expanded(model, softmax_grad)
     if "safe_softmax_expanded" not in skip:
-        model = _expanded(model, safe_softmax)
+        model = _expanded(_expanded(model, bias_safe_softmax), safe_softmax)
     if "silu_mul_expanded" not in skip:
         model = _expanded(model, silu_mul)
     if "onehot_as_equal" not in skip:

@@ -66,7 +66,7 @@ from normgrad.graphs.patterns import GraphView
 from normgrad.graphs.patterns.silu import match_gated_silu
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, _common, dropout_mask, safe_softmax, silu_mul
+from normgrad.ops import DOMAIN, _common, bias_safe_softmax, dropout_mask, safe_softmax, silu_mul
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
@@ -932,18 +932,47 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
     """Rewrites, in place, torch's safe softmax ``Where(IsNaN(s), 0, s)``, s = Softmax(x) over
     the last axis of a float32 x, into one ``normgrad:SafeSoftmax(x)`` writing the Where's
     output, where s is read by that IsNaN and that Where alone and the IsNaN by the Where
-    alone (none a graph output) and the 0 is a constant; returns how many. Needs the
-    inferred types. The gradient is then ``SoftmaxGrad`` of the zeroed output: 0 on a fully
-    masked row, as torch's, where the Where and Softmax gradients give NaN."""
+    alone (none a graph output) and the 0 is a constant; returns how many. Where x is an
+    Add read by the Softmax alone of scores of x's static shape and a bias that fits them
+    (:func:`normgrad.ops.bias_safe_softmax.broadcasts_over_rows`: attention's mask), the node
+    is ``normgrad:BiasSafeSoftmax(scores, bias)`` in the Add's place too. Needs the inferred
+    types. The gradient is then ``SoftmaxGrad`` of the zeroed output: 0 on a fully masked
+    row, as torch's, where the Where and Softmax gradients give NaN."""
     graph = model.graph
     types = {info.name: info.type.tensor_type for info in list(graph.input) + list(graph.value_info)}
     readers: Dict[str, list] = collections.defaultdict(list)
     for node in graph.node:
         for name in node.input:
             readers[name].append(node)
+    producers = {name: node for node in graph.node for name in node.output}
     outputs = {o.name for o in graph.output}
     replaced: Dict[int, list] = {}
     zeros = set()
+
+    def float32_dims(name: str):
+        """The static dims of a float32 value, else None."""
+        initializer = next((t for t in graph.initializer if t.name == name), None)
+        if initializer is not None:
+            return list(initializer.dims) if initializer.data_type == onnx.TensorProto.FLOAT else None
+        found = types.get(name)
+        if found is None or found.elem_type != onnx.TensorProto.FLOAT or not found.HasField("shape"):
+            return None
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in found.shape.dim]
+        return None if None in dims else dims
+
+    def scores_and_bias(x: str):
+        """(scores, bias) of an Add x read by the softmax alone that BiasSafeSoftmax takes, else None."""
+        add = producers.get(x)
+        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(readers[x]) != 1 \
+                or x in outputs or float32_dims(x) is None:
+            return None
+        for scores, bias in (tuple(add.input), tuple(reversed(add.input))):
+            bias_dims = float32_dims(bias)
+            if float32_dims(scores) == float32_dims(x) and bias_dims is not None \
+                    and bias_safe_softmax.broadcasts_over_rows(bias_dims, float32_dims(x)):
+                return scores, bias
+        return None
+
     for softmax in graph.node:
         if softmax.op_type != "Softmax" or softmax.domain not in ("", "ai.onnx"):
             continue
@@ -964,7 +993,13 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
         zero = _constant_values(graph, where.input[1])
         if zero is None or zero.dtype != np.float32 or zero.size != 1 or zero.ndim > rank or float(zero.reshape(())) != 0.0:
             continue
-        fused = oh.make_node(safe_softmax.OP_TYPE, [x], [where.output[0]], name=softmax.name, domain=DOMAIN)
+        added = scores_and_bias(x)
+        if added is None:
+            fused = oh.make_node(safe_softmax.OP_TYPE, [x], [where.output[0]], name=softmax.name, domain=DOMAIN)
+        else:
+            fused = oh.make_node(bias_safe_softmax.OP_TYPE, list(added), [where.output[0]], name=softmax.name,
+                                 domain=DOMAIN)
+            replaced[id(producers[x])] = []
         replaced.update({id(softmax): [fused], id(isnan): [], id(where): []})
         zeros.add(where.input[1])
     if not replaced:

@@ -15,6 +15,7 @@ from normgrad.ops import (
     all_reduce,
     batch_norm_elemt_backward,
     batch_norm_reduce_backward,
+    bias_safe_softmax,
     dropout_mask,
     embedding_grad,
     gated_update,
@@ -53,6 +54,7 @@ OPERATORS = {
         swiglu_grad,
         softmax_grad,
         safe_softmax,
+        bias_safe_softmax,
         bias_softmax_cross_entropy,
         silu_mul,
     )

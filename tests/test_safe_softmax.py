@@ -2,7 +2,8 @@
 the standard ops' form; the C++ kernel (both loops, 1/2/4 threads, bitwise), the Python
 kernel and the function body against the reference, zeroed rows included; bad inputs named;
 the builder's rewrite of torch's safe softmax chain (only that chain: float32, last axis, the
-Softmax read by the IsNaN and the Where alone, a 0 constant); the step graph against its
+Softmax read by the IsNaN and the Where alone, a 0 constant), with the attention mask's Add
+before it inside BiasSafeSoftmax (bitwise Add then SafeSoftmax); the step graph against its
 ``--inline`` form at every optimization level; the gradient of fully masked rows 0 as torch's,
 in the default and the ``--inline`` graph; ``--portable`` writes the standard ops again."""
 
@@ -23,10 +24,11 @@ from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import as_exported, make_portable
-from normgrad.ops import DOMAIN, NormgradInputError, harness, safe_softmax, softmax_grad
+from normgrad.ops import DOMAIN, NormgradInputError, bias_safe_softmax, harness, safe_softmax, softmax_grad
 from test_softmax_grad import _attention, _ops
 
 OP = safe_softmax.OP_TYPE
+BIAS_OP = bias_safe_softmax.OP_TYPE
 KERNELS = ["python"] + (["cpp"] if cpp_available() else [])
 needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
 SHAPES = [(0,), (1,), (7,), (3, 8), (2, 3, 33), (4, 0), (2, 0, 5), (5, 128), (3, 300), (2, 1000)]
@@ -154,6 +156,101 @@ def test_validate_names_the_input(case):
         safe_softmax.reference(**feeds)
 
 
+# ----------------------------------------------------------------------------- BiasSafeSoftmax
+
+BIAS_SHAPES = [((2, 3, 4, 33), (2, 1, 4, 33)), ((2, 3, 4, 33), (4, 33)), ((2, 3, 4, 33), (33,)),
+               ((2, 3, 4, 33), (1, 1, 1, 33)), ((2, 3, 4, 33), (2, 3, 4, 33)), ((3, 300), (1, 300)),
+               ((8, 1, 5, 128), (8, 1, 1, 128)), ((0, 4, 7), (4, 7)), ((3, 0), (0,))]
+"""x and a bias over its leading axes: an attention mask per sample, one for every row, one
+per position, x's own shape, rows of the row code's blocks; empty."""
+
+
+def _bias(shape, x_shape, seed=1):
+    """A mask-like bias: random, with -inf that fully masks some of x's rows where it can."""
+    bias = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    if bias.ndim >= 2 and bias.shape[-2] >= 2 and bias.size:
+        bias.reshape(-1, bias.shape[-2], bias.shape[-1])[0, 1] = -np.inf
+    return bias
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("shapes", BIAS_SHAPES)
+def test_bias_kernels_match_the_reference(backend, shapes):
+    """The float32 sum x + bias (as the Add rounds it) through the safe softmax, zeroed rows
+    included: the reference is SafeSoftmax's of that sum."""
+    x_shape, bias_shape = shapes
+    x, bias = _scores(x_shape, seed=3), _bias(bias_shape, x_shape)
+    expected = bias_safe_softmax.reference(x.astype(np.float64), bias.astype(np.float64)).y
+    y = harness.run(backend, BIAS_OP, {"x": x, "bias": bias}, threads=1)["y"]
+    _assert_close(x + bias, y)
+    np.testing.assert_allclose(y, expected, rtol=ULPS * 4 * np.finfo(np.float32).eps, atol=1e-6)
+
+
+@needs_cpp
+@pytest.mark.parametrize("shapes", BIAS_SHAPES)
+def test_bias_kernel_is_add_then_safe_softmax_bitwise(shapes):
+    """The C++ kernel adds the bias in float32 in each pass: the bits of SafeSoftmax of the Add's sum."""
+    x_shape, bias_shape = shapes
+    x, bias = _scores(x_shape, seed=4), _bias(bias_shape, x_shape, seed=2)
+    fused = harness.run("cpp", BIAS_OP, {"x": x, "bias": bias})["y"]
+    assert fused.tobytes() == harness.run("cpp", OP, {"x": x + bias})["y"].tobytes()
+
+
+@pytest.mark.parametrize("backend", ["functions", "evaluator"])
+def test_bias_function_body_matches_the_reference(backend):
+    x, bias = _scores((2, 3, 4, 33), seed=5), _bias((2, 1, 4, 33), (2, 3, 4, 33))
+    _assert_close(x + bias, harness.run(backend, BIAS_OP, {"x": x, "bias": bias})["y"])
+
+
+_RUN_BIAS_CPP = """
+import sys, numpy as np
+from normgrad.ops import harness
+rng = np.random.default_rng(4)
+x = (rng.standard_normal((8, 4, 64, 131)) * 3).astype(np.float32)
+bias = rng.standard_normal((8, 1, 64, 131)).astype(np.float32)
+bias[0, 0, :5] = -np.inf
+np.save(sys.argv[1], harness.run("cpp", "BiasSafeSoftmax", {"x": x, "bias": bias}, threads=int(sys.argv[2]))["y"])
+"""
+
+
+@needs_cpp
+def test_bias_cpp_loops_bitwise_at_every_thread_count(tmp_path):
+    results = cpp_results_by_loop_and_threads(tmp_path, _RUN_BIAS_CPP)
+    first = results["generic", 1]
+    assert not first[0, :, :5].any() and first.any()
+    for where, value in results.items():
+        assert value.tobytes() == first.tobytes(), where
+
+
+BIAS_RULE = "input 'bias' must have rank <= x's, x's last axis and every other axis 1 or x's"
+BAD_BIAS = {
+    "bias along the rows": ((2, 3, 5), (2, 3, 1), "float32"),
+    "bias of a higher rank": ((3, 5), (2, 3, 5), "float32"),
+    "bias axis neither 1 nor x's": ((2, 3, 5), (2, 2, 5), "float32"),
+    "bias scalar": ((2, 3, 5), (), "float32"),
+    "bias float64": ((2, 3, 5), (3, 5), "float64"),
+}
+
+
+def _bad_bias_feeds(case):
+    x_shape, bias_shape, dtype = BAD_BIAS[case]
+    return {"x": np.zeros(x_shape, np.float32), "bias": np.zeros(bias_shape, dtype)}
+
+
+@pytest.mark.parametrize("case", BAD_BIAS)
+def test_bias_validate_names_the_input(case):
+    rule = "input 'bias' must have the type of 'x'" if case == "bias float64" else BIAS_RULE
+    with pytest.raises(NormgradInputError, match=re.escape(f"{BIAS_OP}: {rule}")):
+        bias_safe_softmax.reference(**_bad_bias_feeds(case))
+
+
+@needs_cpp
+@pytest.mark.parametrize("case", [c for c in BAD_BIAS if c != "bias float64"])
+def test_bias_cpp_bad_input_names_the_input(case):
+    message = cpp_error(BIAS_OP, _bad_bias_feeds(case))
+    assert f"{BIAS_OP}: {BIAS_RULE}" in message, message
+
+
 # ----------------------------------------------------------------------------- the rewrite
 
 
@@ -166,6 +263,7 @@ def _variant(case: str) -> onnx.ModelProto:
     model = _attention(axis=2 if case == "axis rank - 1" else -1)
     graph = model.graph
     where = next(n for n in graph.node if n.op_type == "Where")
+    add = next(n for n in graph.node if n.op_type == "Add")
     if case == "nonzero branch":
         graph.initializer.append(onh.from_array(np.ones((), np.float32), "one"))
         where.input[1] = "one"
@@ -176,25 +274,46 @@ def _variant(case: str) -> onnx.ModelProto:
         graph.output.append(oh.make_tensor_value_info("p_copy", onnx.TensorProto.FLOAT, None))
     elif case == "isnan a graph output":
         graph.output.append(oh.make_tensor_value_info("nan", onnx.TensorProto.BOOL, None))
+    elif case == "no mask":
+        graph.node.remove(add)
+        next(n for n in graph.node if n.op_type == "Softmax").input[0] = "s0"
+    elif case == "mask first":
+        add.input[0], add.input[1] = add.input[1], add.input[0]
+    elif case == "sum read elsewhere":
+        graph.node.append(oh.make_node("Identity", ["scores"], ["scores_copy"]))
+        graph.output.append(oh.make_tensor_value_info("scores_copy", onnx.TensorProto.FLOAT, None))
+    elif case in ("mask along the rows", "mask of a full row"):
+        mask = next(t for t in graph.initializer if t.name == "mask")
+        shape = (5, 1) if case == "mask along the rows" else (3, 5, 5)
+        mask.CopyFrom(onh.from_array(np.full(shape, 0.5, np.float32), "mask"))
     return model
 
 
 @pytest.mark.parametrize("case, rewritten", [
-    ("last axis", True), ("axis rank - 1", True), ("float64", False), ("middle axis", False),
-    ("nonzero branch", False), ("branches swapped", False), ("softmax read elsewhere", False),
-    ("isnan a graph output", False)])
+    ("last axis", BIAS_OP), ("axis rank - 1", BIAS_OP), ("mask first", BIAS_OP), ("mask of a full row", BIAS_OP),
+    ("no mask", OP), ("sum read elsewhere", OP), ("mask along the rows", OP), ("float64", None),
+    ("middle axis", None), ("nonzero branch", None), ("branches swapped", None), ("softmax read elsewhere", None),
+    ("isnan a graph output", None)])
 def test_which_chains_become_the_operator(case, rewritten):
     """Only torch's chain over the last axis of a float32 x; elsewhere the standard ops stay
-    (and the float32 last-axis Softmax's gradient is SoftmaxGrad still)."""
+    (and the float32 last-axis Softmax's gradient is SoftmaxGrad still). The mask's Add goes
+    inside (BiasSafeSoftmax) when it is read by the Softmax alone and the mask has the scores'
+    last axis, its other axes 1 or theirs."""
     ops = build_training_graph(_variant(case), loss="mse").model.graph.node
     weights = next(n for n in ops if "weights" in n.output)
     op_types = [n.op_type for n in ops]
-    if rewritten:
-        assert (weights.domain, weights.op_type, list(weights.input)) == (DOMAIN, OP, ["scores"])
-        assert "Softmax" not in op_types and "IsNaN" not in op_types
+    forward_adds = [n for n in ops if n.op_type == "Add" and "scores" in n.output]
+    if rewritten == BIAS_OP:
+        assert (weights.domain, weights.op_type) == (DOMAIN, BIAS_OP) and sorted(weights.input) == ["mask", "s0"]
+        assert not forward_adds and OP not in op_types
+    elif rewritten == OP:
+        assert (weights.domain, weights.op_type, list(weights.input)) == (DOMAIN, OP, ["s0" if case == "no mask" else "scores"])
+        assert len(forward_adds) == (0 if case == "no mask" else 1) and BIAS_OP not in op_types
     else:
-        assert weights.op_type == "Where" and OP not in op_types
+        assert weights.op_type == "Where" and OP not in op_types and BIAS_OP not in op_types
         assert [op_types.count(op) for op in ("Softmax", "IsNaN")] == [1, 1]
+    if rewritten:
+        assert "Softmax" not in op_types and "IsNaN" not in op_types
     assert sum(n.op_type == softmax_grad.OP_TYPE for n in ops) == (0 if case in ("float64", "middle axis") else 1)
 
 
@@ -225,7 +344,7 @@ def test_step_graph_matches_the_inline_form(masked):
     forward = _masked_attention() if masked else _attention()
     step, initial = build_step_graph(build_training_graph(forward, loss="mse"), "adamw")
     inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "adamw")
-    assert _ops(step).count(OP) == 1 and not _ops(inline)
+    assert _ops(step).count(BIAS_OP) == 1 and OP not in _ops(step) and not _ops(inline)
     assert [_ops(inline, "").count(op) for op in ("Softmax", "IsNaN")] == [1, 1]
     feeds = _feeds(step, initial)
     expected = step_outputs(inline, feeds, None, "ORT_DISABLE_ALL")
@@ -236,16 +355,15 @@ def test_step_graph_matches_the_inline_form(masked):
 
 @pytest.mark.parametrize("inline", [False, True])
 def test_fully_masked_rows_gradient_matches_torch(inline):
-    """The loss and x's and every weight's gradient through the attention with a fully
-    masked sample are torch's (``_safe_softmax``: 0 on those rows, forward and backward), in
+    """The loss and x's and every weight's gradient (the mask's too, as a learned bias) through
+    the attention with a fully masked sample are torch's (``_safe_softmax``: 0 on those rows, forward and backward), in
     the default graph (SafeSoftmax, SoftmaxGrad) and the ``--inline`` one (their standard
     ops: the SoftmaxGrad body of y = 0 is 0 too)."""
     torch = pytest.importorskip("torch")
     forward = _masked_attention()
     training = build_training_graph(forward, loss="mse", inline=inline)
-    assert (OP in _ops(training.model)) != inline
-    weights = {i.name: torch.tensor(onh.to_array(i), requires_grad=i.name.startswith("w_"))
-               for i in forward.graph.initializer}
+    assert (BIAS_OP in _ops(training.model)) != inline
+    weights = {i.name: torch.tensor(onh.to_array(i), requires_grad=i.name != "zero") for i in forward.graph.initializer}
     rng = np.random.default_rng(8)
     x, labels = (rng.standard_normal((3, 5, 6)).astype(np.float32) for _ in range(2))
     options = ort.SessionOptions()
@@ -262,7 +380,7 @@ def test_fully_masked_rows_gradient_matches_torch(inline):
     loss.backward()
     assert not p[1].detach().any() and torch.isfinite(xt.grad).all()
     np.testing.assert_allclose(results["loss"], loss.item(), rtol=1e-5)
-    expected = {"x": xt.grad, **{name: weights[name].grad for name in ("w_q", "w_k", "w_v", "w_o")}}
+    expected = {"x": xt.grad, **{name: weights[name].grad for name in ("w_q", "w_k", "w_v", "w_o", "mask")}}
     for name, grad in expected.items():
         got = results[_gradient_output(training, name)]
         np.testing.assert_allclose(got, grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
@@ -277,13 +395,14 @@ def _gradient_output(training, name: str) -> str:
 
 
 def test_portable_form_writes_the_standard_ops():
-    """``--portable`` writes the body (Softmax, IsNaN, Where); ``normgrad export``'s default
+    """``--portable`` writes the body (Add, Softmax, IsNaN, Where); ``normgrad export``'s default
     form keeps the operator (the expansion is a costly rewrite)."""
     step, _ = build_step_graph(build_training_graph(_attention(), loss="mse"), "adamw")
     portable, _ = make_portable(step)
-    assert OP not in _ops(portable) and [_ops(portable, "").count(op) for op in ("Softmax", "IsNaN")] == [1, 1]
+    assert not {OP, BIAS_OP} & set(_ops(portable))
+    assert [_ops(portable, "").count(op) for op in ("Softmax", "IsNaN")] == [1, 1]
     exported, _ = as_exported(step)
-    assert OP in _ops(exported)
+    assert BIAS_OP in _ops(exported)
 
 
 @pytest.mark.slow
@@ -336,7 +455,7 @@ def test_bert_with_a_fully_masked_sample_matches_torch(inline, tmp_path):
     assert all(np.isnan(p[0]).all() and not np.isnan(p[1]).any() for p in probabilities)
 
     training = build_training_graph(forward, loss="mse", inline=inline)
-    assert (OP in _ops(training.model)) != inline
+    assert bool({OP, BIAS_OP} & set(_ops(training.model))) != inline
     results = run_training(training, {"input_ids": ids, "attention_mask": mask, "labels": labels})
     loss = torch.mean((module(torch.tensor(ids), torch.tensor(mask)) - torch.tensor(labels)) ** 2)
     module.zero_grad()

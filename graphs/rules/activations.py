@@ -15,9 +15,9 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.ops import DOMAIN, activation_grad, safe_softmax, silu_mul, softmax_grad, swiglu_grad
+from normgrad.ops import DOMAIN, activation_grad, bias_safe_softmax, safe_softmax, silu_mul, softmax_grad, swiglu_grad
 
-__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "silu_mul_gradient",
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "bias_safe_softmax_gradient", "silu_mul_gradient",
            "prelu_gradient", "activation_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
@@ -172,6 +172,17 @@ def safe_softmax_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
     """normgrad:SafeSoftmax (float32, last axis): ``SoftmaxGrad(dy, y)``, 0 on the rows it zeroed
     (torch's ``_safe_softmax`` backward), where the standard ops' Where/Softmax gradients give NaN."""
     return [ctx.op(softmax_grad.OP_TYPE, grads[0], node.output[0], domain=DOMAIN)]
+
+
+@register(bias_safe_softmax.OP_TYPE, inputs=(0, 1), normgrad_domain=True)
+def bias_safe_softmax_gradient(ctx: GradientContext, node: onnx.NodeProto,
+                               grads: List[Optional[str]]) -> List[Optional[str]]:
+    """normgrad:BiasSafeSoftmax: SafeSoftmax's ``SoftmaxGrad(dy, y)`` for x, and for the bias
+    (a learned position bias; an attention mask has none) that summed over the axes it was
+    broadcast along."""
+    x, bias = node.input
+    dx = ctx.op(softmax_grad.OP_TYPE, grads[0], node.output[0], domain=DOMAIN)
+    return [dx if ctx.needs_grad(x) else None, ctx.sum_to(dx, node.output[0], bias) if ctx.needs_grad(bias) else None]
 
 
 @register(silu_mul.OP_TYPE, inputs=(0, 1), normgrad_domain=True)

@@ -54,6 +54,7 @@ extern const OpDescriptor kGeluTanhGrad;
 extern const OpDescriptor kSwiGLUGrad;
 extern const OpDescriptor kSoftmaxGrad;
 extern const OpDescriptor kSafeSoftmax;
+extern const OpDescriptor kBiasSafeSoftmax;
 extern const OpDescriptor kBiasSoftmaxCrossEntropy;
 extern const OpDescriptor kSiLUMul;
 

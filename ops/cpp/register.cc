@@ -309,7 +309,7 @@ std::vector<OpVariant*>* build_ops() {
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
                                 &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kEmbeddingGrad,
                                 &kSoftmaxCrossEntropy, &kMatrixTranspose, &kSiLUGrad, &kGeluGrad,
-                                &kGeluTanhGrad, &kSwiGLUGrad, &kSoftmaxGrad, &kSafeSoftmax,
+                                &kGeluTanhGrad, &kSwiGLUGrad, &kSoftmaxGrad, &kSafeSoftmax, &kBiasSafeSoftmax,
                                 &kBiasSoftmaxCrossEntropy, &kSiLUMul}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
       for (auto t : {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,

@@ -7,11 +7,13 @@
 
 namespace normgrad {
 
-void safe_softmax_row_avx2(const float* x, float* y, size_t n) { safe_softmax_row<AVX2Lanes>(x, y, n); }
+void safe_softmax_row_avx2(const float* x, const float* bias, float* y, size_t n) {
+  safe_softmax_row<AVX2Lanes>(x, bias, y, n);
+}
 
 }  // namespace normgrad
 #else
 namespace normgrad {
-void safe_softmax_row_avx2(const float*, float*, size_t) {}
+void safe_softmax_row_avx2(const float*, const float*, float*, size_t) {}
 }  // namespace normgrad
 #endif

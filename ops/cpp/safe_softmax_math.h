@@ -10,11 +10,11 @@
 
 namespace normgrad {
 
-// y[0, n) = softmax(x[0, n)), or 0 when its sum is NaN (a NaN or +inf entry, or every entry
-// -inf).
+// y[0, n) = softmax(z), z = x[0, n) (+ bias[0, n) in float32 when bias is not null), or 0
+// when its sum is NaN (a NaN or +inf entry, or every entry -inf).
 template <class L>
-void safe_softmax_row(const float* x, float* y, size_t n) {
-  const SoftmaxRow row = softmax_row<L>(x, nullptr, y, n);
+void safe_softmax_row(const float* x, const float* bias, float* y, size_t n) {
+  const SoftmaxRow row = softmax_row<L>(x, bias, y, n);
   if (row.sum != row.sum) {
     std::memset(y, 0, n * sizeof(float));
     return;
@@ -23,6 +23,6 @@ void safe_softmax_row(const float* x, float* y, size_t n) {
 }
 
 // The AVX2 lanes (safe_softmax_avx2.cc); call only when softmax_cross_entropy_avx2().
-void safe_softmax_row_avx2(const float* x, float* y, size_t n);
+void safe_softmax_row_avx2(const float* x, const float* bias, float* y, size_t n);
 
 }  // namespace normgrad
