@@ -242,8 +242,9 @@ def _forward(dtype=onnx.TensorProto.FLOAT, silu_order=("h", "s")):
 
 @pytest.mark.parametrize("silu_order", [("h", "s"), ("s", "h")])
 def test_step_graph_uses_the_operators_and_matches_the_inline_form(silu_order):
-    """The default step graph has one SiLUGrad and one GeluGrad (the erf chain's only with
-    onnxscript's rewriter) and no Sigmoid-gradient Sub; at every optimization level, with
+    """The default step graph has one SiLUGrad, the erf chain as one GeluWithSlope (only with
+    onnxscript's rewriter; its gradient a Mul by the slope, no GeluGrad) and no
+    Sigmoid-gradient Sub; at every optimization level, with
     the C++ and Python kernels and with the bodies onnxruntime inlines, its updated weights
     match the ``--inline`` form's (the standard ops) to float32 rounding."""
     forward = _forward(silu_order=silu_order)
@@ -251,7 +252,7 @@ def test_step_graph_uses_the_operators_and_matches_the_inline_form(silu_order):
     inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "adamw")
     ops = [n.op_type for n in step.graph.node if n.domain == DOMAIN]
     assert ops.count("SiLUGrad") == 1
-    assert ops.count("GeluGrad") == (1 if _declarative.AVAILABLE else 0)
+    assert ops.count("GeluWithSlope") == (1 if _declarative.AVAILABLE else 0) and "GeluGrad" not in ops
     assert not any(n.domain == DOMAIN for n in inline.graph.node)
     rng = np.random.default_rng(7)
     feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((5, 6)).astype(np.float32),
