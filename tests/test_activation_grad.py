@@ -280,8 +280,9 @@ def test_float16_keeps_the_standard_form():
 
 @needs_cpp
 def test_bench_activation_grad_runs(capsys):
-    """The benchmark's smoke test: a row per activation, both sides timed (each side's output
-    checked against the float64 reference inside)."""
+    """The benchmark's smoke test: a row per activation and one for the erf GELU's forward and
+    backward, both sides timed (each side's outputs checked against the float64 reference
+    inside)."""
     from normgrad.tools import bench_activation_grad
 
     result = bench_activation_grad.main(["--rounds", "1", "--shape", "16", "33"])
@@ -289,6 +290,8 @@ def test_bench_activation_grad_runs(capsys):
     for activation, op_type in OP.items():
         assert f"| {activation} ({op_type}) |" in printed
         assert result[activation]["standard"] > 0 and result[activation]["operator"] > 0
+    assert "| erf GELU forward and backward (Gelu, GeluGrad -> GeluWithSlope, Mul) |" in printed
+    assert all(value > 0 for value in result["gelu_erf forward and backward"].values())
 
 
 _TANH_CONSTANTS = {"three": 3.0, "cubic": 0.044715, "root": math.sqrt(2 / math.pi), "one": 1.0, "half": 0.5}
