@@ -44,6 +44,10 @@ would produce a wrong or rejected model.
   shape becomes one ``normgrad:SiLUMul``: one pass instead of two (onnxruntime's QuickGelu,
   then the Mul), no silu(gate) written in between; its gradient SwiGLUGrad
   (:func:`silu_products`).
+* The erf GELU of a float32 x (the exporters' Div, Erf, Add, Mul, Mul chain, or Gelu-20 with
+  approximate="none") becomes one ``normgrad:GeluWithSlope`` writing y and its derivative in
+  one pass: the gradient is then ``Mul(dy, slope)`` instead of GeluGrad's erf and exp over
+  again (:func:`gelu_erf_slopes`).
 """
 
 from __future__ import annotations
@@ -61,18 +65,18 @@ import onnx.numpy_helper as onh
 import onnx.version_converter
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES as _FLOAT_TYPES
-from normgrad.graphs.context import attr, constant_node_value, describe, reserve_name
-from normgrad.graphs.patterns import GraphView
+from normgrad.graphs.context import GradientContext, attr, constant_node_value, describe, reserve_name
+from normgrad.graphs.patterns import GraphView, _declarative, gelu_erf_chain
 from normgrad.graphs.patterns.silu import match_gated_silu
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, _common, bias_safe_softmax, dropout_mask, safe_softmax, silu_mul
+from normgrad.ops import DOMAIN, _common, bias_safe_softmax, dropout_mask, gelu_with_slope, safe_softmax, silu_mul
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
            "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader",
-           "safe_softmaxes", "silu_products"]
+           "safe_softmaxes", "silu_products", "gelu_erf_slopes"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -1002,11 +1006,19 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
             replaced[id(producers[x])] = []
         replaced.update({id(softmax): [fused], id(isnan): [], id(where): []})
         zeros.add(where.input[1])
+    return _replace_nodes(model, replaced, zeros)
+
+
+def _replace_nodes(model: onnx.ModelProto, replaced: Dict[int, list], constants: Set[str]) -> int:
+    """Puts ``replaced`` ({id(node): the nodes in its place}) into the graph, drops the Constant
+    nodes of ``constants`` no longer read and imports the normgrad domain; returns how many
+    nodes were replaced by one (a fused chain)."""
     if not replaced:
         return 0
+    graph = model.graph
     nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
-    read = {name for node in nodes for name in node.input} | outputs
-    nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in zeros and n.output[0] not in read)]
+    read = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+    nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in constants and n.output[0] not in read)]
     del graph.node[:]
     graph.node.extend(nodes)
     if not any(o.domain == DOMAIN for o in model.opset_import):
@@ -1031,11 +1043,40 @@ def silu_products(model: onnx.ModelProto) -> int:
             continue
         fused = oh.make_node(silu_mul.OP_TYPE, [chain.gate, chain.up], [node.output[0]], name=node.name, domain=DOMAIN)
         replaced.update({id(node): [fused], id(chain.silu): [], id(chain.sigmoid): []})
-    if not replaced:
+    return _replace_nodes(model, replaced, set())
+
+
+def gelu_erf_slopes(model: onnx.ModelProto, opset: int) -> int:
+    """Rewrites, in place, each erf GELU of a float32 x into one ``normgrad:GeluWithSlope(x)``
+    writing y (the GELU's output name) and a new slope value; returns how many. The GELU is
+    the chain :func:`normgrad.graphs.patterns.gelu_erf_chain.match_chain` matches (either
+    product order; its intermediates read by the chain alone, none a graph output) or a
+    default-domain ``Gelu`` with approximate="none". Needs the inferred types; its constants
+    no longer read are dropped."""
+    graph = model.graph
+    view = GraphView(graph)
+    if "Erf" not in view.op_types and "Gelu" not in view.op_types:
         return 0
-    nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(oh.make_opsetid(DOMAIN, _common.OPSET_VERSION))
-    return sum(1 for new in replaced.values() if new)
+    ctx = GradientContext(graph, opset, set())
+    used = {name for node in graph.node for name in list(node.input) + list(node.output)}
+    used |= {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    replaced: Dict[int, list] = {}
+    constants = set()
+    for node in graph.node:
+        if node.op_type == "Gelu" and node.domain in ("", "ai.onnx") and attr(node, "approximate", "none") == "none":
+            bound, chain = {"x": node.input[0]}, [node]
+        else:
+            found = gelu_erf_chain.match_chain(view, ctx, node) if _declarative.AVAILABLE else None
+            if found is None:  # (without onnxscript the backward's matcher warns that chains go node by node)
+                continue
+            bound, chain = found
+        x = bound["x"]
+        if ctx.elem_type(x) != onnx.TensorProto.FLOAT or any(id(n) in replaced for n in chain):
+            continue
+        constants |= {bound[name] for name in ("root2", "one", "half") if name in bound}
+        y = node.output[0]
+        slope = reserve_name(used, f"{y}_slope")
+        fused = oh.make_node(gelu_with_slope.OP_TYPE, [x], [y, slope], name=node.name, domain=DOMAIN)
+        replaced.update({id(n): [] for n in chain})
+        replaced[id(node)] = [fused]
+    return _replace_nodes(model, replaced, constants)

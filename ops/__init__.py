@@ -19,6 +19,7 @@ from normgrad.ops import (
     dropout_mask,
     embedding_grad,
     gated_update,
+    gelu_with_slope,
     group_normalization_grad,
     layer_normalization_grad,
     matrix_transpose,
@@ -57,6 +58,7 @@ OPERATORS = {
         bias_safe_softmax,
         bias_softmax_cross_entropy,
         silu_mul,
+        gelu_with_slope,
     )
 }
 """Every operator module by op type (activation_grad's operators are objects of one module). Each has OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES,

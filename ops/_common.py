@@ -149,6 +149,19 @@ def make_output_type(elem_type: int, dims) -> onnx.TypeProto:
     return onnx.helper.make_tensor_type_proto(elem_type, list(dims))
 
 
+def outputs_like_input(index: int, count: int):
+    """Type and shape inference of an operator whose ``count`` outputs all have input ``index``'s
+    type and shape."""
+
+    def infer(ctx) -> None:
+        like = input_tensor_type(ctx, index)
+        if like is not None:
+            for output in range(count):
+                ctx.set_output_type(output, make_output_type(like.elem_type, known_dims(like)))
+
+    return infer
+
+
 def function_of_standard_form(op_type: str, inputs, outputs, opset: int, write) -> onnx.FunctionProto:
     """The normgrad function ``op_type`` whose body ``write(op) -> [output value, ...]`` appends
     with ``op(op_type, *inputs, **attributes) -> output name`` (default-domain nodes)."""

@@ -43,7 +43,7 @@ from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["ACTIVATIONS", "OPERATORS", "TANH_GELU_CUBIC", "Result", "ActivationGradOperator", "derivative",
-           "body_writer", "sigmoid", "standard_form"]
+           "body_writer", "sigmoid", "erfc", "standard_form", "gelu_erf_slope_form"]
 
 TANH_GELU_CUBIC = 0.044715
 """The cubic coefficient of the tanh GELU (torch's, transformers' NewGELU)."""
@@ -72,7 +72,8 @@ def sigmoid(v: np.ndarray) -> np.ndarray:
     return _sigmoid_parts(np.asarray(v, np.float64))[0]
 
 
-def _erfc(values: np.ndarray) -> np.ndarray:
+def erfc(values: np.ndarray) -> np.ndarray:
+    """erfc elementwise in float64 NumPy (math.erfc: accurate in the tails)."""
     return np.frompyfunc(math.erfc, 1, 1)(values).astype(np.float64)
 
 
@@ -82,7 +83,7 @@ def derivative(activation: str, x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         if activation == "gelu_erf":
             density = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-            slope = 0.5 * _erfc(-x / math.sqrt(2.0)) + np.where(density == 0, 0.0, x * density)
+            slope = 0.5 * erfc(-x / math.sqrt(2.0)) + np.where(density == 0, 0.0, x * density)
         else:
             if activation == "silu":
                 v, scale = x, x
@@ -113,13 +114,7 @@ def standard_form(activation: str, op: Callable, scalar: Callable, dy: str, x: s
         through_sigmoid = op("Mul", op("Mul", dy, x), op("Mul", s, op("Sub", scalar(1.0), s)))
         return op("Sum", op("Mul", dy, s), through_sigmoid)
     if activation == "gelu_erf":
-        scaled = known.get("scaled") or op("Div", x, known.get("root2") or scalar(math.sqrt(2.0)))
-        cdf = known.get("cdf")
-        if cdf is None:
-            twice_cdf = known.get("twice_cdf") or op("Add", op("Erf", scaled), scalar(1.0))
-            cdf = op("Mul", twice_cdf, scalar(0.5))
-        density = op("Exp", op("Sub", scalar(math.log(1 / math.sqrt(2 * math.pi))), op("Mul", scaled, scaled)))
-        return op("Mul", dy, op("Add", cdf, op("Mul", x, density)))
+        return op("Mul", dy, gelu_erf_slope_form(op, scalar, x, known))
     if activation == "gelu_tanh":
         square = op("Mul", x, x)
         inner = op("Mul", scalar(math.sqrt(2 / math.pi)), op("Add", x, op("Mul", scalar(TANH_GELU_CUBIC), op("Mul", square, x))))
@@ -130,6 +125,19 @@ def standard_form(activation: str, op: Callable, scalar: Callable, dy: str, x: s
         local = op("Mul", scalar(0.5), op("Add", op("Add", scalar(1.0), t), op("Mul", x, op("Mul", one_minus_square, slope))))
         return op("Mul", dy, local)
     raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
+
+
+def gelu_erf_slope_form(op: Callable, scalar: Callable, x: str, known: Optional[Dict[str, str]] = None) -> str:
+    """The erf GELU's f'(x) = Phi(x) + x phi(x) in standard ONNX ops (:func:`standard_form`'s
+    arguments): Phi(x) = (1 + erf(x / sqrt 2)) / 2, x phi(x) = x exp(log(1 / sqrt(2 pi)) - (x / sqrt 2)^2)."""
+    known = dict(known or {})
+    scaled = known.get("scaled") or op("Div", x, known.get("root2") or scalar(math.sqrt(2.0)))
+    cdf = known.get("cdf")
+    if cdf is None:
+        twice_cdf = known.get("twice_cdf") or op("Add", op("Erf", scaled), scalar(1.0))
+        cdf = op("Mul", twice_cdf, scalar(0.5))
+    density = op("Exp", op("Sub", scalar(math.log(1 / math.sqrt(2 * math.pi))), op("Mul", scaled, scaled)))
+    return op("Add", cdf, op("Mul", x, density))
 
 
 def body_writer():

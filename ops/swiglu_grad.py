@@ -80,13 +80,6 @@ def reference(dy, gate, up) -> Result:
     return Result(dgate.astype(dtype), dup.astype(dtype))
 
 
-def _infer(ctx) -> None:
-    gate_type = _common.input_tensor_type(ctx, 1)
-    if gate_type is not None:
-        for index in (0, 1):
-            ctx.set_output_type(index, _common.make_output_type(gate_type.elem_type, _common.known_dims(gate_type)))
-
-
 def schema():
     """The ONNX schema, with type and shape inference."""
     from onnx.defs import OpSchema
@@ -97,8 +90,8 @@ def schema():
               param("up", "T", "The other factor; gate's shape.")]
     outputs = [param("dgate", "T", "(dy * up) * silu'(gate); gate's shape."),
                param("dup", "T", "dy * silu(gate); gate's shape.")]
-    return _common.make_schema(OP_TYPE, __doc__, inputs, outputs, {"T": "float32."}, _infer,
-                               types=("tensor(float)",))
+    return _common.make_schema(OP_TYPE, __doc__, inputs, outputs, {"T": "float32."},
+                               _common.outputs_like_input(1, 2), types=("tensor(float)",))
 
 
 def function_body(opset: int = _common.ONNX_OPSET) -> onnx.FunctionProto:

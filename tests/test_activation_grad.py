@@ -242,8 +242,9 @@ def _forward(dtype=onnx.TensorProto.FLOAT, silu_order=("h", "s")):
 
 @pytest.mark.parametrize("silu_order", [("h", "s"), ("s", "h")])
 def test_step_graph_uses_the_operators_and_matches_the_inline_form(silu_order):
-    """The default step graph has one SiLUGrad and one GeluGrad (the erf chain's only with
-    onnxscript's rewriter) and no Sigmoid-gradient Sub; at every optimization level, with
+    """The default step graph has one SiLUGrad, the erf chain as one GeluWithSlope (only with
+    onnxscript's rewriter; its gradient a Mul by the slope, no GeluGrad) and no
+    Sigmoid-gradient Sub; at every optimization level, with
     the C++ and Python kernels and with the bodies onnxruntime inlines, its updated weights
     match the ``--inline`` form's (the standard ops) to float32 rounding."""
     forward = _forward(silu_order=silu_order)
@@ -251,7 +252,7 @@ def test_step_graph_uses_the_operators_and_matches_the_inline_form(silu_order):
     inline, _ = build_step_graph(build_training_graph(forward, loss="mse", inline=True), "adamw")
     ops = [n.op_type for n in step.graph.node if n.domain == DOMAIN]
     assert ops.count("SiLUGrad") == 1
-    assert ops.count("GeluGrad") == (1 if _declarative.AVAILABLE else 0)
+    assert ops.count("GeluWithSlope") == (1 if _declarative.AVAILABLE else 0) and "GeluGrad" not in ops
     assert not any(n.domain == DOMAIN for n in inline.graph.node)
     rng = np.random.default_rng(7)
     feeds = {**hyperparameter_feeds(step), **initial, "x": rng.standard_normal((5, 6)).astype(np.float32),
@@ -279,8 +280,9 @@ def test_float16_keeps_the_standard_form():
 
 @needs_cpp
 def test_bench_activation_grad_runs(capsys):
-    """The benchmark's smoke test: a row per activation, both sides timed (each side's output
-    checked against the float64 reference inside)."""
+    """The benchmark's smoke test: a row per activation and one for the erf GELU's forward and
+    backward, both sides timed (each side's outputs checked against the float64 reference
+    inside)."""
     from normgrad.tools import bench_activation_grad
 
     result = bench_activation_grad.main(["--rounds", "1", "--shape", "16", "33"])
@@ -288,6 +290,8 @@ def test_bench_activation_grad_runs(capsys):
     for activation, op_type in OP.items():
         assert f"| {activation} ({op_type}) |" in printed
         assert result[activation]["standard"] > 0 and result[activation]["operator"] > 0
+    assert "| erf GELU forward and backward (Gelu, GeluGrad -> GeluWithSlope, Mul) |" in printed
+    assert all(value > 0 for value in result["gelu_erf forward and backward"].values())
 
 
 _TANH_CONSTANTS = {"three": 3.0, "cubic": 0.044715, "root": math.sqrt(2 / math.pi), "one": 1.0, "half": 0.5}

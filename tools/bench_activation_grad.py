@@ -1,6 +1,9 @@
 """The activation gradients at 1 thread: each operator's C++ kernel (SiLUGrad, GeluGrad,
 GeluTanhGrad) against the standard-op gradient the step graph writes without it, on one
-tensor of [8, 128, 1024] float32 (Llama's and BERT's MLP activations).
+tensor of [8, 128, 1024] float32 (Llama's and BERT's MLP activations); and the erf GELU's
+forward and backward together, as the step graph computed them before GeluWithSlope (the
+exporter's chain, which onnxruntime fuses into its Gelu, then GeluGrad(dy, x)) and with it
+(GeluWithSlope, then Mul(dy, slope)).
 
     python -m normgrad.tools.bench_activation_grad [--rounds 15] [--shape 8 128 1024]
 
@@ -27,13 +30,14 @@ import onnx.numpy_helper as onh
 __all__ = ["main"]
 
 
-def _model(nodes: List[onnx.NodeProto], inputs: Sequence[str], shape: Sequence[int]) -> onnx.ModelProto:
+def _model(nodes: List[onnx.NodeProto], inputs: Sequence[str], shape: Sequence[int],
+           outputs: Sequence[str] = ("dx",)) -> onnx.ModelProto:
     from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION
 
     def info(name: str):
         return oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(shape))
 
-    graph = oh.make_graph(nodes, "activation_grad", [info(name) for name in inputs], [info("dx")])
+    graph = oh.make_graph(nodes, "activation_grad", [info(name) for name in inputs], [info(name) for name in outputs])
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", ONNX_OPSET), oh.make_opsetid(DOMAIN, OPSET_VERSION)],
                          ir_version=IR_VERSION)
 
@@ -41,16 +45,7 @@ def _model(nodes: List[onnx.NodeProto], inputs: Sequence[str], shape: Sequence[i
 def _standard_nodes(activation: str, known: Dict[str, str]) -> List[onnx.NodeProto]:
     from normgrad.ops import activation_grad
 
-    nodes: List[onnx.NodeProto] = []
-
-    def op(op_type: str, *inputs: str) -> str:
-        nodes.append(oh.make_node(op_type, list(inputs), [f"t{len(nodes)}"]))
-        return nodes[-1].output[0]
-
-    def scalar(value: float) -> str:
-        nodes.append(oh.make_node("Constant", [], [f"t{len(nodes)}"], value=onh.from_array(np.array(value, np.float32))))
-        return nodes[-1].output[0]
-
+    nodes, op, scalar = activation_grad.body_writer()
     nodes.append(oh.make_node("Identity", [activation_grad.standard_form(activation, op, scalar, "dy", "x", known)],
                               ["dx"]))
     return nodes
@@ -110,7 +105,45 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
         fused = 1000 * statistics.median(times[activation, op_type])
         result[activation] = {"standard": standard, "operator": fused}
         print(f"| {activation} ({op_type}) | {standard:.2f} | {fused:.2f} | {fused / standard:.2f} |")
+    result["gelu_erf forward and backward"] = _gelu_forward_and_backward(args.rounds, x, dy, options)
     return result
+
+
+def _gelu_forward_and_backward(rounds: int, x: np.ndarray, dy: np.ndarray, options) -> Dict[str, float]:
+    """The erf GELU's forward and backward without and with GeluWithSlope: times in ms, printed."""
+    import onnxruntime as ort
+
+    from normgrad.ops import DOMAIN, gelu_with_slope
+
+    chain = [oh.make_node("Constant", [], [name], value=onh.from_array(np.array(value, np.float32)))
+             for name, value in (("root2", math.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    chain += [oh.make_node("Div", ["x", "root2"], ["scaled"]), oh.make_node("Erf", ["scaled"], ["erf"]),
+              oh.make_node("Add", ["erf", "one"], ["twice_cdf"]), oh.make_node("Mul", ["x", "twice_cdf"], ["product"]),
+              oh.make_node("Mul", ["product", "half"], ["y"])]
+    sides = {
+        "Gelu, GeluGrad": chain + [oh.make_node("GeluGrad", ["dy", "x"], ["dx"], domain=DOMAIN)],
+        "GeluWithSlope, Mul": [oh.make_node(gelu_with_slope.OP_TYPE, ["x"], ["y", "slope"], domain=DOMAIN),
+                               oh.make_node("Mul", ["dy", "slope"], ["dx"])],
+    }
+    truth = gelu_with_slope.reference(x.astype(np.float64))
+    calls = {}
+    for side, nodes in sides.items():
+        model = _model(nodes, ["dy", "x"], x.shape, ("y", "dx"))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        y, dx = session.run(None, {"dy": dy, "x": x})
+        if not (np.allclose(y, truth.y, rtol=1e-5, atol=1e-6) and np.allclose(dx, dy * truth.slope, rtol=1e-5, atol=1e-6)):
+            raise SystemExit(f"bench_activation_grad: the erf GELU's {side} differs from the float64 reference")
+        calls[side] = lambda session=session: session.run(None, {"dy": dy, "x": x})
+    times: Dict[str, List[float]] = {side: [] for side in calls}
+    for round_index in range(rounds):
+        for side in list(calls)[::1 if round_index % 2 == 0 else -1]:
+            start = time.process_time()
+            calls[side]()
+            times[side].append(time.process_time() - start)
+    before, after = (1000 * statistics.median(times[side]) for side in sides)
+    print(f"| erf GELU forward and backward (Gelu, GeluGrad -> GeluWithSlope, Mul) | {before:.2f} | {after:.2f} | "
+          f"{after / before:.2f} |")
+    return {"standard": before, "operator": after}
 
 
 if __name__ == "__main__":

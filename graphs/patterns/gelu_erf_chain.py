@@ -21,17 +21,17 @@ alone and not a graph output.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import onnx
 
 from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns import GraphView, Match, register
-from normgrad.graphs.patterns._declarative import ChainPattern
+from normgrad.graphs.patterns._declarative import Binding, ChainPattern
 from normgrad.graphs.patterns._row_norm import float_input
 from normgrad.graphs.rules.activations import activation_gradient
 
-__all__ = ["PATTERN", "match_gelu_erf_chain"]
+__all__ = ["PATTERN", "match_chain", "match_gelu_erf_chain"]
 
 PATTERN = "gelu_erf_chain"
 
@@ -53,16 +53,25 @@ _CHAIN = ChainPattern("the written-out GELU", _dynamo, _torchscript, differentia
 _CONSTANTS = {"root2": math.sqrt(2.0), "one": 1.0, "half": 0.5}
 
 
+def match_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto
+                ) -> Optional[Tuple[Dict[str, Binding], List[onnx.NodeProto]]]:
+    """(the chain's variables: x, scaled, twice_cdf, cdf (dynamo's order), root2, one, half;
+    its nodes) if the strictly checked chain ends at ``anchor``, else None. Also the forward
+    rewrite ``normgrad.graphs.rewrites.gelu_erf_slopes``'s matcher."""
+    found = _CHAIN.match_scalars(view, ctx, anchor, "Erf", _CONSTANTS)
+    if found is None or not float_input(ctx, found[0]["x"]):
+        return None
+    return found
+
+
 @register(PATTERN)
 def match_gelu_erf_chain(view: GraphView, ctx: GradientContext, anchor: onnx.NodeProto) -> Optional[Match]:
     """The chain ending at ``anchor``, or None."""
-    found = _CHAIN.match_scalars(view, ctx, anchor, "Erf", _CONSTANTS)
+    found = match_chain(view, ctx, anchor)
     if found is None:
         return None
     bound, nodes = found
     x = bound["x"]
-    if not float_input(ctx, x):
-        return None
     scaled, twice_cdf, cdf = bound["scaled"], bound["twice_cdf"], bound.get("cdf")
 
     def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:

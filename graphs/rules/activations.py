@@ -15,10 +15,11 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr
 from normgrad.graphs.rules import register
-from normgrad.ops import DOMAIN, activation_grad, bias_safe_softmax, safe_softmax, silu_mul, softmax_grad, swiglu_grad
+from normgrad.ops import (DOMAIN, activation_grad, bias_safe_softmax, gelu_with_slope, safe_softmax, silu_mul,
+                          softmax_grad, swiglu_grad)
 
 __all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "bias_safe_softmax_gradient", "silu_mul_gradient",
-           "prelu_gradient", "activation_gradient"]
+           "prelu_gradient", "activation_gradient", "gelu_with_slope_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
 
@@ -192,3 +193,11 @@ def silu_mul_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Op
     gate, up = node.input
     dgate, dup = ctx.op(swiglu_grad.OP_TYPE, grads[0], gate, up, outputs=2, domain=DOMAIN)
     return [dgate if ctx.needs_grad(gate) else None, dup if ctx.needs_grad(up) else None]
+
+
+@register(gelu_with_slope.OP_TYPE, outputs=(0,), normgrad_domain=True)
+def gelu_with_slope_gradient(ctx: GradientContext, node: onnx.NodeProto,
+                             grads: List[Optional[str]]) -> List[Optional[str]]:
+    """normgrad:GeluWithSlope (float32): ``Mul(dy, slope)``, the forward's slope output (bitwise
+    GeluGrad(dy, x) with the C++ kernels)."""
+    return [ctx.op("Mul", grads[0], node.output[1])]

@@ -1,7 +1,8 @@
 // SiLUGrad, GeluGrad, GeluTanhGrad: dx = dy * f'(x) in one pass (ops/activation_grad.py), one
-// kernel class for the three, SwiGLUGrad (ops/swiglu_grad.py) and the forward SiLUMul
-// (ops/silu_mul.py): activation_grad_math.h's loops over fixed chunks (elementwise: the same
-// bits for any thread count), on 8 AVX lanes where update_avx2().
+// kernel class for the three, SwiGLUGrad (ops/swiglu_grad.py), and the forward SiLUMul
+// (ops/silu_mul.py) and GeluWithSlope (ops/gelu_with_slope.py): activation_grad_math.h's loops
+// over fixed chunks (elementwise: the same bits for any thread count), on 8 AVX lanes where
+// update_avx2().
 #include <algorithm>
 #include <string>
 
@@ -92,6 +93,29 @@ struct SiLUMul final : KernelBase {
   }
 };
 
+struct GeluWithSlope final : KernelBase {
+  explicit GeluWithSlope(const OrtKernelInfo*) {}
+  const char* name() const override { return "GeluWithSlope"; }
+
+  void compute(OrtKernelContext* ctx) override {
+    const std::vector<Input> in = float32_inputs_alike(ctx, name(), {"x"}, 0);
+    const float* const x = static_cast<const float*>(in[0].data);
+    float* const y = static_cast<float*>(get_output(ctx, 0, in[0].shape));
+    float* const slope = static_cast<float*>(get_output(ctx, 1, in[0].shape));
+    const size_t n = in[0].size;
+    const bool avx2 = update_avx2();
+    auto chunk = [&](size_t c) {
+      const size_t begin = c * kChunk, end = std::min(n, (c + 1) * kChunk);
+      if (avx2) {
+        gelu_with_slope_avx2(x, y, slope, begin, end);
+      } else {
+        gelu_with_slope_loop(x, y, slope, begin, end);
+      }
+    };
+    parallel_for(ctx, (n + kChunk - 1) / kChunk, chunk, n);
+  }
+};
+
 }  // namespace
 
 extern const OpDescriptor kSiLUMul = {
@@ -99,6 +123,9 @@ extern const OpDescriptor kSiLUMul = {
 };
 extern const OpDescriptor kSwiGLUGrad = {
     "SwiGLUGrad", 3, 2, "TTT", "000", "TT", "00", 'd', 1, &create_kernel<SwiGLUGrad>,
+};
+extern const OpDescriptor kGeluWithSlope = {
+    "GeluWithSlope", 1, 2, "T", "0", "TT", "00", 'd', 0, &create_kernel<GeluWithSlope>,
 };
 extern const OpDescriptor kSiLUGrad = {
     "SiLUGrad", 2, 1, "TT", "00", "T", "0", 'd', 1, &create_kernel<ActivationGrad<Activation::kSilu>>,

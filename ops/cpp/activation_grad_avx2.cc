@@ -132,10 +132,46 @@ void silu_mul_lanes(const float* gate, const float* up, float* y, size_t begin, 
   std::memcpy(y + i, gate_block, (end - i) * sizeof(float));
 }
 
+// gelu_with_slope on 3 vectors per iteration (as GeluGrad's lanes), then single vectors,
+// then a zero-padded one.
+void gelu_with_slope_lanes(const float* x, float* y, float* slope, size_t begin, size_t end) {
+  constexpr size_t kVectors = 3;
+  auto at = [&](const float* from, F8& value, F8& derivative) {
+    activation_math::gelu_with_slope(F8(_mm256_loadu_ps(from)), value, derivative);
+  };
+  size_t i = begin;
+  for (; i + 8 * kVectors <= end; i += 8 * kVectors) {
+    F8 values[kVectors], slopes[kVectors];
+    for (size_t k = 0; k < kVectors; ++k) at(x + i + 8 * k, values[k], slopes[k]);
+    for (size_t k = 0; k < kVectors; ++k) {
+      _mm256_storeu_ps(y + i + 8 * k, values[k].v);
+      _mm256_storeu_ps(slope + i + 8 * k, slopes[k].v);
+    }
+  }
+  F8 value, derivative;
+  for (; i + 8 <= end; i += 8) {
+    at(x + i, value, derivative);
+    _mm256_storeu_ps(y + i, value.v);
+    _mm256_storeu_ps(slope + i, derivative.v);
+  }
+  if (i == end) return;
+  alignas(32) float blocks[3][8] = {};
+  std::memcpy(blocks[0], x + i, (end - i) * sizeof(float));
+  at(blocks[0], value, derivative);
+  _mm256_store_ps(blocks[1], value.v);
+  _mm256_store_ps(blocks[2], derivative.v);
+  std::memcpy(y + i, blocks[1], (end - i) * sizeof(float));
+  std::memcpy(slope + i, blocks[2], (end - i) * sizeof(float));
+}
+
 }  // namespace
 
 void silu_mul_avx2(const float* gate, const float* up, float* y, size_t begin, size_t end) {
   silu_mul_lanes(gate, up, y, begin, end);
+}
+
+void gelu_with_slope_avx2(const float* x, float* y, float* slope, size_t begin, size_t end) {
+  gelu_with_slope_lanes(x, y, slope, begin, end);
 }
 
 void swiglu_grad_avx2(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
@@ -159,5 +195,6 @@ namespace normgrad {
 void activation_grad_avx2(Activation, const float*, const float*, float*, size_t, size_t) { __builtin_trap(); }
 void swiglu_grad_avx2(const float*, const float*, const float*, float*, float*, size_t, size_t) { __builtin_trap(); }
 void silu_mul_avx2(const float*, const float*, float*, size_t, size_t) { __builtin_trap(); }
+void gelu_with_slope_avx2(const float*, float*, float*, size_t, size_t) { __builtin_trap(); }
 }  // namespace normgrad
 #endif

@@ -131,9 +131,16 @@ inline V sigmoid_slope(V hi, V lo, V c) {
 // Phi(-|x|) = erfc(a) / 2 = E erfcx(a) / 2, a = |x| / sqrt 2, erfcx(a) = t g(u) with
 // t = 1 / (1 + a / 2) and g a degree-10 polynomial in u = (2t - 1.15) / 0.85 (a weighted
 // Chebyshev fit of erfcx(a) / t over t in [0.15, 1], i.e. a <= 11.3, past which E is 0;
-// relative error 5e-9, 1.8e-7 in float32 arithmetic).
+// relative error 5e-9, 1.8e-7 in float32 arithmetic). With the slope, the erf GELU itself,
+// x Phi(x) (GeluWithSlope): x (1 - Phi(-|x|)) for x >= 0, and E (x / 2 erfcx(a)) below, where
+// one rounding of the product keeps the subnormal results (x < -13.2) within an ulp; a NaN x
+// gives NaN for both, gelu(-inf) is NaN (-inf times 0, as torch's).
 template <class V>
-inline V gelu_erf_slope(V x) {
+struct GeluErf {
+  V value, slope;
+};
+template <class V>
+inline GeluErf<V> gelu_erf_and_slope(V x) {
   const V head = head12(x);
   const V tail = x - head;
   const V density = exp_split(V(-0.5f) * (head * head), V(-0.5f) * (tail * (x + head)));  // exp(-x^2 / 2)
@@ -145,9 +152,16 @@ inline V gelu_erf_slope(V x) {
       ((V(5.655282736e-01f) + V(3.285916448e-01f) * u) + (V(1.057643220e-01f) + V(6.847580429e-03f) * u) * u2) +
       ((V(-6.591075566e-03f) + V(-7.633089554e-04f) * u) + (V(6.714848569e-04f) + V(1.802346378e-05f) * u) * u2) * u4 +
       ((V(-8.070564218e-05f) + V(6.516255326e-06f) * u) + V(7.251941497e-06f) * u2) * (u4 * u4);
-  const V tail_cdf = V(0.5f) * (density * (t * g));  // Phi(-|x|)
-  const V cdf = select(x < V(0.0f), tail_cdf, V(1.0f) - tail_cdf);
-  return cdf + select(density == V(0.0f), V(0.0f), x * (density * V(0.398942280401432678f)));
+  const V erfcx = t * g;
+  const V tail_cdf = V(0.5f) * (density * erfcx);  // Phi(-|x|)
+  const auto negative = x < V(0.0f);
+  const V cdf = select(negative, tail_cdf, V(1.0f) - tail_cdf);
+  const V slope = cdf + select(density == V(0.0f), V(0.0f), x * (density * V(0.398942280401432678f)));
+  return {select(negative, density * ((V(0.5f) * x) * erfcx), x * cdf), slope};
+}
+template <class V>
+inline V gelu_erf_slope(V x) {
+  return gelu_erf_and_slope(x).slope;
 }
 
 // torch's gelu(approximate="tanh"): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). 2u and
@@ -195,6 +209,15 @@ inline V silu_mul(V gate, V up) {
   return (gate * silu_sigmoid_and_slope(gate).sigmoid) * up;
 }
 
+// GeluWithSlope (ops/gelu_with_slope.py): y = x Phi(x) and slope = Phi(x) + x phi(x), NaN for a
+// NaN x as in grad, so that Mul(dy, slope) is GeluGrad's dx bitwise.
+template <class V>
+inline void gelu_with_slope(V x, V& y, V& slope) {
+  const GeluErf<V> parts = gelu_erf_and_slope(x);
+  y = parts.value;
+  slope = select(x == x, parts.slope, x);
+}
+
 // Two independent halves of [begin, end) per iteration: twice the instruction-level
 // parallelism for the latency-bound chain; each element's arithmetic is the same.
 template <Activation kind>
@@ -231,10 +254,16 @@ inline void silu_mul_loop(const float* gate, const float* up, float* y, size_t b
   for (size_t i = begin; i < end; ++i) y[i] = activation_math::silu_mul(gate[i], up[i]);
 }
 
+// GeluWithSlope over [begin, end).
+inline void gelu_with_slope_loop(const float* x, float* y, float* slope, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) activation_math::gelu_with_slope(x[i], y[i], slope[i]);
+}
+
 // The loops compiled with -mavx2 (activation_grad_avx2.cc); run only where update_avx2() is true.
 void silu_mul_avx2(const float* gate, const float* up, float* y, size_t begin, size_t end);
 void swiglu_grad_avx2(const float* dy, const float* gate, const float* up, float* dgate, float* dup, size_t begin,
                       size_t end);
 void activation_grad_avx2(Activation kind, const float* dy, const float* x, float* dx, size_t begin, size_t end);
+void gelu_with_slope_avx2(const float* x, float* y, float* slope, size_t begin, size_t end);
 
 }  // namespace normgrad
