@@ -100,7 +100,8 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     slices_rewritten = rewrites.tiling_slices_as_split(model)
     softmaxes_rewritten = rewrites.safe_softmaxes(model)
     silu_products_rewritten = rewrites.silu_products(model)
-    if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten:
+    rotations_rewritten = rewrites.rotate_half_embeddings(model)
+    if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten or rotations_rewritten:
         model = _infer_shapes(model)
     return model, opset
 

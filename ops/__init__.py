@@ -23,6 +23,7 @@ from normgrad.ops import (
     layer_normalization_grad,
     matrix_transpose,
     rms_normalization_grad,
+    rotate_half_embedding,
     safe_softmax,
     sgd_update,
     silu_mul,
@@ -55,6 +56,7 @@ OPERATORS = {
         softmax_grad,
         safe_softmax,
         bias_safe_softmax,
+        rotate_half_embedding,
         bias_softmax_cross_entropy,
         silu_mul,
     )
