@@ -1143,8 +1143,6 @@ def rotate_half_embeddings(model: onnx.ModelProto) -> int:
         if parts is None:
             continue
         x, cos, sin, chain = parts
-        # transposed set explicitly: onnx's inliner leaves a function's attribute reference
-        # without the default when the node omits the attribute
         fused = oh.make_node(rotate_half_embedding.OP_TYPE, [x, cos, sin], [node.output[0]], name=node.name,
                              domain=DOMAIN, transposed=0)
         replaced[id(node)] = [fused]

@@ -179,6 +179,44 @@ def test_shape_inference_rejects_an_odd_last_axis():
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
 
 
+def _both_modes() -> onnx.ModelProto:
+    """y = RotateHalfEmbedding(x, cos, sin) (the attribute omitted: 0), z = its transposed
+    mode of y: one function body serves both."""
+    nodes = [oh.make_node(OP, ["x", "cos", "sin"], ["y"], domain=DOMAIN),
+             oh.make_node(OP, ["y", "cos", "sin"], ["z"], domain=DOMAIN, transposed=1)]
+    graph = oh.make_graph(nodes, "modes", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 4, 6]),
+                                           oh.make_tensor_value_info("cos", onnx.TensorProto.FLOAT, [4, 6]),
+                                           oh.make_tensor_value_info("sin", onnx.TensorProto.FLOAT, [1, 6])],
+                          [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [3, 4, 6]) for name in "yz"])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(DOMAIN, 1)], ir_version=8)
+
+
+@pytest.mark.parametrize("form", ["function bodies", "inline", "portable"])
+def test_one_body_serves_both_modes(form):
+    """With a transposed node in the graph, the body reads the attribute (a node omitting it
+    gets its default written out for onnx's inliner): onnx's checker passes the model with
+    its bodies, and onnxruntime running the bodies, ``--inline`` and the portable expansion
+    all give the reference's bits for both nodes."""
+    from normgrad.graphs.inline import inline_normgrad
+    from normgrad.graphs.rewrites import expand_operator
+
+    model = _both_modes()
+    if form == "function bodies":
+        model = normgrad.add_functions(model)
+        onnx.checker.check_model(onnx.shape_inference.infer_shapes(model, strict_mode=True), full_check=True)
+    elif form == "inline":
+        model = inline_normgrad(model)
+    else:
+        model = expand_operator(model, rotate_half_embedding)
+    assert OP not in _ops(model) or form == "function bodies"
+    values = _inputs(((3, 4, 6), (4, 6), (1, 6)), seed=9)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, z = session.run(["y", "z"], values)
+    expected_y = rotate_half_embedding.reference(**values).y
+    assert y.tobytes() == expected_y.tobytes()
+    assert z.tobytes() == rotate_half_embedding.reference(expected_y, values["cos"], values["sin"], 1).y.tobytes()
+
+
 # ----------------------------------------------------------------------------- the rewrite
 
 BATCH, SEQ, HEADS, DIM, HIDDEN = 2, 5, 2, 8, 12
