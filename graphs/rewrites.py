@@ -1051,14 +1051,7 @@ def silu_products(model: onnx.ModelProto) -> int:
             continue
         fused = oh.make_node(silu_mul.OP_TYPE, [chain.gate, chain.up], [node.output[0]], name=node.name, domain=DOMAIN)
         replaced.update({id(node): [fused], id(chain.silu): [], id(chain.sigmoid): []})
-    if not replaced:
-        return 0
-    nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(oh.make_opsetid(DOMAIN, _common.OPSET_VERSION))
-    return sum(1 for new in replaced.values() if new)
+    return _replace_chains(model, replaced, set())
 
 
 def _rotate_half_parts(graph, node, producer, readers, outputs, dims):
