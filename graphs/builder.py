@@ -101,7 +101,9 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     softmaxes_rewritten = rewrites.safe_softmaxes(model)
     silu_products_rewritten = rewrites.silu_products(model)
     gelus_rewritten = rewrites.gelu_erf_slopes(model, opset)
-    if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten or gelus_rewritten:
+    rotations_rewritten = rewrites.rotate_half_embeddings(model)
+    if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten or gelus_rewritten \
+            or rotations_rewritten:
         model = _infer_shapes(model)
     return model, opset
 

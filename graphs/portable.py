@@ -50,6 +50,9 @@ minimal reproducer of each:
 * **GeluWithSlope as its standard ops** (not a defect either): the erf GELU that also writes
   its derivative (onnxruntime's CPU provider only) becomes the exporter's Div, Erf, Add, Mul,
   Mul and the derivative's standard ops.
+* **RotateHalfEmbedding as its standard ops** (not a defect either): the rotary position
+  embedding (onnxruntime's CPU provider only) becomes the Split, Neg, Concat, Mul, Mul, Add
+  torch's exporters wrote (its gradient of x: the same with the sin the body selects).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -100,7 +103,8 @@ from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, embedding_grad, gelu_with_slope,
-                          matrix_transpose, safe_softmax, silu_mul, softmax_cross_entropy, softmax_grad)
+                          matrix_transpose, rotate_half_embedding, safe_softmax, silu_mul, softmax_cross_entropy,
+                          softmax_grad)
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -543,14 +547,15 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
             "embedding_grad_expanded", "matrix_transpose_expanded", "softmax_grad_expanded", "safe_softmax_expanded",
-            "silu_mul_expanded", "gelu_with_slope_expanded", "onehot_as_equal", "size_as_shape_product",
+            "silu_mul_expanded", "gelu_with_slope_expanded", "rotate_half_embedding_expanded", "onehot_as_equal",
+            "size_as_shape_product",
             "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
             "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
 COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
                    "embedding_grad_expanded", "matrix_transpose_expanded", "softmax_grad_expanded",
                    "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded",
-                   "scan_bodies_self_contained", "float64_scalars_in_float32")
+                   "rotate_half_embedding_expanded", "scan_bodies_self_contained", "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -639,6 +644,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         model = _expanded(model, silu_mul)
     if "gelu_with_slope_expanded" not in skip:
         model = _expanded(model, gelu_with_slope)
+    if "rotate_half_embedding_expanded" not in skip:
+        model = _expanded(model, rotate_half_embedding)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:

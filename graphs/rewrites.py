@@ -48,6 +48,10 @@ would produce a wrong or rejected model.
   approximate="none") becomes one ``normgrad:GeluWithSlope`` writing y and its derivative in
   one pass: the gradient is then ``Mul(dy, slope)`` instead of GeluGrad's erf and exp over
   again (:func:`gelu_erf_slopes`).
+* The rotary position embedding of Llama and its relatives, ``x * cos + Concat(-x2, x1) * sin``
+  (x1, x2 the halves of x's last axis, a Split after :func:`tiling_slices_as_split`), becomes
+  one ``normgrad:RotateHalfEmbedding``: one pass instead of six, the same bits
+  (:func:`rotate_half_embeddings`).
 """
 
 from __future__ import annotations
@@ -70,13 +74,14 @@ from normgrad.graphs.patterns import GraphView, _declarative, gelu_erf_chain
 from normgrad.graphs.patterns.silu import match_gated_silu
 from normgrad.graphs.portable import value_types
 from normgrad.graphs.rules import UnsupportedOperatorError
-from normgrad.ops import DOMAIN, _common, bias_safe_softmax, dropout_mask, gelu_with_slope, safe_softmax, silu_mul
+from normgrad.ops import (DOMAIN, _common, bias_safe_softmax, dropout_mask, gelu_with_slope, rotate_half_embedding,
+                          safe_softmax, silu_mul)
 
 __all__ = ["GROUP_NORM_PER_CHANNEL_OPSET", "convert_opset", "fold_integer_constants", "seed_dropout",
            "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT", "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT",
            "recurrent_layout_0", "embedding_bags",
            "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products", "cast_stored_weights_per_reader",
-           "safe_softmaxes", "silu_products", "gelu_erf_slopes"]
+           "safe_softmaxes", "silu_products", "gelu_erf_slopes", "rotate_half_embeddings"]
 
 GROUP_NORM_PER_CHANNEL_OPSET = 21
 
@@ -944,10 +949,7 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
     row, as torch's, where the Where and Softmax gradients give NaN."""
     graph = model.graph
     types = {info.name: info.type.tensor_type for info in list(graph.input) + list(graph.value_info)}
-    readers: Dict[str, list] = collections.defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            readers[name].append(node)
+    readers = _readers(graph)
     producers = {name: node for node in graph.node for name in node.output}
     outputs = {o.name for o in graph.output}
     replaced: Dict[int, list] = {}
@@ -1006,18 +1008,29 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
             replaced[id(producers[x])] = []
         replaced.update({id(softmax): [fused], id(isnan): [], id(where): []})
         zeros.add(where.input[1])
-    return _replace_nodes(model, replaced, zeros)
+    return _replace_chains(model, replaced, zeros)
 
 
-def _replace_nodes(model: onnx.ModelProto, replaced: Dict[int, list], constants: Set[str]) -> int:
-    """Puts ``replaced`` ({id(node): the nodes in its place}) into the graph, drops the Constant
-    nodes of ``constants`` no longer read and imports the normgrad domain; returns how many
-    nodes were replaced by one (a fused chain)."""
+def _readers(graph: onnx.GraphProto) -> Dict[str, list]:
+    """{value: the nodes reading it, in graph order}."""
+    readers: Dict[str, list] = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    return readers
+
+
+def _replace_chains(model: onnx.ModelProto, replaced: Dict[int, list], constants: set) -> int:
+    """Replaces each node of ``model``'s graph by ``replaced[id(node)]`` (a normgrad node for
+    each chain, nothing for the chain's other nodes), drops the Constants writing
+    ``constants`` that nothing reads any more, imports the normgrad domain; returns how many
+    chains."""
     if not replaced:
         return 0
     graph = model.graph
+    outputs = {o.name for o in graph.output}
     nodes = [new for node in graph.node for new in replaced.get(id(node), [node])]
-    read = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+    read = {name for node in nodes for name in node.input} | outputs
     nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in constants and n.output[0] not in read)]
     del graph.node[:]
     graph.node.extend(nodes)
@@ -1043,7 +1056,97 @@ def silu_products(model: onnx.ModelProto) -> int:
             continue
         fused = oh.make_node(silu_mul.OP_TYPE, [chain.gate, chain.up], [node.output[0]], name=node.name, domain=DOMAIN)
         replaced.update({id(node): [fused], id(chain.silu): [], id(chain.sigmoid): []})
-    return _replace_nodes(model, replaced, set())
+    return _replace_chains(model, replaced, set())
+
+
+def _rotate_half_parts(graph, node, producer, readers, outputs, dims):
+    """(x, cos, sin, the chain's nodes) of ``node`` = Add(Mul(x, cos), Mul(Concat(Neg(x2), x1), sin))
+    with (x1, x2) = Split(x) into the halves of its last axis, float32, every intermediate
+    read by the chain alone and not a graph output; else None."""
+    def standard(n, op_type):
+        return n is not None and n.op_type == op_type and n.domain in ("", "ai.onnx")
+
+    def only_for(value, reader):
+        return value not in outputs and readers[value] == [reader]
+
+    if not standard(node, "Add") or len(node.input) != 2:
+        return None
+    for direct, rotated in (tuple(node.input), tuple(reversed(node.input))):
+        product, rotation = producer.get(direct), producer.get(rotated)
+        if not (standard(product, "Mul") and standard(rotation, "Mul")) or product is rotation:
+            continue
+        for concat_out, sin in (tuple(rotation.input), tuple(reversed(rotation.input))):
+            concat = producer.get(concat_out)
+            if not standard(concat, "Concat") or len(concat.input) != 2:
+                continue
+            neg, split = producer.get(concat.input[0]), producer.get(concat.input[1])
+            if not standard(neg, "Neg") or not standard(split, "Split") or producer.get(neg.input[0]) is not split \
+                    or list(split.output) != [concat.input[1], neg.input[0]]:
+                continue
+            x = split.input[0]
+            if x not in product.input or len(set(product.input)) != 2:
+                continue
+            cos = product.input[1] if product.input[0] == x else product.input[0]
+            x_dims = dims.get(x)
+            if x_dims is None or not x_dims or not isinstance(x_dims[-1], int) or x_dims[-1] % 2:
+                continue
+            last = len(x_dims) - 1
+            if attr(split, "axis", 0) not in (-1, last) or attr(concat, "axis", None) not in (-1, last):
+                continue
+            if len(split.input) > 1 and split.input[1]:
+                sizes = _constant_values(graph, split.input[1])
+                if sizes is None or sizes.tolist() != [x_dims[-1] // 2] * 2:
+                    continue
+            if not all(_broadcasts_exactly(dims.get(v), x_dims) for v in (cos, sin)):
+                continue
+            chain = [split, neg, concat, rotation, product]
+            if not (only_for(split.output[0], concat) and only_for(split.output[1], neg)
+                    and only_for(neg.output[0], concat) and only_for(concat_out, rotation)
+                    and only_for(rotated, node) and only_for(direct, node)):
+                continue
+            return x, cos, sin, chain
+    return None
+
+
+def _broadcasts_exactly(shape, x_dims) -> bool:
+    """Whether a value of ``shape`` surely broadcasts to x's dims without enlarging them, its
+    last axis x's (each dim 1, or x's: the same int or the same symbol)."""
+    if shape is None or not shape or len(shape) > len(x_dims) or shape[-1] != x_dims[-1]:
+        return False
+    return all(dim == 1 or (dim is not None and dim == x_dim) for dim, x_dim in zip(reversed(shape), reversed(x_dims)))
+
+
+def rotate_half_embeddings(model: onnx.ModelProto) -> int:
+    """Rewrites, in place, the rotary position embedding ``Add(Mul(x, cos), Mul(Concat(Neg(x2),
+    x1), sin))``, (x1, x2) = Split(x) into the two halves of its last axis, x, cos and sin
+    float32, cos and sin broadcasting to x's shape, into one ``normgrad:RotateHalfEmbedding(x,
+    cos, sin)`` writing the Add's output, where the Split's, Neg's, Concat's and Muls' outputs
+    are read by the chain alone and are not graph outputs (any operand order of the Muls and
+    the Add); returns how many. Needs the inferred types (after :func:`tiling_slices_as_split`,
+    which makes torch's two Slices the Split where x's last axis is static: the halves are
+    known equal only then)."""
+    graph = model.graph
+    types = {info.name: info.type.tensor_type for info in list(graph.input) + list(graph.value_info)}
+    types.update((init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)).tensor_type)
+                 for init in graph.initializer)
+    dims = {name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+            for name, t in types.items() if t.HasField("shape") and t.elem_type == onnx.TensorProto.FLOAT}
+    producer = {output: node for node in graph.node for output in node.output}
+    readers = _readers(graph)
+    outputs = {o.name for o in graph.output}
+    replaced: Dict[int, list] = {}
+    sizes = set()
+    for node in graph.node:
+        parts = _rotate_half_parts(graph, node, producer, readers, outputs, dims)
+        if parts is None:
+            continue
+        x, cos, sin, chain = parts
+        fused = oh.make_node(rotate_half_embedding.OP_TYPE, [x, cos, sin], [node.output[0]], name=node.name,
+                             domain=DOMAIN, transposed=0)
+        replaced[id(node)] = [fused]
+        replaced.update((id(n), []) for n in chain)
+        sizes.update(chain[0].input[1:])
+    return _replace_chains(model, replaced, sizes)
 
 
 def gelu_erf_slopes(model: onnx.ModelProto, opset: int) -> int:
@@ -1079,4 +1182,4 @@ def gelu_erf_slopes(model: onnx.ModelProto, opset: int) -> int:
         fused = oh.make_node(gelu_with_slope.OP_TYPE, [x], [y, slope], name=node.name, domain=DOMAIN)
         replaced.update({id(n): [] for n in chain})
         replaced[id(node)] = [fused]
-    return _replace_nodes(model, replaced, constants)
+    return _replace_chains(model, replaced, constants)

@@ -109,13 +109,19 @@ def check_attribute_flag(op: str, name: str, value: int) -> int:
 
 def attribute_reads(module, nodes) -> tuple:
     """The attributes of ``module.ATTRIBUTES_READ_UNLESS_DEFAULT`` that some of ``nodes`` (of
-    its op type) sets to a non-default value: its function body must then read them."""
+    its op type) sets to a non-default value: its function body must then read them. The
+    nodes that omit one of those get its default written out: onnx's inliner leaves the
+    body's reference to an omitted attribute empty instead of taking the default."""
     def value(node, name):
         attribute = next((a for a in node.attribute if a.name == name), None)
         return module.ATTRIBUTES[name] if attribute is None else onnx.helper.get_attribute_value(attribute)
 
-    return tuple(name for name in getattr(module, "ATTRIBUTES_READ_UNLESS_DEFAULT", ())
-                 if any(value(node, name) != module.ATTRIBUTES[name] for node in nodes))
+    reads = tuple(name for name in getattr(module, "ATTRIBUTES_READ_UNLESS_DEFAULT", ())
+                  if any(value(node, name) != module.ATTRIBUTES[name] for node in nodes))
+    for node in nodes:
+        node.attribute.extend(onnx.helper.make_attribute(name, module.ATTRIBUTES[name]) for name in reads
+                              if not any(a.name == name for a in node.attribute))
+    return reads
 
 
 def tensor_type(dtype: np.dtype) -> int:

@@ -134,6 +134,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     recurrent,
     reduce,
     resize,
+    rotary,
     select,
     shape,
     slice,

@@ -58,6 +58,7 @@ extern const OpDescriptor kBiasSafeSoftmax;
 extern const OpDescriptor kBiasSoftmaxCrossEntropy;
 extern const OpDescriptor kSiLUMul;
 extern const OpDescriptor kGeluWithSlope;
+extern const OpDescriptor kRotateHalfEmbedding;
 
 // Reads which inputs/outputs the node names ("" and trailing omissions are absent).
 struct NodeArgs {
