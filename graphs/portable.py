@@ -560,6 +560,14 @@ COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_stat
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
 
+_EXPANDED_OPERATORS = (("embedding_grad_expanded", (embedding_grad,)), ("matrix_transpose_expanded", (matrix_transpose,)),
+                       ("softmax_grad_expanded", (softmax_grad,)),
+                       ("safe_softmax_expanded", (bias_safe_softmax, safe_softmax)), ("silu_mul_expanded", (silu_mul,)),
+                       ("gelu_with_slope_expanded", (gelu_with_slope,)),
+                       ("rotate_half_embedding_expanded", (rotate_half_embedding,)))
+"""The rewrites of :func:`make_portable` that write normgrad operators as their function
+bodies, in this order, with the operators' modules (each rewrite's in turn)."""
+
 
 def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
     """Makes each outer-scope value a main-graph Scan's body reads directly a loop-carried
@@ -632,20 +640,10 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         _layer_norm_statistics_beside(model, names)
     if "dropout_seeded" not in skip:
         model = _dropout_seeded(model, names)
-    if "embedding_grad_expanded" not in skip:
-        model = _expanded(model, embedding_grad)
-    if "matrix_transpose_expanded" not in skip:
-        model = _expanded(model, matrix_transpose)
-    if "softmax_grad_expanded" not in skip:
-        model = _expanded(model, softmax_grad)
-    if "safe_softmax_expanded" not in skip:
-        model = _expanded(_expanded(model, bias_safe_softmax), safe_softmax)
-    if "silu_mul_expanded" not in skip:
-        model = _expanded(model, silu_mul)
-    if "gelu_with_slope_expanded" not in skip:
-        model = _expanded(model, gelu_with_slope)
-    if "rotate_half_embedding_expanded" not in skip:
-        model = _expanded(model, rotate_half_embedding)
+    for rewrite, modules in _EXPANDED_OPERATORS:
+        if rewrite not in skip:
+            for module in modules:
+                model = _expanded(model, module)
     if "onehot_as_equal" not in skip:
         _onehot_as_equal(model, names)
     if "size_as_shape_product" not in skip:
