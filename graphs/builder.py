@@ -80,11 +80,14 @@ def _maybe_float(info_type: Optional[onnx.TypeProto]) -> bool:
     return info_type is None or not info_type.tensor_type.elem_type or _is_float(info_type)
 
 
-def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
-    """Inlines local functions, raises the opset where needed, infers shapes."""
+def _prepare(model: onnx.ModelProto, frozen: Set[str]) -> Tuple[onnx.ModelProto, int]:
+    """Inlines local functions, raises the opset where needed, infers shapes, fuses the chains
+    of :mod:`normgrad.graphs.rewrites` (none whose fixed operand is a trainable initializer,
+    float and not in ``frozen``: its gradient would be lost)."""
     model = copy.deepcopy(model)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
+    trainable = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
     opset = _default_opset(model)
     rewrites.bfloat16_in_float32(model)
     rewrite_sequences(model)
@@ -98,9 +101,9 @@ def _prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     model = _infer_shapes(model)
     products_rewritten = rewrites.transposed_weight_products(model)
     slices_rewritten = rewrites.tiling_slices_as_split(model)
-    softmaxes_rewritten = rewrites.safe_softmaxes(model)
+    softmaxes_rewritten = rewrites.safe_softmaxes(model, trainable)
     silu_products_rewritten = rewrites.silu_products(model)
-    gelus_rewritten = rewrites.gelu_erf_slopes(model, opset)
+    gelus_rewritten = rewrites.gelu_erf_slopes(model, opset, trainable)
     rotations_rewritten = rewrites.rotate_half_embeddings(model)
     if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten or gelus_rewritten \
             or rotations_rewritten:
@@ -489,7 +492,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
     original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
-    model, opset = _prepare(model)
+    model, opset = _prepare(model, frozen)
     graph = model.graph
     running_statistics = _name_running_outputs(graph)
     batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)

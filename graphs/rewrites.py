@@ -937,11 +937,12 @@ def tiling_slices_as_split(model: onnx.ModelProto) -> int:
     return sum(1 for new in replaced.values() if new)
 
 
-def safe_softmaxes(model: onnx.ModelProto) -> int:
+def safe_softmaxes(model: onnx.ModelProto, trainable: Set[str] = frozenset()) -> int:
     """Rewrites, in place, torch's safe softmax ``Where(IsNaN(s), 0, s)``, s = Softmax(x) over
     the last axis of a float32 x, into one ``normgrad:SafeSoftmax(x)`` writing the Where's
     output, where s is read by that IsNaN and that Where alone and the IsNaN by the Where
-    alone (none a graph output) and the 0 is a constant; returns how many. Where x is an
+    alone (none a graph output) and the 0 is a constant (not one of the ``trainable``
+    initializers, whose gradient the fused node would lose); returns how many. Where x is an
     Add read by the Softmax alone of scores of x's static shape and a bias that fits them
     (:func:`normgrad.ops.bias_safe_softmax.broadcasts_over_rows`: attention's mask), the node
     is ``normgrad:BiasSafeSoftmax(scores, bias)`` in the Add's place too. Needs the inferred
@@ -997,7 +998,7 @@ def safe_softmaxes(model: onnx.ModelProto) -> int:
                 or isnan.output[0] in outputs:
             continue
         zero = _constant_values(graph, where.input[1])
-        if zero is None or zero.dtype != np.float32 or zero.size != 1 or zero.ndim > rank or float(zero.reshape(())) != 0.0:
+        if where.input[1] in trainable or zero is None or zero.dtype != np.float32 or zero.size != 1 or zero.ndim > rank or float(zero.reshape(())) != 0.0:
             continue
         added = scores_and_bias(x)
         if added is None:
@@ -1149,13 +1150,14 @@ def rotate_half_embeddings(model: onnx.ModelProto) -> int:
     return _replace_chains(model, replaced, sizes)
 
 
-def gelu_erf_slopes(model: onnx.ModelProto, opset: int) -> int:
+def gelu_erf_slopes(model: onnx.ModelProto, opset: int, trainable: Set[str] = frozenset()) -> int:
     """Rewrites, in place, each erf GELU of a float32 x into one ``normgrad:GeluWithSlope(x)``
     writing y (the GELU's output name) and a new slope value; returns how many. The GELU is
     the chain :func:`normgrad.graphs.patterns.gelu_erf_chain.match_chain` matches (either
     product order; its intermediates read by the chain alone, none a graph output) or a
-    default-domain ``Gelu`` with approximate="none". Needs the inferred types; its constants
-    no longer read are dropped."""
+    default-domain ``Gelu`` with approximate="none", its constants none of the ``trainable``
+    initializers (whose gradients the fused node would lose). Needs the inferred types; its
+    constants no longer read are dropped."""
     graph = model.graph
     view = GraphView(graph)
     if "Erf" not in view.op_types and "Gelu" not in view.op_types:
@@ -1174,9 +1176,10 @@ def gelu_erf_slopes(model: onnx.ModelProto, opset: int) -> int:
                 continue
             bound, chain = found
         x = bound["x"]
-        if ctx.elem_type(x) != onnx.TensorProto.FLOAT or any(id(n) in replaced for n in chain):
+        fixed = {bound[name] for name in ("root2", "one", "half") if name in bound}
+        if ctx.elem_type(x) != onnx.TensorProto.FLOAT or any(id(n) in replaced for n in chain) or fixed & trainable:
             continue
-        constants |= {bound[name] for name in ("root2", "one", "half") if name in bound}
+        constants |= fixed
         y = node.output[0]
         slope = reserve_name(used, f"{y}_slope")
         fused = oh.make_node(gelu_with_slope.OP_TYPE, [x], [y, slope], name=node.name, domain=DOMAIN)

@@ -161,17 +161,22 @@ def test_validate_names_the_input():
 # ----------------------------------------------------------------------------- the rewrite
 
 
-def _mlp(form="dynamo", elem_type=onnx.TensorProto.FLOAT, shared=False):
+def _mlp(form="dynamo", elem_type=onnx.TensorProto.FLOAT, shared=False, trained_constants=False):
     """x @ w1 + b1 -> erf GELU -> @ w2: the GELU as the dynamo exporter's chain
     ``x * ((erf(x / sqrt 2) + 1) * 0.5)``, TorchScript's ``(x * (erf + 1)) * 0.5``, opset 20's
-    Gelu (approximate none or tanh); ``shared``: the chain's 1 + erf also a graph output."""
+    Gelu (approximate none or tanh); ``shared``: the chain's 1 + erf also a graph output. The
+    chain's constants are Constant nodes, as the exporters write them, or with
+    ``trained_constants`` initializers (which the builder trains: float, not frozen)."""
     dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
     rng = np.random.default_rng(0)
     weights = [onh.from_array((rng.standard_normal(shape) * 0.8).astype(dtype), name)
                for name, shape in (("w1", (6, 8)), ("b1", (8,)), ("w2", (8, 4)))]
-    constants = [onh.from_array(np.array(value, dtype), name)
-                 for name, value in (("root2", math.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    values = [onh.from_array(np.array(value, dtype), name)
+              for name, value in (("root2", math.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    constants = values if trained_constants else []
     nodes = [oh.make_node("MatMul", ["x", "w1"], ["p"]), oh.make_node("Add", ["p", "b1"], ["h"])]
+    if not trained_constants:
+        nodes += [oh.make_node("Constant", [], [value.name], value=value) for value in values]
     if form.startswith("Gelu"):
         nodes.append(oh.make_node("Gelu", ["h"], ["a"], approximate="tanh" if form == "Gelu tanh" else "none"))
     else:
@@ -195,16 +200,20 @@ def _ops(model, domain=DOMAIN):
     return [n.op_type for n in model.graph.node if n.domain == domain]
 
 
-@pytest.mark.parametrize("form, elem_type, shared, rewritten", [
-    ("dynamo", onnx.TensorProto.FLOAT, False, True), ("torchscript", onnx.TensorProto.FLOAT, False, True),
-    ("Gelu", onnx.TensorProto.FLOAT, False, True), ("dynamo", onnx.TensorProto.DOUBLE, False, False),
-    ("Gelu", onnx.TensorProto.DOUBLE, False, False), ("Gelu tanh", onnx.TensorProto.FLOAT, False, False),
-    ("torchscript", onnx.TensorProto.FLOAT, True, False)])
-def test_which_gelus_become_the_operator(form, elem_type, shared, rewritten):
+@pytest.mark.parametrize("form, elem_type, shared, trained_constants, rewritten", [
+    ("dynamo", onnx.TensorProto.FLOAT, False, False, True), ("torchscript", onnx.TensorProto.FLOAT, False, False, True),
+    ("Gelu", onnx.TensorProto.FLOAT, False, False, True), ("dynamo", onnx.TensorProto.DOUBLE, False, False, False),
+    ("Gelu", onnx.TensorProto.DOUBLE, False, False, False), ("Gelu tanh", onnx.TensorProto.FLOAT, False, False, False),
+    ("torchscript", onnx.TensorProto.FLOAT, True, False, False), ("dynamo", onnx.TensorProto.FLOAT, False, True, False)])
+def test_which_gelus_become_the_operator(form, elem_type, shared, trained_constants, rewritten):
     """Both chain orders and Gelu-20 (approximate none) of a float32 x, writing the GELU's
-    output name, and no GeluGrad; float64, the tanh Gelu and a chain whose 1 + erf is also an
-    output keep their nodes."""
-    nodes = build_training_graph(_mlp(form, elem_type, shared), loss="mse").model.graph.node
+    output name, and no GeluGrad; float64, the tanh Gelu, a chain whose 1 + erf is also an
+    output and one whose constants are trained initializers (each gets its gradient) keep
+    their nodes."""
+    training = build_training_graph(_mlp(form, elem_type, shared, trained_constants), loss="mse")
+    nodes = training.model.graph.node
+    if trained_constants:
+        assert {"root2_grad", "one_grad", "half_grad"} <= {o.name for o in training.model.graph.output}
     gelu = next(n for n in nodes if "a" in n.output)
     forward = [n.op_type for n in nodes if not n.name.startswith("grad")]
     if rewritten:

@@ -267,6 +267,9 @@ def _variant(case: str) -> onnx.ModelProto:
     if case == "nonzero branch":
         graph.initializer.append(onh.from_array(np.ones((), np.float32), "one"))
         where.input[1] = "one"
+    elif case == "zero a trained initializer":
+        graph.initializer.append(onh.from_array(np.zeros((), np.float32), "trained_zero"))
+        where.input[1] = "trained_zero"
     elif case == "branches swapped":
         where.input[1], where.input[2] = where.input[2], where.input[1]
     elif case == "softmax read elsewhere":
@@ -293,13 +296,17 @@ def _variant(case: str) -> onnx.ModelProto:
     ("last axis", BIAS_OP), ("axis rank - 1", BIAS_OP), ("mask first", BIAS_OP), ("mask of a full row", BIAS_OP),
     ("no mask", OP), ("sum read elsewhere", OP), ("mask along the rows", OP), ("float64", None),
     ("middle axis", None), ("nonzero branch", None), ("branches swapped", None), ("softmax read elsewhere", None),
-    ("isnan a graph output", None)])
+    ("isnan a graph output", None), ("zero a trained initializer", None)])
 def test_which_chains_become_the_operator(case, rewritten):
     """Only torch's chain over the last axis of a float32 x; elsewhere the standard ops stay
     (and the float32 last-axis Softmax's gradient is SoftmaxGrad still). The mask's Add goes
     inside (BiasSafeSoftmax) when it is read by the Softmax alone and the mask has the scores'
-    last axis, its other axes 1 or theirs."""
-    ops = build_training_graph(_variant(case), loss="mse").model.graph.node
+    last axis, its other axes 1 or theirs. A 0 the builder trains (a float initializer) keeps
+    the Where and gets its gradient."""
+    training = build_training_graph(_variant(case), loss="mse")
+    ops = training.model.graph.node
+    if case == "zero a trained initializer":
+        assert "trained_zero_grad" in {o.name for o in training.model.graph.output}
     weights = next(n for n in ops if "weights" in n.output)
     op_types = [n.op_type for n in ops]
     forward_adds = [n for n in ops if n.op_type == "Add" and "scores" in n.output]

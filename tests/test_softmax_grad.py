@@ -167,8 +167,9 @@ def _attention(dtype=onnx.TensorProto.FLOAT, axis=-1, safe=True):
              for name in ("w_q", "w_k", "w_v", "w_o")]
     mask = np.zeros((5, 5), np_dtype)
     mask[np.triu_indices(5, 1)] = -np.inf
-    inits += [onh.from_array(mask, "mask"), onh.from_array(np.zeros((), np_dtype), "zero")]
-    nodes = [oh.make_node("MatMul", ["x", "w_q"], ["q"]), oh.make_node("MatMul", ["x", "w_k"], ["k"]),
+    inits.append(onh.from_array(mask, "mask"))
+    nodes = [oh.make_node("Constant", [], ["zero"], value=onh.from_array(np.zeros((), np_dtype)))]  # as exporters write it
+    nodes += [oh.make_node("MatMul", ["x", "w_q"], ["q"]), oh.make_node("MatMul", ["x", "w_k"], ["k"]),
              oh.make_node("MatMul", ["x", "w_v"], ["v"]), oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
              oh.make_node("MatMul", ["q", "kt"], ["s0"]), oh.make_node("Add", ["s0", "mask"], ["scores"]),
              oh.make_node("Softmax", ["scores"], ["p"], axis=axis)]
