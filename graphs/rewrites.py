@@ -956,16 +956,12 @@ def safe_softmaxes(model: onnx.ModelProto, trainable: Set[str] = frozenset()) ->
     replaced: Dict[int, list] = {}
     zeros = set()
 
+    known_dims = _float32_dims(graph)
+
     def float32_dims(name: str):
         """The static dims of a float32 value, else None."""
-        initializer = next((t for t in graph.initializer if t.name == name), None)
-        if initializer is not None:
-            return list(initializer.dims) if initializer.data_type == onnx.TensorProto.FLOAT else None
-        found = types.get(name)
-        if found is None or found.elem_type != onnx.TensorProto.FLOAT or not found.HasField("shape"):
-            return None
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in found.shape.dim]
-        return None if None in dims else dims
+        dims = known_dims.get(name)
+        return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
 
     def scores_and_bias(x: str):
         """(scores, bias) of an Add x read by the softmax alone that BiasSafeSoftmax takes, else None."""
@@ -1010,6 +1006,16 @@ def safe_softmaxes(model: onnx.ModelProto, trainable: Set[str] = frozenset()) ->
         replaced.update({id(softmax): [fused], id(isnan): [], id(where): []})
         zeros.add(where.input[1])
     return _replace_chains(model, replaced, zeros)
+
+
+def _float32_dims(graph: onnx.GraphProto) -> Dict[str, list]:
+    """{value: its dims, each an int, a symbol or None} of the graph's float32 inputs,
+    initializers and inferred values of known rank."""
+    types = {info.name: info.type.tensor_type for info in list(graph.input) + list(graph.value_info)}
+    types.update((init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)).tensor_type)
+                 for init in graph.initializer)
+    return {name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+            for name, t in types.items() if t.HasField("shape") and t.elem_type == onnx.TensorProto.FLOAT}
 
 
 def _readers(graph: onnx.GraphProto) -> Dict[str, list]:
@@ -1127,11 +1133,7 @@ def rotate_half_embeddings(model: onnx.ModelProto) -> int:
     which makes torch's two Slices the Split where x's last axis is static: the halves are
     known equal only then)."""
     graph = model.graph
-    types = {info.name: info.type.tensor_type for info in list(graph.input) + list(graph.value_info)}
-    types.update((init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)).tensor_type)
-                 for init in graph.initializer)
-    dims = {name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
-            for name, t in types.items() if t.HasField("shape") and t.elem_type == onnx.TensorProto.FLOAT}
+    dims = _float32_dims(graph)
     producer = {output: node for node in graph.node for output in node.output}
     readers = _readers(graph)
     outputs = {o.name for o in graph.output}
