@@ -101,16 +101,19 @@ def test_kernels_within_a_few_ulps_of_the_reference(backend):
 @needs_cpp
 def test_cpp_matches_torch_gelu_and_its_special_values():
     """torch's float32 gelu is within its own error of ours (its 1 + erf cancels in the
-    negative tail: |x| 2^-24 per ulp of erf, not of y): within 8 |x| 2^-24; at +-inf and NaN
-    the same values (gelu(-inf) is NaN, -inf times 0)."""
+    negative tail: |x| 2^-24 per ulp of erf, not of y): within 8 |x| 2^-24 where torch's
+    product x (1 + erf) stays finite (its AVX-512 loop overflows to inf past half of float32's
+    largest value, where ours is the float64 truth: test_kernels_within_a_few_ulps_...); NaN
+    where torch's is, and at +-inf torch's scalar values (gelu(-inf) is NaN, -inf times 0;
+    its AVX-512 loop gives NaN at +inf too)."""
     torch = pytest.importorskip("torch")
     x = _inputs(100000)
     y = harness.run("cpp", OP, {"x": x})["y"]
     expected = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
-    finite = np.isfinite(x)
+    finite = np.isfinite(x) & (np.abs(x) < np.finfo(np.float32).max / 2)
     wide = x[finite].astype(np.float64)
     assert (np.abs(y[finite].astype(np.float64) - expected[finite]) <= 8 * np.abs(wide) * 2.0**-24).all()
-    np.testing.assert_array_equal(y[~finite], expected[~finite])
+    np.testing.assert_array_equal(np.isnan(y[np.isnan(x)]), np.isnan(expected[np.isnan(x)]))
     assert np.isnan(y[x == -np.inf]).all() and (y[x == np.inf] == np.inf).all()
 
 
