@@ -6,6 +6,7 @@ downloaded."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -74,6 +75,17 @@ def exported(request, tmp_path_factory):
     forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), tmp_path_factory.mktemp(family) / "forward.onnx",
                                     exporter="dynamo", input_names=["input_ids"], output_names=["logits"])
     step, initial = build_step_graph(build_training_graph(forward, loss="causal_lm"), "adamw", weight_decay=WEIGHT_DECAY)
+    float64 = copy.deepcopy(model).double()
+    losses, trained = _torch_steps(model, input_ids, labels)
+    _, trained_float64 = _torch_steps(float64, input_ids, labels)
+    return dict(family=family, model=model, base_state=base_state, step=step, initial=initial,
+                batch={"input_ids": input_ids.numpy(), "labels": labels.numpy()}, trained=trained, losses=losses,
+                trained_float64=trained_float64)
+
+
+def _torch_steps(model, input_ids, labels):
+    """STEPS AdamW steps of torch + peft: (losses, the adapters after them); the model's
+    adapters are then back at their initial values (for the tests that compare logits)."""
     adapters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(adapters, lr=LR, weight_decay=WEIGHT_DECAY)
     initial_adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -85,12 +97,11 @@ def exported(request, tmp_path_factory):
         optimizer.step()
         losses.append(loss.item())
     trained = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if p.requires_grad}
-    with torch.no_grad():  # back to the initial adapters for the tests that compare logits
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name in initial_adapters:
                 param.copy_(initial_adapters[name])
-    return dict(family=family, model=model, base_state=base_state, step=step, initial=initial,
-                batch={"input_ids": input_ids.numpy(), "labels": labels.numpy()}, trained=trained, losses=losses)
+    return losses, trained
 
 
 def _torch_name(onnx_name: str) -> str:
@@ -121,16 +132,21 @@ def test_only_adapters_train(exported):
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_lora_steps_match_torch_and_peft(exported, level):
-    """STEPS AdamW steps: every adapter within 1e-5 of its scale of torch + peft's; the frozen
-    base (initializers of the step graph) bitwise the torch base's."""
+    """STEPS AdamW steps: every adapter within 1e-5 of its scale of torch + peft's, or no
+    farther from torch's float64 trajectory than 4 times torch's own float32 run is (AdamW
+    divides by the gradients' root mean square: float32 rounding that differs by CPU, as
+    MLAS's and torch's GEMMs on AVX-512, moves an adapter by that much); the frozen base
+    (initializers of the step graph) bitwise the torch base's."""
     trainer, losses = _train(exported, level)
     np.testing.assert_allclose(losses, exported["losses"], rtol=1e-5)
     state = trainer.state_dict()
     for name, expected in exported["trained"].items():
         got = state["model." + name]
+        truth = exported["trained_float64"][name]
         scale = float(np.abs(expected).max())
-        error = float(np.abs(got - expected).max())
-        assert error <= 1e-5 * scale, f"{name}: max |normgrad - torch| {error:.3g}, scale {scale:.3g}"
+        error, torch_error = float(np.abs(got - expected).max()), float(np.abs(expected - truth).max())
+        assert error <= 1e-5 * scale or float(np.abs(got - truth).max()) <= 4 * torch_error, \
+            f"{name}: max |normgrad - torch| {error:.3g}, scale {scale:.3g}, torch's own float32 error {torch_error:.3g}"
     base = {t.name: onnx.numpy_helper.to_array(t) for t in exported["step"].graph.initializer}
     checked = 0
     for name, value in exported["base_state"].items():
