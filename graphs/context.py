@@ -9,7 +9,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.ops import DOMAIN, matrix_transpose
+from normgrad.ops import DOMAIN, outer_product_sum
 
 __all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe"]
 
@@ -20,19 +20,9 @@ FLOAT_ELEM_TYPES = frozenset(
 
 Dim = Union[int, str, None]
 
-WEIGHT_GRADIENT_TRANSPOSED_MACS = 1 << 24
-"""Float32 weight gradients of at least this many multiply-adds read a MatrixTranspose copy
+WEIGHT_GRADIENT_OUTER_PRODUCT_MACS = 1 << 24
+"""Float32 weight gradients of at least this many multiply-adds are an OuterProductSum
 (:meth:`GradientContext.weight_gradient`)."""
-PLAIN_GEMM_STABLE_ROWS, PLAIN_GEMM_STABLE_COLUMNS = 256, 512
-"""MLAS picks the K blocking of a product whose A is not transposed from the part of it each
-thread computes (with a transposed A, never), so its bits can depend on the thread count.
-Measured (onnxruntime 1.32, 1, 2 and 4 threads): the same bits from 256 rows or 512 columns
-on; 64 x 128 differs at 2 threads, 128 x 256 at 4. Smaller plain products keep transA."""
-
-
-def _thread_stable(rows: int, columns: int) -> bool:
-    """Whether MLAS gives a plain rows x columns product the same bits at any thread count."""
-    return rows >= PLAIN_GEMM_STABLE_ROWS or columns >= PLAIN_GEMM_STABLE_COLUMNS
 
 
 def reserve_name(used: Set[str], name: str) -> str:
@@ -80,7 +70,6 @@ class GradientContext:
                     self._constants[node.output[0]] = value
         self._producers = {name: node for node in graph.node for name in node.output if name}
         self._gemm_products: Set[str] = set()  # outputs of emitted Gemms without C
-        self._transposed: Dict[str, str] = {}  # value -> its MatrixTranspose
         self._used: Set[str] = set(self._types)
         for node in graph.node:
             self._used.update(node.input)
@@ -279,30 +268,16 @@ class GradientContext:
                         alpha: float = 1.0) -> str:
         """alpha P^T Q for 2-D P [t, m] and Q [t, n] (``dims`` = (t, m, n), None where unknown;
         ``like``: a forward value of their element type): a weight's gradient, summed over the
-        t rows. MLAS multiplies a transposed A panel by panel, about 20% slower than
-        contiguous operands, and onnxruntime folds a Transpose feeding a Gemm back into its
-        transA; a float32 product of at least WEIGHT_GRADIENT_TRANSPOSED_MACS multiply-adds
-        reads a MatrixTranspose copy instead where that measured faster: P^T when m <= n
-        (attention and MLP-down projections), the product (Q^T P)^T when m >= 8 n (a
-        vocabulary head: its transposes are of the small sides). Between, the transA Gemm
-        stays (the MLP-up projections: the copies cost what the GEMM gains), and where the
-        plain product's bits could depend on the thread count (PLAIN_GEMM_STABLE_ROWS)."""
+        t rows. MLAS multiplies a transposed A panel by panel, 20-35% slower than contiguous
+        operands, and onnxruntime folds a Transpose feeding a Gemm back into its transA: a
+        float32 product of at least WEIGHT_GRADIENT_OUTER_PRODUCT_MACS multiply-adds is an
+        OuterProductSum (its kernel packs both operands itself), a smaller one, one of another
+        element type or scaled by alpha a Gemm with transA."""
         t, m, n = dims if dims is not None else (None, None, None)
-        scale = alpha if alpha != 1.0 else None
-        if None in (t, m, n) or self.elem_type(like) != onnx.TensorProto.FLOAT \
-                or t * m * n < WEIGHT_GRADIENT_TRANSPOSED_MACS:
-            return self.op("Gemm", p, q, alpha=scale, transA=1)
-        if m <= n and _thread_stable(m, n):
-            return self.op("Gemm", self._matrix_transpose(p), q, alpha=scale)
-        if m >= 8 * n and _thread_stable(n, m):
-            return self._matrix_transpose(self.op("Gemm", self._matrix_transpose(q), p, alpha=scale))
-        return self.op("Gemm", p, q, alpha=scale, transA=1)
-
-    def _matrix_transpose(self, value: str) -> str:
-        """One MatrixTranspose node per value (products of one input share it)."""
-        if value not in self._transposed:
-            self._transposed[value] = self.op(matrix_transpose.OP_TYPE, value, domain=DOMAIN)
-        return self._transposed[value]
+        if alpha == 1.0 and None not in (t, m, n) and self.elem_type(like) == onnx.TensorProto.FLOAT \
+                and t * m * n >= WEIGHT_GRADIENT_OUTER_PRODUCT_MACS:
+            return self.op(outer_product_sum.OP_TYPE, p, q, domain=DOMAIN)
+        return self.op("Gemm", p, q, alpha=alpha if alpha != 1.0 else None, transA=1)
 
     def gradient_of(self, grad: str, forward: str) -> str:
         """Records that backward value ``grad`` is the gradient of forward value ``forward``

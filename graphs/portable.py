@@ -37,9 +37,10 @@ minimal reproducer of each:
   the operator existed): the gradient of a Gather from a float32 table, which onnxruntime's
   CPU provider runs as one normgrad kernel, is written as its function body, a
   ScatterElements into a zero table (:func:`normgrad.graphs.rewrites.expand_operator`).
-* **MatrixTranspose as its Transpose** (not a defect either): the copy a large float32 weight
-  gradient reads instead of a transposed GEMM operand (onnxruntime's CPU provider only)
-  becomes the standard Transpose, which the runtime folds into its GEMM.
+* **OuterProductSum as its Gemm** (not a defect either): a large float32 weight gradient
+  (onnxruntime's CPU provider only) becomes the standard Gemm with transA; MatrixTranspose, the
+  copy that step graphs written before it hold, becomes the standard Transpose, which the
+  runtime folds into its GEMM.
 * **SoftmaxGrad as its standard ops** (not a defect either): the gradient of a float32
   Softmax over the last axis (onnxruntime's CPU provider only) becomes Mul, ReduceSum, Sub, Mul.
 * **SafeSoftmax and BiasSafeSoftmax as their standard ops** (not a defect either):
@@ -103,8 +104,8 @@ from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, embedding_grad, gelu_with_slope,
-                          matrix_transpose, rotate_half_embedding, safe_softmax, silu_mul, softmax_cross_entropy,
-                          softmax_grad)
+                          matrix_transpose, outer_product_sum, rotate_half_embedding, safe_softmax, silu_mul,
+                          softmax_cross_entropy, softmax_grad)
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -546,14 +547,15 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 
 REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
-            "embedding_grad_expanded", "matrix_transpose_expanded", "softmax_grad_expanded", "safe_softmax_expanded",
-            "silu_mul_expanded", "gelu_with_slope_expanded", "rotate_half_embedding_expanded", "onehot_as_equal",
+            "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded", "softmax_grad_expanded",
+            "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded", "rotate_half_embedding_expanded", "onehot_as_equal",
             "size_as_shape_product",
             "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
             "float64_scalars_in_float32", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
 COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
-                   "embedding_grad_expanded", "matrix_transpose_expanded", "softmax_grad_expanded",
+                   "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded",
+                   "softmax_grad_expanded",
                    "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded",
                    "rotate_half_embedding_expanded", "scan_bodies_self_contained", "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
@@ -561,6 +563,7 @@ COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_stat
 float32): only ``normgrad export --portable`` makes them."""
 
 _EXPANDED_OPERATORS = (("embedding_grad_expanded", (embedding_grad,)), ("matrix_transpose_expanded", (matrix_transpose,)),
+                       ("outer_product_sum_expanded", (outer_product_sum,)),
                        ("softmax_grad_expanded", (softmax_grad,)),
                        ("safe_softmax_expanded", (bias_safe_softmax, safe_softmax)), ("silu_mul_expanded", (silu_mul,)),
                        ("gelu_with_slope_expanded", (gelu_with_slope,)),

@@ -48,6 +48,7 @@ extern const OpDescriptor kDropoutMask;
 extern const OpDescriptor kEmbeddingGrad;
 extern const OpDescriptor kSoftmaxCrossEntropy;
 extern const OpDescriptor kMatrixTranspose;
+extern const OpDescriptor kOuterProductSum;
 extern const OpDescriptor kSiLUGrad;
 extern const OpDescriptor kGeluGrad;
 extern const OpDescriptor kGeluTanhGrad;

@@ -308,7 +308,7 @@ std::vector<OpVariant*>* build_ops() {
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
                                 &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kEmbeddingGrad,
-                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kSiLUGrad, &kGeluGrad,
+                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kSiLUGrad, &kGeluGrad,
                                 &kGeluTanhGrad, &kSwiGLUGrad, &kSoftmaxGrad, &kSafeSoftmax, &kBiasSafeSoftmax,
                                 &kBiasSoftmaxCrossEntropy, &kSiLUMul, &kGeluWithSlope, &kRotateHalfEmbedding}) {
     if (d->type_pairs == 'd') {  // T only, double included, then one catch-all variant
