@@ -8,9 +8,9 @@ panel by panel: 84-98 GFLOP/s against 131-147 for torch's on a vocabulary head's
 a Gemm back into its ``transA``. The C++ kernel packs both operands into panels (b's columns
 a depth block at a time, each row block of y its rows of a) and runs a register tile over
 them (14 x 32 on AVX-512, 6 x 16 on AVX2): 34-37 ms against MLAS's 44-46 for that head's
-product (node time, 1 thread), which packs only one. Each element of y is one chain of fused multiply-adds over t in order,
-from +0, on every path (AVX-512, AVX2, the portable loop's ``std::fma``): the same bits at any
-thread count, on any CPU. Its function body is ``Gemm(a, b, transA=1)``, which
+product (node time, 1 thread), which packs only one. Each element of y is one chain of fused
+multiply-adds over t in order, from +0, on every path (AVX-512, AVX2, the portable loop's
+``std::fma``): the same bits at any thread count, on any CPU. Its function body is ``Gemm(a, b, transA=1)``, which
 ``--inline`` and the portable form write instead.
 
 Inputs:
