@@ -1,9 +1,10 @@
 // OuterProductSum (ops/outer_product_sum.py): y [M, N] = a^T b for a [T, M], b [T, N], the
 // weight gradient of a product summed over its rows, without a transposed GEMM operand. b is
-// packed into column panels [depth][tile columns], a depth block at a time (or all of its depth
-// at once when y is too large to stay in cache between blocks); row blocks of y go to the
-// intra-op threads, each packing its rows of a into [depth][tile rows] panels and running the
-// register tile over both (outer_product_sum.h: the same bits on every path).
+// packed into column panels [depth][tile columns] and a into row panels [depth][tile rows], a
+// depth block at a time, and the register tile runs over both; groups of column panels go to
+// the intra-op threads, or, when y is too large to stay in cache between depth blocks, row
+// blocks of y, over b packed at its whole depth (outer_product_sum.h: the same bits on every
+// path and at any thread count).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -22,6 +23,7 @@ constexpr const char* kOp = "OuterProductSum";
 constexpr size_t kDepthBlock = 128;     // rows of a and b per pass over a tile of y
 constexpr size_t kRowBlockTiles = 40;   // tile rows per row block (one task): its a panels stay in L2
 constexpr size_t kColumnBlock = 2048;   // columns of y per pass (a multiple of every tile's columns)
+constexpr size_t kPanelsPerTask = 2;    // column panels per task where the threads share a row block
 constexpr size_t kCachedOutputFloats = 1 << 19;  // y up to 2 MiB stays in cache between depth blocks
 constexpr size_t kWholeDepthFloats = 1 << 18;    // b's packed columns up to 1 MiB: all of its depth at once
 
@@ -71,44 +73,45 @@ void pack_b(const float* b, size_t n, size_t k0, size_t depth, size_t j0, size_t
   }
 }
 
-// One depth block [k0, k0 + depth) of y's rows [r0, r1) and columns [j0, j0 + width): rows of
-// a packed into row panels [depth][rows], the tile over them and b's panels (the first at
-// packed_b, the next panel_stride floats on). first: k0 == 0.
-void row_block(const OuterTile& tile, const float* a, const float* packed_b, size_t panel_stride, float* y,
-               size_t m, size_t n, size_t k0, size_t depth, size_t j0, size_t width, size_t r0, size_t r1) {
-  const size_t rows = tile.rows, columns = tile.columns, height = r1 - r0;
-  const size_t panels = (height + rows - 1) / rows;
-  const bool first = k0 == 0;
-  thread_local std::vector<float> packed_a;
-  packed_a.resize(panels * rows * depth);
+// Rows [k0, k0 + depth) of a's columns [r0, r1) (y's rows) as row panels [depth][rows], zero past r1.
+void pack_a(const OuterTile& tile, const float* a, size_t m, size_t k0, size_t depth, size_t r0, size_t r1,
+            float* packed) {
+  const size_t rows = tile.rows, height = r1 - r0, panels = (height + rows - 1) / rows;
   for (size_t k = 0; k < depth; ++k) {
     const float* row = a + (k0 + k) * m + r0;
     for (size_t p = 0; p < panels; ++p) {
       const size_t count = std::min(rows, height - p * rows);
-      float* to = packed_a.data() + (p * depth + k) * rows;
+      float* to = packed + (p * depth + k) * rows;
       std::memcpy(to, row + p * rows, count * sizeof(float));
       if (count < rows) std::memset(to + count, 0, (rows - count) * sizeof(float));
     }
   }
+}
+
+// One depth block of y's rows [r0, r1) and columns j0 + [c0, c1): the tile over a's row panels
+// (packed_a) and b's column panels (panel c / columns at packed_b + c / columns * panel_stride).
+// first: the depth block is the first (y starts from +0).
+void tiles(const OuterTile& tile, const float* packed_a, const float* packed_b, size_t panel_stride, float* y,
+           size_t n, size_t depth, bool first, size_t j0, size_t c0, size_t c1, size_t r0, size_t r1) {
+  const size_t rows = tile.rows, columns = tile.columns, height = r1 - r0;
+  const size_t panels = (height + rows - 1) / rows;
   float edge[16 * 32] = {};  // a tile at y's edges (rows x columns <= 16 x 32)
-  for (size_t jr = 0; jr < width; jr += columns) {
-    const float* b_panel = packed_b + (jr / columns) * panel_stride;
-    const size_t count_j = std::min(columns, width - jr);
+  for (size_t c = c0; c < c1; c += columns) {
+    const float* b_panel = packed_b + (c / columns) * panel_stride;
+    const size_t width = std::min(columns, c1 - c);
     for (size_t p = 0; p < panels; ++p) {
-      const float* a_panel = packed_a.data() + p * depth * rows;
+      const float* a_panel = packed_a + p * depth * rows;
       const size_t count = std::min(rows, height - p * rows);
-      float* target = y + (r0 + p * rows) * n + j0 + jr;
-      if (count == rows && count_j == columns) {
+      float* target = y + (r0 + p * rows) * n + j0 + c;
+      if (count == rows && width == columns) {
         tile.micro(depth, a_panel, b_panel, target, n, first);
         continue;
       }
       for (size_t i = 0; i < count && !first; ++i) {
-        std::memcpy(edge + i * columns, target + i * n, count_j * sizeof(float));
+        std::memcpy(edge + i * columns, target + i * n, width * sizeof(float));
       }
       tile.micro(depth, a_panel, b_panel, edge, columns, first);
-      for (size_t i = 0; i < count; ++i) {
-        std::memcpy(target + i * n, edge + i * columns, count_j * sizeof(float));
-      }
+      for (size_t i = 0; i < count; ++i) std::memcpy(target + i * n, edge + i * columns, width * sizeof(float));
     }
   }
 }
@@ -164,7 +167,7 @@ struct OuterProductSum final : KernelBase {
     const float* b_data = static_cast<const float*>(b.data);
     if (t == 0) std::fill(y, y + m * n, 0.0f);
     const size_t block = kRowBlockTiles * chosen.rows, blocks = (m + block - 1) / block;
-    thread_local std::vector<float> packed_b;  // kept between calls: no fresh pages per step
+    thread_local std::vector<float> packed_a, packed_b;  // kept between calls: no fresh pages per step
     for (size_t j0 = 0; j0 < n; j0 += kColumnBlock) {
       const size_t width = std::min(kColumnBlock, n - j0);
       const size_t padded = (width + chosen.columns - 1) / chosen.columns * chosen.columns;
@@ -173,31 +176,43 @@ struct OuterProductSum final : KernelBase {
                                checked_mul(padded, t, kOp, "packed b") <= kWholeDepthFloats;
       if (whole_depth) {
         // y too large to stay in cache over the depth blocks, b's columns small: b packed at its
-        // whole depth, each row block of y then in cache over all of it
+        // whole depth, a row block of y per thread, in cache over all of it
         packed_b.resize(padded * t);
         pack_b(b_data, n, 0, t, j0, width, chosen.columns, packed_b.data());
         const float* b_packed = packed_b.data();
         auto run = [&](size_t index) {
           const size_t r0 = index * block, r1 = std::min(m, r0 + block);
+          thread_local std::vector<float> rows_a;
+          rows_a.resize(block * kDepthBlock);
           for (size_t k0 = 0; k0 < t; k0 += kDepthBlock) {
-            row_block(chosen, a_data, b_packed + k0 * chosen.columns, t * chosen.columns, y, m, n, k0,
-                      std::min(kDepthBlock, t - k0), j0, width, r0, r1);
+            const size_t depth = std::min(kDepthBlock, t - k0);
+            pack_a(chosen, a_data, m, k0, depth, r0, r1, rows_a.data());
+            tiles(chosen, rows_a.data(), b_packed + k0 * chosen.columns, t * chosen.columns, y, n, depth, k0 == 0,
+                  j0, 0, width, r0, r1);
           }
         };
         parallel_for(ctx, blocks, run, work);
         continue;
       }
-      for (size_t k0 = 0; k0 < t; k0 += kDepthBlock) {  // else b's columns a depth block at a time
+      // else b's columns a depth block at a time, y's row blocks in turn, groups of column
+      // panels to the threads
+      const size_t group = kPanelsPerTask * chosen.columns, groups = (width + group - 1) / group;
+      packed_a.resize(block * kDepthBlock);
+      for (size_t k0 = 0; k0 < t; k0 += kDepthBlock) {
         const size_t depth = std::min(kDepthBlock, t - k0);
         packed_b.resize(padded * depth);
         pack_b(b_data, n, k0, depth, j0, width, chosen.columns, packed_b.data());
-        const float* b_packed = packed_b.data();
-        auto run = [&](size_t index) {
-          const size_t r0 = index * block;
-          row_block(chosen, a_data, b_packed, depth * chosen.columns, y, m, n, k0, depth, j0, width, r0,
-                    std::min(m, r0 + block));
-        };
-        parallel_for(ctx, blocks, run, work);
+        for (size_t r0 = 0; r0 < m; r0 += block) {
+          const size_t r1 = std::min(m, r0 + block);
+          pack_a(chosen, a_data, m, k0, depth, r0, r1, packed_a.data());
+          const float *a_packed = packed_a.data(), *b_packed = packed_b.data();
+          auto run = [&](size_t index) {
+            const size_t c0 = index * group;
+            tiles(chosen, a_packed, b_packed, depth * chosen.columns, y, n, depth, k0 == 0, j0, c0,
+                  std::min(width, c0 + group), r0, r1);
+          };
+          parallel_for(ctx, groups, run, (r1 - r0) * width * depth);
+        }
       }
     }
   }
