@@ -21,7 +21,7 @@ namespace {
 
 constexpr const char* kOp = "OuterProductSum";
 constexpr size_t kDepthBlock = 128;     // rows of a and b per pass over a tile of y
-constexpr size_t kRowBlockTiles = 40;   // tile rows per row block (one task): its a panels stay in L2
+constexpr size_t kRowBlockTiles = 40;   // tile rows per row block of y: its a panels stay in L2
 constexpr size_t kColumnBlock = 2048;   // columns of y per pass (a multiple of every tile's columns)
 constexpr size_t kPanelsPerTask = 2;    // column panels per task where the threads share a row block
 constexpr size_t kCachedOutputFloats = 1 << 19;  // y up to 2 MiB stays in cache between depth blocks
