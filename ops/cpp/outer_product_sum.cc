@@ -57,33 +57,18 @@ const OuterTile& tile() {
   return chosen;
 }
 
-// Rows [k0, k0 + depth) of b's columns [j0, j0 + width) as column panels [depth][columns],
-// zero past the width.
-void pack_b(const float* b, size_t n, size_t k0, size_t depth, size_t j0, size_t width, size_t columns,
-            float* packed) {
-  const size_t panels = (width + columns - 1) / columns;
+// Rows [k0, k0 + depth) of x [*, ld]'s columns [c0, c0 + count) as panels [depth][width],
+// zero past the count: a's row panels (width the tile's rows) and b's column panels (its columns).
+void pack_panels(const float* x, size_t ld, size_t k0, size_t depth, size_t c0, size_t count, size_t width,
+                 float* packed) {
+  const size_t panels = (count + width - 1) / width;
   for (size_t k = 0; k < depth; ++k) {
-    const float* row = b + (k0 + k) * n + j0;
+    const float* row = x + (k0 + k) * ld + c0;
     for (size_t p = 0; p < panels; ++p) {
-      const size_t count = std::min(columns, width - p * columns);
-      float* to = packed + (p * depth + k) * columns;
-      std::memcpy(to, row + p * columns, count * sizeof(float));
-      if (count < columns) std::memset(to + count, 0, (columns - count) * sizeof(float));
-    }
-  }
-}
-
-// Rows [k0, k0 + depth) of a's columns [r0, r1) (y's rows) as row panels [depth][rows], zero past r1.
-void pack_a(const OuterTile& tile, const float* a, size_t m, size_t k0, size_t depth, size_t r0, size_t r1,
-            float* packed) {
-  const size_t rows = tile.rows, height = r1 - r0, panels = (height + rows - 1) / rows;
-  for (size_t k = 0; k < depth; ++k) {
-    const float* row = a + (k0 + k) * m + r0;
-    for (size_t p = 0; p < panels; ++p) {
-      const size_t count = std::min(rows, height - p * rows);
-      float* to = packed + (p * depth + k) * rows;
-      std::memcpy(to, row + p * rows, count * sizeof(float));
-      if (count < rows) std::memset(to + count, 0, (rows - count) * sizeof(float));
+      const size_t taken = std::min(width, count - p * width);
+      float* to = packed + (p * depth + k) * width;
+      std::memcpy(to, row + p * width, taken * sizeof(float));
+      if (taken < width) std::memset(to + taken, 0, (width - taken) * sizeof(float));
     }
   }
 }
@@ -178,7 +163,7 @@ struct OuterProductSum final : KernelBase {
         // y too large to stay in cache over the depth blocks, b's columns small: b packed at its
         // whole depth, a row block of y per thread, in cache over all of it
         packed_b.resize(padded * t);
-        pack_b(b_data, n, 0, t, j0, width, chosen.columns, packed_b.data());
+        pack_panels(b_data, n, 0, t, j0, width, chosen.columns, packed_b.data());
         const float* b_packed = packed_b.data();
         auto run = [&](size_t index) {
           const size_t r0 = index * block, r1 = std::min(m, r0 + block);
@@ -186,7 +171,7 @@ struct OuterProductSum final : KernelBase {
           rows_a.resize(block * kDepthBlock);
           for (size_t k0 = 0; k0 < t; k0 += kDepthBlock) {
             const size_t depth = std::min(kDepthBlock, t - k0);
-            pack_a(chosen, a_data, m, k0, depth, r0, r1, rows_a.data());
+            pack_panels(a_data, m, k0, depth, r0, r1 - r0, chosen.rows, rows_a.data());
             tiles(chosen, rows_a.data(), b_packed + k0 * chosen.columns, t * chosen.columns, y, n, depth, k0 == 0,
                   j0, 0, width, r0, r1);
           }
@@ -201,10 +186,10 @@ struct OuterProductSum final : KernelBase {
       for (size_t k0 = 0; k0 < t; k0 += kDepthBlock) {
         const size_t depth = std::min(kDepthBlock, t - k0);
         packed_b.resize(padded * depth);
-        pack_b(b_data, n, k0, depth, j0, width, chosen.columns, packed_b.data());
+        pack_panels(b_data, n, k0, depth, j0, width, chosen.columns, packed_b.data());
         for (size_t r0 = 0; r0 < m; r0 += block) {
           const size_t r1 = std::min(m, r0 + block);
-          pack_a(chosen, a_data, m, k0, depth, r0, r1, packed_a.data());
+          pack_panels(a_data, m, k0, depth, r0, r1 - r0, chosen.rows, packed_a.data());
           const float *a_packed = packed_a.data(), *b_packed = packed_b.data();
           auto run = [&](size_t index) {
             const size_t c0 = index * group;
