@@ -8,6 +8,7 @@ with the float64 gradient and the same bits at every optimization level and thre
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def _assert_float64_product(y, a, b):
     assert (np.abs(y - truth) <= 2 ** -22 * (a.shape[0] + 1) * scale + 1e-30).all()
 
 
+@functools.lru_cache(maxsize=None)
 def _gemm_takes_no_rows() -> bool:
     """Whether this onnxruntime's Gemm takes K = 0 (1.19.2 refuses it: gemm_helper's K_ > 0)."""
     graph = oh.make_graph([oh.make_node("Gemm", ["a", "b"], ["y"], transA=1)], "g",
