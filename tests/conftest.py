@@ -107,6 +107,30 @@ def cpp_error(op_type: str, feeds: dict) -> str:
     return str(error.value)
 
 
+def bad_input_tests(module, bad: dict):
+    """The bad-input tests of an operator's test module, to assign at its top level: its C++
+    kernel and its ``reference`` (``validate``) fail with "OP_TYPE: rule", naming the input.
+    ``bad``: {case: (feeds by input name, rule)}."""
+    from normgrad.ops import NormgradInputError
+
+    op = module.OP_TYPE
+
+    @pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
+    @pytest.mark.parametrize("case", bad)
+    def test_cpp_bad_input_names_the_input(case):
+        feeds, rule = bad[case]
+        assert f"{op}: {rule}" in cpp_error(op, feeds)
+
+    @pytest.mark.parametrize("case", bad)
+    def test_validate_names_the_input(case):
+        feeds, rule = bad[case]
+        with pytest.raises(NormgradInputError) as error:
+            module.reference(**feeds)
+        assert f"{op}: {rule}" in str(error.value)
+
+    return test_cpp_bad_input_names_the_input, test_validate_names_the_input
+
+
 @pytest.fixture(params=harness.BACKENDS)
 def backend(request) -> str:
     if request.param == "cpp" and not cpp_available():

@@ -20,10 +20,10 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import cpp_available, cpp_error
+from conftest import bad_input_tests, cpp_available
 from normgrad.graphs import build_training_graph, context
 from normgrad.graphs.examples import model
-from normgrad.ops import NormgradInputError, harness, outer_product_sum, python_kernels
+from normgrad.ops import harness, outer_product_sum, python_kernels
 
 BACKENDS = ["reference", "evaluator", "functions", "python"] + (["cpp"] if cpp_available() else [])
 needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
@@ -137,19 +137,7 @@ BAD = {
 }
 
 
-@needs_cpp
-@pytest.mark.parametrize("case", BAD)
-def test_cpp_bad_input_names_the_input(case):
-    feeds, rule = BAD[case]
-    assert f"{OP}: {rule}" in cpp_error(OP, feeds)
-
-
-@pytest.mark.parametrize("case", BAD)
-def test_validate_names_the_input(case):
-    feeds, rule = BAD[case]
-    with pytest.raises(NormgradInputError) as error:
-        outer_product_sum.reference(**feeds)
-    assert f"{OP}: {rule}" in str(error.value)
+test_cpp_bad_input_names_the_input, test_validate_names_the_input = bad_input_tests(outer_product_sum, BAD)
 
 
 def test_python_kernel_bad_input_logs_and_returns_nan():
