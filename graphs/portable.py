@@ -54,6 +54,9 @@ minimal reproducer of each:
 * **RotateHalfEmbedding as its standard ops** (not a defect either): the rotary position
   embedding (onnxruntime's CPU provider only) becomes the Split, Neg, Concat, Mul, Mul, Add
   torch's exporters wrote (its gradient of x: the same with the sin the body selects).
+* **LSTMBackwardFactors as its standard ops** (not a defect either): an LSTM backward's
+  per-step factors (onnxruntime's CPU provider only) become the Sub, Mul, Concat and the
+  Slices reversing them in time that the rule wrote before the operator.
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -104,8 +107,8 @@ from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name
 from normgrad.graphs.tidy import read_names
 from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, embedding_grad, gelu_with_slope,
-                          matrix_transpose, outer_product_sum, rotate_half_embedding, safe_softmax, silu_mul,
-                          softmax_cross_entropy, softmax_grad)
+                          lstm_backward_factors, matrix_transpose, outer_product_sum, rotate_half_embedding,
+                          safe_softmax, silu_mul, softmax_cross_entropy, softmax_grad)
 
 __all__ = ["make_portable", "as_exported", "scan_bodies_self_contained", "EXPANDED_OPS", "REWRITES", "COSTLY_REWRITES"]
 
@@ -548,7 +551,8 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 
 REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
             "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded", "softmax_grad_expanded",
-            "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded", "rotate_half_embedding_expanded", "onehot_as_equal",
+            "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded", "rotate_half_embedding_expanded",
+            "lstm_backward_factors_expanded", "onehot_as_equal",
             "size_as_shape_product",
             "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
             "float64_scalars_in_float32", "unused_inputs_last")
@@ -557,7 +561,8 @@ COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_stat
                    "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded",
                    "softmax_grad_expanded",
                    "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded",
-                   "rotate_half_embedding_expanded", "scan_bodies_self_contained", "float64_scalars_in_float32")
+                   "rotate_half_embedding_expanded", "lstm_backward_factors_expanded", "scan_bodies_self_contained",
+                   "float64_scalars_in_float32")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -567,7 +572,8 @@ _EXPANDED_OPERATORS = (("embedding_grad_expanded", (embedding_grad,)), ("matrix_
                        ("softmax_grad_expanded", (softmax_grad,)),
                        ("safe_softmax_expanded", (bias_safe_softmax, safe_softmax)), ("silu_mul_expanded", (silu_mul,)),
                        ("gelu_with_slope_expanded", (gelu_with_slope,)),
-                       ("rotate_half_embedding_expanded", (rotate_half_embedding,)))
+                       ("rotate_half_embedding_expanded", (rotate_half_embedding,)),
+                       ("lstm_backward_factors_expanded", (lstm_backward_factors,)))
 """The rewrites of :func:`make_portable` that write normgrad operators as their function
 bodies, in this order, with the operators' modules (each rewrite's in turn)."""
 

@@ -18,10 +18,10 @@ from _graph_models import run_training  # noqa: E402
 
 
 class Wrapped(torch.nn.Module):
-    def __init__(self, kind, layers, bidirectional, batch_first, nonlinearity=None):
+    def __init__(self, kind, layers, bidirectional, batch_first, nonlinearity=None, features=3, hidden=4):
         super().__init__()
         extra = {"nonlinearity": nonlinearity} if nonlinearity else {}
-        self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=layers, bidirectional=bidirectional,
+        self.rnn = getattr(torch.nn, kind)(features, hidden, num_layers=layers, bidirectional=bidirectional,
                                            batch_first=batch_first, **extra)
         self.kind = kind
 
@@ -81,3 +81,27 @@ def test_matches_torch_autograd(tmp_path, exporter, kind, layers, bidirectional,
     largest = max(float(np.abs(g).max()) for g in expected.values())
     for name, grad in expected.items():
         np.testing.assert_allclose(results[trained[name]], grad, atol=2e-5 * largest, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("kind, hidden", [("LSTM", 128), ("GRU", 192)])
+def test_large_weight_gradients_match_torch_autograd(tmp_path, kind, hidden):
+    """Sizes where dW and dR are OuterProductSums (at least 2^24 multiply-adds over the
+    steps and samples), not Gemms: every gradient against torch autograd."""
+    torch.manual_seed(0)
+    features, steps, batch = 128, 16, 16
+    module = Wrapped(kind, 2, False, False, features=features, hidden=hidden).train()
+    x = np.random.default_rng(0).standard_normal((steps, batch, features)).astype(np.float32)
+    forward = normgrad.torch.export(module, (torch.tensor(x),), tmp_path / "f.onnx", exporter="torchscript",
+                                    input_names=["x"], output_names=["y"])
+    training = build_training_graph(forward)
+    assert sum(n.op_type == "OuterProductSum" for n in training.model.graph.node) == 4  # dW, dR of both layers
+    seed = np.random.default_rng(1).standard_normal((steps, batch, hidden)).astype(np.float32)
+    results = run_training(training, {"x": x, "y_grad": seed})
+    tensor = torch.tensor(x, requires_grad=True)
+    module(tensor).backward(torch.tensor(seed))
+    expected = {"x": tensor.grad.numpy(), **{name: p.grad.numpy() for name, p in module.named_parameters()}}
+    gradient_of = json.loads(next(p.value for p in training.model.metadata_props if p.key == "normgrad.gradients"))
+    trained = {source: grad for grad, source in gradient_of.items()}
+    for name, grad in expected.items():
+        np.testing.assert_allclose(results[trained[name]], grad, atol=2e-5 * float(np.abs(grad).max()), rtol=1e-4,
+                                   err_msg=name)

@@ -6,7 +6,8 @@ activations.
 
 An LSTM that needs gradients is computed in the training graph by a forward of ours that
 keeps what the backward reads (:meth:`GradientContext.replace_forward`): the input
-projection W X^T of all steps is one MatMul, and a ``Scan`` over time does the step's
+projection W X^T + b of all steps is one MatMul (b a column of W against ones in X), and a
+``Scan`` over time does the step's
 R h, the gates and the cell, returning the activated gates, the cell states and act(c)
 with Y. The LSTM's Scans run feature-major ([hidden, batch] states), so that each step's
 GEMM has the weight as its left operand (see :func:`_lstm_forward`). GRU and RNN nodes
@@ -16,8 +17,11 @@ is ``initial_h`` or Y at t - 1, so every gate pre-activation of every step is on
 MatMul of X with W plus one of Y shifted by a step with R. The backward's reverse-time
 recurrence of the state gradients is a Scan with one [batch, gates*hidden] x
 [gates*hidden, hidden] MatMul per step (two for GRU with ``linear_before_reset=0``; the
-LSTM's is [hidden, gates*hidden] x [gates*hidden, batch]); the weight gradients are then
-one GEMM each over all steps at once.
+LSTM's is [hidden, gates*hidden] x [gates*hidden, batch]), its per-step factors computed
+before it for all steps (for the LSTM with the default activations, no peepholes and no
+sequence_lens, by one ``normgrad:LSTMBackwardFactors`` node); the weight gradients are then
+one GEMM each over all steps at once (an ``OuterProductSum`` when large:
+:meth:`GradientContext.weight_gradient`).
 
 Each direction is differentiated as a forward recurrence: the reverse direction on the
 inputs and outputs reversed in time within each sequence's length (``ReverseSequence`` with
@@ -40,6 +44,7 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.ops import DOMAIN, lstm_backward_factors
 
 __all__ = ["recurrent_gradient", "SUPPORTED_ACTIVATIONS"]
 
@@ -102,17 +107,20 @@ def _scan(
     like: str,
     mask: Optional[str] = None,
     outputs_reversed: bool = False,
+    reversed_already: Sequence[str] = (),
 ) -> Tuple[List[str], List[str]]:
     """A Scan over axis 0 of ``sequences`` carrying ``states``; ``body(states, slices)``
     emits the step (through ``ctx``) and returns (new states, per-step outputs). Returns
     (final states, stacked outputs in time order). Every value is of ``like``'s type but
     the sequence ``mask`` (bool); every state and step slice is [batch, n]. ``reverse``
-    runs from the last step to the first (as a forward Scan over reversed sequences);
-    with ``outputs_reversed`` its stacked outputs stay in that order (last step first)."""
+    runs from the last step to the first (as a forward Scan over reversed sequences, but
+    those in ``reversed_already``, which are last step first as given); with
+    ``outputs_reversed`` its stacked outputs stay in that order (last step first)."""
     elem_type = ctx.elem_type(like)
     if reverse:
         mask_index = list(sequences).index(mask) if mask is not None else None
-        sequences = [_reversed_in_time(ctx, sequence) for sequence in sequences]
+        sequences = [sequence if sequence in reversed_already else _reversed_in_time(ctx, sequence)
+                     for sequence in sequences]
         mask = None if mask_index is None else sequences[mask_index]
     outer_nodes, ctx.nodes = ctx.nodes, []
     state_inputs = [ctx.fresh("state") for _ in states]
@@ -230,13 +238,22 @@ class _Direction:
         flat_r = flat_w if d_pre_r == d_pre_w else ctx.op("Reshape", d_pre_r, ctx.ints([-1, width]))
         result = {
             "x": dx,
-            "w": ctx.op("Gemm", flat_w, self.flat(x), transA=1),
-            "r": ctx.op("Gemm", flat_r, self.flat(r_input), transA=1),
+            "w": self.summed_over_steps(flat_w, x, width, (ctx.shape(self.common.x) or [None] * 3)[2]),
+            "r": self.summed_over_steps(flat_r, r_input, width, self.common.hidden),
         }
         db_w = ctx.reduce("ReduceSum", flat_w, [0], keepdims=False)
         db_r = db_w if flat_r is flat_w else ctx.reduce("ReduceSum", flat_r, [0], keepdims=False)
         result["b"] = ctx.op("Concat", db_w, db_r, axis=0)
         return result
+
+    def summed_over_steps(self, flat_gradient: str, sequence: str, width: int, features) -> str:
+        """flat_gradient [T * B, width]^T times ``sequence`` [T, B, features] flattened alike: a
+        weight's gradient summed over every step and sample (:meth:`GradientContext.weight_gradient`;
+        ``features`` an int when static)."""
+        steps, batch = (self.ctx.shape(self.common.x) or [None, None])[:2]
+        static = [d if isinstance(d, int) else None for d in (steps, batch, features)]
+        rows = None if None in static[:2] else static[0] * static[1]
+        return self.ctx.weight_gradient(flat_gradient, self.flat(sequence), (rows, width, static[2]), self.common.x)
 
     def flat(self, sequence: str) -> str:
         """[T, B, n] as [T * B, n]."""
@@ -301,10 +318,13 @@ def _lstm_forward(ctx: GradientContext, run: _Direction, activations: Tuple[str,
     [B, H] there is 32x less than R)."""
     hidden, like = run.common.hidden, run.common.node.input[_X]
     act_f, act_g, act_h = activations
-    xw = ctx.op("MatMul", run.w, _feature_major(ctx, run.x, 3))  # [T, 4H, B]
     w_bias, r_bias = run.bias_halves()
-    if w_bias is not None:
-        xw = ctx.op("Add", xw, ctx.unsqueeze(ctx.op("Add", w_bias, r_bias), [1]))
+    w, x = run.w, run.x
+    if w_bias is not None:  # the bias as one more input column of ones: added inside the product
+        w = ctx.op("Concat", w, ctx.unsqueeze(ctx.op("Add", w_bias, r_bias), [1]), axis=1)
+        ones = ctx.op("Expand", ctx.scalar(1.0, like), ctx.op("Concat", ctx.shape_of(x, end=2), ctx.ints([1]), axis=0))
+        x = ctx.op("Concat", x, ones, axis=2)
+    xw = ctx.op("MatMul", w, _feature_major(ctx, x, 3))  # [T, 4H, B]
     peep = None
     if run.peephole is not None:
         peep = [ctx.unsqueeze(run.block(run.peephole, k, k + 1, axis=0), [1]) for k in range(3)]
@@ -343,31 +363,52 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
 
     The backward step is d_c = dc + dh a_c, d_pre = [d_c, dh, d_c, d_c] * factors,
     dc_{t-1} = d_c keep, dh_{t-1} = R^T d_pre, with a_c, factors and keep (the peepholes
-    folded in) computed for all steps at once before the Scan."""
+    folded in) computed for all steps at once before the Scan: for the default activations
+    without peepholes or sequence_lens by one LSTMBackwardFactors node, which writes them last
+    step first as the reverse Scan reads them, otherwise by standard nodes."""
     like = run.common.node.input[_X]
-    act_f, act_g, act_h = activations
     peep, mask = run.kept["peep"], run.kept["mask"]
     masks = [mask] if mask is not None else []
     i, o, f, g = (run.kept[gate] for gate in "iofg")
     cells, tanh_c = run.kept["cells"], run.kept["act_c"]
+    dy = None if run.dy is None else _feature_major(ctx, run.dy, 3)
+    if (peep is None and mask is None and activations == ("Sigmoid", "Tanh", "Tanh") and ctx.opset >= 15
+            and ctx.elem_type(like) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)):
+        # one node for the factors, last step first as the reverse Scan reads them
+        factors, a_c, keep = ctx.op(lstm_backward_factors.OP_TYPE, i, o, f, g, cells, tanh_c, run.kept["c0"],
+                                    domain=DOMAIN, outputs=3)
+        return _lstm_backward(ctx, run, dy, a_c, factors, keep, masks, reversed_already=(a_c, factors, keep))[0]
     c_prev_all = ctx.op("Concat", ctx.unsqueeze(run.kept["c0"], [0]),
                         ctx.op("Slice", cells, ctx.ints([0]), ctx.ints([-1]), ctx.ints([0])), axis=0)
-    a_i = ctx.op("Mul", g, _derivative(ctx, act_f, i, like))
-    a_o = ctx.op("Mul", tanh_c, _derivative(ctx, act_f, o, like))
-    a_f = ctx.op("Mul", c_prev_all, _derivative(ctx, act_f, f, like))
-    a_g = ctx.op("Mul", i, _derivative(ctx, act_g, g, like))
-    a_c = ctx.op("Mul", o, _derivative(ctx, act_h, tanh_c, like))
+    a_i, a_o, a_f, a_g, a_c = lstm_backward_factors.gate_factors(
+        ctx.op, i, o, f, g, c_prev_all, tanh_c, *(lambda y, act=act: _derivative(ctx, act, y, like) for act in activations))
     keep = f
     if peep is not None:
         a_c = ctx.op("Add", a_c, ctx.op("Mul", a_o, peep[1]))
         keep = ctx.op("Add", keep, ctx.op("Add", ctx.op("Mul", a_i, peep[0]), ctx.op("Mul", a_f, peep[2])))
     factors = ctx.op("Concat", a_i, a_o, a_f, a_g, axis=1)
-    dy = None if run.dy is None else _feature_major(ctx, run.dy, 3)
     if mask is not None:  # past the end: no gate gradient, the state gradients pass unchanged
         zero = ctx.scalar(0.0, like)
         factors, a_c = ctx.op("Where", mask, factors, zero), ctx.op("Where", mask, a_c, zero)
         keep = ctx.op("Where", mask, keep, ctx.scalar(1.0, like))
         dy = None if dy is None else ctx.op("Where", mask, dy, zero)
+    result, d_pre = _lstm_backward(ctx, run, dy, a_c, factors, keep, masks)
+    if run.peephole is not None:
+        d_pre = _reversed_in_time(ctx, d_pre)
+        sums = [ctx.reduce("ReduceSum", ctx.op("Mul", run.block(d_pre, block, block + 1), _feature_major(ctx, state, 3)),
+                           [0, 1], keepdims=False)
+                for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all))]
+        result["p"] = ctx.op("Concat", *sums, axis=0)
+    return result
+
+
+def _lstm_backward(ctx: GradientContext, run: _Direction, dy: Optional[str], a_c: str, factors: str, keep: str,
+                   masks: List[str], reversed_already: Sequence[str] = ()) -> Tuple[Dict[str, str], str]:
+    """The reverse Scan of an LSTM backward over the per-step factors ([T, H, B] a_c and keep,
+    [T, 4H, B] factors, in time order but those in ``reversed_already``): the gradients it
+    gives and ``d_pre`` (last step first) for the peepholes' sums."""
+    like = run.common.node.input[_X]
+    mask = masks[0] if masks else None
     r_t = ctx.op("Transpose", run.r, perm=[1, 0])
 
     def backward_step(states, slices):
@@ -382,16 +423,11 @@ def _lstm(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -
 
     sequences = ([dy] if dy is not None else []) + [a_c, factors, keep] + masks
     (dh0, dc0), (d_pre,) = _scan(ctx, [_feature_major(ctx, run.dyh, 2), _feature_major(ctx, run.dyc, 2)], sequences,
-                                 backward_step, reverse=True, like=like, mask=mask, outputs_reversed=True)
+                                 backward_step, reverse=True, like=like, mask=mask, outputs_reversed=True,
+                                 reversed_already=reversed_already)
     result = run.weight_gradients(d_pre, d_pre, run.h_prev_reversed(), reversed_steps=True)
     result.update(h0=_feature_major(ctx, dh0, 2), c0=_feature_major(ctx, dc0, 2))
-    if run.peephole is not None:
-        d_pre = _reversed_in_time(ctx, d_pre)
-        sums = [ctx.reduce("ReduceSum", ctx.op("Mul", run.block(d_pre, block, block + 1), _feature_major(ctx, state, 3)),
-                           [0, 1], keepdims=False)
-                for block, state in ((0, c_prev_all), (1, cells), (2, c_prev_all))]
-        result["p"] = ctx.op("Concat", *sums, axis=0)
-    return result
+    return result, d_pre
 
 
 def _gru(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) -> Dict[str, str]:
@@ -462,7 +498,7 @@ def _gru(ctx: GradientContext, run: _Direction, activations: Tuple[str, ...]) ->
         a_z_m, a_n_m = step_factors[0], step_factors[1]
         d_pre = ctx.op("Concat", ctx.op("Mul", dh_all, a_z_m), step_outputs[1], ctx.op("Mul", dh_all, a_n_m), axis=-1)
         result = run.weight_gradients(d_pre, d_pre, run.h_prev)  # dR's z, r rows; the h rows read r * h_prev
-        d_r_h = ctx.op("Gemm", run.flat(run.block(d_pre, 2, 3)), run.flat(reset_h), transA=1)
+        d_r_h = run.summed_over_steps(run.flat(run.block(d_pre, 2, 3)), reset_h, run.common.hidden, run.common.hidden)
         result["r"] = ctx.op("Concat", run.block(result["r"], 0, 2, axis=0), d_r_h, axis=0)
     result["h0"] = dh0
     return result
