@@ -1,12 +1,13 @@
 """LSTMBackwardFactors: every backend (C++ kernel, Python kernel, function body on onnxruntime
 and on onnx's ReferenceEvaluator) gives the LSTM backward's factors of the float64 formulas,
-last step first; the C++ kernel gives the function body's bits at any thread count; bad inputs
-named; an LSTM's training graph holds one per direction by default, and its gradients are
+last step first; the C++ kernel gives the function body's bits on both its loops at any thread
+count; bad inputs named; an LSTM's training graph holds one per direction by default, and its gradients are
 bitwise those of the ``--inline`` form (the standard ops) at every optimization level."""
 
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import onnx
@@ -15,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import bad_input_tests, cpp_available
+from conftest import bad_input_tests, cpp_available, cpp_results_by_loop_and_threads
 from normgrad.graphs import build_training_graph
 from normgrad.ops import harness, lstm_backward_factors, python_kernels
 
@@ -83,15 +84,30 @@ def test_float64(backend):
         np.testing.assert_allclose(out[name], truth, rtol=0, atol=1e-15, err_msg=f"{backend}: {name}")
 
 
+_KERNEL_SHAPE = (24, 67, 31)  # 2077 elements a step: two of the kernel's 1024-element chunks and a part
+
+_RUN_CPP = f"""
+import sys, numpy as np
+from normgrad.ops import harness
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from test_lstm_backward_factors import OP, _KERNEL_SHAPE, _inputs, _output_bytes
+runs = [harness.run("cpp", OP, _inputs(_KERNEL_SHAPE, dtype), threads=int(sys.argv[2])) for dtype in (np.float32, np.float64)]
+np.save(sys.argv[1], _output_bytes(runs))
+"""
+
+
+def _output_bytes(runs):
+    """Every output of every run, as one array of bytes."""
+    return np.concatenate([run[name].ravel().view(np.uint8) for run in runs for name in lstm_backward_factors.OUTPUTS])
+
+
 @needs_cpp
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_cpp_kernel_gives_the_function_bodys_bits_at_any_thread_count(dtype):
-    feeds = _inputs(SHAPES["parallel steps"], dtype)
-    body = harness.run("functions", OP, feeds)
-    for threads in (1, 2, 4):
-        out = harness.run("cpp", OP, feeds, threads=threads)
-        for name in lstm_backward_factors.OUTPUTS:
-            np.testing.assert_array_equal(out[name], body[name], err_msg=f"{name}, {threads} threads")
+def test_cpp_kernel_gives_the_function_bodys_bits_on_every_loop_and_thread_count(tmp_path):
+    """The portable loop (NORMGRAD_KERNELS=generic) and the AVX2 one, at 1, 2 and 4 threads, in
+    float32 and float64: the function body's bits."""
+    body = _output_bytes([harness.run("functions", OP, _inputs(_KERNEL_SHAPE, dtype)) for dtype in (np.float32, np.float64)])
+    for where, value in cpp_results_by_loop_and_threads(tmp_path, _RUN_CPP).items():
+        assert value.tobytes() == body.tobytes(), where
 
 
 def _bad(**changes):

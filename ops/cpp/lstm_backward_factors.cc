@@ -1,11 +1,11 @@
 // LSTMBackwardFactors (ops/lstm_backward_factors.py): an LSTM backward's per-step factors from
 // the gates the forward kept, every step in one pass, written last step first. Each value is the
-// standard form's IEEE operations in its order (no contraction: this file is compiled without
-// -mfma, and C++17 without GNU extensions does not contract), so the bits are the function
-// body's, at any thread count (each step is one task).
+// standard form's IEEE operations in its order (lstm_backward_factors_math.h), so the bits are the
+// function body's, on AVX2 lanes or not, at any thread count (each step is one task).
 #include <string>
 #include <vector>
 
+#include "lstm_backward_factors_math.h"
 #include "ops.h"
 
 namespace normgrad {
@@ -13,20 +13,6 @@ namespace {
 
 constexpr const char* kOp = "LSTMBackwardFactors";
 constexpr const char* kNames[] = {"i", "o", "f", "g", "cells", "act_c", "c0"};
-
-template <class T>
-void step_factors(const T* const* in, const T* c_prev, size_t block, T* factors, T* a_c, T* keep) {
-  const T *i = in[0], *o = in[1], *f = in[2], *g = in[3], *act_c = in[5];
-  const T one = 1;
-  for (size_t e = 0; e < block; ++e) {
-    factors[e] = g[e] * (i[e] * (one - i[e]));
-    factors[block + e] = act_c[e] * (o[e] * (one - o[e]));
-    factors[2 * block + e] = c_prev[e] * (f[e] * (one - f[e]));
-    factors[3 * block + e] = i[e] * (one - g[e] * g[e]);
-    a_c[e] = o[e] * (one - act_c[e] * act_c[e]);
-    keep[e] = f[e];
-  }
-}
 
 struct LSTMBackwardFactors final : KernelBase {
   explicit LSTMBackwardFactors(const OrtKernelInfo*) {}
@@ -72,13 +58,19 @@ struct LSTMBackwardFactors final : KernelBase {
     if (steps == 0) return;
     const size_t block = in[0].size / steps;
     auto at = [&](size_t k, size_t t) { return static_cast<const T*>(in[k].data) + t * block; };
+    const bool avx2 = update_avx2();
     auto step = [&](size_t t) {
       const T* inputs[6];
       for (size_t k = 0; k < 6; ++k) inputs[k] = at(k, t);
       const T* c_prev = t == 0 ? static_cast<const T*>(in[6].data) : at(4, t - 1);
       const size_t r = steps - 1 - t;  // last step first
-      step_factors<T>(inputs, c_prev, block, static_cast<T*>(factors) + 4 * r * block,
-                      static_cast<T*>(a_c) + r * block, static_cast<T*>(keep) + r * block);
+      T* const outputs[3] = {static_cast<T*>(factors) + 4 * r * block, static_cast<T*>(a_c) + r * block,
+                             static_cast<T*>(keep) + r * block};
+      if (avx2) {
+        lstm_step_factors_avx2(inputs, c_prev, block, outputs[0], outputs[1], outputs[2]);
+      } else {
+        lstm_step_factors(inputs, c_prev, block, outputs[0], outputs[1], outputs[2]);
+      }
     };
     parallel_for(ctx, steps, step, 6 * in[0].size);
   }
