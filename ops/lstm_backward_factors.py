@@ -109,6 +109,16 @@ def gate_factors(op: Callable, i: str, o: str, f: str, g: str, c_prev: str, act_
             op("Mul", i, slope_g(g)), op("Mul", o, slope_h(act_c))]
 
 
+def activation_slope(op: Callable, activation: str, y: str, one: str) -> str:
+    """The derivative of ``activation`` ("Sigmoid" or "Tanh") at the input whose output is ``y``,
+    from y alone: y (1 - y) and 1 - y y (``one`` the constant 1 of y's type)."""
+    if activation == "Sigmoid":
+        return op("Mul", y, op("Sub", one, y))
+    if activation == "Tanh":
+        return op("Sub", one, op("Mul", y, y))
+    raise ValueError(f"activation_slope: no slope from the output for activation {activation!r}")
+
+
 def standard_form(op: Callable, i: str, o: str, f: str, g: str, cells: str, act_c: str, c0: str) -> List[str]:
     """[factors, a_c, keep] in standard ONNX ops (opset 15+).
 
@@ -122,13 +132,7 @@ def standard_form(op: Callable, i: str, o: str, f: str, g: str, cells: str, act_
         return op("Slice", value, ints(-1), ints(-(2 ** 63)), ints(0), ints(-1))
 
     one = op("CastLike", op("Constant", value_float=1.0), i)
-
-    def sigmoid_slope(y: str) -> str:  # y (1 - y) for y = sigmoid(x)
-        return op("Mul", y, op("Sub", one, y))
-
-    def tanh_slope(y: str) -> str:  # 1 - y y for y = tanh(x)
-        return op("Sub", one, op("Mul", y, y))
-
+    sigmoid_slope, tanh_slope = (lambda y, act=act: activation_slope(op, act, y, one) for act in ("Sigmoid", "Tanh"))
     c_prev = op("Concat", op("Unsqueeze", c0, ints(0)), op("Slice", cells, ints(0), ints(-1), ints(0)), axis=0)
     *per_gate, a_c = gate_factors(op, i, o, f, g, c_prev, act_c, sigmoid_slope, tanh_slope, tanh_slope)
     return [reversed_in_time(op("Concat", *per_gate, axis=1)), reversed_in_time(a_c), reversed_in_time(f)]

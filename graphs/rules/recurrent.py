@@ -87,10 +87,8 @@ def _activations(node: onnx.NodeProto, directions: int) -> List[Tuple[str, ...]]
 
 def _derivative(ctx: GradientContext, activation: str, y: str, like: str) -> str:
     """The activation's derivative at the input whose output is ``y``."""
-    if activation == "Sigmoid":
-        return ctx.op("Mul", y, ctx.op("Sub", ctx.scalar(1.0, like), y))
-    if activation == "Tanh":
-        return ctx.op("Sub", ctx.scalar(1.0, like), ctx.op("Mul", y, y))
+    if activation in ("Sigmoid", "Tanh"):
+        return lstm_backward_factors.activation_slope(ctx.op, activation, y, ctx.scalar(1.0, like))
     return ctx.op("Cast", ctx.op("Greater", y, ctx.scalar(0.0, like)), to=ctx.elem_type(like))
 
 
