@@ -74,13 +74,14 @@ def node_model(
     return onnx.shape_inference.infer_shapes(model, strict_mode=True)
 
 
-def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = None):
-    """An onnxruntime session for ``backend`` in {"cpp", "python", "functions"}."""
+def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = None, options=None):
+    """An onnxruntime session for ``backend`` in {"cpp", "python", "functions"}, with
+    ``options`` (a new ``SessionOptions`` when None) given ``threads`` when not None."""
     import onnxruntime
 
     import normgrad
 
-    options = onnxruntime.SessionOptions()
+    options = onnxruntime.SessionOptions() if options is None else options
     if threads is not None:
         options.intra_op_num_threads = threads
     if backend == "functions":

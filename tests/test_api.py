@@ -102,6 +102,7 @@ def test_bench_quick_runs(capsys):
     for row in ("BatchNormReduceBackward", "GroupNormalizationGrad", "BatchNormElemtBackward", "ResNet", "floor",
                 "LayerNormalizationGrad bfloat16", "RMSNormalizationGrad float32", "write dx"):
         assert row in out
+    assert "failed" not in out, out  # every implementation ran, the Python kernels included
 
 
 def test_bench_train_quick_runs_and_agrees(capsys):

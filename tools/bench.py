@@ -90,18 +90,10 @@ def _session_options(threads):
 
 
 def _session(op_type, inputs, outputs, attributes, backend, threads):
-    import onnxruntime
-
-    import normgrad
     from normgrad.ops import harness
 
-    model = harness.node_model(op_type, inputs, outputs, attributes)
-    options = _session_options(threads)
-    if backend == "functions":
-        model = normgrad.add_functions(model)
-    else:
-        normgrad.session_options(backend, options)
-    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return harness.make_session(harness.node_model(op_type, inputs, outputs, attributes), backend,
+                                options=_session_options(threads))
 
 
 def _to_ort(value):
