@@ -40,7 +40,7 @@ from normgrad.ops import _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference",
-           "gate_factors", "standard_form", "schema", "function_body"]
+           "gate_factors", "activation_slope", "standard_form", "schema", "function_body"]
 
 OP_TYPE = "LSTMBackwardFactors"
 INPUTS = ("i", "o", "f", "g", "cells", "act_c", "c0")

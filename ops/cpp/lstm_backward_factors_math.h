@@ -27,7 +27,8 @@ inline void lstm_step_factors(const T* const* in, const T* c_prev, size_t block,
   T* __restrict kept = keep;
   const T one = 1;
   // One output at a time over a chunk that stays in L1: twelve streams at once, all at the same
-  // offset of their page-aligned tensors, thrash the cache (4.3x slower at [128, 256, 32] on a Zen 4, 1 thread).
+  // offset of their page-aligned tensors, thrash the cache (4.3x slower at [128, 256, 32] on a
+  // Zen 4, 1 thread).
   constexpr size_t kChunk = 1024;
   for (size_t begin = 0; begin < block; begin += kChunk) {
     const size_t end = begin + kChunk < block ? begin + kChunk : block;
