@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -103,6 +104,20 @@ def test_bench_quick_runs(capsys):
                 "LayerNormalizationGrad bfloat16", "RMSNormalizationGrad float32", "write dx"):
         assert row in out
     assert "failed" not in out, out  # every implementation ran, the Python kernels included
+    assert "\nCPU: " in out
+
+
+def test_bench_names_the_cpu_from_its_first_processor(tmp_path):
+    from normgrad.tools._bench_options import cpu_description
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse2 avx2 fma\n\n"
+                       "processor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu avx512f avx2\n\n")
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_description(str(cpuinfo)) == f"Test CPU 9000, avx2, {cores} cores"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Wide CPU\nflags\t\t: avx2 avx512f avx512bw\n")
+    assert cpu_description(str(cpuinfo)) == f"Wide CPU, avx512f, {cores} cores"
+    assert cpu_description(str(tmp_path / "absent")).endswith(f", {cores} cores")  # the platform's name alone
 
 
 def test_bench_train_quick_runs_and_agrees(capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from typing import Optional
 
 import onnxruntime
@@ -21,3 +23,24 @@ def bench_session_options(
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
     return options
+
+
+def cpu_description(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The CPU the numbers come from, for a bench's header: its model name, its widest x86
+    vector extension (AVX-512 and AVX2 change both sides' kernels) and the cores this process
+    may use, e.g. "AMD EPYC, avx512f, 2 cores"."""
+    name, flags = platform.processor() or platform.machine() or "unknown CPU", set()
+    try:
+        with open(cpuinfo_path) as cpuinfo:
+            first_cpu = cpuinfo.read().split("\n\n", 1)[0]
+    except OSError:  # not Linux: the platform's name alone
+        first_cpu = ""
+    for line in first_cpu.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and value:
+            name = value
+        elif key == "flags":
+            flags = set(value.split())
+    vector = next((flag for flag in ("avx512f", "avx2") if flag in flags), None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ", ".join(part for part in (name, vector, f"{cores} cores") if part)

@@ -649,6 +649,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"normgrad bench: shape {list(shape)}, groups {args.groups}, {threads} threads, median of {repeat}; "
           f"onnxruntime {onnxruntime.__version__}, torch {'yes' if _have_torch() else 'not installed'}", file=out)
     print(f"C++ library: {normgrad.library_path()}", file=out)
+    from normgrad.tools._bench_options import cpu_description
+
+    print(f"CPU: {cpu_description()}", file=out)
     f32 = np.dtype(np.float32)
 
     # ---- BatchNormReduceBackward

@@ -41,7 +41,8 @@ gives the two peak RSS and CPU times per step as ratios.
 ``--quick`` shrinks every model (CI smoke test). torch (and transformers and peft for the
 transformer rows) must be installed to build them.
 
-How it is measured: every variant runs in its own worker process (``tools/_train_worker.py``;
+How it is measured (the header names the CPU: its model, its widest vector extension, AVX2 or
+AVX-512, which changes both sides' kernels, and the cores): every variant runs in its own worker process (``tools/_train_worker.py``;
 ``--threads`` intra-op threads, spinning off, torch ``set_num_threads``), which builds its
 session and waits. The parent then runs rounds: in each round every worker does one step, in
 turn, and reports its wall time, so machine-load drifts hit all variants alike; the first
@@ -502,6 +503,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = sys.stdout
     print(f"normgrad bench --train: onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, "
           f"{args.threads} threads; one worker process per variant, steps interleaved round by round", file=out)
+    from normgrad.tools._bench_options import cpu_description
+
+    print(f"CPU: {cpu_description()}", file=out)
     ok = True
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
