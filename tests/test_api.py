@@ -100,8 +100,10 @@ def test_demo_runs_and_agrees(capsys):
 def test_bench_quick_runs(capsys):
     assert cli.main(["bench", "--quick"]) == 0
     out = capsys.readouterr().out
+    bfloat16_arrays = hasattr(onnxruntime.OrtValue, "ortvalue_from_numpy_with_onnx_type")  # onnxruntime 1.20+
     for row in ("BatchNormReduceBackward", "GroupNormalizationGrad", "BatchNormElemtBackward", "ResNet", "floor",
-                "LayerNormalizationGrad bfloat16", "RMSNormalizationGrad float32", "write dx"):
+                "LayerNormalizationGrad bfloat16" if bfloat16_arrays else "bfloat16 rows: skipped",
+                "RMSNormalizationGrad float32", "write dx"):
         assert row in out
     assert "failed" not in out, out  # every implementation ran, the Python kernels included
     assert "\nCPU: " in out
