@@ -80,13 +80,9 @@ def _maxrss_mb() -> float:
 
 
 def _session_options(threads):
-    import onnxruntime
+    from normgrad.tools._bench_options import bench_session_options
 
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    # Idle pool threads must not spin into the next implementation's time.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
+    return bench_session_options(threads)
 
 
 def _session(op_type, inputs, outputs, attributes, backend, threads):
