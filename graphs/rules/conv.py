@@ -41,7 +41,11 @@ Every graph form of dW copies x once per tap (Slice, or inside the Conv's im2col
 torch's direct (mkldnn) backward need not; the other graph forms lose at 1 thread on
 ResNet-18's shapes (batch 16, 112x112; the 20 convs' dW, stem included, one run of medians):
 a Gemm per tap 513 ms, the big-kernel Conv 759, a Gather im2col 930 (Gather copies element
-by element). Reading x in place needs a kernel with a GEMM of MLAS's speed inside the library.
+by element). A kernel of ours that reads x in place (OuterProductSum's tile, the taps of x
+gathered into its panels) lost too on an AMD Zen 4, 264 against 224 ms for the graph forms
+(docs/explanation/performance.md, "What ResNet-18 and BERT still lose on AVX-512 CPUs"): its
+tile runs 10-25% slower than MLAS's GEMM on these shapes, which costs more than the copies
+it saves.
 """
 
 from __future__ import annotations
