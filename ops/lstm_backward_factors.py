@@ -31,6 +31,7 @@ Outputs (i's type), last step first:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, NamedTuple
 
 import numpy as np
@@ -132,7 +133,8 @@ def standard_form(op: Callable, i: str, o: str, f: str, g: str, cells: str, act_
         return op("Slice", value, ints(-1), ints(-(2 ** 63)), ints(0), ints(-1))
 
     one = op("CastLike", op("Constant", value_float=1.0), i)
-    sigmoid_slope, tanh_slope = (lambda y, act=act: activation_slope(op, act, y, one) for act in ("Sigmoid", "Tanh"))
+    sigmoid_slope = functools.partial(activation_slope, op, "Sigmoid", one=one)
+    tanh_slope = functools.partial(activation_slope, op, "Tanh", one=one)
     c_prev = op("Concat", op("Unsqueeze", c0, ints(0)), op("Slice", cells, ints(0), ints(-1), ints(0)), axis=0)
     *per_gate, a_c = gate_factors(op, i, o, f, g, c_prev, act_c, sigmoid_slope, tanh_slope, tanh_slope)
     return [reversed_in_time(op("Concat", *per_gate, axis=1)), reversed_in_time(a_c), reversed_in_time(f)]
