@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 
 import numpy as np
 import pytest
@@ -361,6 +362,23 @@ def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(small, tm
     with pytest.raises(TrainerError, match="holds an earlier run's checkpoints"):
         Trainer(step_graph, initial).fit(train, epochs=1, callbacks=[loop.ModelCheckpoint(folder)], progress=False)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    with pytest.raises(TrainerError, match="two ModelCheckpoint callbacks write to .*other: give each its own folder"):
+        Trainer(step_graph, initial).fit(train, callbacks=[loop.ModelCheckpoint(tmp_path / "other"),
+                                                           loop.ModelCheckpoint(tmp_path / "other")], progress=False)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"mode": "best"}, "mode must be 'min' or 'max', got 'best'"),
+    ({"save_top_k": -2}, "save_top_k must be an integer >= -1, got -2"),
+    ({"save_last": 1.5}, "save_last must be an integer >= 0, got 1.5"),
+    ({"every_n_train_steps": 0}, "every_n_train_steps must be None or an integer >= 1, got 0"),
+    ({"every_n_epochs": True}, "every_n_epochs must be None or an integer >= 1, got True"),
+    ({"monitor": 3}, "monitor must be None or the name of an evaluation value, got 3"),
+])
+def test_model_checkpoint_refuses_a_bad_option_when_made(tmp_path, options, message):
+    with pytest.raises(TrainerError, match=re.escape(message)):
+        loop.ModelCheckpoint(tmp_path, **options)
+    assert not os.listdir(tmp_path)
 
 
 class _Killed(BaseException):

@@ -41,7 +41,8 @@ import numpy as np
 from normgrad import checkpoint as checkpoints
 from normgrad._files import PathLike
 from normgrad._session import TrainerError
-from normgrad.callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint, PlotLogger, ProgressBar, TensorBoardLogger
+from normgrad.callbacks import (Callback, CSVLogger, EarlyStopping, ModelCheckpoint, PlotLogger, ProgressBar,
+                                TensorBoardLogger)
 from normgrad.callbacks.base import check_mode, improved, monitored
 from normgrad.metrics import Metric, evaluate
 
@@ -179,7 +180,8 @@ class _Loop:
             callback.on_before_optimizer_step(self, batch)
         trainer = self.trainer
         used = {name: float(trainer.hyperparameters[name]) for name in _hyperparameter_names(trainer)}
-        result = trainer.step(*batch, outputs=[]) if isinstance(batch, (tuple, list)) else trainer.step(batch, outputs=[])
+        positional = batch if isinstance(batch, (tuple, list)) else (batch,)
+        result = trainer.step(*positional, outputs=[])
         self.batch = position
         record = {"epoch": self.epoch, "step": trainer.step_count, "loss": result.loss, **used}
         self.history.append(record)
@@ -262,8 +264,7 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
             holding checkpoints without ``resume``, a folder to resume from whose checkpoint
             does not fit, and whatever :meth:`Trainer.step` raises.
     """
-    _check_options(trainer, epochs, evaluate_every, checkpoint_every, keep_last, scheduler, scheduler_interval,
-                   mode, resume, checkpoint_dir)
+    _check_options(trainer, epochs, evaluate_every, checkpoint_every, keep_last, scheduler, scheduler_interval, mode)
     monitor = monitor or ("val_loss" if evaluation is not None else "train_loss")
     metrics = dict(metrics or {})
     for name, metric in metrics.items():
@@ -280,8 +281,9 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
     ordered = ([c for c in given if not isinstance(c, ModelCheckpoint)]
                + (_loggers(log_dir) + _progress_bar(progress) if saving else []) + writers)
     evaluation_columns = ["train_loss"] + (["val_loss"] + [f"val_{m}" for m in metrics] if evaluation is not None else [])
-    loop = _Loop(trainer, train, epochs, ["epoch", "step", "loss"] + _hyperparameter_names(trainer) + evaluation_columns,
-                 ordered, scheduler, scheduler_interval, evaluation, metrics, output, labels, evaluate_every, monitor, mode)
+    columns = ["epoch", "step", "loss"] + _hyperparameter_names(trainer) + evaluation_columns
+    loop = _Loop(trainer, train, epochs, columns, ordered, scheduler, scheduler_interval, evaluation, metrics, output,
+                 labels, evaluate_every, monitor, mode)
     resumed = own or (writers[0] if writers else None)
     if resume and resumed is None:
         raise TrainerError("resume=True needs the checkpoint_dir (or a ModelCheckpoint callback) to resume from")
@@ -295,8 +297,8 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
                      last_checkpoint=resumed.last_model_path if resumed else None)
 
 
-def _check_options(trainer, epochs, evaluate_every, checkpoint_every, keep_last, scheduler, scheduler_interval, mode,
-                   resume, checkpoint_dir) -> None:
+def _check_options(trainer, epochs, evaluate_every, checkpoint_every, keep_last, scheduler, scheduler_interval,
+                   mode) -> None:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise TrainerError(f"epochs must be an integer >= 1, got {epochs!r}")
     for name, value in (("evaluate_every", evaluate_every), ("checkpoint_every", checkpoint_every)):
@@ -319,7 +321,7 @@ def _prepare_folders(writers: Sequence[ModelCheckpoint], resume: bool) -> None:
     for writer in writers:
         folder = os.path.realpath(writer.dirpath)
         if folder in seen:
-            raise TrainerError(f"two ModelCheckpoint callbacks write to {writer.dirpath}: give each a folder of its own")
+            raise TrainerError(f"two ModelCheckpoint callbacks write to {writer.dirpath}: give each its own folder")
         seen[folder] = writer
         os.makedirs(writer.dirpath, exist_ok=True)
         used = writer.used()
