@@ -101,10 +101,11 @@ import onnx
 import onnx.helper as oh
 import onnx.inliner
 import onnx.numpy_helper as onh
-import onnx.shape_inference
 
 from normgrad._external_data import check_model
-from normgrad.graphs.context import attr, describe, reserve_name
+from normgrad.graphs.context import attr, describe, reserve_name, value_types
+from normgrad.graphs.rewrites import dropout_seed
+from normgrad.graphs.rewrites.expand import expand_operator
 from normgrad.graphs.tidy import read_names
 from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, embedding_grad, gelu_with_slope,
                           lstm_backward_factors, matrix_transpose, outer_product_sum, rotate_half_embedding,
@@ -332,15 +333,13 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> onnx.ModelProto:
     ops (:func:`normgrad.graphs.rewrites.expand_dropout_masks`)."""
     import json
 
-    from normgrad.graphs import rewrites
-
     graph = model.graph
-    if not rewrites._training_dropouts(graph):
-        return rewrites.expand_dropout_masks(model)
+    if not dropout_seed.training_dropouts(graph):
+        return dropout_seed.expand_dropout_masks(model)
     if "step" in names.used:
         raise ValueError("the graph already has a value named 'step', the input a seeded Dropout mask needs")
     names("step")
-    outputs = rewrites.seed_dropout(graph, "step", 0)
+    outputs = dropout_seed.seed_dropout(graph, "step", 0)
     graph.input.insert(len(graph.input) - 1, oh.make_tensor_value_info("step", onnx.TensorProto.FLOAT, []))
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     kept = [n for n in graph.node if n.op_type != "Constant" or n.output[0] in read]  # the ratio/mode constants
@@ -348,11 +347,11 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> onnx.ModelProto:
     graph.node.extend(kept)
     meta = {entry.key: entry for entry in model.metadata_props}
     value = json.dumps({"seed": 0, "outputs": outputs})
-    if rewrites.METADATA_DROPOUT in meta:
-        meta[rewrites.METADATA_DROPOUT].value = value
+    if dropout_seed.METADATA_DROPOUT in meta:
+        meta[dropout_seed.METADATA_DROPOUT].value = value
     else:
-        model.metadata_props.append(onnx.StringStringEntryProto(key=rewrites.METADATA_DROPOUT, value=value))
-    return rewrites.expand_dropout_masks(model)
+        model.metadata_props.append(onnx.StringStringEntryProto(key=dropout_seed.METADATA_DROPOUT, value=value))
+    return dropout_seed.expand_dropout_masks(model)
 
 
 def _is_float64_scalar(types: Dict[str, onnx.TypeProto], name: str) -> bool:
@@ -425,17 +424,6 @@ def _float64_scalars_in_float32(model: onnx.ModelProto, names: _Names) -> None:
     kept = [n for n in graph.node if n.op_type != "Pow" or any(o in live for o in n.output)]
     del graph.node[:]
     graph.node.extend(kept)
-
-
-def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
-    """{value: its type} of every initializer, input, output and inferred value (shape
-    inference with data propagation)."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    graph = inferred.graph
-    types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
-        types[info.name] = info.type
-    return types
 
 
 def _rank(types: Dict[str, onnx.TypeProto], name: str):
@@ -611,8 +599,6 @@ def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
 
 def _expanded(model: onnx.ModelProto, module) -> onnx.ModelProto:
     """``model`` with every node of the normgrad operator of ``module`` written as its function body."""
-    from normgrad.graphs.rewrites import expand_operator  # (rewrites imports this module)
-
     return expand_operator(model, module)
 
 
