@@ -14,7 +14,8 @@ normalization layers.
 from __future__ import annotations
 
 from normgrad.graphs.builder import AnyTrainingGraph, TrainingGraph, build_training_graph
-from normgrad.graphs.optimizers import build_optimizer_graph, build_step_graph
+from normgrad.graphs.optimizers import build_optimizer_graph
+from normgrad.graphs.step_graph import build_step_graph
 from normgrad.graphs.rules import UnsupportedOperatorError, supported_op_types
 
 __all__ = ["build_training_graph", "TrainingGraph", "AnyTrainingGraph", "build_optimizer_graph", "build_step_graph", "supported_op_types", "UnsupportedOperatorError"]

@@ -18,7 +18,8 @@ import pytest
 
 from normgrad import checkpoint
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
-from normgrad.graphs.optimizers import build_gradient_graph, hyperparameter_feeds
+from normgrad.graphs.optimizers import hyperparameter_feeds
+from normgrad.graphs.step_graph import build_gradient_graph
 from normgrad.train import SEED_METADATA, Trainer, TrainerError
 
 N, D = 6, 5

@@ -74,7 +74,7 @@ def test_bad_hyperparameters():
 
 def test_step_graph_of_an_mlp_matches_torch():
     from normgrad.graphs import build_training_graph, examples
-    from normgrad.graphs.optimizers import build_step_graph
+    from normgrad.graphs.step_graph import build_step_graph
 
     forward = examples.mlp()
     model, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "sgd", momentum=0.9)

@@ -379,7 +379,7 @@ def test_the_graph_onnxruntime_runs_has_no_where_gate_and_updates_in_place(setup
     state update is written by an update node that takes the gate (AdamUpdate, SGDUpdate;
     GatedUpdate for the running statistics), no Where; every state tensor is updated in place."""
     from normgrad._session import APPLIED, _gate_state_updates, _session_and_running_graph
-    from normgrad.graphs.optimizers import expose_forward_outputs, forward_outputs
+    from normgrad.graphs.step_graph import expose_forward_outputs, forward_outputs
 
     step, initial, _ = _gate_model_step("batch_norm", setup)
     trainer = Trainer(step, initial, lr=0.05, session_options=_options(level))

@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         evaluation = None
         if args.optimizer:
             from normgrad.graphs import build_step_graph
-            from normgrad.graphs.optimizers import build_eval_graph
+            from normgrad.graphs.step_graph import build_eval_graph
 
             step, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
                                              no_weight_decay=args.no_weight_decay, **optimizer_options)

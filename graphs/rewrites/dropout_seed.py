@@ -24,7 +24,7 @@ DROPOUT_SEED_INPUT = "dropout_seed"
 
 DROPOUT_MICRO_BATCH_INPUT = "dropout_micro_batch"
 """The micro-batch index (int64 scalar) under gradient accumulation: a Constant 0 in a step
-graph, an input of the gradient graph (:func:`normgrad.graphs.optimizers.build_gradient_graph`)."""
+graph, an input of the gradient graph (:func:`normgrad.graphs.step_graph.build_gradient_graph`)."""
 
 
 METADATA_DROPOUT = "normgrad.dropout"
