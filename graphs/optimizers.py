@@ -96,8 +96,8 @@ def check_hyperparameters(kind: str, *, command_line: bool = False, **options) -
             number(name, low_inclusive=0.0)
     if options.get("dampening") is not None:
         number("dampening")
-    if options.get("clip_grad_norm") is not None:
-        number("clip_grad_norm", above=0.0)
+    if options.get("max_grad_norm") is not None:
+        number("max_grad_norm", above=0.0)
     if "betas" in options:
         betas = options["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -185,10 +185,12 @@ class OptimizerKind:
     Attributes:
         torch_name: the torch.optim class.
         options: its own keyword options, besides ``lr``, :data:`COMMON_OPTIONS`.
+        weight_decay: its default weight decay (torch's).
     """
 
     torch_name: str
     options: Tuple[str, ...]
+    weight_decay: float = 0.0
 
     def state_suffixes(self, momentum: float, amsgrad: bool) -> List[str]:
         """The state tensors kept per parameter ``P``, as ``P.SUFFIX``."""
@@ -242,6 +244,7 @@ class _Adam(OptimizerKind):
 
     def __init__(self, torch_name: str, decoupled_weight_decay: bool) -> None:
         self.torch_name, self.decoupled_weight_decay = torch_name, decoupled_weight_decay
+        self.weight_decay = 0.01 if decoupled_weight_decay else 0.0
 
     def state_suffixes(self, momentum, amsgrad):
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
@@ -275,18 +278,19 @@ class _Adam(OptimizerKind):
 KINDS: Dict[str, OptimizerKind] = {"sgd": _SGD(), "adam": _Adam("Adam", False), "adamw": _Adam("AdamW", True)}
 """The optimizer kinds a step graph can take, by name."""
 
-COMMON_OPTIONS = ("weight_decay", "clip_grad_norm")
+COMMON_OPTIONS = ("weight_decay", "max_grad_norm")
 """The options every kind takes besides ``lr``."""
 
 
-def hyperparameter_defaults(kind: str, *, lr: float = 1e-3, weight_decay: float = 0.0, momentum: float = 0.0,
+def hyperparameter_defaults(kind: str, *, lr: float = 1e-3, weight_decay: Optional[float] = None, momentum: float = 0.0,
                             dampening: float = 0.0, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                            clip_grad_norm: Optional[float] = None) -> Dict[str, float]:
+                            max_grad_norm: Optional[float] = None) -> Dict[str, float]:
     """{input name: default} of the hyperparameter inputs of a ``kind`` optimizer graph built
-    with these options, in the order of its inputs."""
+    with these options (``weight_decay`` None: the kind's default), in the order of its inputs."""
+    weight_decay = KINDS[kind].weight_decay if weight_decay is None else weight_decay
     hyper = {"lr": lr, "weight_decay": weight_decay, **KINDS[kind].hyperparameters(momentum, dampening, betas, eps)}
-    if clip_grad_norm is not None:
-        hyper["max_grad_norm"] = clip_grad_norm
+    if max_grad_norm is not None:
+        hyper["max_grad_norm"] = max_grad_norm
     return {name: float(value) for name, value in hyper.items()}
 
 
@@ -295,7 +299,7 @@ def hyperparameter_values(model: onnx.ModelProto) -> Dict[str, float]:
     its ``normgrad.optimizer`` metadata; lr 1e-3 for a graph written before lr had a default)."""
     kind, options = optimizer_options(model)
     exported = hyperparameter_defaults(kind, **{k: v for k, v in options.items() if k in (
-        "lr", "weight_decay", "momentum", "dampening", "betas", "eps", "clip_grad_norm")})
+        "lr", "weight_decay", "momentum", "dampening", "betas", "eps", "max_grad_norm")})
     inputs = {i.name for i in model.graph.input}
     return {name: value for name, value in exported.items() if name in inputs}
 
@@ -310,7 +314,7 @@ def hyperparameter_feeds(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
 
 
 _OPTION_DEFAULTS = dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                        amsgrad=False, clip_grad_norm=None)
+                        amsgrad=False, max_grad_norm=None)
 
 
 def _differs(value, default) -> bool:
@@ -336,11 +340,11 @@ def build_optimizer_graph(
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: Optional[float] = None,
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     amsgrad: bool = False,
-    clip_grad_norm: Optional[float] = None,
+    max_grad_norm: Optional[float] = None,
     no_weight_decay: Sequence[str] = (),
 ) -> onnx.ModelProto:
     """An ONNX model doing one optimizer step on float32 ``parameters`` ({name: shape}).
@@ -350,7 +354,8 @@ def build_optimizer_graph(
     ``normgrad.optimizer`` metadata (:func:`hyperparameter_feeds`; no initializer: tract and
     the portable graphs take no input that is also an initializer);
     which of them the graph takes is decided here: momentum and dampening only with a momentum
-    buffer (``momentum`` != 0), max_grad_norm only with ``clip_grad_norm``.
+    buffer (``momentum`` != 0), max_grad_norm only with ``max_grad_norm``. ``weight_decay``:
+    None is the kind's default (torch's: 0.01 for AdamW, 0 for the others).
 
     ``no_weight_decay``: fnmatch patterns of parameters that get no weight decay (e.g.
     ``["*.bias", "*norm*"]``), as a torch param_group with ``weight_decay=0`` beside one with
@@ -363,8 +368,10 @@ def build_optimizer_graph(
         TypeError: an option of another optimizer given a value other than its default
             (``betas`` for sgd, ``momentum`` for adam...), as torch refuses it.
     """
+    if weight_decay is None and kind in KINDS:
+        weight_decay = KINDS[kind].weight_decay
     given = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
-                 eps=eps, amsgrad=amsgrad, clip_grad_norm=clip_grad_norm)
+                 eps=eps, amsgrad=amsgrad, max_grad_norm=max_grad_norm)
     check_hyperparameters(kind, **{name: value for name, value in given.items()
                                    if kind not in KINDS or name in KINDS[kind].options + COMMON_OPTIONS + ("lr",)
                                    or _differs(value, _OPTION_DEFAULTS[name])})
@@ -382,11 +389,11 @@ def build_optimizer_graph(
     for p, s in parameters.items():
         inputs += [value_info(name, s) for name in optimizer_state_names(p, kind, momentum, amsgrad)]
     hyper = hyperparameter_defaults(kind, lr=lr, weight_decay=weight_decay, momentum=momentum, dampening=dampening,
-                                    betas=betas, eps=eps, clip_grad_norm=clip_grad_norm)
+                                    betas=betas, eps=eps, max_grad_norm=max_grad_norm)
     inputs += [value_info("lr", []), value_info("step", [])]
     inputs += [helper.make_tensor_value_info(name, TensorProto.DOUBLE, []) for name in hyper if name != "lr"]
     decay = g.as_float("weight_decay")
-    grad_scale = _clipping_scale(g, parameters) if clip_grad_norm is not None else ""
+    grad_scale = _clipping_scale(g, parameters) if max_grad_norm is not None else ""
     shared = optimizer.shared_scalars(g, decay, momentum, nesterov)
     state: Dict[str, str] = {}
     outputs = []
@@ -400,7 +407,7 @@ def build_optimizer_graph(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = IR_VERSION
     model = normgrad.add_functions(model)
-    hyperparameters = {"kind": kind, "lr": lr, "clip_grad_norm": clip_grad_norm, "weight_decay": weight_decay}
+    hyperparameters = {"kind": kind, "lr": lr, "max_grad_norm": max_grad_norm, "weight_decay": weight_decay}
     if no_weight_decay:
         hyperparameters["no_weight_decay"] = no_weight_decay
     hyperparameters.update({name: list(given[name]) if name == "betas" else given[name] for name in optimizer.options})
@@ -422,6 +429,8 @@ def optimizer_options(model: onnx.ModelProto) -> Tuple[str, Dict[str, object]]:
         raise ValueError("the model has no normgrad.optimizer metadata: not a step graph written by normgrad")
     options = json.loads(metadata["normgrad.optimizer"])
     kind = options.pop("kind")
+    if "clip_grad_norm" in options:  # the name graphs written before max_grad_norm recorded
+        options["max_grad_norm"] = options.pop("clip_grad_norm")
     if not isinstance(options.get("lr", 0.0), (int, float)):  # "input": written before lr had a default
         options.pop("lr")
     if "betas" in options:

@@ -428,7 +428,7 @@ def build_step_graph(
             raise ValueError(f"trainable weight {name!r} is not float32; step graphs are float32")
     names = input_names | {o for n in graph.node for o in n.output} | set(initializers)
     for reserved in ("lr", "step", *hyperparameter_defaults(kind, momentum=options.get("momentum", 0.0),
-                                                           clip_grad_norm=options.get("clip_grad_norm"))):
+                                                           max_grad_norm=options.get("max_grad_norm"))):
         if reserved in names:
             raise ValueError(f"the training graph already has a value named {reserved!r}")
     if not trainable and from_model_alone:

@@ -102,8 +102,8 @@ CHANGES = {
               {3: {"beta1": 0.5, "beta2": 0.9, "weight_decay": 0.3}, 6: {"eps": 1e-3, "lr": 0.05}}),
     "adam_amsgrad": ("adam", dict(amsgrad=True), {3: {"beta2": 0.9, "weight_decay": 0.1}, 6: {"eps": 1e-5}}),
     "adamw_amsgrad": ("adamw", dict(amsgrad=True, weight_decay=0.1), {4: {"beta1": 0.7, "weight_decay": 0.0}}),
-    "sgd_clip": ("sgd", dict(momentum=0.9, clip_grad_norm=1.0), {3: {"max_grad_norm": 0.05}, 7: {"max_grad_norm": 5.0}}),
-    "adamw_clip": ("adamw", dict(clip_grad_norm=0.5), {4: {"max_grad_norm": 0.01, "beta2": 0.95}}),
+    "sgd_clip": ("sgd", dict(momentum=0.9, max_grad_norm=1.0), {3: {"max_grad_norm": 0.05}, 7: {"max_grad_norm": 5.0}}),
+    "adamw_clip": ("adamw", dict(max_grad_norm=0.5), {4: {"max_grad_norm": 0.01, "beta2": 0.95}}),
 }
 STEPS = 10
 
@@ -114,10 +114,10 @@ def _torch_trajectory(torch, kind, options, changes, initial, lr):
     decayed = [n for n in names if not n.endswith(".bias") or "no_weight_decay" not in options]
     groups = [{"params": [params[n] for n in decayed]},
               {"params": [params[n] for n in names if n not in decayed], "weight_decay": 0.0}]
-    torch_options = {k: v for k, v in options.items() if k not in ("no_weight_decay", "clip_grad_norm")}
+    torch_options = {k: v for k, v in options.items() if k not in ("no_weight_decay", "max_grad_norm")}
     optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
-        [g for g in groups if g["params"]], lr=lr, **{"weight_decay": 0.0, **torch_options})  # the graphs' default
-    max_norm = options.get("clip_grad_norm")
+        [g for g in groups if g["params"]], lr=lr, **torch_options)  # torch's defaults are the graphs'
+    max_norm = options.get("max_grad_norm")
     trajectory = []
     for k in range(1, STEPS + 1):
         for name, value in changes.get(k, {}).items():

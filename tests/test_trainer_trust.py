@@ -243,7 +243,7 @@ def test_non_finite_steps_can_be_skipped(accumulation):
 def _resnet_block_step():
     from normgrad.graphs import examples
 
-    return build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw", clip_grad_norm=1.0)
+    return build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw", max_grad_norm=1.0)
 
 
 def test_a_step_that_raises_after_the_gradient_graph_ran_restores_the_running_statistics():
@@ -319,8 +319,8 @@ OPTIMIZER_SETUPS = {
     "sgd": ("sgd", {}), "sgd_weight_decay": ("sgd", dict(weight_decay=0.01)),
     "sgd_momentum_dampening": ("sgd", dict(momentum=0.9, dampening=0.3)),
     "sgd_nesterov": ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
-    "sgd_clipping": ("sgd", dict(momentum=0.8, clip_grad_norm=0.5)),
-    "adam": ("adam", dict(weight_decay=0.01)), "adamw": ("adamw", dict(weight_decay=0.1, clip_grad_norm=1.0)),
+    "sgd_clipping": ("sgd", dict(momentum=0.8, max_grad_norm=0.5)),
+    "adam": ("adam", dict(weight_decay=0.01)), "adamw": ("adamw", dict(weight_decay=0.1, max_grad_norm=1.0)),
     "amsgrad": ("adam", dict(amsgrad=True, weight_decay=0.01)),
     "adamw_amsgrad_no_weight_decay": ("adamw", dict(amsgrad=True, weight_decay=0.1, no_weight_decay=["*bias*", "t*"])),
 }

@@ -7,6 +7,7 @@ initial values (and the optimizer's state) in a checkpoint beside the graph."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import warnings
@@ -69,7 +70,9 @@ def _parser():
     step.add_argument("--betas", type=float, nargs=2, default=None, help="adam, adamw only (default 0.9 0.999)")
     step.add_argument("--eps", type=float, default=None, help="adam, adamw only (default 1e-8)")
     step.add_argument("--amsgrad", action="store_true", default=None, help="adam, adamw only")
-    step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
+    step.add_argument("--max-grad-norm", type=float, default=None,
+                      help="clip the gradients' global L2 norm to this, as clip_grad_norm_ (default: no clipping)")
+    step.add_argument("--clip-grad-norm", type=float, default=None, dest="clip_grad_norm", help=argparse.SUPPRESS)
     step.add_argument("--seed", type=int, default=None,
                       help="Dropout seed (int64, default 0): training-mode Dropout masks are a function of it, the step "
                            "and the micro-batch; the Trainer's seed= overrides it")
@@ -82,15 +85,13 @@ def _optimizer_options(parser, args) -> dict:
     options = {name: value for name, value in (
         ("momentum", args.momentum), ("dampening", args.dampening), ("nesterov", args.nesterov),
         ("weight_decay", args.weight_decay), ("betas", None if args.betas is None else tuple(args.betas)),
-        ("eps", args.eps), ("amsgrad", args.amsgrad), ("clip_grad_norm", args.clip_grad_norm)) if value is not None}
+        ("eps", args.eps), ("amsgrad", args.amsgrad), ("max_grad_norm", args.max_grad_norm)) if value is not None}
     if options and not args.optimizer:
         given = next(iter(options))
         parser.error(f"--{given.replace('_', '-')} is an option of the optimizer step: it needs --optimizer")
     if args.optimizer:
         from normgrad.graphs.optimizers import check_hyperparameters
 
-        if args.optimizer == "adamw":
-            options.setdefault("weight_decay", 0.01)
         try:
             check_hyperparameters(args.optimizer, command_line=True, **options)
         except TypeError as error:
@@ -193,6 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.clip_grad_norm is not None:
+        print("normgrad export: warning: --clip-grad-norm is deprecated; use --max-grad-norm", file=sys.stderr)
+        if args.max_grad_norm is not None:
+            parser.error("give --max-grad-norm, not also its old name --clip-grad-norm")
+        args.max_grad_norm = args.clip_grad_norm
     _check_usage(parser, args)
     optimizer_options = _optimizer_options(parser, args)
     loss_options = _loss_options(parser, args)

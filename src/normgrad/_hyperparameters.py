@@ -20,9 +20,6 @@ CHECKPOINT_METADATA = "normgrad.hyperparameters"
 """Checkpoint metadata key: JSON {name: value} of the hyperparameters the next step uses (those
 that follow no schedule)."""
 
-_OPTION_NAMES = {"max_grad_norm": "clip_grad_norm"}  # the export option each name was given as, where it differs
-
-
 def _number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
@@ -114,7 +111,7 @@ class Hyperparameters(MutableMapping):
             if not (math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
                 raise TrainerError(f"{what}; {rule}")
         values = {**{n: self._values[n] for n in self._values}, name: number}
-        options = {_OPTION_NAMES.get(n, n): v for n, v in values.items() if n not in ("beta1", "beta2")}
+        options = {n: v for n, v in values.items() if n not in ("beta1", "beta2")}
         if "beta1" in values:
             options["betas"] = (values["beta1"], values["beta2"])
         try:
