@@ -57,6 +57,9 @@ minimal reproducer of each:
 * **LSTMBackwardFactors as its standard ops** (not a defect either): an LSTM backward's
   per-step factors (onnxruntime's CPU provider only) become the Sub, Mul, Concat and the
   Slices reversing them in time that the rule wrote before the operator.
+* **gradient clipping without If** (costly: the norm is then computed at every step, also
+  when clipping is off): tract runs an If only on a constant condition
+  (:func:`normgrad.graphs.optimizers.clipping_without_if`).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -104,6 +107,7 @@ import onnx.numpy_helper as onh
 
 from normgrad._external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name, value_types
+from normgrad.graphs.optimizers import clipping_without_if
 from normgrad.graphs.rewrites import dropout_seed
 from normgrad.graphs.rewrites.expand import expand_operator
 from normgrad.graphs.tidy import read_names
@@ -543,14 +547,14 @@ REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_nor
             "lstm_backward_factors_expanded", "onehot_as_equal",
             "size_as_shape_product",
             "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
-            "float64_scalars_in_float32", "unused_inputs_last")
+            "float64_scalars_in_float32", "clipping_without_if", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
 COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
                    "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded",
                    "softmax_grad_expanded",
                    "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded",
                    "rotate_half_embedding_expanded", "lstm_backward_factors_expanded", "scan_bodies_self_contained",
-                   "float64_scalars_in_float32")
+                   "float64_scalars_in_float32", "clipping_without_if")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -651,6 +655,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         scan_bodies_self_contained(model)
     if "float64_scalars_in_float32" not in skip:
         _float64_scalars_in_float32(model, names)
+    if "clipping_without_if" not in skip:
+        clipping_without_if(model)
     if "unused_inputs_last" not in skip:
         _unused_inputs_last(model)
     check_model(model)

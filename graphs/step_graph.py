@@ -24,7 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 import normgrad
 from normgrad._external_data import check_model
 from normgrad.graphs import rewrites
-from normgrad.graphs.optimizers import build_optimizer_graph, hyperparameter_defaults, next_name, optimizer_state_names
+from normgrad.graphs.optimizers import (build_optimizer_graph, clipping_without_if, hyperparameter_defaults, next_name,
+                                         optimizer_state_names)
 from normgrad.graphs.portable import make_portable
 from normgrad.graphs.structure import subgraph_captures
 from normgrad.graphs.tidy import tidy
@@ -472,6 +473,7 @@ def build_step_graph(
         from normgrad.graphs.inline import inline_normgrad
 
         model = inline_normgrad(model)
+        clipping_without_if(model)  # for the runtimes it is written for
     extra = {METADATA_FORWARD_TAIL: tail} if tail is not None else {}
     if dropout_outputs:
         extra[rewrites.METADATA_DROPOUT] = json.dumps({"seed": int(dropout_seed), "outputs": dropout_outputs})

@@ -100,6 +100,7 @@ class Hyperparameters(MutableMapping):
         from normgrad.graphs.optimizers import check_hyperparameters
 
         rule = ("a learning rate must be a finite number >= 0 that float32 holds" if name == "lr"
+                else "max_grad_norm must be a number > 0 (inf: no clipping)" if name == "max_grad_norm"
                 else f"{name} must be a finite number")
         if not _number(value):
             raise TrainerError(f"{what}; {rule}")
@@ -108,7 +109,8 @@ class Hyperparameters(MutableMapping):
         except OverflowError:  # an int beyond float64
             raise TrainerError(f"{what}; {rule}") from None
         with np.errstate(over="ignore"):
-            if not (math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
+            off = name == "max_grad_norm" and number == math.inf  # clip_grad_norm_'s max_norm=inf: no clipping
+            if not (off or math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
                 raise TrainerError(f"{what}; {rule}")
         values = {**{n: self._values[n] for n in self._values}, name: number}
         options = {n: v for n, v in values.items() if n not in ("beta1", "beta2")}
