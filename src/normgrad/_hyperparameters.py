@@ -21,9 +21,6 @@ CHECKPOINT_METADATA = "normgrad.hyperparameters"
 """Checkpoint metadata key: JSON {name: value} of the hyperparameters the next step uses (those
 that follow no schedule)."""
 
-_OPTION_NAMES = {"max_grad_norm": "clip_grad_norm"}  # the export option each name was given as, where it differs
-
-
 def _number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
@@ -127,6 +124,7 @@ class Hyperparameters(MutableMapping):
         from normgrad.graphs.optimizers import check_hyperparameters
 
         rule = ("a learning rate must be a finite number >= 0 that float32 holds" if name == "lr"
+                else "max_grad_norm must be a number > 0 (inf: no clipping)" if name == "max_grad_norm"
                 else f"{name} must be a finite number")
         if not _number(value):
             raise TrainerError(f"{what}; {rule}")
@@ -135,10 +133,11 @@ class Hyperparameters(MutableMapping):
         except OverflowError:  # an int beyond float64
             raise TrainerError(f"{what}; {rule}") from None
         with np.errstate(over="ignore"):
-            if not (math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
+            off = name == "max_grad_norm" and number == math.inf  # clip_grad_norm_'s max_norm=inf: no clipping
+            if not (off or math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
                 raise TrainerError(f"{what}; {rule}")
         values = {**{n: self._values[n] for n in self._values}, name: number}
-        options = {_OPTION_NAMES.get(n, n): v for n, v in values.items() if n not in ("beta1", "beta2")}
+        options = {n: v for n, v in values.items() if n not in ("beta1", "beta2")}
         if "beta1" in values:
             options["betas"] = (values["beta1"], values["beta2"])
         try:
