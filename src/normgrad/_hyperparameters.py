@@ -136,9 +136,10 @@ class Hyperparameters(MutableMapping):
             off = name == "max_grad_norm" and number == math.inf  # clip_grad_norm_'s max_norm=inf: no clipping
             if not (off or math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
                 raise TrainerError(f"{what}; {rule}")
-        values = {**{n: self._values[n] for n in self._values}, name: number}
+        # a value kept for refusal when used (see deferring_checks) is no rule for the others
+        values = {**{n: v for n, v in self._values.items() if n not in self._unusable}, name: number}
         options = {n: v for n, v in values.items() if n not in ("beta1", "beta2")}
-        if "beta1" in values:
+        if "beta1" in values and "beta2" in values:
             options["betas"] = (values["beta1"], values["beta2"])
         try:
             check_hyperparameters(self._kind, **options, **self._options)
