@@ -119,6 +119,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     conv,
     cumsum,
     depth_to_space,
+    dft,
     dropout,
     einsum,
     elementwise,
@@ -138,4 +139,5 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     select,
     shape,
     slice,
+    topk,
 )
