@@ -108,3 +108,38 @@ def test_computed_axis_is_refused_by_name():
     forward = model(nodes, {"x": (2, 5, 1)}, ["y"], {"three": np.asarray(3, np.int64)}, opset=20)
     with pytest.raises(UnsupportedOperatorError, match="DFT node .*constant axis"):
         build_training_graph(forward)
+
+
+@pytest.mark.slow
+def test_torch_fft_functions_as_the_dynamo_exporter_writes_them(tmp_path):
+    """fft, ifft (zero-padded), rfft (truncated), irfft of a complex input and fftn's real
+    part, exported together by torch's dynamo exporter: every output and both inputs'
+    gradients as torch's."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import normgrad.torch
+
+    class Transforms(torch.nn.Module):
+        def forward(self, x, z):
+            spectrum = torch.view_as_complex(z)
+            return (torch.view_as_real(torch.fft.fft(x, dim=1)), torch.view_as_real(torch.fft.ifft(x, n=8, dim=2).resolve_conj()),
+                    torch.view_as_real(torch.fft.rfft(x, n=5, dim=1)), torch.fft.irfft(spectrum, n=6, dim=1),
+                    torch.fft.fftn(x, dim=(1, 2)).real)
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((2, 6, 4)).astype(np.float32),
+            "z": rng.standard_normal((2, 4, 3, 2)).astype(np.float32)}
+    names = [f"y{i}" for i in range(5)]
+    forward = normgrad.torch.export(Transforms(), tuple(torch.tensor(v) for v in data.values()), tmp_path / "fft.onnx",
+                                    exporter="dynamo", input_names=list(data), output_names=names)
+    assert sum(n.op_type == "DFT" for n in forward.graph.node) == 6
+    tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in data.items()}
+    outputs = Transforms()(*tensors.values())
+    seeds = {f"{name}_grad": rng.standard_normal(tuple(y.shape)).astype(np.float32) for name, y in zip(names, outputs)}
+    torch.autograd.backward(list(outputs), [torch.tensor(s, dtype=torch.float64) for s in seeds.values()])
+    results = run_training(build_training_graph(forward), {**data, **seeds})
+    for name, y in zip(names, outputs):
+        np.testing.assert_allclose(results[name], y.detach().numpy(), rtol=0, atol=1e-5 * float(y.detach().abs().max()))
+    for name, value in tensors.items():
+        np.testing.assert_allclose(results[f"{name}_grad"], value.grad.numpy(), rtol=0,
+                                   atol=1e-5 * float(value.grad.abs().max()), err_msg=name)
