@@ -87,6 +87,7 @@ def _fit_length(ctx: GradientContext, grad: str, x: str, axis: int, rank: int) -
 
 
 def _check_irfft_bins(node: onnx.NodeProto, bins, n) -> None:
+    """Refuses an inverse onesided DFT whose x has other than n//2 + 1 bins, where both are known."""
     if isinstance(bins, int) and isinstance(n, int) and bins != n // 2 + 1:
         raise UnsupportedOperatorError(
             f"{describe(node)}: an inverse onesided DFT of length {n} needs {n // 2 + 1} bins for the gradient "
@@ -104,6 +105,8 @@ def dft_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optiona
         raise UnsupportedOperatorError(f"{describe(node)}: the gradient of a DFT needs a static last dim (1 or 2) of x")
     inverse, onesided = bool(attr(node, "inverse", 0)), bool(attr(node, "onesided", 0))
     length = node.input[1] if len(node.input) > 1 and node.input[1] else None
+    if inverse and onesided:
+        _check_irfft_bins(node, x_shape[axis], (ctx.shape(y) or [None] * rank)[axis])
     if onesided and not inverse:  # y has n//2 + 1 bins: n is dft_length or x's length
         n = ctx.op("Reshape", length, ctx.ints([])) if length else _length(ctx, x, axis)
         grad = _transform(ctx, dy, n, axis, inverse=True, onesided=False)
@@ -112,8 +115,6 @@ def dft_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optiona
         grad = _transform(ctx, dy, None, axis, inverse=not inverse, onesided=inverse and onesided)
     grad = ctx.op("Div" if inverse else "Mul", grad, ctx.op("CastLike", n, dy))
     if inverse and onesided:
-        y_length = (ctx.shape(y) or [None] * rank)[axis]
-        _check_irfft_bins(node, x_shape[axis], y_length)
         grad = _doubled_bins(ctx, grad, n, axis, rank)
     if length:
         grad = _fit_length(ctx, grad, x, axis, rank)
