@@ -358,6 +358,28 @@ def test_unknown_domain_operator_on_the_gradient_path_is_named():
         build_training_graph(forward)
 
 
+def test_trainable_parameter_at_an_input_the_rule_does_not_differentiate_is_refused():
+    """w trains through the Mul and reaches Pad's constant_value, which Pad's rule gives no
+    gradient: refused by name, not a silent zero; frozen, w builds."""
+    nodes = [oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("ReduceMean", ["w"], ["fill"], keepdims=0),
+             oh.make_node("Pad", ["xw", "pads", "fill"], ["y"], name="pad")]
+    forward = model(nodes, {"x": (2, 3)}, ["y"], {"w": np.full((2, 3), 0.5, np.float32), "pads": np.array([0, 1, 0, 1])})
+    with pytest.raises(UnsupportedOperatorError,
+                       match="Pad node 'pad': input 2 \\('fill'\\) depends on trainable parameter 'w', but the Pad rule"):
+        build_training_graph(forward)
+    assert [o.name for o in build_training_graph(forward, frozen=["w"]).model.graph.output] == ["y", "x_grad"]
+
+
+def test_trainable_parameter_at_integer_or_non_differentiable_inputs_is_not_refused():
+    """w's shape (a Reshape's shape input) and its sign test (a Where's condition) carry no gradient by nature."""
+    nodes = [oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("Shape", ["w"], ["shape"]),
+             oh.make_node("Reshape", ["xw", "shape"], ["r"]), oh.make_node("Greater", ["w", "zero"], ["positive"]),
+             oh.make_node("Where", ["positive", "r", "x"], ["y"])]
+    params = {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), "zero": np.array(0.0, np.float32)}
+    forward = model(nodes, {"x": (2, 3)}, ["y"], params)
+    _check(forward, frozen=["zero"])
+
+
 def test_model_without_default_opset_is_refused():
     forward = model([_node("Relu", ["x"])], {"x": (2, 3)}, ["y"])
     forward.opset_import[0].domain = "com.example"
