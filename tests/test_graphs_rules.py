@@ -365,9 +365,18 @@ def test_trainable_parameter_at_an_input_the_rule_does_not_differentiate_is_refu
              oh.make_node("Pad", ["xw", "pads", "fill"], ["y"], name="pad")]
     forward = model(nodes, {"x": (2, 3)}, ["y"], {"w": np.full((2, 3), 0.5, np.float32), "pads": np.array([0, 1, 0, 1])})
     with pytest.raises(UnsupportedOperatorError,
-                       match="Pad node 'pad': input 2 \\('fill'\\) depends on trainable parameter 'w', but the Pad rule"):
+                       match="Pad node 'pad': input 2 \\('fill'\\) is computed from trainable parameter 'w', but the Pad rule"):
         build_training_graph(forward)
     assert [o.name for o in build_training_graph(forward, frozen=["w"]).model.graph.output] == ["y", "x_grad"]
+
+
+def test_trainable_parameter_itself_at_an_input_the_rule_does_not_differentiate_is_not_refused():
+    """TorchScript merges equal initializers: an eval-mode BatchNorm's running mean may be its
+    bias's initializer (or an Identity of it); builds, as torch_exports warns of the merge."""
+    nodes = [oh.make_node("Identity", ["t"], ["m"]), _node("BatchNormalization", ["x", "s", "t", "m", "v"])]
+    params = {name: value for name, value in batch_norm_parameters(3).items() if name != "m"}
+    forward = model(nodes, {"x": (2, 3, 4, 4)}, ["y"], params)
+    assert {o.name for o in build_training_graph(forward).model.graph.output} >= {"s_grad", "t_grad"}
 
 
 def test_trainable_parameter_at_integer_or_non_differentiable_inputs_is_not_refused():
