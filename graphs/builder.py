@@ -183,7 +183,41 @@ def _needing_grad(
             f"no gradient rule for operator{'s' if len(gaps) > 1 else ''} {', '.join(gaps)}; a gradient must flow "
             f"through {'each of them' if len(gaps) > 1 else 'it'}. Supported: see normgrad.graphs.supported_op_types()"
         )
+    _refuse_constant_parameters(graph, types, needs)
     return needs
+
+
+def _refuse_constant_parameters(graph: onnx.GraphProto, types: GradientContext, needs: Set[str]) -> None:
+    """Refuses a node whose output needs a gradient but which takes a value computed from a
+    trainable initializer at an input its rule does not differentiate (that parameter's
+    gradient through it would silently be zero). The initializer itself there (or an
+    Identity of it) is not refused: that is TorchScript's merge of equal tensors, a buffer
+    sharing a parameter's initializer, which ``torch_exports.merged_initializers_warning`` names.
+
+    Raises:
+        UnsupportedOperatorError: naming the node, the input and the parameter.
+    """
+    aliases = {t.name: t.name for t in graph.initializer if t.name in needs}  # a trainable initializer or an Identity of it
+    computed: Dict[str, str] = {}  # value -> a trainable initializer it is computed from
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is None or rule.gradient is None:  # no rule: refused above if it matters; None: no gradient at all
+            continue
+        differentiable = rule.differentiable_inputs(types, node)
+        if any(node.output[i] in needs for i in rule.differentiable_outputs(node)):
+            for index, name in enumerate(node.input):
+                if name in computed and index not in differentiable and _maybe_float(types.type_of(name)):
+                    raise UnsupportedOperatorError(
+                        f"{describe(node)}: input {index} ('{name}') is computed from trainable parameter "
+                        f"'{computed[name]}', but the {node.op_type} rule gives that input no gradient; freeze "
+                        f"'{computed[name]}' (--freeze) or keep it off that input")
+        sources = [(node.input[i] in aliases, aliases.get(node.input[i]) or computed.get(node.input[i]))
+                   for i in differentiable if node.input[i] in aliases or node.input[i] in computed]
+        if sources:
+            target = aliases if node.op_type == "Identity" and sources[0][0] else computed
+            for i in rule.differentiable_outputs(node):
+                if _maybe_float(types.type_of(node.output[i])):
+                    target.setdefault(node.output[i], sources[0][1])
 
 
 def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str]) -> Dict[str, List[str]]:
