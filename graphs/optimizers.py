@@ -336,12 +336,18 @@ def _clipping_scale(g: _Nodes, parameters: Mapping[str, Sequence[int]]) -> str:
     (norm + 1e-6), 1) of their global L2 norm, or 1 when ``max_grad_norm`` is +inf (no
     clipping: what the coefficient is then, without the pass over every gradient that the
     norm costs, about 3% of a ResNet-18 step); returns it. An If node: only the branch taken
-    runs."""
+    runs.
+
+    The norm is summed in 1-element tensors (keepdims=1), squeezed to a scalar only at the
+    end: onnxruntime-openvino leaves a reduction to a scalar and a Sum of scalars on the CPU
+    provider, and its partitioning then merges a gradient node left alone between two of them
+    into a later OpenVINO subgraph that reads its output through them ("the graph is not
+    acyclic")."""
     outer, g.nodes = g.nodes, []
-    squares = [g.op("ReduceSumSquare", f"{p}_grad", keepdims=0) for p in parameters]
+    squares = [g.op("ReduceSumSquare", f"{p}_grad", keepdims=1) for p in parameters]
     total = g.op("Sqrt", g.op("Sum", *squares))
     coefficient = g.op("Div", g.as_float("max_grad_norm"), g.op("Add", total, g.const(1e-6)))
-    clipped = g.op("Min", coefficient, g.const(1.0))
+    clipped = g.op("Squeeze", g.op("Min", coefficient, g.const(1.0)))
     unscaled = g.op("Identity", g.const(1.0))
     clipping, keeping = g.nodes[:-1], g.nodes[-1:]
     g.nodes = outer
