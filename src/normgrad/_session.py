@@ -15,11 +15,8 @@ import onnx
 from normgrad._files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, eval_graph_path,
                              refuse_aliases, refuse_irregular_file)
 from normgrad._external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
+from normgrad.errors import TrainerError
 from normgrad.graphs import structure
-
-
-class TrainerError(ValueError):
-    """A step graph, checkpoint, batch or option the trainer cannot use."""
 
 
 APPLIED = "normgrad.applied"

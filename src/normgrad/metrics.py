@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 
 import numpy as np
 
-from normgrad._session import TrainerError
+from normgrad.errors import TrainerError
 
 __all__ = ["Metric", "accuracy", "top_k_accuracy", "perplexity", "evaluate", "named_batch"]
 

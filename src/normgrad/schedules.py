@@ -17,7 +17,7 @@ import numbers
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence
 
-from normgrad._session import TrainerError
+from normgrad.errors import TrainerError
 
 __all__ = ["Schedule", "constant", "linear_warmup", "cosine", "LRScheduler", "StepLR", "MultiStepLR", "ConstantLR",
            "LinearLR", "ExponentialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
