@@ -214,10 +214,14 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
             each optimizer step (``scheduler_interval="step"``, e.g. OneCycleLR) or after each
             epoch (``"epoch"``); a ReduceLROnPlateau gets ``step(monitor's value)`` after each
             evaluation.
-        monitor, mode: the evaluation value that picks the best checkpoint and that
+        monitor: the evaluation value that picks the best checkpoint and that
             ReduceLROnPlateau watches (default ``val_loss`` given ``evaluation``, else
-            ``train_loss``), lower (``"min"``) or higher (``"max"``) being better.
-        checkpoint_dir, keep_last, checkpoint_every: see the module's description.
+            ``train_loss``).
+        mode: ``"min"`` (a lower ``monitor`` is better) or ``"max"`` (a higher one is).
+        checkpoint_dir: where checkpoints go (see the module's description).
+        keep_last: how many of the latest checkpoints are kept.
+        checkpoint_every: a checkpoint every this many steps too (besides those after each
+            evaluation and at each epoch's end).
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (from the start
             when it holds none).
         log_dir: writes ``metrics.csv``, TensorBoard events (when the tensorboard package

@@ -97,8 +97,8 @@ def export(
             (``dynamo=True``, needs onnxscript).
         dynamic_axes: ``{input or output name: [axis, ...] or {axis: "dim name"}}``, e.g.
             ``{"x": {0: "batch", 2: "height", 3: "width"}}``; the other axes are static.
-        input_names, output_names: ONNX names of the inputs and outputs (default ``input_0``...,
-            ``output_0``...).
+        input_names: ONNX names of the inputs (default ``input_0``...).
+        output_names: ONNX names of the outputs (default ``output_0``...).
         opset: default-domain opset (torchscript 12-20, default 17; dynamo 18-21, default 18).
         external_data: write the frozen initializers (no ``requires_grad``; 1 KiB or more)
             to ``PATH.HASH.data`` beside the model (named by its content: the model and its data
