@@ -414,8 +414,8 @@ def main(argv: Optional[list] = None) -> None:
             sys.argv = args
             sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
             runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as exit:
-        _exit_status = exit.code
+    except SystemExit as ended:
+        _exit_status = ended.code
         raise
 
 
