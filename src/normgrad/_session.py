@@ -56,12 +56,12 @@ class TrainerSession:
     """
 
     def __init__(self, ort, graph: StepGraph, accumulation: int, split: bool, options, providers: List):
-        from normgrad.graphs import optimizers
+        from normgrad.graphs import step_graph
 
         self._ort, self._graph, self.accumulation, self.split = ort, graph, accumulation, split
         self.options, self.providers = options, providers
         try:
-            self.forward_outputs: List[str] = optimizers.forward_outputs(graph.model)
+            self.forward_outputs: List[str] = step_graph.forward_outputs(graph.model)
         except ValueError:
             self.forward_outputs = []
         computed = {o for node in graph.model.graph.node for o in node.output}
@@ -87,23 +87,23 @@ class TrainerSession:
         return _gate_state_updates(model, self._graph.state, [f"{p}_grad" for p in self._graph.parameters], loss)
 
     def _fused_session(self, everyday: List[str]) -> List["GraphSession"]:
-        from normgrad.graphs import optimizers
+        from normgrad.graphs import step_graph
 
         model = self._graph.model
-        self.step_part = self.new_session(self._gated(optimizers.expose_forward_outputs(model, everyday), "loss"),
+        self.step_part = self.new_session(self._gated(step_graph.expose_forward_outputs(model, everyday), "loss"),
                                        self._graph.state)
-        self._tail_model = (self._gated(optimizers.expose_forward_outputs(model, self.forward_outputs), "loss")
+        self._tail_model = (self._gated(step_graph.expose_forward_outputs(model, self.forward_outputs), "loss")
                             if self._tail_outputs else None)
         self._tail_state = self._graph.state
         return [self.step_part]
 
     def _split_sessions(self, everyday: List[str]) -> List["GraphSession"]:
-        from normgrad.graphs import optimizers
+        from normgrad.graphs import optimizers, step_graph
 
         graph = self._graph
         try:
-            gradient_graph = optimizers.build_gradient_graph(graph.model)
-            gradient = optimizers.expose_forward_outputs(gradient_graph, everyday)
+            gradient_graph = step_graph.build_gradient_graph(graph.model)
+            gradient = step_graph.expose_forward_outputs(gradient_graph, everyday)
             kind, hyper = optimizers.optimizer_options(graph.model)
         except (ValueError, KeyError, TypeError) as error:
             raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
@@ -111,11 +111,11 @@ class TrainerSession:
         optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
         grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
         self.gradient = self.new_session(gradient, grad_state)
-        self._tail_model = optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs) \
+        self._tail_model = step_graph.expose_forward_outputs(gradient_graph, self.forward_outputs) \
             if self._tail_outputs else None
         self._tail_state = grad_state
         self._optimizer = self.new_session(self._gated(optimizer, SPLIT_LOSS), graph.state)
-        self.accumulators = {p + optimizers.ACCUMULATOR_SUFFIX: graph.expected[p][1] for p in graph.parameters}
+        self.accumulators = {p + step_graph.ACCUMULATOR_SUFFIX: graph.expected[p][1] for p in graph.parameters}
         return [self.gradient, self._optimizer]
 
     def new_session(self, model: onnx.ModelProto, state: Mapping[str, str]) -> "GraphSession":

@@ -116,7 +116,7 @@ class Trainer:
         device: where the state buffers live (``"cpu"``, or e.g. ``"cuda"`` with ``device_id``).
         eval_model: the evaluation graph :meth:`evaluate` runs (path or ``ModelProto``, e.g. the
             ``NAME.eval.onnx`` that ``normgrad export --optimizer`` writes); default: built
-            from the step graph (:func:`normgrad.graphs.optimizers.build_eval_graph`, the same
+            from the step graph (:func:`normgrad.graphs.step_graph.build_eval_graph`, the same
             function) when first needed.
         seed: the Dropout seed (an int64 integer): Dropout masks are a function of it, the
             step and the micro-batch (:func:`normgrad.graphs.rewrites.seed_dropout`). None:
@@ -340,7 +340,7 @@ class Trainer:
     def inference_model(self) -> onnx.ModelProto:
         """The forward model with the trained weights and running statistics as initializers,
         BatchNormalization in inference mode and Dropout as Identity: any onnxruntime runs it."""
-        from normgrad.graphs.optimizers import build_inference_model
+        from normgrad.graphs.step_graph import build_inference_model
 
         return build_inference_model(self.step_model, self.state_dict())
 
