@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -351,3 +353,22 @@ def test_batch_norm_relu_gradients_float64_truth(backend, dtype):
         assert got[name].dtype == dtype, name
         error = np.abs(got[name].astype(np.float64) - want).max() / np.abs(want).max()
         assert error < tolerance, (name, error)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_cli_export_files_honour_the_umask(tmp_path, umask):
+    """The step graph, its checkpoint and evaluation graph get the mode open() gives a new
+    file under the umask (they were mkstemp's 0600 whatever the umask)."""
+    onnx.save(mlp(), tmp_path / "mlp.onnx")
+    previous = os.umask(umask)
+    try:
+        with open(tmp_path / "by_open", "wb"):
+            pass
+        assert export_tool.main([str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "mse",
+                                 "--optimizer", "adamw"]) == 0
+    finally:
+        os.umask(previous)
+    expected = os.stat(tmp_path / "by_open").st_mode & 0o7777
+    assert expected == 0o666 & ~umask
+    for name in ("step.onnx", "step.ckpt", "step.eval.onnx"):
+        assert os.stat(tmp_path / name).st_mode & 0o7777 == expected, name
