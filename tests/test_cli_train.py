@@ -134,3 +134,37 @@ def test_demo_train_is_the_digits_demo_of_train(capsys):
     demo_help = capsys.readouterr().out
     assert cli.main(["train", "--help"]) == 0
     assert demo_help == capsys.readouterr().out and demo_help.startswith("usage: normgrad train")
+
+
+def _damaged(path, damage: str) -> bytes:
+    data = path.read_bytes()
+    if damage == "truncated":
+        return data[:len(data) // 2]
+    if damage == "empty":
+        return b""
+    # a .npz: inside the first array's data (a bad CRC, a bad deflate stream); a .npy: its header
+    at = 12 if path.suffix == ".npy" else len(data) // 2
+    return data[:at] + bytes(b ^ 0xFF for b in data[at:at + 16]) + data[at + 16:]
+
+
+@pytest.mark.parametrize("kind", ["npz", "npz_compressed", "npy"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "flipped"])
+def test_truncated_or_corrupted_array_file_is_one_line(exported, tmp_path, kind, damage, capsys):
+    """Every way np.load fails on a damaged file (BadZipFile, zlib.error, EOFError, a bad
+    header, a short read) is one line naming the file, exit 1."""
+    arrays = dict(x=np.random.default_rng(0).random((64, 1, 8, 8), np.float32), labels=np.arange(64) % 10)
+    if kind == "npy":
+        good, bad = tmp_path / "good.npy", tmp_path / "x.npy"
+        np.save(good, arrays["x"])
+        np.save(tmp_path / "labels.npy", arrays["labels"])
+        data = [os.fspath(tmp_path / "labels.npy"), os.fspath(bad)]
+    else:
+        good = tmp_path / "good.npz"
+        (np.savez_compressed if kind == "npz_compressed" else np.savez)(good, **arrays)
+        bad = tmp_path / "bad.npz"
+        data = [os.fspath(bad)]
+    bad.write_bytes(_damaged(good, damage))
+    assert cli.main(["train", os.fspath(exported / "step.onnx"), "--data", *data, "--out", os.fspath(tmp_path / "out"),
+                     "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"normgrad train: --data: {bad} is not a readable NumPy .{kind[:3]} file") and err.count("\n") == 1

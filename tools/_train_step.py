@@ -7,6 +7,9 @@ import argparse
 import ast
 import os
 import sys
+import tokenize
+import zipfile
+import zlib
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -80,8 +83,10 @@ def load_arrays(paths: Sequence[str], option: str) -> Dict[str, np.ndarray]:
                 raise CommandError(f"{option} {spec}: not a .npz or .npy file")
         except OSError as error:
             raise CommandError(f"{option}: cannot read {path}: {error.strerror or error}") from None
-        except ValueError as error:
-            raise CommandError(f"{option}: {path} is not a NumPy array file: {one_line(error)}") from None
+        except (ValueError, EOFError, SyntaxError, MemoryError, NotImplementedError, tokenize.TokenError,
+                zipfile.BadZipFile, zlib.error) as error:  # the ways np.load meets a truncated or corrupted file
+            raise CommandError(f"{option}: {path} is not a readable NumPy {path[-4:]} file (truncated or corrupted?): "
+                               f"{one_line(error)}") from None
         for key, value in loaded.items():
             if key in arrays:
                 raise CommandError(f"{option}: array {key!r} given twice")
