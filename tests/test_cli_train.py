@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -168,3 +169,19 @@ def test_truncated_or_corrupted_array_file_is_one_line(exported, tmp_path, kind,
                      "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"normgrad train: --data: {bad} is not a readable NumPy .{kind[:3]} file") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("scheduler,message", [
+    ("MultiStepLR(milestones=['a'])", r"MultiStepLR milestones\[0\] must be an integer >= 0, got 'a'"),
+    ("ReduceLROnPlateau(patience='2')", "ReduceLROnPlateau patience must be an integer >= 0, got '2'"),
+    ("ConstantLR(factor=0, total_iters=1)", r"ConstantLR factor must be in \(0, 1\]"),
+    ("OneCycleLR(max_lr=0.01, total_steps=2, pct_start=0.5)", "its warm-up phase has no steps"),
+    ("StepLR(step_size=2, gama=0.5)", "unexpected keyword argument 'gama'"),
+])
+def test_bad_scheduler_values_are_one_line_before_training(exported, tmp_path, scheduler, message, capsys):
+    out = tmp_path / "o"
+    assert _train(exported, out, "--scheduler", scheduler, "--epochs", "1") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"normgrad train: --scheduler {scheduler.split('(')[0]}: ")
+    assert re.search(message, err), err
+    assert not (out / "checkpoints").exists()  # refused before any training

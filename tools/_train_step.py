@@ -153,7 +153,7 @@ def parse_scheduler(text: str, trainer):
                            "ChainedScheduler: use normgrad.loop.fit from Python)")
     try:
         return getattr(schedules, name)(trainer, **arguments)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:  # an unknown or missing argument; a value its rules refuse
         raise CommandError(f"--scheduler {name}: {one_line(error)}") from None
 
 
