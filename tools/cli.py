@@ -165,9 +165,31 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+SIGPIPE_EXIT = 128 + 13
+"""The exit status of a command whose reader went away (``normgrad train | head -1``): a
+shell's for a process SIGPIPE ended, as other command-line tools end."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Dispatches to the command's module; returns the process exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """Dispatches to the command's module; returns the process exit code. Output to a pipe
+    whose reader has gone ends the command quietly (Python's SIGPIPE note): stdout is pointed
+    at os.devnull, so that nothing more is written to it, not even at exit."""
+    try:
+        code = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a descriptor (a test's)
+            pass
+        os.close(devnull)
+        return SIGPIPE_EXIT
+
+
+def _dispatch(args: list) -> int:
+    """Runs ``normgrad ARGS...``: the usage, the version, or the command's module."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
