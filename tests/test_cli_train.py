@@ -242,16 +242,20 @@ def test_resume_applies_the_hyperparameters_given_and_says_so(exported, tmp_path
     assert [(float(r["lr"]), float(r["weight_decay"])) for r in rows] == [(0.01, 0.0)] * 8 + [(0.5, 0.2)] * 8
 
 
-def test_resume_refuses_a_new_value_of_a_scheduled_hyperparameter(exported, tmp_path, capsys):
+def test_resume_refuses_a_new_start_of_a_scheduled_hyperparameter(exported, tmp_path, capsys):
+    """The scheduler's lr is its own: resuming with the --lr the run started from goes on;
+    another is refused before any step (the scheduler's state would overrule it)."""
     out = tmp_path / "run"
     data = ["--data", os.fspath(exported / "train.npz"), "--scheduler", "StepLR(step_size=1, gamma=0.5)"]
     assert _run(exported, out, *data, "--epochs", "1", "--lr", "0.01") == 0
-    assert "lr 0.01 (given; scheduled by StepLR)" in capsys.readouterr().out
+    assert "lr 0.01 (scheduled by StepLR from 0.01)" in capsys.readouterr().out
     assert _run(exported, out, *data, "--epochs", "2", "--resume", "--lr", "0.5") == 1
     assert capsys.readouterr().err == (
-        "normgrad train: --lr 0.5 with --resume: the checkpoint's StepLR schedules lr (now 0.005), and would overrule "
-        "it; drop --lr, or start a new run (another --out)\n")
+        "normgrad train: --lr 0.5 with --resume: the checkpoint's StepLR schedules lr from 0.01 (now 0.005); resume "
+        "with --lr 0.01 or without --lr, or start a new run (another --out)\n")
     assert sorted(os.listdir(out / "checkpoints"))[-1] == "step-00000008.json"  # no step taken
+    assert _run(exported, out, *data, "--epochs", "2", "--resume", "--lr", "0.01") == 0  # the same command, resumed
+    assert capsys.readouterr().out.startswith("resuming at step 8: lr 0.005 (scheduled by StepLR from 0.01)")
 
 
 def test_start_line_shows_the_step_graphs_own_lr(exported, tmp_path, capsys):

@@ -231,14 +231,15 @@ def given_hyperparameters(args: argparse.Namespace) -> Dict[str, float]:
 class StartOfRun(loop.Callback):
     """At the start of the run, after a resume restored the checkpoint's hyperparameters:
     applies those given on the command line (the checkpoint's would otherwise win silently)
-    and prints the effective ones in one line, each with where it comes from. A resumed run
-    is refused a new value of a hyperparameter its scheduler moves (the scheduler's state
-    would overrule it at its next step)."""
+    and prints the effective ones in one line, each with where it comes from. What the
+    run's scheduler moves is the scheduler's: a resumed run is refused a start value other
+    than the one its scheduler started from (the scheduler's state would overrule it)."""
 
     def __init__(self, given: Mapping[str, float], scheduler, settings: str) -> None:
-        self.given, self.settings = dict(given), settings
-        self.scheduler_name = type(scheduler).__name__ if scheduler is not None else None
-        self.scheduled = {getattr(scheduler, "hyperparameter", None), getattr(scheduler, "momentum", None)} - {None}
+        self.given, self.scheduler, self.settings = dict(given), scheduler, settings
+        self.scheduled = {getattr(scheduler, "momentum", None)} - {None}
+        if hasattr(scheduler, "base_lrs"):  # (ReduceLROnPlateau only scales the value it finds: it takes a new one)
+            self.scheduled.add(scheduler.hyperparameter)
 
     def on_fit_start(self, loop_) -> None:
         values, resumed = loop_.trainer.hyperparameters, bool(loop_.history)
@@ -246,11 +247,7 @@ class StartOfRun(loop.Callback):
         for name in list(values):
             value, origin = float(values[name]), "the checkpoint's" if resumed else "the step graph's"
             if name in self.scheduled:
-                if resumed and name in self.given:
-                    raise TrainerError(f"{_flag(name)} {self.given[name]:g} with --resume: the checkpoint's "
-                                       f"{self.scheduler_name} schedules {name} (now {value:g}), and would overrule "
-                                       f"it; drop {_flag(name)}, or start a new run (another --out)")
-                origin = ("given; " if name in self.given else "") + f"scheduled by {self.scheduler_name}"
+                origin = self._scheduled(name, value, resumed)
             elif name in self.given:
                 origin = "given"
                 if resumed and self.given[name] != value:
@@ -259,6 +256,17 @@ class StartOfRun(loop.Callback):
             described.append(f"{name} {value:g} ({origin})")
         head = f"resuming at step {loop_.trainer.step_count}" if resumed else "training"
         print(f"{head}: {', '.join(described)}; {self.settings}", flush=True)
+
+    def _scheduled(self, name: str, value: float, resumed: bool) -> str:
+        kind = type(self.scheduler).__name__
+        if name != getattr(self.scheduler, "hyperparameter", None):
+            return f"scheduled by {kind}"
+        start = float(self.scheduler.base_lrs[0])
+        if resumed and name in self.given and np.float32(self.given[name]) != np.float32(start):
+            raise TrainerError(f"{_flag(name)} {self.given[name]:g} with --resume: the checkpoint's {kind} schedules "
+                               f"{name} from {start:g} (now {value:g}); resume with {_flag(name)} {start:g} or without "
+                               f"{_flag(name)}, or start a new run (another --out)")
+        return f"scheduled by {kind} from {start:g}"
 
 
 def _flag(hyperparameter: str) -> str:
