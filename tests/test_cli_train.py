@@ -358,3 +358,13 @@ def test_train_output_into_a_closed_pipe_ends_quietly(exported, tmp_path, monkey
     monkeypatch.setattr(sys, "stdout", HeadOne())
     assert _run(exported, tmp_path / "run", "--data", os.fspath(exported / "train.npz"), "--epochs", "1") == cli.SIGPIPE_EXIT
     assert lines[0].startswith("training: lr") and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("step,flag", [(True, "--out"), (True, "--checkpoint-dir"), (False, "--out")],
+                         ids=["step-out", "step-checkpoint-dir", "demo-out"])
+def test_a_file_as_output_folder_is_refused_before_training(exported, tmp_path, capsys, step, flag):
+    (tmp_path / "taken").write_text("a file")
+    head = ["train", os.fspath(exported / "step.onnx"), "--data", os.fspath(exported / "train.npz")] if step else ["train"]
+    assert cli.main([*head, flag, os.fspath(tmp_path / "taken")]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"normgrad train: {flag} {tmp_path / 'taken'} is a file, not a folder\n" and captured.out == ""

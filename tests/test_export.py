@@ -240,16 +240,19 @@ def test_dynamo_export_group_norm_matches_autograd(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["export", "check"])
-@pytest.mark.parametrize("problem", ["missing", "not_onnx"])
+@pytest.mark.parametrize("problem", ["missing", "not_onnx", "folder"])
 def test_cli_unreadable_model_is_one_line(tmp_path, capsys, command, problem):
     path = tmp_path / "model.onnx"
     if problem == "not_onnx":
         path.write_text("not a model")
+    elif problem == "folder":
+        path.mkdir()
     args = [str(path), "-o", str(tmp_path / "out.onnx")] if command == "export" else [str(path)]
     tool = export_tool if command == "export" else check_tool
     assert tool.main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"normgrad {command}: ") and str(path) in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "[Errno" not in err
 
 
 def test_cli_export_unwritable_output(tmp_path, capsys):

@@ -30,8 +30,11 @@ class CommandError(Exception):
 
 
 def one_line(error: BaseException) -> str:
-    """An exception's message on one line."""
-    return " ".join(str(error).split()) or type(error).__name__
+    """An exception's message on one line (an OSError's as ``FILE: what``, not ``[Errno N] ...``)."""
+    text = str(error)
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.filename}: {error.strerror}" if error.filename is not None else error.strerror
+    return " ".join(text.split()) or type(error).__name__
 
 
 def _tensors(graph):
@@ -244,8 +247,11 @@ def update_page_command(argv: Optional[Sequence[str]], prog: str, description: s
         with open(args.page, encoding="utf-8") as file:
             text = file.read()
         updated = update(text)
-    except (OSError, ValueError) as error:
-        print(f"{prog}: {args.page}: {error}", file=sys.stderr)
+    except OSError as error:
+        print(f"{prog}: {args.page}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    except ValueError as error:
+        print(f"{prog}: {args.page}: {one_line(error)}", file=sys.stderr)
         return 1
     if args.check:
         print(f"{args.page}: {what} {'current' if updated == text else 'stale'}")

@@ -114,6 +114,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"normgrad train: {error}", file=sys.stderr)
         return 1
     args = parser.parse_args(argv)
+    for flag, folder in (("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)):
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):  # refused before training
+            print(f"normgrad train: {flag} {folder} is a file, not a folder", file=sys.stderr)
+            return 1
     if args.step is not None:
         return _train_step_graph(parser, args)
     given = [flag for flag, default in _STEP_ONLY.items() if getattr(args, flag.lstrip("-").replace("-", "_")) != default]
