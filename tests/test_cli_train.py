@@ -128,6 +128,8 @@ def test_bad_options_are_one_line(exported, tmp_path, capsys):
     assert "takes no hyperparameter 'momentum'" in capsys.readouterr().err
     assert cli.main(["train", "--data", "x.npz"]) == 2  # the digits demo takes no --data
     assert "--data needs a STEP graph" in capsys.readouterr().err
+    assert _train(exported, tmp_path / "o", "--seed", "-5") == 2  # numpy's shuffling takes no negative seed
+    assert "argument --seed: must be an integer >= 0; got '-5'" in capsys.readouterr().err
 
 
 def test_version(capsys):

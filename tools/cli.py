@@ -9,7 +9,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line",
+__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "non_negative_int", "positive_float",
+           "one_line",
            "update_page_command", "apply_config", "read_config"]
 
 COMMANDS = {
@@ -109,6 +110,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}")
     return value
 
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from normgrad.tools._train_step import (_STEP_ONLY, DEFAULT_BATCH_SIZE, HelpFormatter, _add_step_arguments,
                                         _train_step_graph, check_arrays, load_arrays, parse_scheduler, session_options)
-from normgrad.tools.cli import ArgumentParser, CommandError, apply_config, positive_float, positive_int
+from normgrad.tools.cli import (ArgumentParser, CommandError, apply_config, non_negative_int, positive_float,
+                                positive_int)
 
 __all__ = ["main", "load_digits", "accuracy", "load_arrays", "check_arrays", "parse_scheduler"]
 
@@ -100,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--lr", type=positive_float, default=argparse.SUPPRESS,
                         help="learning rate (default: the step graph's; for the digits demo 0.003, the peak of its "
                         "cosine schedule)")
-    parser.add_argument("--seed", type=int, default=0, help="the shuffling (and the demo's weights and data split)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the shuffling (and the demo's weights and data split)")
     parser.add_argument("--out", default="normgrad-train", help="folder for the logs, plot and models")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="onnxruntime's intra-op threads (default: onnxruntime's, one per core)")
