@@ -62,8 +62,9 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
                       "'ReduceLROnPlateau(patience=2)'")
     step.add_argument("--scheduler-interval", choices=["step", "epoch"], default="epoch",
                       help="when the scheduler steps (OneCycleLR: step)")
-    step.add_argument("--metrics", nargs="+", choices=METRICS, help="validation metrics of the loss's output "
-                      "(f1_macro, f1_micro: scikit-learn's f1_score averages)")
+    step.add_argument("--metrics", nargs="+", choices=METRICS, metavar="METRIC",
+                      help=f"validation metrics of the loss's output: {', '.join(METRICS)} (the F1 scores: "
+                      "scikit-learn's f1_score averages)")
     step.add_argument("--monitor", default=None, help="the value that picks the best checkpoint and early stopping "
                       "(default: val_loss with --eval, else train_loss)")
     step.add_argument("--mode", choices=["min", "max"], default="min", help="whether lower or higher --monitor is better")
