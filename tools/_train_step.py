@@ -318,10 +318,11 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
                 raise CommandError(f"no file {path}" + (" (the initial state: --checkpoint)" if path == checkpoint else ""))
         train = load_arrays(args.data, "--data")
         validation = load_arrays(args.eval, "--eval") if args.eval else None
+        options = {k: v for k, v in given.items() if k not in ("beta1", "beta2")}
+        if "beta1" in given:
+            options["betas"] = (given["beta1"], given["beta2"])
         trainer = Trainer(args.step, checkpoint, eval_model=eval_graph if os.path.isfile(eval_graph) else None,
-                          accumulation=args.accumulation or 1, session_options=session_options(args.threads),
-                          **{k: v for k, v in given.items() if not k.startswith("beta")},
-                          **({"betas": (given["beta1"], given["beta2"])} if "beta1" in given else {}))
+                          accumulation=args.accumulation or 1, session_options=session_options(args.threads), **options)
         train = check_arrays(train, trainer, "--data")
         if validation is not None:
             validation = check_arrays(validation, trainer, "--eval")

@@ -121,6 +121,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
     if args.step is not None:
         return _train_step_graph(parser, args)
+    return _train_digits(parser, args)
+
+
+def _train_digits(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The digits demo: a small CNN on scikit-learn's digits, its step graph, a cosine schedule."""
     given = [flag for flag, default in _STEP_ONLY.items() if getattr(args, flag.lstrip("-").replace("-", "_")) != default]
     if given:
         parser.error(f"{given[0]} needs a STEP graph (the digits demo takes --epochs, --batch-size, --lr, --seed, --out)")
