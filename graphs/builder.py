@@ -26,15 +26,13 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.portable import COSTLY_REWRITES, make_portable, scan_bodies_self_contained
 from normgrad.graphs.structure import check_graph_structure, subgraph_captures
-from normgrad.graphs.sequences import rewrite_sequences
 from normgrad.graphs.tidy import tidy
-from normgrad.ops import DOMAIN, IR_VERSION
+from normgrad.ops import IR_VERSION
 
 __all__ = ["build_training_graph", "MIN_OPSET", "GRAD_SUFFIX", "METADATA_SEEDS", "METADATA_GRADIENTS", "METADATA_LOSS",
            "METADATA_BATCH_NORM", "METADATA_WEIGHTS"]
 
-MIN_OPSET = 15
-"""The lowest default-domain opset of a training graph (normgrad function bodies need it)."""
+MIN_OPSET = rewrites.MIN_OPSET
 GRAD_SUFFIX = "_grad"
 METADATA_SEEDS = "normgrad.seeds"
 """Model metadata key: JSON {forward output: its seed-gradient input}."""
@@ -81,34 +79,21 @@ def _maybe_float(info_type: Optional[onnx.TypeProto]) -> bool:
 
 
 def _prepare(model: onnx.ModelProto, frozen: Set[str]) -> Tuple[onnx.ModelProto, int]:
-    """Inlines local functions, raises the opset where needed, infers shapes, fuses the chains
-    of :mod:`normgrad.graphs.rewrites` (none whose fixed operand is a trainable initializer,
-    float and not in ``frozen``: its gradient would be lost)."""
+    """Inlines local functions and runs :data:`normgrad.graphs.rewrites.PASSES`, infers
+    shapes, runs :data:`normgrad.graphs.rewrites.FUSIONS` (none fuses away a trainable
+    initializer, float and not in ``frozen``: its gradient would be lost); returns the model
+    and its opset."""
     model = copy.deepcopy(model)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     trainable = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
-    opset = _default_opset(model)
-    rewrites.bfloat16_in_float32(model)
-    rewrite_sequences(model)
-    rewrites.recurrent_layout_0(model)
-    rewrites.embedding_bags(model)
-    rewrites.fold_integer_constants(model)
-    rewrites.gelu_erf_fusable_order(model)
-    needed = max([MIN_OPSET] + [rule.min_opset for rule in map(lookup, model.graph.node) if rule is not None])
-    model = rewrites.convert_opset(model, opset, needed)
-    opset = _default_opset(model)
+    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable))
+    for rewrite in rewrites.PASSES:
+        rewrite.apply(model, context)
     model = _infer_shapes(model)
-    products_rewritten = rewrites.transposed_weight_products(model)
-    slices_rewritten = rewrites.tiling_slices_as_split(model)
-    softmaxes_rewritten = rewrites.safe_softmaxes(model, trainable)
-    silu_products_rewritten = rewrites.silu_products(model)
-    gelus_rewritten = rewrites.gelu_erf_slopes(model, opset, trainable)
-    rotations_rewritten = rewrites.rotate_half_embeddings(model)
-    if products_rewritten or slices_rewritten or softmaxes_rewritten or silu_products_rewritten or gelus_rewritten \
-            or rotations_rewritten:
+    if sum(rewrite.apply(model, context) for rewrite in rewrites.FUSIONS):
         model = _infer_shapes(model)
-    return model, opset
+    return model, context.opset
 
 
 def _has_shape(type_proto: Optional[onnx.TypeProto]) -> bool:
