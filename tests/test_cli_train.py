@@ -233,7 +233,8 @@ def test_resume_applies_the_hyperparameters_given_and_says_so(exported, tmp_path
     assert _run(exported, out, *data, "--epochs", "1", "--lr", "0.01", "--weight-decay", "0") == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first == ("training: lr 0.01 (given), weight_decay 0 (given), beta1 0.9 (the step graph's), beta2 0.999 "
-                     "(the step graph's), eps 1e-08 (the step graph's); batch size 40, 1 epoch")
+                     "(the step graph's), eps 1e-08 (the step graph's), max_grad_norm inf (the step graph's); "
+                     "batch size 40, 1 epoch")
     assert _run(exported, out, *data, "--epochs", "2", "--resume", "--lr", "0.5", "--weight-decay", "0.2") == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("resuming at step 8: lr 0.5 (given; the checkpoint had 0.01), weight_decay 0.2 (given; "
@@ -251,13 +252,15 @@ def test_resume_refuses_a_new_start_of_a_scheduled_hyperparameter(exported, tmp_
     data = ["--data", os.fspath(exported / "train.npz"), "--scheduler", "StepLR(step_size=1, gamma=0.5)"]
     assert _run(exported, out, *data, "--epochs", "1", "--lr", "0.01") == 0
     assert "lr 0.01 (scheduled by StepLR from 0.01)" in capsys.readouterr().out
+    now = Trainer(os.fspath(exported / "step.onnx"), os.fspath(out / "checkpoints" / "step-00000008.ckpt"))
+    now = now.hyperparameters["lr"]  # the checkpoint's lr, where its StepLR left it
     assert _run(exported, out, *data, "--epochs", "2", "--resume", "--lr", "0.5") == 1
     assert capsys.readouterr().err == (
-        "normgrad train: --lr 0.5 with --resume: the checkpoint's StepLR schedules lr from 0.01 (now 0.005); resume "
+        f"normgrad train: --lr 0.5 with --resume: the checkpoint's StepLR schedules lr from 0.01 (now {now:g}); resume "
         "with --lr 0.01 or without --lr, or start a new run (another --out)\n")
     assert sorted(os.listdir(out / "checkpoints"))[-1] == "step-00000008.json"  # no step taken
     assert _run(exported, out, *data, "--epochs", "2", "--resume", "--lr", "0.01") == 0  # the same command, resumed
-    assert capsys.readouterr().out.startswith("resuming at step 8: lr 0.005 (scheduled by StepLR from 0.01)")
+    assert capsys.readouterr().out.startswith(f"resuming at step 8: lr {now:g} (scheduled by StepLR from 0.01)")
 
 
 def test_start_line_shows_the_step_graphs_own_lr(exported, tmp_path, capsys):
