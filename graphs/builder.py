@@ -492,6 +492,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
     original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
+    embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
     running_statistics = _name_running_outputs(graph)
@@ -526,6 +527,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=3)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
+    ctx.embeddings = embeddings
 
     input_names = {i.name for i in graph.input}
     wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]
