@@ -6,10 +6,11 @@ Along axis 0 of a float32 table the scatter-add is one ``normgrad:EmbeddingGrad`
 (``normgrad.ops.embedding_grad``: its C++ kernel zero-fills the table and adds the rows,
 about 5 times faster than onnxruntime's ScatterElements; its function body is that
 ScatterElements form, which ``--inline`` and the portable form write instead).
-The indices get no gradient. A Gather of a weight whose torch nn.Embedding sets
-``padding_idx`` or ``scale_grad_by_freq`` (``normgrad.embeddings`` metadata of
-:func:`normgrad.torch.export`) weighs dy's rows as torch's embedding backward does. A Gather from a small float table (at most ``ONE_HOT_ROWS``
+The indices get no gradient. A Gather from a small float table (at most ``ONE_HOT_ROWS``
 rows, axis 0) has its gradient as one GEMM of the indices' one-hot rows with dy instead.
+A Gather of a weight whose torch nn.Embedding sets ``padding_idx`` or ``scale_grad_by_freq``
+(metadata ``normgrad.embeddings`` of :func:`normgrad.torch.export`) first weighs dy's rows
+as torch's embedding backward does.
 """
 
 from __future__ import annotations

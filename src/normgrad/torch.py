@@ -114,12 +114,16 @@ def export(
         ``{initializer name: torch parameter name}`` for every parameter with
         ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it);
         for a module holding a peft LoRA model, also ``normgrad.peft`` (its adapters, for
-        :func:`normgrad.lora.save_adapter` and :func:`normgrad.lora.merged_model`).
+        :func:`normgrad.lora.save_adapter` and :func:`normgrad.lora.merged_model`); for
+        trained nn.Embedding weights with ``padding_idx`` or ``scale_grad_by_freq``, also
+        ``normgrad.embeddings`` (torch's gradient semantics of their lookups, which the
+        exported Gather cannot carry: see :mod:`normgrad.graphs.torch_exports`).
 
     Raises:
         ImportError: torch (or, for dynamo, onnxscript) is not installed.
         TorchExportError: a bad argument, a parameter that did not become an initializer of
-            its own, or the exporter's own error.
+            its own, nn.Embedding modules sharing a weight with different ``padding_idx`` or
+            ``scale_grad_by_freq``, or the exporter's own error.
         OSError: ``path`` cannot be written (it is then unchanged).
     """
     torch = _import_torch()
