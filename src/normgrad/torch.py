@@ -144,7 +144,7 @@ def export(
     frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
     embeddings = _embedding_settings(torch, module)
     export_module = _export_torchscript if exporter == "torchscript" else _export_dynamo
-    with _without_scale_grad_by_freq(torch, module):
+    with _exportable_experts(module), _without_scale_grad_by_freq(torch, module):
         model, contents = export_module(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
     # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
@@ -166,6 +166,28 @@ def export(
     # nothing frozen (full fine-tuning): no empty data file beside the model
     save_models_external({path: model}, move=moving, contents=contents)
     return model
+
+
+EXPORTABLE_EXPERTS = "batched_mm"
+"""The transformers experts implementation both exporters can export: transformers' default
+``grouped_mm`` is a custom op without ONNX form, and ``eager`` loops over the experts the
+example routes to (data-dependent for dynamo; unrolled for just those by TorchScript)."""
+
+
+@contextlib.contextmanager
+def _exportable_experts(module):
+    """Within the block, every transformers mixture-of-experts model in ``module`` runs its
+    experts as :data:`EXPORTABLE_EXPERTS`; each gets its own implementation back after."""
+    models = [m for m in module.modules() if getattr(m, "_can_set_experts_implementation", lambda: False)()
+              and set(m.get_experts_implementation().values()) != {EXPORTABLE_EXPERTS}]
+    originals = [m.get_experts_implementation() for m in models]
+    try:
+        for model in models:
+            model.set_experts_implementation(EXPORTABLE_EXPERTS)
+        yield
+    finally:
+        for model, original in reversed(list(zip(models, originals))):
+            model.set_experts_implementation(original)
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:
