@@ -573,6 +573,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
     original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
+    embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
     running_statistics = _name_running_outputs(graph)
@@ -607,6 +608,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
         warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=4)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
+    ctx.embeddings = embeddings
 
     input_names = {i.name for i in graph.input}
     wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]

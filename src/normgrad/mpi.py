@@ -65,6 +65,7 @@ __all__ = [
     "mpirun_command",
     "mpirun_environment",
     "CollectiveTimeoutError",
+    "CollectiveMismatchError",
     "TIMEOUT_SECONDS",
     "timeout",
     "gather",
@@ -87,6 +88,20 @@ default. ``init(timeout=)`` or the environment variable ``NORMGRAD_MPI_TIMEOUT``
 
 class CollectiveTimeoutError(RuntimeError):
     """Some ranks did not reach a collective of :mod:`normgrad.mpi` within the timeout."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks came to different collectives of :mod:`normgrad.mpi` (raised on every rank).
+
+    Attributes:
+        labels: what each rank came to, in rank order (the ``what`` of its :func:`gather`).
+    """
+
+    def __init__(self, labels):
+        self.labels = list(labels)
+        shown = ", ".join(f"rank {r}: {label}" for r, label in enumerate(self.labels))
+        super().__init__(f"normgrad.mpi: the ranks came to different collectives ({shown}): they run different code "
+                         "or different numbers of steps")
 
 
 class MPIUnavailableError(RuntimeError):
@@ -141,10 +156,13 @@ def timeout() -> float:
 def gather(value, what: str, seconds: Optional[float] = None) -> list:
     """Every rank's ``value`` (picklable, small), in rank order, waiting at most ``seconds``
     (default :func:`timeout`) for the others. Point-to-point messages on a private
-    communicator, so a rank that never comes is named. Without :func:`init`: ``[value]``.
+    communicator, so a rank that never comes is named. Each message carries ``what`` (the
+    same text on every rank at the same collective), so that a rank at another collective is
+    never read as this one. Without :func:`init`: ``[value]``.
 
     Raises:
         CollectiveTimeoutError: naming the ranks that had not reached ``what`` in time.
+        CollectiveMismatchError: (on every rank) some rank came to another collective.
     """
     global _gather_tag
     if _comm is None or size() == 1:
@@ -153,8 +171,8 @@ def gather(value, what: str, seconds: Optional[float] = None) -> list:
     me, ranks = rank(), size()
     _gather_tag = _gather_tag % 30000 + 1  # every rank calls gather in the same order: the same tag
     _pending_sends[:] = [request for request in _pending_sends if not request.Test()]
-    _pending_sends.extend(_gather_comm.isend(value, dest=r, tag=_gather_tag) for r in range(ranks) if r != me)
-    received = {me: value}
+    _pending_sends.extend(_gather_comm.isend((what, value), dest=r, tag=_gather_tag) for r in range(ranks) if r != me)
+    received = {me: (what, value)}
     deadline, pause = time.monotonic() + limit, 1e-4
     while len(received) < ranks:
         arrived = [r for r in range(ranks) if r not in received and _gather_comm.iprobe(source=r, tag=_gather_tag)]
@@ -171,7 +189,9 @@ def gather(value, what: str, seconds: Optional[float] = None) -> list:
         if not arrived:
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
-    return [received[r] for r in range(ranks)]
+    if any(received[r][0] != what for r in range(ranks)):
+        raise CollectiveMismatchError(received[r][0] for r in range(ranks))
+    return [received[r][1] for r in range(ranks)]
 
 
 def init(communicator=None, abort: bool = True, library: bool = True, timeout: Optional[float] = None):
@@ -298,12 +318,12 @@ def broadcast(arrays: Optional[Mapping[str, np.ndarray]], root: int = 0) -> Dict
     if is_root and arrays is None:
         raise ValueError("normgrad.mpi.broadcast: the root rank must pass the arrays")
     layout = None if arrays is None else [(name, np.asarray(v).dtype, np.asarray(v).shape) for name, v in arrays.items()]
-    root_layout = _comm.bcast(layout, root=root)
-    mismatch = layout is not None and [n for n, _, _ in layout] != [n for n, _, _ in root_layout]
-    if any(_comm.allgather(mismatch)):
-        names, root_names = {n for n, _, _ in layout or []}, {n for n, _, _ in root_layout}
-        example = sorted(names ^ root_names)[:3] or "a different order"
-        raise ValueError(f"normgrad.mpi.broadcast: the ranks pass other tensors than rank {root} (e.g. {example})")
+    layouts = gather(layout, f"a broadcast from rank {root}")
+    root_layout, root_names = layouts[root], [n for n, _, _ in layouts[root]]
+    differ = [r for r, theirs in enumerate(layouts) if theirs is not None and [n for n, _, _ in theirs] != root_names]
+    if differ:
+        example = sorted({n for n, _, _ in layouts[differ[0]]} ^ set(root_names))[:3] or "a different order"
+        raise ValueError(f"normgrad.mpi.broadcast: ranks {differ} pass other tensors than rank {root} (e.g. {example})")
     result = {}
     for name, dtype, shape in root_layout:
         buffer = np.array(arrays[name], order="C") if is_root else np.empty(shape, dtype)
