@@ -47,6 +47,12 @@ def _image(size, channels=3):
     return lambda rng: {"x": rng.standard_normal((2, channels, size, size)).astype(np.float32)}
 
 
+def _token_ids(length):
+    """Token ids without 0 and 1, the padding tokens of these configs: padding_idx is not
+    carried by the export (docs/how-to/export-from-torch.md)."""
+    return lambda rng: {"input_ids": rng.integers(2, 100, (2, length)).astype(np.int64)}
+
+
 FAMILIES: Dict[str, Family] = {
     "resnet18": Family(lambda: zoo.ResNet(width=8), _image(64)),
     "mobilenet_v3_small": Family(lambda: zoo.MobileNetV3(width_mult=0.5), _image(64)),
@@ -72,6 +78,11 @@ FAMILIES: Dict[str, Family] = {
     "embedding_bag": Family(zoo.EmbeddingBagRecommender, lambda rng: {
         "user_ids": rng.integers(0, 30, 7).astype(np.int64), "user_offsets": np.array([0, 2, 5], np.int64),
         "item_ids": rng.integers(0, 40, 6).astype(np.int64), "item_offsets": np.array([0, 1, 4], np.int64)}),
+    "longformer": Family(zoo.longformer, _token_ids(8), needs="transformers"),
+    "swinv2": Family(zoo.swinv2, lambda rng: {"pixel_values": rng.standard_normal((2, 3, 32, 32)).astype(np.float32)},
+                     needs="transformers"),
+    "rwkv": Family(zoo.rwkv, _token_ids(6), needs="transformers"),
+    "funnel": Family(zoo.funnel, _token_ids(8), needs="transformers"),
 }
 
 
