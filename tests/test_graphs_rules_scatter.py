@@ -31,13 +31,13 @@ def _scatter_model(op_type, data_shape, indices, updates_shape, reduction, fed=F
     return forward
 
 
-def _check(forward, indices=None, seed=0):
-    """The worst gradient of every input against float64 central differences (``indices``:
-    the fed indices' value)."""
+def _check(forward, indices=None, seed=0, wrt=("u", "x")):
+    """The worst gradient of every input (``wrt``) against float64 central differences
+    (``indices``: the fed indices' value)."""
     training = build_training_graph(forward)
     feeds = None if indices is None else {**random_feeds(training, seed), "i": indices}
     checks = check_gradients(training, feeds=feeds, directions=3, seed=seed)
-    assert sorted(c.wrt for c in checks) == ["u", "x"]
+    assert sorted(c.wrt for c in checks) == list(wrt)
     worst = max(checks, key=lambda c: c.error)
     assert worst.error < TOLERANCE, worst
 
@@ -85,6 +85,21 @@ def test_indices_known_only_at_run_time(op_type, reduction):
         data_shape, indices, axis = ELEMENT_CASES["axis0"]
         forward = _scatter_model(op_type, data_shape, indices, indices.shape, reduction, fed=True, axis=axis)
     _check(forward, indices)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("constant", ["x", "u"])
+def test_one_side_constant(constant, reduction):
+    """The data or the updates a Constant: only the other gets a gradient."""
+    data_shape, indices, updates_shape = ND_CASES["pairs"]
+    forward = _scatter_model("ScatterND", data_shape, indices, updates_shape, reduction)
+    shape = data_shape if constant == "x" else updates_shape
+    value = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    forward.graph.node.insert(0, oh.make_node("Constant", [], [constant], value=onnx.numpy_helper.from_array(value)))
+    kept = [i for i in forward.graph.input if i.name != constant]
+    del forward.graph.input[:]
+    forward.graph.input.extend(kept)
+    _check(forward, wrt=[name for name in ("u", "x") if name != constant])
 
 
 def _gradients(forward, feeds, threads=1):

@@ -34,7 +34,7 @@ from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
 from normgrad.graphs.rules._scatter import flat_positions
 
-__all__ = ["Scatter", "scatter_gradients", "scatter_elements_gradient", "distinct_keys"]
+__all__ = ["Scatter", "scatter_gradients", "scatter_elements_gradient", "distinct_keys", "reads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +140,12 @@ def scatter_gradients(ctx: GradientContext, node: onnx.NodeProto, s: Scatter, dy
         raise UnsupportedOperatorError(
             f"{describe(node)}: reduction '{s.reduction}' has no gradient rule (none, add, mul, max and min have)")
     return _REDUCTIONS[s.reduction](ctx, s, dy)
+
+
+def reads(reduction: str, distinct: bool, wants_updates: bool) -> Tuple[bool, bool]:
+    """Whether the gradients of a ScatterElements with ``reduction`` read (its data, its output)."""
+    extreme = reduction in ("max", "min")
+    return extreme or reduction == "mul" or (reduction == "none" and wants_updates and not distinct), extreme
 
 
 def distinct_keys(keys: np.ndarray) -> bool:

@@ -19,7 +19,7 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
-from normgrad.graphs.rules.scatter_elements import Scatter, distinct_keys, scatter_gradients
+from normgrad.graphs.rules.scatter_elements import Scatter, distinct_keys, reads, scatter_gradients
 
 __all__ = ["scatter_nd_gradient"]
 
@@ -46,6 +46,9 @@ def scatter_nd_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
     if index_shape is None or not isinstance(index_shape[-1], int) or index_shape[-1] < 1:
         raise UnsupportedOperatorError(
             f"{describe(node)}: ScatterND needs a static, positive last dim of its indices for the gradient")
+    reduction, wants_updates = attr(node, "reduction", "none"), ctx.needs_grad(updates)
+    if reduction == "add" and not wants_updates:
+        return [grads[0], None, None]
     k, rank = index_shape[-1], ctx.rank(data, node)
     leading = ctx.shape_of(data, end=k)
     count = ctx.op("ReduceProd", leading, keepdims=0)
@@ -54,11 +57,13 @@ def scatter_nd_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
     rows_shape = ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(data, start=k), axis=0)
     as_rows = ctx.op("Reshape", updates, rows_shape)
     flat = ctx.op("Reshape", ctx.op("GatherND", row_numbers, indices), ctx.ints([-1] + [1] * (rank - k)))
-    reduction = attr(node, "reduction", "none")
+    distinct = reduction == "none" and _constant_distinct(ctx, indices, data, k)
+    reads_data, reads_output = reads(reduction, distinct, wants_updates)
     scatter = Scatter(
-        data=ctx.op("Reshape", data, rows_shape), indices=ctx.op("Expand", flat, ctx.shape_of(as_rows)),
-        updates=as_rows, output=ctx.op("Reshape", node.output[0], rows_shape), axis=0, reduction=reduction,
-        like=data, distinct=reduction == "none" and _constant_distinct(ctx, indices, data, k),
-        wants_data=ctx.needs_grad(data), wants_updates=ctx.needs_grad(updates))
+        data=ctx.op("Reshape", data, rows_shape) if reads_data else "",
+        indices=ctx.op("Expand", flat, ctx.shape_of(as_rows)), updates=as_rows,
+        output=ctx.op("Reshape", node.output[0], rows_shape) if reads_output else "", axis=0, reduction=reduction,
+        like=data, distinct=distinct, wants_data=ctx.needs_grad(data), wants_updates=wants_updates)
     d_data, d_updates = scatter_gradients(ctx, node, scatter, ctx.op("Reshape", grads[0], rows_shape))
-    return [d_data and ctx.reshape_like(d_data, data), None, d_updates and ctx.reshape_like(d_updates, updates)]
+    return [None if d_data is None else ctx.reshape_like(d_data, data), None,
+            None if d_updates is None else ctx.reshape_like(d_updates, updates)]
