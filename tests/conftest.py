@@ -41,7 +41,7 @@ SLOW_TESTS = {
     "test_quiet": ("test_dynamo_export_of_a_transformer_is_quiet",),  # torch's dynamo export of a transformer
     # docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more)
     "test_docs": tuple(f"test_code_blocks_run[{page}:page]" for page in (
-        "docs/errors.md", "docs/fine-tuning.md", "docs/how-to/build-training-graph.md",
+        "docs/reference/errors.md", "docs/how-to/fine-tuning.md", "docs/how-to/build-training-graph.md",
         "docs/tutorials/train-a-cnn.md", "docs/tutorials/fine-tune-a-transformer.md", "docs/tutorials/data-parallel-mpi.md")),
 }
 

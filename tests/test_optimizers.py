@@ -127,7 +127,7 @@ def test_cli_writes_step_graph_and_checkpoint(tmp_path, capsys):
         export_tool.main([str(source), "-o", str(tmp_path / "x.onnx"), "--optimizer", "sgd"])
     assert usage.value.code == 2
     capsys.readouterr()
-    with pytest.raises(SystemExit) as usage:  # a nonsense option is a usage error (docs/errors.md)
+    with pytest.raises(SystemExit) as usage:  # a nonsense option is a usage error (docs/reference/errors.md)
         export_tool.main([str(source), "-o", str(tmp_path / "x.onnx"), "--loss", "mse", "--optimizer", "sgd", "--nesterov"])
     assert usage.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0

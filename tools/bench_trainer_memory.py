@@ -1,5 +1,5 @@
 """Bytes of the Trainer's state buffers and the process's peak RSS, ResNet-18 and a
-transformer, AdamW (the figures of docs/training-trust.md):
+transformer, AdamW (the figures of docs/explanation/training-trust.md):
 
     python -m normgrad.tools.bench_trainer_memory MODEL VARIANT
 

@@ -240,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 EXPORT_BYTES_PER_NODE = 13 * 1024
 """Peak memory of ``normgrad export`` per forward node, measured on chains of 10^4 and 10^5
-elementwise nodes (docs/errors.md, "Large models"): 1.25 GiB at 10^5 nodes."""
+elementwise nodes (docs/reference/errors.md, "Large models"): 1.25 GiB at 10^5 nodes."""
 
 
 def _available_memory() -> Optional[int]:

@@ -43,7 +43,7 @@ ResNet-18's shapes (batch 16, 112x112; the 20 convs' dW, stem included, one run 
 a Gemm per tap 513 ms, the big-kernel Conv 759, a Gather im2col 930 (Gather copies element
 by element). A kernel of ours that reads x in place (OuterProductSum's tile, the taps of x
 gathered into its panels) lost too on an AMD Zen 4, 264 against 224 ms for the graph forms
-(docs/explanation/performance.md, "What ResNet-18 and BERT still lose on AVX-512 CPUs"): its
+(docs/explanation/performance-log.md, "What ResNet-18 and BERT still lose on AVX-512 CPUs"): its
 tile runs 13-25% slower than MLAS's GEMM on these shapes, which costs more than the copies
 it saves.
 """

@@ -3,8 +3,8 @@ float32 weights), peft LoRA on every projection, exported with its frozen base i
 data, its step graph written by ``normgrad export``, a few AdamW steps in normgrad's Trainer
 and the same steps in torch + peft; each phase in its own process, with its peak RSS.
 
-    python docs/large_lora.py all --folder /tmp/large    # the figures of docs/fine-tuning.md, "Past 2 GiB"
-    python docs/large_lora.py all --folder /tmp/small --hidden 64 --intermediate 128 --layers 2 --vocab 512
+    python docs/how-to/large_lora.py all --folder /tmp/large    # the figures of docs/how-to/fine-tuning.md, "Past 2 GiB"
+    python docs/how-to/large_lora.py all --folder /tmp/small --hidden 64 --intermediate 128 --layers 2 --vocab 512
 
 Phases (``all`` runs them one after another, each a new process, and prints a summary):
 ``export`` (torch + peft model, dynamo export with ``external_data=True``), ``build``

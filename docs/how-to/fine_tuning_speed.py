@@ -1,9 +1,9 @@
 """One step of a Llama-style decoder (4 layers, hidden 256, vocabulary 8192, sequence 128,
 batch 8, AdamW, causal-LM loss): normgrad's Trainer against torch eager (+ peft for LoRA),
 interleaved in one process, 3 rounds of 3 steps each, median per step; THREADS threads
-(default 2). A one-off measurement for docs/fine-tuning.md, not `normgrad bench`.
+(default 2). A one-off measurement for docs/how-to/fine-tuning.md, not `normgrad bench`.
 
-usage: THREADS=2 python docs/fine_tuning_speed.py lora|full default|disabled [profile]
+usage: THREADS=2 python docs/how-to/fine_tuning_speed.py lora|full default|disabled [profile]
 (``disabled``: onnxruntime graph optimizations off; ``profile``: write an onnxruntime
 profile of the normgrad session and print its path)"""
 
