@@ -8,10 +8,11 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
+import onnx.shape_inference
 
 from normgrad.ops import DOMAIN, outer_product_sum
 
-__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe"]
+__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe", "value_types"]
 
 FLOAT_ELEM_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -448,3 +449,14 @@ def attr(node: onnx.NodeProto, name: str, default):
             value = oh.get_attribute_value(attribute)
             return value.decode() if isinstance(value, bytes) else value
     return default
+
+
+def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+    """{value: its type} of every initializer, input, output and inferred value (shape
+    inference with data propagation)."""
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    graph = inferred.graph
+    types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        types[info.name] = info.type
+    return types

@@ -31,7 +31,7 @@ import onnx.shape_inference
 
 import normgrad
 from normgrad.graphs.context import attr
-from normgrad.graphs.portable import value_types
+from normgrad.graphs.context import value_types
 from normgrad.ops import DOMAIN, OPERATORS, _common
 
 __all__ = ["inline_normgrad", "reversals_by_gather", "scan_outputs_own_values", "shared_scan_outputs"]

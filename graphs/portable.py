@@ -57,6 +57,9 @@ minimal reproducer of each:
 * **LSTMBackwardFactors as its standard ops** (not a defect either): an LSTM backward's
   per-step factors (onnxruntime's CPU provider only) become the Sub, Mul, Concat and the
   Slices reversing them in time that the rule wrote before the operator.
+* **gradient clipping without If** (costly: the norm is then computed at every step, also
+  when clipping is off): tract runs an If only on a constant condition
+  (:func:`normgrad.graphs.optimizers.clipping_without_if`).
 * **GroupNormalization-21 expanded** into its ONNX function body: OpenVINO translates the
   node but loses its output's rank, fails to compile it, and drags every neighbour onto the
   CPU provider.
@@ -101,10 +104,12 @@ import onnx
 import onnx.helper as oh
 import onnx.inliner
 import onnx.numpy_helper as onh
-import onnx.shape_inference
 
 from normgrad._external_data import check_model
-from normgrad.graphs.context import attr, describe, reserve_name
+from normgrad.graphs.context import attr, describe, reserve_name, value_types
+from normgrad.graphs.optimizers import clipping_without_if
+from normgrad.graphs.rewrites import dropout_seed
+from normgrad.graphs.rewrites.expand import expand_operator
 from normgrad.graphs.tidy import read_names
 from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, embedding_grad, gelu_with_slope,
                           lstm_backward_factors, matrix_transpose, outer_product_sum, rotate_half_embedding,
@@ -332,15 +337,13 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> onnx.ModelProto:
     ops (:func:`normgrad.graphs.rewrites.expand_dropout_masks`)."""
     import json
 
-    from normgrad.graphs import rewrites
-
     graph = model.graph
-    if not rewrites._training_dropouts(graph):
-        return rewrites.expand_dropout_masks(model)
+    if not dropout_seed.training_dropouts(graph):
+        return dropout_seed.expand_dropout_masks(model)
     if "step" in names.used:
         raise ValueError("the graph already has a value named 'step', the input a seeded Dropout mask needs")
     names("step")
-    outputs = rewrites.seed_dropout(graph, "step", 0)
+    outputs = dropout_seed.seed_dropout(graph, "step", 0)
     graph.input.insert(len(graph.input) - 1, oh.make_tensor_value_info("step", onnx.TensorProto.FLOAT, []))
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     kept = [n for n in graph.node if n.op_type != "Constant" or n.output[0] in read]  # the ratio/mode constants
@@ -348,11 +351,11 @@ def _dropout_seeded(model: onnx.ModelProto, names: _Names) -> onnx.ModelProto:
     graph.node.extend(kept)
     meta = {entry.key: entry for entry in model.metadata_props}
     value = json.dumps({"seed": 0, "outputs": outputs})
-    if rewrites.METADATA_DROPOUT in meta:
-        meta[rewrites.METADATA_DROPOUT].value = value
+    if dropout_seed.METADATA_DROPOUT in meta:
+        meta[dropout_seed.METADATA_DROPOUT].value = value
     else:
-        model.metadata_props.append(onnx.StringStringEntryProto(key=rewrites.METADATA_DROPOUT, value=value))
-    return rewrites.expand_dropout_masks(model)
+        model.metadata_props.append(onnx.StringStringEntryProto(key=dropout_seed.METADATA_DROPOUT, value=value))
+    return dropout_seed.expand_dropout_masks(model)
 
 
 def _is_float64_scalar(types: Dict[str, onnx.TypeProto], name: str) -> bool:
@@ -425,17 +428,6 @@ def _float64_scalars_in_float32(model: onnx.ModelProto, names: _Names) -> None:
     kept = [n for n in graph.node if n.op_type != "Pow" or any(o in live for o in n.output)]
     del graph.node[:]
     graph.node.extend(kept)
-
-
-def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
-    """{value: its type} of every initializer, input, output and inferred value (shape
-    inference with data propagation)."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    graph = inferred.graph
-    types = {t.name: oh.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
-        types[info.name] = info.type
-    return types
 
 
 def _rank(types: Dict[str, onnx.TypeProto], name: str):
@@ -555,14 +547,14 @@ REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_nor
             "lstm_backward_factors_expanded", "onehot_as_equal",
             "size_as_shape_product",
             "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
-            "float64_scalars_in_float32", "unused_inputs_last")
+            "float64_scalars_in_float32", "clipping_without_if", "unused_inputs_last")
 """The rewrites :func:`make_portable` applies after moving the weights, by name (``skip``)."""
 COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_statistics_beside", "dropout_seeded",
                    "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded",
                    "softmax_grad_expanded",
                    "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded",
                    "rotate_half_embedding_expanded", "lstm_backward_factors_expanded", "scan_bodies_self_contained",
-                   "float64_scalars_in_float32")
+                   "float64_scalars_in_float32", "clipping_without_if")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
 float32): only ``normgrad export --portable`` makes them."""
@@ -611,8 +603,6 @@ def scan_bodies_self_contained(model: onnx.ModelProto) -> None:
 
 def _expanded(model: onnx.ModelProto, module) -> onnx.ModelProto:
     """``model`` with every node of the normgrad operator of ``module`` written as its function body."""
-    from normgrad.graphs.rewrites import expand_operator  # (rewrites imports this module)
-
     return expand_operator(model, module)
 
 
@@ -665,6 +655,8 @@ def make_portable(model: onnx.ModelProto, skip: Sequence[str] = (), in_place: bo
         scan_bodies_self_contained(model)
     if "float64_scalars_in_float32" not in skip:
         _float64_scalars_in_float32(model, names)
+    if "clipping_without_if" not in skip:
+        clipping_without_if(model)
     if "unused_inputs_last" not in skip:
         _unused_inputs_last(model)
     check_model(model)

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from normgrad import _session, train
-from normgrad.graphs import build_step_graph, build_training_graph, optimizers
+from normgrad.graphs import build_step_graph, build_training_graph, optimizers, step_graph
 from normgrad.graphs.rewrites import bfloat16_values
 
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft", "safetensors", "onnxscript"))
@@ -72,9 +72,9 @@ def _gradients(training, feeds: dict) -> tuple:
     """(loss, {parameter: gradient}, step graph, its initial state) of one batch, from the gradient half of the
     step graph of ``training`` (what build_training_graph returned)."""
     step, initial = build_step_graph(training, "sgd")
-    gradient = optimizers.build_gradient_graph(step)
+    gradient = step_graph.build_gradient_graph(step)
     parameters = json.loads({p.key: p.value for p in gradient.metadata_props}["normgrad.parameters"])
-    sums = [p + optimizers.ACCUMULATOR_SUFFIX for p in parameters]
+    sums = [p + step_graph.ACCUMULATOR_SUFFIX for p in parameters]
     feeds = {**feeds, **initial, "grad_scale": np.array(1, np.float32), **{s: np.zeros_like(initial[p]) for s, p in zip(sums, parameters)}}
     session = ort.InferenceSession(gradient.SerializeToString(), providers=["CPUExecutionProvider"])
     read = {i.name for i in gradient.graph.input}
@@ -171,7 +171,7 @@ def test_bfloat16_base_gradients(exported):
     returns no bfloat16 arrays)."""
     model, batch = exported["model"], exported["batch"]
     _, got, step, initial = _gradients(exported["training"], batch)
-    inference = optimizers.build_inference_model(step, initial)
+    inference = step_graph.build_inference_model(step, initial)
     assert {o.name: o.type.tensor_type.elem_type for o in inference.graph.output}["logits"] == onnx.TensorProto.FLOAT
     assert len(_base_weights(step)) >= 2 * len(TARGETS[exported["family"]])
     tensors = {k: torch.from_numpy(v) for k, v in batch.items()}

@@ -406,7 +406,7 @@ def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumu
     optimizer graphs; a session of its own, the steps not asking run none of the tail),
     ``evaluate`` and the inference model give the forward's logits, the inference model
     with its Add of the trained bias."""
-    from normgrad.graphs.optimizers import build_eval_graph, build_inference_model, forward_outputs
+    from normgrad.graphs.step_graph import build_eval_graph, build_inference_model, forward_outputs
     from normgrad.train import Trainer, TrainerError
 
     forward = _head(("N", 3, 6))

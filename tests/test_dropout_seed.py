@@ -18,7 +18,8 @@ import pytest
 
 from normgrad import checkpoint
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
-from normgrad.graphs.optimizers import build_gradient_graph, hyperparameter_feeds
+from normgrad.graphs.optimizers import hyperparameter_feeds
+from normgrad.graphs.step_graph import build_gradient_graph
 from normgrad.train import SEED_METADATA, Trainer, TrainerError
 
 N, D = 6, 5
@@ -84,8 +85,8 @@ def _limbs(value, count):
 
 def _masks(seed, step, micro_batch, shapes, ratios):
     limbs = _limbs(seed, 5) + _limbs(step, 2) + _limbs(micro_batch, 2)
-    summed = int(_squares([j * 2**15 + v for j, v in enumerate(limbs)], rewrites._CHAIN_KEYS[0]).sum()) % WORD
-    key = int(_squares(summed, rewrites._CHAIN_KEYS[1])) | 1
+    summed = int(_squares([j * 2**15 + v for j, v in enumerate(limbs)], rewrites.dropout_seed._CHAIN_KEYS[0]).sum()) % WORD
+    key = int(_squares(summed, rewrites.dropout_seed._CHAIN_KEYS[1])) | 1
     node_keys = [int(k) | 1 for k in _squares(np.arange(len(shapes)), key)]
     return [((_squares(np.arange(int(np.prod(shape))) % WORD, k) // 2**6).astype(np.float64) / 2**24 >= p).reshape(shape)
             for k, shape, p in zip(node_keys, shapes, ratios)]

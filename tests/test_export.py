@@ -351,3 +351,59 @@ def test_batch_norm_relu_gradients_float64_truth(backend, dtype):
         assert got[name].dtype == dtype, name
         error = np.abs(got[name].astype(np.float64) - want).max() / np.abs(want).max()
         assert error < tolerance, (name, error)
+
+
+def _step_set():
+    from normgrad.graphs import build_step_graph
+
+    return build_step_graph(build_training_graph(mlp(), loss="cross_entropy"), "adamw", weight_decay=0.01)
+
+
+def test_save_artifacts_writes_step_eval_and_checkpoint(tmp_path):
+    from normgrad import checkpoint
+    from normgrad.graphs import save_artifacts
+    from normgrad.graphs.step_graph import build_eval_graph
+
+    step, initial = _step_set()
+    saved = save_artifacts(tmp_path / "s.onnx", step, initial)
+    assert (saved.graph, saved.checkpoint, saved.eval_graph) == (
+        str(tmp_path / "s.onnx"), str(tmp_path / "s.ckpt"), str(tmp_path / "s.eval.onnx"))
+    assert onnx.load(saved.graph).SerializeToString(deterministic=True) == step.SerializeToString(deterministic=True)
+    written_eval = onnx.load(saved.eval_graph).SerializeToString(deterministic=True)
+    assert written_eval == build_eval_graph(step).SerializeToString(deterministic=True)
+    state = checkpoint.load(saved.checkpoint).tensors
+    assert sorted(state) == sorted(initial)
+    for name, value in initial.items():
+        assert np.array_equal(state[name], value), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.ckpt", "s.eval.onnx", "s.onnx"]
+
+
+def test_save_artifacts_failure_writes_nothing_and_keeps_the_old_set(tmp_path, monkeypatch):
+    from normgrad import checkpoint
+    from normgrad.graphs import save_artifacts
+
+    step, initial = _step_set()
+    old = {name: f"old {name}".encode() for name in ("s.onnx", "s.eval.onnx", "s.ckpt")}
+    for name, data in old.items():
+        (tmp_path / name).write_bytes(data)
+
+    def full_disk(path, tensors, **options):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "stage", full_disk)
+    with pytest.raises(OSError) as raised:
+        save_artifacts(tmp_path / "s.onnx", step, initial)
+    assert raised.value.filename == str(tmp_path / "s.ckpt")  # names the file of the set that failed
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old  # no new file, no temporary, none replaced
+
+
+def test_save_artifacts_refuses_aliases_and_missing_folders(tmp_path):
+    from normgrad._files import PathAliasError
+    from normgrad.graphs import save_artifacts
+
+    step, initial = _step_set()
+    with pytest.raises(PathAliasError, match="are one file"):
+        save_artifacts(tmp_path / "s.onnx", step, initial, checkpoint=tmp_path / "s.eval.onnx")
+    with pytest.raises(FileNotFoundError, match="no folder"):
+        save_artifacts(tmp_path / "missing" / "s.onnx", step, initial)
+    assert not any(tmp_path.iterdir())

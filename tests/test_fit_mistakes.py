@@ -120,3 +120,23 @@ def test_resume_from_another_models_folder_names_the_mismatch(exported, tmp_path
         trainer.fit(loop.array_batches(arrays, 16), epochs=2, checkpoint_dir=os.fspath(tmp_path / "ck"), resume=True,
                     progress=False)
     assert trainer.step_count == 0
+
+
+def test_cli_train_into_a_used_out_without_resume_is_one_line(exported, tmp_path, capsys):
+    """`normgrad train` rerun with fewer epochs into the same --out: refused in one line naming
+    the checkpoint folder and the remedies, the first run's checkpoints kept byte for byte."""
+    arguments = ["train", os.fspath(exported / "step.onnx"), "--data", os.fspath(exported / "train.npz"),
+                 "--batch-size", "50", "--no-progress", "--out", os.fspath(tmp_path / "run")]
+    assert cli.main(arguments + ["--epochs", "2"]) == 0
+    capsys.readouterr()
+    folder = tmp_path / "run" / "checkpoints"
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    assert "step-00000004.ckpt" in before
+    assert cli.main(arguments + ["--epochs", "1"]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"normgrad train: checkpoint folder {folder} holds an earlier "
+                                                       "run's checkpoints"), error
+    assert "--resume" in error and "--out" in error
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    assert cli.main(arguments + ["--epochs", "3", "--resume"]) == 0
+    assert "6 steps" in capsys.readouterr().out

@@ -24,8 +24,8 @@ import normgrad
 from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
                       step_outputs)
 from normgrad.graphs import build_step_graph, build_training_graph
-from normgrad.graphs.optimizers import (build_eval_graph, build_inference_model, expose_forward_outputs,
-                                        forward_outputs, hyperparameter_feeds)
+from normgrad.graphs.optimizers import hyperparameter_feeds
+from normgrad.graphs.step_graph import build_eval_graph, build_inference_model, expose_forward_outputs, forward_outputs
 from normgrad.graphs.patterns import _declarative
 from normgrad.graphs.portable import make_portable
 from normgrad.ops import DOMAIN, IR_VERSION, NormgradInputError, activation_grad, gelu_with_slope, harness

@@ -62,10 +62,18 @@ TORCHSCRIPT_GAPS = {
 }
 
 
+DYNAMO_GAPS = {
+    # main's refusal of trainable values on inputs a rule leaves without gradient counts
+    # CastLike's type-only input 1 (dynamo writes CastLike(x, h[:, 0]) here): to fix there
+    "slice_assignment": pytest.mark.xfail(strict=True, raises=UnsupportedOperatorError,
+                                          reason="CastLike's type-only input refused as an input without gradient"),
+}
+
+
 def _cases():
     for name in sorted(CASES):
-        for exporter in ("torchscript", "dynamo"):
-            marks = [TORCHSCRIPT_GAPS[name]] if exporter == "torchscript" and name in TORCHSCRIPT_GAPS else []
+        for exporter, gaps in (("torchscript", TORCHSCRIPT_GAPS), ("dynamo", DYNAMO_GAPS)):
+            marks = [gaps[name]] if name in gaps else []
             yield pytest.param(name, exporter, marks=marks, id=f"{name}-{exporter}")
 
 

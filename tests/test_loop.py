@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 
 import numpy as np
 import pytest
@@ -285,3 +286,233 @@ def test_plateau_scheduler_and_evaluations_every_n_steps(digits):
         lr = expected.get(record["step"], lr)
         assert record["lr"] == lr, record
     assert len(set(r["lr"] for r in result.history)) > 1  # the plateau reduced it
+
+
+@pytest.fixture(scope="module")
+def small(digits):
+    """The digits step graph on 200 training samples (4 steps an epoch) and 100 validation ones."""
+    from normgrad.tools.train import load_digits
+
+    step_graph, initial, _, _ = digits
+    images, labels, test_images, test_labels = load_digits(0)
+    train = loop.array_batches({"x": images[:200], "labels": labels[:200]}, 50, shuffle=True, seed=3)
+    validation = loop.array_batches({"x": test_images[:100], "labels": test_labels[:100]}, 50)
+    return step_graph, initial, train, validation
+
+
+def _csv_rows(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_model_checkpoint_keeps_the_top_k_of_the_logged_values(small, tmp_path):
+    """ModelCheckpoint(save_top_k=2) keeps exactly the pairs of the two lowest val_loss values
+    of metrics.csv (the lr grows 4x an epoch, so the loss turns up and the best are not the
+    last), each checkpoint evaluating to its logged val_loss."""
+    step_graph, initial, train, validation = small
+    trainer = Trainer(step_graph, initial, lr=1e-3, nonfinite="skip")
+    keeper = loop.ModelCheckpoint(dirpath=tmp_path / "ck", monitor="val_loss", mode="min", save_top_k=2)
+    trainer.fit(train, epochs=6, evaluation=validation, scheduler=schedules.ExponentialLR(trainer, gamma=4.0),
+                callbacks=[keeper], log_dir=tmp_path / "logs", progress=False)
+    logged = {int(r["step"]): float(r["val_loss"]) for r in _csv_rows(tmp_path / "logs" / "metrics.csv") if r["val_loss"]}
+    assert len(logged) == 6
+    lowest = sorted(logged, key=logged.get)[:2]
+    assert max(logged) not in lowest  # the best are not simply the latest
+    expected = {os.fspath(tmp_path / "ck" / f"best-{step:08d}.ckpt"): logged[step] for step in lowest}
+    assert keeper.best_k_models == expected
+    assert keeper.best_model_path == os.fspath(tmp_path / "ck" / f"best-{lowest[0]:08d}.ckpt")
+    assert keeper.best_model_score == logged[lowest[0]] and keeper.last_model_path is None
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(f"best-{s:08d}.{x}" for s in lowest for x in ("ckpt", "json"))
+    for path, value in expected.items():
+        assert _validation_loss(Trainer(step_graph, path), validation(1)) == value
+
+
+def test_a_nan_evaluation_is_never_the_best(small, tmp_path):
+    """A metric that is NaN at the first evaluation (a 0/0) does not become the best forever:
+    fit's best, its best checkpoint and a ModelCheckpoint's top-k skip it."""
+    step_graph, initial, train, validation = small
+    values = iter([float("nan"), 0.25, 0.5, float("nan"), 0.375])
+
+    def odd(outputs, labels):
+        return next(values)
+
+    keeper = loop.ModelCheckpoint(tmp_path / "top", monitor="val_odd", mode="max", save_top_k=2)
+    result = Trainer(step_graph, initial).fit(train, epochs=5, evaluation=validation, metrics={"odd": odd},
+                                              monitor="val_odd", mode="max", checkpoint_dir=tmp_path / "ck",
+                                              callbacks=[keeper], progress=False)
+    assert [r["val_odd"] for r in result.evaluations][1:3] == [0.25, 0.5]
+    assert result.best == result.evaluations[2] and result.best["step"] == 12
+    assert result.best_checkpoint == os.fspath(tmp_path / "ck" / "best-00000012.ckpt")
+    assert keeper.best_k_models == {os.fspath(tmp_path / "top" / "best-00000012.ckpt"): 0.5,
+                                    os.fspath(tmp_path / "top" / "best-00000020.ckpt"): 0.375}
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(small, tmp_path):
+    """A run without resume into a folder an earlier (longer) run wrote: one TrainerError
+    naming the folder and the remedies, and not a file of that run touched."""
+    step_graph, initial, train, _ = small
+    folder = tmp_path / "ck"
+    Trainer(step_graph, initial).fit(train, epochs=3, checkpoint_dir=folder, keep_last=2, progress=False)
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    assert "step-00000012.ckpt" in before
+    with pytest.raises(TrainerError, match=f"checkpoint folder {folder} holds an earlier run's checkpoints "
+                                           r"\(best-00000012.ckpt, best-00000012.json and 4 more\): continue that run "
+                                           r"with resume=True \(normgrad train: --resume\), or write to another folder"):
+        Trainer(step_graph, initial).fit(train, epochs=1, checkpoint_dir=folder, progress=False)
+    with pytest.raises(TrainerError, match="holds an earlier run's checkpoints"):
+        Trainer(step_graph, initial).fit(train, epochs=1, callbacks=[loop.ModelCheckpoint(folder)], progress=False)
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    with pytest.raises(TrainerError, match="two ModelCheckpoint callbacks write to .*other: give each its own folder"):
+        Trainer(step_graph, initial).fit(train, callbacks=[loop.ModelCheckpoint(tmp_path / "other"),
+                                                           loop.ModelCheckpoint(tmp_path / "other")], progress=False)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"mode": "best"}, "mode must be 'min' or 'max', got 'best'"),
+    ({"save_top_k": -2}, "save_top_k must be an integer >= -1, got -2"),
+    ({"save_last": 1.5}, "save_last must be an integer >= 0, got 1.5"),
+    ({"every_n_train_steps": 0}, "every_n_train_steps must be None or an integer >= 1, got 0"),
+    ({"every_n_epochs": True}, "every_n_epochs must be None or an integer >= 1, got True"),
+    ({"monitor": 3}, "monitor must be None or the name of an evaluation value, got 3"),
+])
+def test_model_checkpoint_refuses_a_bad_option_when_made(tmp_path, options, message):
+    with pytest.raises(TrainerError, match=re.escape(message)):
+        loop.ModelCheckpoint(tmp_path, **options)
+    assert not os.listdir(tmp_path)
+
+
+class _Killed(BaseException):
+    """A kill: nothing of the run's own cleanup may count on it."""
+
+
+def _kill_at_rename_of(monkeypatch, name, seen=None):
+    """os.replace raising _Killed when it would put ``name`` in place (records every target in ``seen``)."""
+    replace = os.replace
+
+    def killing(source, target, *args, **kwargs):
+        if seen is not None:
+            seen.append(os.path.basename(target))
+        if os.path.basename(target) == name:
+            raise _Killed(name)
+        return replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", killing)
+
+
+def _stepped_run(small, folder, logs=None, resume=False, callbacks=()):
+    step_graph, initial, train, validation = small
+    trainer = Trainer(step_graph, initial, lr=2e-3)
+    result = trainer.fit(train, epochs=3, evaluation=validation, scheduler=schedules.StepLR(trainer, 1, gamma=0.5),
+                         checkpoint_dir=folder, checkpoint_every=2, keep_last=2, resume=resume, log_dir=logs,
+                         callbacks=list(callbacks), progress=False)
+    return trainer, result
+
+
+@pytest.mark.parametrize("killed_at", ["step-00000004.json", "step-00000006.ckpt"])
+def test_a_step_checkpointed_twice_is_written_once_and_a_kill_resumes_bitwise(small, tmp_path, monkeypatch, killed_at):
+    """checkpoint_every=2 with 4 steps an epoch: step 4 is both a checkpoint step and an epoch's
+    end (whose StepLR step halves the lr). Its pair is written once, and a kill at its commit
+    point or just after the epoch's boundary resumes bitwise as the uninterrupted run."""
+    seen = []
+    _kill_at_rename_of(monkeypatch, None, seen)
+    whole, whole_result = _stepped_run(small, tmp_path / "a")
+    pairs = [name for name in seen if name.startswith(("step-", "best-"))]
+    assert "step-00000004.ckpt" in pairs and len(pairs) == len(set(pairs))  # no file written twice
+    monkeypatch.undo()
+    _kill_at_rename_of(monkeypatch, killed_at)
+    with pytest.raises(_Killed):
+        _stepped_run(small, tmp_path / "b")
+    monkeypatch.undo()
+    resumed, result = _stepped_run(small, tmp_path / "b", resume=True)
+    assert resumed.step_count == whole.step_count == 12
+    _same_state(resumed.state_dict(), whole.state_dict())
+    assert dict(resumed.hyperparameters) == dict(whole.hyperparameters)
+    assert result.history == whole_result.history and result.evaluations == whole_result.evaluations
+    assert [r["lr"] for r in result.history] == [2e-3] * 4 + [1e-3] * 4 + [5e-4] * 4
+
+
+def test_a_killed_runs_csv_reaches_its_checkpoint_and_resume_continues_it(small, tmp_path):
+    """Killed at step 7 (its latest checkpoint: step 6, mid-epoch), the CSV on disk holds every
+    row up to step 6 (flushed with the checkpoint); resumed, it equals the uninterrupted run's."""
+    _stepped_run(small, tmp_path / "a", tmp_path / "a_logs")
+    whole = (tmp_path / "a_logs" / "metrics.csv").read_text()
+
+    class KillAtStep7(loop.Callback):  # the CSV as a kill at this instant leaves it
+        def on_step_end(self, loop_, record):
+            if record["step"] == 7:
+                self.on_disk = (tmp_path / "b_logs" / "metrics.csv").read_text()
+                raise _Killed()
+
+    kill = KillAtStep7()
+    with pytest.raises(_Killed):
+        _stepped_run(small, tmp_path / "b", tmp_path / "b_logs", callbacks=[kill])
+    lines = whole.splitlines(keepends=True)
+    upto = 1 + sum(int(row["step"]) <= 6 for row in csv.DictReader(lines))
+    assert kill.on_disk == "".join(lines[:upto])
+    _stepped_run(small, tmp_path / "b", tmp_path / "b_logs", resume=True)
+    assert (tmp_path / "b_logs" / "metrics.csv").read_text() == whole
+
+
+def test_one_cycle_linear_stepped_each_step_finishes_the_run(small, tmp_path):
+    """OneCycleLR(anneal_strategy="linear") stepped after each step, as torch documents it: the
+    step after the last computes an lr just below 0 that no step uses; the run finishes with
+    its last checkpoint, the lrs are torch's, and only a step that would use that lr is refused."""
+    torch = pytest.importorskip("torch")
+    step_graph, initial, train, validation = small
+    trainer = Trainer(step_graph, initial)
+    scheduler = schedules.OneCycleLR(trainer, max_lr=1e-2, total_steps=8, anneal_strategy="linear",
+                                     cycle_momentum=False)
+    result = trainer.fit(train, epochs=2, scheduler=scheduler, scheduler_interval="step", checkpoint_dir=tmp_path,
+                         progress=False)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    reference = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=8, anneal_strategy="linear",
+                                                    cycle_momentum=False)
+    lrs = []
+    for _ in range(8):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    assert reference.get_last_lr()[0] < 0  # what torch leaves, unused
+    assert [r["lr"] for r in result.history] == pytest.approx(lrs, rel=1e-12, abs=0)
+    assert trainer.hyperparameters["lr"] == pytest.approx(reference.get_last_lr()[0], rel=1e-9)
+    assert result.last_checkpoint == os.fspath(tmp_path / "step-00000008.ckpt")
+    reloaded = Trainer(step_graph, result.last_checkpoint)
+    assert reloaded.step_count == 8 and reloaded.hyperparameters["lr"] == trainer.hyperparameters["lr"]
+    with pytest.raises(TrainerError, match=r"step 9 cannot use lr -.*a learning rate must be a finite number >= 0"):
+        trainer.step(train(1)[0])
+
+
+def test_hooks_run_in_order_and_a_value_set_before_the_step_is_used(small):
+    step_graph, initial, train, _ = small
+    calls = []
+
+    class Recorder(loop.Callback):
+        def on_fit_start(self, loop_):
+            calls.append("fit_start")
+
+        def on_epoch_start(self, loop_):
+            calls.append(f"epoch_start {loop_.epoch}")
+
+        def on_batch_start(self, loop_, batch):
+            calls.append(f"batch_start {len(batch['labels'])}")
+
+        def on_before_optimizer_step(self, loop_, batch):
+            calls.append("before_optimizer_step")
+            loop_.trainer.hyperparameters["lr"] = 1e-3 * (loop_.trainer.step_count + 1)
+
+        def on_step_end(self, loop_, record):
+            calls.append(f"step_end {record['step']} lr {record['lr']:.0e}")
+
+        def on_evaluation_end(self, loop_, record):
+            calls.append(f"evaluation_end {record['step']}")
+
+        def on_epoch_end(self, loop_, record):
+            calls.append(f"epoch_end {record['epoch']}")
+
+        def on_fit_end(self, loop_):
+            calls.append("fit_end")
+
+    Trainer(step_graph, initial).fit(lambda epoch: train(epoch)[:2], epochs=1, callbacks=[Recorder()], progress=False)
+    assert calls == ["fit_start", "epoch_start 1", "batch_start 50", "before_optimizer_step", "step_end 1 lr 1e-03",
+                     "batch_start 50", "before_optimizer_step", "step_end 2 lr 2e-03", "evaluation_end 2",
+                     "epoch_end 1", "fit_end"]

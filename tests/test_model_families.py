@@ -47,10 +47,10 @@ def _image(size, channels=3):
     return lambda rng: {"x": rng.standard_normal((2, channels, size, size)).astype(np.float32)}
 
 
-def _token_ids(length):
-    """Token ids without 0 and 1, the padding tokens of these configs: padding_idx is not
-    carried by the export (docs/how-to/export-from-torch.md)."""
-    return lambda rng: {"input_ids": rng.integers(2, 100, (2, length)).astype(np.int64)}
+def _token_ids(rng, low=1, length=6):
+    """Tokens of a vocabulary of 50 from ``low``, above the padding_idx of the tiny transformers
+    models (0; Longformer's 1), which the export does not carry: docs/how-to/export-from-torch.md."""
+    return {"input_ids": rng.integers(low, 50, (2, length)).astype(np.int64)}
 
 
 FAMILIES: Dict[str, Family] = {
@@ -78,11 +78,14 @@ FAMILIES: Dict[str, Family] = {
     "embedding_bag": Family(zoo.EmbeddingBagRecommender, lambda rng: {
         "user_ids": rng.integers(0, 30, 7).astype(np.int64), "user_offsets": np.array([0, 2, 5], np.int64),
         "item_ids": rng.integers(0, 40, 6).astype(np.int64), "item_offsets": np.array([0, 1, 4], np.int64)}),
-    "longformer": Family(zoo.longformer, _token_ids(8), needs="transformers"),
+    "mixtral": Family(zoo.mixtral, _token_ids, needs="transformers"),
+    "qwen2_moe": Family(zoo.qwen2_moe, _token_ids, needs="transformers"),
+    "fnet": Family(zoo.FNetEncoder, _token_ids, ("hidden", "pooled"), "transformers"),
+    "longformer": Family(zoo.longformer, lambda rng: _token_ids(rng, low=2, length=8), needs="transformers"),
     "swinv2": Family(zoo.swinv2, lambda rng: {"pixel_values": rng.standard_normal((2, 3, 32, 32)).astype(np.float32)},
                      needs="transformers"),
-    "rwkv": Family(zoo.rwkv, _token_ids(6), needs="transformers"),
-    "funnel": Family(zoo.funnel, _token_ids(8), needs="transformers"),
+    "rwkv": Family(zoo.rwkv, _token_ids, needs="transformers"),
+    "funnel": Family(zoo.funnel, _token_ids, needs="transformers"),
 }
 
 

@@ -13,12 +13,14 @@ SHAPES = {"conv.weight": (4, 3, 3, 3), "fc.bias": (5,)}
 CASES = [
     ("sgd", dict(momentum=0.9)),
     ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
-    ("sgd", dict(momentum=0.8, dampening=0.3, weight_decay=0.05, clip_grad_norm=0.5)),
+    ("sgd", dict(momentum=0.8, dampening=0.3, weight_decay=0.05, max_grad_norm=0.5)),
     ("sgd", dict()),
     ("sgd", dict(weight_decay=0.01)),
-    ("adamw", dict(weight_decay=0.1, clip_grad_norm=1.0)),
+    ("adamw", dict(weight_decay=0.1, max_grad_norm=1.0)),
     ("adam", dict(weight_decay=0.01, amsgrad=True, betas=(0.8, 0.99), eps=1e-6)),
-    ("adamw", dict(weight_decay=0.1, amsgrad=True, clip_grad_norm=1.0)),
+    ("adamw", dict(weight_decay=0.1, amsgrad=True, max_grad_norm=1.0)),
+    ("adamw", dict()),  # torch's default weight decay (0.01) on both sides
+    ("adam", dict()),
 ]
 
 
@@ -34,7 +36,7 @@ def test_matches_torch_optim(kind, options):
             state[name] = np.zeros(s, np.float32)
 
     tensors = {n: torch.tensor(v, requires_grad=True) for n, v in params.items()}
-    torch_options = {k: v for k, v in options.items() if k != "clip_grad_norm"}
+    torch_options = {k: v for k, v in options.items() if k != "max_grad_norm"}
     optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
         list(tensors.values()), lr=0.05, **torch_options)
     outputs = [o.name for o in session.get_outputs()]
@@ -45,8 +47,8 @@ def test_matches_torch_optim(kind, options):
         grads = {n: (rng.standard_normal(s) * 3).astype(np.float32) for n, s in SHAPES.items()}
         for n, t in tensors.items():
             t.grad = torch.tensor(grads[n])
-        if "clip_grad_norm" in options:
-            torch.nn.utils.clip_grad_norm_(list(tensors.values()), options["clip_grad_norm"])
+        if "max_grad_norm" in options:
+            torch.nn.utils.clip_grad_norm_(list(tensors.values()), options["max_grad_norm"])
         optimizer.step()
         feeds = {**hyperparameter_feeds(model), **state, **{f"{n}_grad": g for n, g in grads.items()},
                  "lr": np.array(lr, np.float32), "step": np.array(step, np.float32)}
@@ -68,13 +70,13 @@ def test_bad_hyperparameters():
         build_optimizer_graph(SHAPES, "lamb")
     with pytest.raises(ValueError, match="nesterov"):
         build_optimizer_graph(SHAPES, "sgd", nesterov=True)
-    with pytest.raises(ValueError, match="clip_grad_norm"):
-        build_optimizer_graph(SHAPES, "adam", clip_grad_norm=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        build_optimizer_graph(SHAPES, "adam", max_grad_norm=0)
 
 
 def test_step_graph_of_an_mlp_matches_torch():
     from normgrad.graphs import build_training_graph, examples
-    from normgrad.graphs.optimizers import build_step_graph
+    from normgrad.graphs.step_graph import build_step_graph
 
     forward = examples.mlp()
     model, initial = build_step_graph(build_training_graph(forward, loss="cross_entropy"), "sgd", momentum=0.9)
@@ -115,7 +117,7 @@ def test_cli_writes_step_graph_and_checkpoint(tmp_path, capsys):
     onnx.save(examples.mlp(), str(source))
     target = tmp_path / "mlp_step.onnx"
     assert export_tool.main([str(source), "-o", str(target), "--loss", "cross_entropy", "--optimizer", "adamw",
-                             "--amsgrad", "--clip-grad-norm", "1"]) == 0
+                             "--amsgrad", "--max-grad-norm", "1"]) == 0
     model = onnx.load(str(target))
     state = checkpoint.load(tmp_path / "mlp_step.ckpt")
     inputs = {i.name: i for i in model.graph.input}
@@ -132,6 +134,24 @@ def test_cli_writes_step_graph_and_checkpoint(tmp_path, capsys):
     assert usage.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
     assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "x.ckpt").exists()
+
+
+def test_cli_old_clip_flag_is_a_deprecated_alias(tmp_path, capsys):
+    import onnx
+    from normgrad.graphs import examples
+    from normgrad.tools import export as export_tool
+
+    source = tmp_path / "mlp.onnx"
+    onnx.save(examples.mlp(), str(source))
+    common = [str(source), "--loss", "cross_entropy", "--optimizer", "sgd", "--momentum", "0.9"]
+    assert export_tool.main([*common, "-o", str(tmp_path / "new.onnx"), "--max-grad-norm", "0.5"]) == 0
+    capsys.readouterr()
+    assert export_tool.main([*common, "-o", str(tmp_path / "old.onnx"), "--clip-grad-norm", "0.5"]) == 0
+    assert capsys.readouterr().err == "normgrad export: warning: --clip-grad-norm is deprecated; use --max-grad-norm\n"
+    new, old = (onnx.load(str(tmp_path / f"{name}.onnx")) for name in ("new", "old"))
+    assert new.SerializeToString(deterministic=True) == old.SerializeToString(deterministic=True)
+    assert hyperparameter_feeds(new)["max_grad_norm"] == 0.5
+    assert "--clip-grad-norm" not in " ".join(export_tool._parser().format_help().split())
 
 
 def test_frozen_weights_get_no_gradient_and_stay_bitwise(tmp_path):

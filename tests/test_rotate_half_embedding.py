@@ -348,7 +348,7 @@ def test_training_graph_is_bitwise_the_node_by_node_one(case, form, monkeypatch)
         pytest.skip("the C++ library is not built")
     forward = _attention_rotary(case)
     fused = build_training_graph(forward, loss="mse", inline=form == "inline")
-    monkeypatch.setattr(rewrites, "rotate_half_embeddings", lambda model: 0)
+    monkeypatch.setattr(rewrites.rotate_half, "apply", lambda model, context: 0)
     node_by_node = build_training_graph(forward, loss="mse")
     assert OP not in _ops(node_by_node.model) and (OP in _ops(fused.model)) == (form == "cpp")
     expected = _outputs(node_by_node, None)
@@ -406,7 +406,7 @@ def test_llama_block_exports_use_the_operator_bitwise(exporter, monkeypatch):
     modes = [onnx.helper.get_attribute_value(a) for n in fused.model.graph.node if (n.domain, n.op_type) == (DOMAIN, OP)
              for a in n.attribute if a.name == "transposed"]
     assert sorted(modes) == [0, 0, 1, 1]
-    monkeypatch.setattr(rewrites, "rotate_half_embeddings", lambda model: 0)
+    monkeypatch.setattr(rewrites.rotate_half, "apply", lambda model, context: 0)
     node_by_node = build_training_graph(forward)
     assert OP not in _ops(node_by_node.model)
     batch = {"hidden": hidden, "y_grad": rng.standard_normal((2, 8, 32)).astype(np.float32)}

@@ -18,7 +18,8 @@ import pytest
 from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.portable import as_exported, make_portable
-from normgrad.graphs.optimizers import build_eval_graph, build_inference_model, hyperparameter_feeds
+from normgrad.graphs.optimizers import hyperparameter_feeds
+from normgrad.graphs.step_graph import build_eval_graph, build_inference_model
 from normgrad.ops import DOMAIN, NormgradInputError, harness, silu_mul
 from test_swiglu_grad import _forward, _within_ulps
 

@@ -75,7 +75,7 @@ def _torch_net(torch):
 CASES = {
     "sgd": (["--optimizer", "sgd", "--momentum", "0.9", "--freeze", "fc.bias"],
             lambda torch, params: torch.optim.SGD(params, lr=0.05, momentum=0.9), None),
-    "adamw": (["--optimizer", "adamw", "--weight-decay", "0.05", "--clip-grad-norm", "1.0"],
+    "adamw": (["--optimizer", "adamw", "--weight-decay", "0.05", "--max-grad-norm", "1.0"],
               lambda torch, params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.05), 1.0),
 }
 
@@ -198,7 +198,7 @@ def resnet_step(tmp_path_factory):
     """A ResNet block (Conv-BN-ReLU-Conv-BN + skip) with an MSE loss and AdamW with clipping."""
     folder = tmp_path_factory.mktemp("resnet")
     step, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw",
-                                     weight_decay=0.1, clip_grad_norm=1.0)
+                                     weight_decay=0.1, max_grad_norm=1.0)
     onnx.save(step, str(folder / "step.onnx"))
     checkpoint.save(folder / "start.ckpt", initial)
     return folder / "step.onnx", folder / "start.ckpt", step, initial
@@ -278,7 +278,7 @@ def test_in_place_state_is_bitwise_the_two_buffer_run(monkeypatch, clip):
     weight precedes its update, with or without clipping. Both ways give bitwise the same
     steps, fused and split (where the optimizer graph runs after the gradient graph)."""
     step, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw",
-                                     weight_decay=0.1, clip_grad_norm=clip)
+                                     weight_decay=0.1, max_grad_norm=clip)
     from normgrad.graphs import structure
 
     class Split(Trainer):

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from normgrad.graphs import build_step_graph, build_training_graph, examples, optimizers
+from normgrad.graphs import build_step_graph, build_training_graph, examples, optimizers, step_graph
 from normgrad.train import EvalResult, StepResult, Trainer, TrainerError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -422,11 +422,11 @@ def test_bad_outputs_batches_and_epochs(mlp_step):
         list(trainer.steps(((x, y) for _ in range(2)), epochs=2))
     assert trainer.step_count == 2  # the generator's two batches ran
     wrong = build_step_graph(build_training_graph(examples.mlp(), loss="mse"), "sgd")[0]
-    trainer = Trainer(step, initial, lr=0.01, eval_model=optimizers.build_eval_graph(wrong))
+    trainer = Trainer(step, initial, lr=0.01, eval_model=step_graph.build_eval_graph(wrong))
     with pytest.raises(TrainerError, match="evaluation graph input 'labels' is float32; the step graph's is int64"):
         trainer.evaluate(x, y)
     other = build_step_graph(build_training_graph(examples.mlp_with_loss(), loss_output="total"), "sgd")[0]
-    trainer = Trainer(step, initial, lr=0.01, eval_model=optimizers.build_eval_graph(other))
+    trainer = Trainer(step, initial, lr=0.01, eval_model=step_graph.build_eval_graph(other))
     with pytest.raises(TrainerError, match="evaluation graph input 'target' is neither a data input"):
         trainer.evaluate(x, y)
 
@@ -450,7 +450,7 @@ def test_evaluation_graph_of_a_data_parallel_step_graph_has_no_collective(parall
     plain, initial = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "sgd")
     parallel_step, _ = build_step_graph(build_training_graph(examples.resnet_block(), loss="mse", **parallel), "sgd")
     assert "AllReduce" in {n.op_type for n in parallel_step.graph.node}
-    evaluation = optimizers.build_eval_graph(parallel_step)
+    evaluation = step_graph.build_eval_graph(parallel_step)
     assert "AllReduce" not in {n.op_type for n in evaluation.graph.node}
     x, y = np.random.default_rng(9).standard_normal((2, 2, 4, 5, 5)).astype(np.float32)
     a = Trainer(plain, initial).evaluate(x, y)

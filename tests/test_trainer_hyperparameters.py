@@ -39,7 +39,7 @@ def test_assignment_replaces_a_schedule():
     assert trainer.lr() == pytest.approx(0.1) and trainer.lr(3) == pytest.approx(0.3)
     trainer.hyperparameters["lr"] = 0.5
     assert trainer.lr(3) == 0.5 and trainer.schedule(7) == 0.5
-    assert dict(trainer.hyperparameters) == {"lr": 0.5, "weight_decay": 0.0}
+    assert dict(trainer.hyperparameters) == {"lr": 0.5, "weight_decay": 0.0, "max_grad_norm": np.inf}
 
 
 @pytest.mark.parametrize("value", [None, float("nan"), float("inf"), -0.1, 1e39, 10**400, "0.1", True])
@@ -102,8 +102,11 @@ CHANGES = {
               {3: {"beta1": 0.5, "beta2": 0.9, "weight_decay": 0.3}, 6: {"eps": 1e-3, "lr": 0.05}}),
     "adam_amsgrad": ("adam", dict(amsgrad=True), {3: {"beta2": 0.9, "weight_decay": 0.1}, 6: {"eps": 1e-5}}),
     "adamw_amsgrad": ("adamw", dict(amsgrad=True, weight_decay=0.1), {4: {"beta1": 0.7, "weight_decay": 0.0}}),
-    "sgd_clip": ("sgd", dict(momentum=0.9, clip_grad_norm=1.0), {3: {"max_grad_norm": 0.05}, 7: {"max_grad_norm": 5.0}}),
-    "adamw_clip": ("adamw", dict(clip_grad_norm=0.5), {4: {"max_grad_norm": 0.01, "beta2": 0.95}}),
+    "sgd_clip": ("sgd", dict(momentum=0.9, max_grad_norm=1.0), {3: {"max_grad_norm": 0.05}, 7: {"max_grad_norm": 5.0}}),
+    "adamw_clip": ("adamw", dict(max_grad_norm=0.5), {4: {"max_grad_norm": 0.01, "beta2": 0.95}}),
+    # graphs exported without clipping take the norm at run time (+inf: off, torch's max_norm=inf too)
+    "sgd_clip_at_run_time": ("sgd", dict(momentum=0.9), {2: {"max_grad_norm": 0.05}, 6: {"max_grad_norm": float("inf")}}),
+    "adamw_clip_at_run_time": ("adamw", {}, {1: {"max_grad_norm": 0.02}, 7: {"max_grad_norm": float("inf")}}),
 }
 STEPS = 10
 
@@ -114,10 +117,10 @@ def _torch_trajectory(torch, kind, options, changes, initial, lr):
     decayed = [n for n in names if not n.endswith(".bias") or "no_weight_decay" not in options]
     groups = [{"params": [params[n] for n in decayed]},
               {"params": [params[n] for n in names if n not in decayed], "weight_decay": 0.0}]
-    torch_options = {k: v for k, v in options.items() if k not in ("no_weight_decay", "clip_grad_norm")}
+    torch_options = {k: v for k, v in options.items() if k not in ("no_weight_decay", "max_grad_norm")}
     optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
-        [g for g in groups if g["params"]], lr=lr, **{"weight_decay": 0.0, **torch_options})  # the graphs' default
-    max_norm = options.get("clip_grad_norm")
+        [g for g in groups if g["params"]], lr=lr, **torch_options)  # torch's defaults are the graphs'
+    max_norm = options.get("max_grad_norm")
     trajectory = []
     for k in range(1, STEPS + 1):
         for name, value in changes.get(k, {}).items():
@@ -249,7 +252,7 @@ def test_inline_step_graph_takes_the_hyperparameters():
         training = build_training_graph(_linear_tanh_linear(), loss="mse", inline=inline)
         step, initial = build_step_graph(training, "adam", weight_decay=0.01)
         trainer = Trainer(step, initial, lr=0.01, session_options=_options())
-        assert list(trainer.hyperparameters) == ["lr", "weight_decay", "beta1", "beta2", "eps"]
+        assert list(trainer.hyperparameters) == ["lr", "weight_decay", "beta1", "beta2", "eps", "max_grad_norm"]
         for k in range(1, 5):
             if k == 3:
                 trainer.hyperparameters.update(beta1=0.5, eps=1e-3, weight_decay=0.2)
@@ -277,7 +280,8 @@ def test_exported_step_graph_keeps_its_defaults(tmp_path):
     feeds = hyperparameter_feeds(step)
     assert {k: (v.dtype, float(v)) for k, v in feeds.items()} == {
         "lr": (np.float32, float(np.float32(1e-3))), "weight_decay": (np.float64, 0.1), "momentum": (np.float64, 0.9),
-        "dampening": (np.float64, 0.25)}
-    assert hyperparameter_values(step) == {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.9, "dampening": 0.25}
+        "dampening": (np.float64, 0.25), "max_grad_norm": (np.float64, np.inf)}  # +inf: no clipping
+    assert hyperparameter_values(step) == {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.9, "dampening": 0.25,
+                                           "max_grad_norm": np.inf}
     trainer = Trainer(step, tmp_path / "step.ckpt", session_options=_options())
     assert dict(trainer.hyperparameters) == hyperparameter_values(step)

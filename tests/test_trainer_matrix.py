@@ -38,7 +38,7 @@ OPTIMIZERS = {  # name: (kind, options, accumulation)
     "momentum": ("sgd", {"momentum": 0.9, "weight_decay": 0.01}, 1),
     "adam": ("adam", {"weight_decay": 0.01}, 1),
     "adamw": ("adamw", {"weight_decay": 0.1}, 1),
-    "adamw_clip": ("adamw", {"weight_decay": 0.1, "clip_grad_norm": 0.5}, 1),
+    "adamw_clip": ("adamw", {"weight_decay": 0.1, "max_grad_norm": 0.5}, 1),
     "amsgrad": ("adam", {"amsgrad": True}, 1),
     "accumulation": ("adamw", {"weight_decay": 0.1}, 2),
 }

@@ -243,7 +243,7 @@ def test_non_finite_steps_can_be_skipped(accumulation):
 def _resnet_block_step():
     from normgrad.graphs import examples
 
-    return build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw", clip_grad_norm=1.0)
+    return build_step_graph(build_training_graph(examples.resnet_block(), loss="mse"), "adamw", max_grad_norm=1.0)
 
 
 def test_a_step_that_raises_after_the_gradient_graph_ran_restores_the_running_statistics():
@@ -319,8 +319,8 @@ OPTIMIZER_SETUPS = {
     "sgd": ("sgd", {}), "sgd_weight_decay": ("sgd", dict(weight_decay=0.01)),
     "sgd_momentum_dampening": ("sgd", dict(momentum=0.9, dampening=0.3)),
     "sgd_nesterov": ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
-    "sgd_clipping": ("sgd", dict(momentum=0.8, clip_grad_norm=0.5)),
-    "adam": ("adam", dict(weight_decay=0.01)), "adamw": ("adamw", dict(weight_decay=0.1, clip_grad_norm=1.0)),
+    "sgd_clipping": ("sgd", dict(momentum=0.8, max_grad_norm=0.5)),
+    "adam": ("adam", dict(weight_decay=0.01)), "adamw": ("adamw", dict(weight_decay=0.1, max_grad_norm=1.0)),
     "amsgrad": ("adam", dict(amsgrad=True, weight_decay=0.01)),
     "adamw_amsgrad_no_weight_decay": ("adamw", dict(amsgrad=True, weight_decay=0.1, no_weight_decay=["*bias*", "t*"])),
 }
@@ -379,7 +379,7 @@ def test_the_graph_onnxruntime_runs_has_no_where_gate_and_updates_in_place(setup
     state update is written by an update node that takes the gate (AdamUpdate, SGDUpdate;
     GatedUpdate for the running statistics), no Where; every state tensor is updated in place."""
     from normgrad._session import APPLIED, _gate_state_updates, _session_and_running_graph
-    from normgrad.graphs.optimizers import expose_forward_outputs, forward_outputs
+    from normgrad.graphs.step_graph import expose_forward_outputs, forward_outputs
 
     step, initial, _ = _gate_model_step("batch_norm", setup)
     trainer = Trainer(step, initial, lr=0.05, session_options=_options(level))

@@ -103,7 +103,7 @@ def _matrix():
 def _batched_forms(monkeypatch):
     """The graphs as before this change: batched weight gradients, x @ Transpose(W) kept."""
     monkeypatch.setattr(matmul, "GEMM_ELEM_TYPES", frozenset())
-    monkeypatch.setattr(rewrites, "transposed_weight_products", lambda model: False)
+    monkeypatch.setattr(rewrites.transposed_weights, "apply", lambda model, context: 0)
 
 
 @pytest.fixture(scope="module")

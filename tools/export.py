@@ -7,30 +7,26 @@ initial values (and the optimizer's state) in a checkpoint beside the graph."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import (beside_step_graph, commit_files, eval_graph_path, refuse_aliases, refuse_irregular_file,
-                             staging)
-from normgrad._external_data import (EXTERNAL_TENSOR_MIN_BYTES, external_data_files, stage_models_external,
-                                     uses_external_data)
+from normgrad._files import PathAliasError, refuse_irregular_file
+from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, external_data_files, uses_external_data
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``normgrad export``; returns the process exit code (2: usage error,
-    1: a model it cannot export or a file it cannot write)."""
-    import onnx
+class _NothingToTrain(CommandError):
+    """--freeze/--trainable leave no weight for --optimizer (a usage error: exit code 2)."""
 
-    from normgrad.graphs import UnsupportedOperatorError, build_training_graph
-    from normgrad.graphs.builder import frozen_parameters
-    from normgrad.graphs.data_parallel import DEFAULT_BUCKET_BYTES
-    from normgrad.graphs.losses import LOSS_OPTIONS, LOSSES
-    from normgrad.graphs.torch_exports import TorchExportWarning
+
+def _parser():
+    """The ``normgrad export`` argument parser."""
+    from normgrad.graphs.losses import LOSSES
 
     parser = ArgumentParser(prog="normgrad export", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="forward ONNX model")
@@ -74,45 +70,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--betas", type=float, nargs=2, default=None, help="adam, adamw only (default 0.9 0.999)")
     step.add_argument("--eps", type=float, default=None, help="adam, adamw only (default 1e-8)")
     step.add_argument("--amsgrad", action="store_true", default=None, help="adam, adamw only")
-    step.add_argument("--clip-grad-norm", type=float, default=None, help="global L2 norm, as clip_grad_norm_")
+    step.add_argument("--max-grad-norm", type=float, default=None,
+                      help="clip the gradients' global L2 norm to this, as clip_grad_norm_ (default: no clipping)")
+    step.add_argument("--clip-grad-norm", type=float, default=None, dest="clip_grad_norm", help=argparse.SUPPRESS)
     step.add_argument("--seed", type=int, default=None,
                       help="Dropout seed (int64, default 0): training-mode Dropout masks are a function of it, the step "
                            "and the micro-batch; the Trainer's seed= overrides it")
-    args = parser.parse_args(argv)
-    if args.optimizer and not (args.loss or args.loss_output):
-        parser.error("--optimizer needs --loss or --loss-output")
-    if args.loss and args.loss_output:
-        parser.error("give --loss or --loss-output, not both")
-    optimizer_options = {name: value for name, value in (
+    return parser
+
+
+def _optimizer_options(parser, args) -> dict:
+    """The optimizer step's keyword options given on the command line, checked (a usage
+    error exits through ``parser.error``)."""
+    options = {name: value for name, value in (
         ("momentum", args.momentum), ("dampening", args.dampening), ("nesterov", args.nesterov),
         ("weight_decay", args.weight_decay), ("betas", None if args.betas is None else tuple(args.betas)),
-        ("eps", args.eps), ("amsgrad", args.amsgrad), ("clip_grad_norm", args.clip_grad_norm)) if value is not None}
-    if optimizer_options and not args.optimizer:
-        given = next(iter(optimizer_options))
+        ("eps", args.eps), ("amsgrad", args.amsgrad), ("max_grad_norm", args.max_grad_norm)) if value is not None}
+    if options and not args.optimizer:
+        given = next(iter(options))
         parser.error(f"--{given.replace('_', '-')} is an option of the optimizer step: it needs --optimizer")
     if args.optimizer:
         from normgrad.graphs.optimizers import check_hyperparameters
 
-        if args.optimizer == "adamw":
-            optimizer_options.setdefault("weight_decay", 0.01)
         try:
-            check_hyperparameters(args.optimizer, command_line=True, **optimizer_options)
+            check_hyperparameters(args.optimizer, command_line=True, **options)
         except TypeError as error:
             name = str(error).split("'")[1]
             parser.error(f"--{name.replace('_', '-')} is not an option of --optimizer {args.optimizer} ({error})")
         except ValueError as error:
             parser.error(f"--optimizer {args.optimizer}: {error}")
-    loss_options = {name: value for name, value in (("label_smoothing", args.label_smoothing),
-                                                    ("ignore_index", args.ignore_index), ("beta", args.beta))
-                    if value is not None}
+    return options
+
+
+def _loss_options(parser, args) -> dict:
+    """The loss's keyword options given on the command line, checked."""
+    from normgrad.graphs.losses import LOSS_OPTIONS
+
+    options = {name: value for name, value in (("label_smoothing", args.label_smoothing),
+                                               ("ignore_index", args.ignore_index), ("beta", args.beta))
+               if value is not None}
     if args.label_smoothing is not None and not 0.0 <= args.label_smoothing <= 1.0:
         parser.error(f"--label-smoothing must be in [0, 1]; got {args.label_smoothing}")
     if args.beta is not None and not args.beta >= 0:
         parser.error(f"--beta must be >= 0; got {args.beta}")
-    for name in loss_options:
+    for name in options:
         if name not in LOSS_OPTIONS.get(args.loss, ()):
             parser.error(f"--{name.replace('_', '-')} is an option of "
                          f"{' '.join(k for k, v in LOSS_OPTIONS.items() if name in v)} (--loss {args.loss})")
+    return options
+
+
+def _check_usage(parser, args) -> None:
+    """The usage errors between flags (``parser.error``)."""
+    if args.optimizer and not (args.loss or args.loss_output):
+        parser.error("--optimizer needs --loss or --loss-output")
+    if args.loss and args.loss_output:
+        parser.error("give --loss or --loss-output, not both")
     if args.inline and (args.data_parallel or args.sync_batch_norm):
         parser.error("--inline writes AllReduce as its function body (the identity): it cannot be combined with "
                      "--data-parallel or --sync-batch-norm")
@@ -126,96 +139,95 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--no-weight-decay needs --optimizer")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
+
+
+def _build(args, optimizer_options: dict, loss_options: dict, input_files: list):
+    """(the graph to write, its initial state) of the forward model ``args.model``: its
+    training graph, or with ``--optimizer`` its step graph. ``input_files`` gets the input's
+    external data files."""
+    from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.graphs.builder import frozen_parameters
+    from normgrad.graphs.data_parallel import DEFAULT_BUCKET_BYTES
+    from normgrad.graphs.portable import as_exported, make_portable
+    from normgrad.graphs.torch_exports import TorchExportWarning
+
+    def keep_external(model):  # sees the model before its external data is read
+        input_files.extend(("a data file of the input model", path)
+                           for path in external_data_files(model, os.path.dirname(os.path.abspath(args.model))))
+        return _frozen_weights(model, args.freeze, args.trainable)
+
+    forward = load_model(args.model, keep_external=keep_external)
+    _refuse_beyond_memory(args.model, forward)
+    frozen = frozen_parameters(forward, args.freeze, args.trainable)
     bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
-    checkpoint_path = args.checkpoint or beside_step_graph(args.output, ".ckpt")
-    eval_path = eval_graph_path(args.output)
-    outputs = {"output (-o)": args.output, "checkpoint (--checkpoint)": checkpoint_path,
-               **({"evaluation graph": eval_path} if args.optimizer else {})}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TorchExportWarning)
+        training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
+                                        loss_options=loss_options, loss_output=args.loss_output,
+                                        data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
+                                        bucket_bytes=bucket_bytes,
+                                        portable=args.portable and not args.optimizer)  # the step graph's, below
+        del forward  # the training graph holds all of it
+    for warning in caught:
+        if issubclass(warning.category, TorchExportWarning):
+            print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    if not args.optimizer:
+        return training
+    if (args.freeze or args.trainable) and not training.weights:
+        raise _NothingToTrain("--freeze/--trainable leave no weight to train; --optimizer needs at least one (see --help)")
+    step, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
+                                     no_weight_decay=args.no_weight_decay, **optimizer_options)
+    del training
+    written, _ = (make_portable if args.portable else as_exported)(step, in_place=True)
+    return written, initial
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``normgrad export``; returns the process exit code (2: usage error,
+    1: a model it cannot export or a file it cannot write)."""
+    import onnx
+
+    from normgrad.graphs import UnsupportedOperatorError
+    from normgrad.graphs.artifacts import artifact_paths, check_artifact_paths, save_artifacts
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.clip_grad_norm is not None:
+        print("normgrad export: warning: --clip-grad-norm is deprecated; use --max-grad-norm", file=sys.stderr)
+        if args.max_grad_norm is not None:
+            parser.error("give --max-grad-norm, not also its old name --clip-grad-norm")
+        args.max_grad_norm = args.clip_grad_norm
+    _check_usage(parser, args)
+    optimizer_options = _optimizer_options(parser, args)
+    loss_options = _loss_options(parser, args)
+    artifacts = artifact_paths(args.output, args.checkpoint, eval_graph=bool(args.optimizer))
+    input_files = [("the input model", args.model)]
     try:
-        refuse_aliases(outputs, {"the input model": args.model})
-    except ValueError as error:
+        check_artifact_paths(artifacts, input_files)
+    except PathAliasError as error:
         print(f"normgrad export: {error}", file=sys.stderr)
         return 2
-    for what, path in [("the output", args.output), ("the checkpoint", checkpoint_path)]:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            print(f"normgrad export: cannot write {what} {path}: no folder {folder}", file=sys.stderr)
-            return 1
+    except OSError as error:
+        print(f"normgrad export: cannot write {error.filename}: {error.strerror}; nothing was written", file=sys.stderr)
+        return 1
     try:
         refuse_irregular_file(args.model, "input model")
-        for what, path in outputs.items():
-            refuse_irregular_file(path, what)
     except OSError as error:
         print(f"normgrad export: {error.filename}: {error.strerror}; nothing was written", file=sys.stderr)
         return 1
-    target = args.output
     try:
-        input_files = [("the input model", args.model)]
-
-        def keep_external(model):  # sees the model before its external data is read
-            input_files.extend(("a data file of the input model", path)
-                               for path in external_data_files(model, os.path.dirname(os.path.abspath(args.model))))
-            return _frozen_weights(model, args.freeze, args.trainable)
-
-        forward = load_model(args.model, keep_external=keep_external)
-        _refuse_beyond_memory(args.model, forward)
         try:
-            refuse_aliases(outputs, input_files)
-        except ValueError as error:
+            written, initial = _build(args, optimizer_options, loss_options, input_files)
+            check_artifact_paths(artifacts, input_files)  # the input's external data files too
+        except (PathAliasError, _NothingToTrain) as error:
             print(f"normgrad export: {error}", file=sys.stderr)
             return 2
-        frozen = frozen_parameters(forward, args.freeze, args.trainable)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", TorchExportWarning)
-            training = build_training_graph(forward, loss=args.loss, inline=args.inline, frozen=frozen,
-                                            loss_options=loss_options, loss_output=args.loss_output,
-                                            data_parallel=args.data_parallel, sync_batch_norm=args.sync_batch_norm,
-                                            bucket_bytes=bucket_bytes,
-                                            portable=args.portable and not args.optimizer)  # the step graph's, below
-            del forward  # the training graph holds all of it
-        for warning in caught:
-            if issubclass(warning.category, TorchExportWarning):
-                print(f"normgrad export: warning: {one_line(warning.message)}", file=sys.stderr)
-            else:
-                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-        if args.optimizer and (args.freeze or args.trainable) and not training.weights:
-            print("normgrad export: --freeze/--trainable leave no weight to train; --optimizer needs at least one "
-                  "(see --help)", file=sys.stderr)
-            return 2
-        from normgrad.graphs.portable import as_exported, make_portable
-
-        evaluation = None
-        if args.optimizer:
-            from normgrad.graphs import build_step_graph
-            from normgrad.graphs.optimizers import build_eval_graph
-
-            step, initial = build_step_graph(training, args.optimizer, dropout_seed=args.seed or 0,
-                                             no_weight_decay=args.no_weight_decay, **optimizer_options)
-            del training
-            finish = make_portable if args.portable else as_exported
-            written, _ = finish(step, in_place=True)
-            evaluation = build_eval_graph(written)
-        else:
-            written, initial = training
-        # every file is built and staged under a temporary name before any is put in place, then
-        # all are committed as one set (normgrad._files.commit_files): a failure or a kill leaves
-        # the old graphs and checkpoint (a trained one) or the new ones. A frozen base in
-        # external data stays there (graphs in the input's folder) or is copied to
-        # OUTPUT.HASH.data, which both graphs share.
-        from normgrad import checkpoint
-
-        graphs = {args.output: written, **({eval_path: evaluation} if evaluation is not None else {})}
-        with staging() as staged:
-            try:
-                staged += stage_models_external(graphs, os.path.dirname(os.path.abspath(args.model)), share=True)
-            except ValueError as error:
-                raise CommandError(f"cannot write {args.output}: {one_line(error)}") from None
-            target = checkpoint_path
-            staged += checkpoint.stage(checkpoint_path, initial)
-        target = args.output
-        commit_files(staged)
+        save_artifacts(artifacts.graph, written, initial, eval_graph=bool(args.optimizer),
+                       checkpoint=artifacts.checkpoint, data_folder=os.path.dirname(os.path.abspath(args.model)))
     except OSError as error:
-        print(f"normgrad export: cannot write {target}: {error.strerror or error}", file=sys.stderr)
+        print(f"normgrad export: cannot write {error.filename or args.output}: {error.strerror or error}", file=sys.stderr)
         return 1
     except (CommandError, UnsupportedOperatorError, ValueError, onnx.checker.ValidationError,
             onnx.shape_inference.InferenceError) as error:
@@ -224,18 +236,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MemoryError:
         print(f"normgrad export: out of memory exporting {args.model}; nothing was written", file=sys.stderr)
         return 1
+    print(_summary(args, artifacts, written))
+    return 0
+
+
+def _summary(args, artifacts, written) -> str:
+    """The line ``normgrad export`` prints when it wrote the set."""
     folder = os.path.dirname(args.output)
     data = sorted({os.path.join(folder, entry.value) for t in written.graph.initializer if uses_external_data(t)
                    for entry in t.external_data if entry.key == "location"})
     frozen = f"; frozen weights in {', '.join(data)}" if data else ""
     if args.optimizer:
-        print(f"wrote {args.output}: {len(written.graph.node)} nodes, {args.optimizer} step; initial state in "
-              f"{checkpoint_path}; evaluation graph in {eval_path}{frozen}")
-        return 0
+        return (f"wrote {args.output}: {len(written.graph.node)} nodes, {args.optimizer} step; initial state in "
+                f"{artifacts.checkpoint}; evaluation graph in {artifacts.eval_graph}{frozen}")
     grads = [o.name for o in written.graph.output if o.name.endswith("_grad")]
-    print(f"wrote {args.output}: {len(written.graph.node)} nodes, {len(grads)} gradient outputs; "
-          f"initial weights in {checkpoint_path}{frozen}")
-    return 0
+    return (f"wrote {args.output}: {len(written.graph.node)} nodes, {len(grads)} gradient outputs; "
+            f"initial weights in {artifacts.checkpoint}{frozen}")
 
 
 EXPORT_BYTES_PER_NODE = 13 * 1024

@@ -67,18 +67,23 @@ _RULES: Dict[str, Rule] = {}
 _NORMGRAD_RULES: Dict[str, Rule] = {}
 """The rules of normgrad-domain forward ops, which the builder's own forward rewrites write
 (e.g. SafeSoftmax); not listed by :func:`supported_op_types` (no exported model has them)."""
+CONTRIB_DOMAIN = "com.microsoft"
+_CONTRIB_RULES: Dict[str, Rule] = {}
+"""The rules of onnxruntime's ``com.microsoft`` ops (the ones its own tools write)."""
 
 
-def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: int = 15, normgrad_domain: bool = False):
+def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: int = 15, normgrad_domain: bool = False,
+             contrib: bool = False):
     """Decorator registering ``gradient`` as the rule of each of ``op_types``.
 
     Args:
-        op_types: default-domain op types (normgrad-domain ones with ``normgrad_domain``).
+        op_types: default-domain op types (normgrad-domain ones with ``normgrad_domain``,
+            ``com.microsoft`` ones with ``contrib``).
         inputs: differentiable inputs (see :class:`Rule`).
         outputs: outputs whose gradient the rule reads (see :class:`Rule`).
         min_opset: lowest opset the backward nodes need.
     """
-    rules = _NORMGRAD_RULES if normgrad_domain else _RULES
+    rules = _NORMGRAD_RULES if normgrad_domain else _CONTRIB_RULES if contrib else _RULES
 
     def decorate(gradient: GradientFn) -> GradientFn:
         for op_type in op_types:
@@ -100,14 +105,18 @@ def lookup(node: onnx.NodeProto) -> Optional[Rule]:
     """The rule of ``node``, or None if its op type has none."""
     if node.domain == DOMAIN:
         return _NORMGRAD_RULES.get(node.op_type)
+    if node.domain == CONTRIB_DOMAIN:
+        return _CONTRIB_RULES.get(node.op_type)
     if node.domain not in ("", "ai.onnx"):
         return None
     return _RULES.get(node.op_type)
 
 
 def supported_op_types() -> Dict[str, bool]:
-    """Every op type with a rule, mapped to whether it is differentiable."""
-    return {op_type: rule.gradient is not None for op_type, rule in sorted(_RULES.items())}
+    """Every op type with a rule, mapped to whether it is differentiable (``com.microsoft`` ones
+    as ``com.microsoft.OpType``)."""
+    rules = {**_RULES, **{f"{CONTRIB_DOMAIN}.{op_type}": rule for op_type, rule in _CONTRIB_RULES.items()}}
+    return {op_type: rule.gradient is not None for op_type, rule in sorted(rules.items())}
 
 
 # Importing the rule modules registers their rules.
@@ -119,6 +128,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     conv,
     cumsum,
     depth_to_space,
+    dft,
     dropout,
     einsum,
     elementwise,
@@ -140,4 +150,5 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     select,
     shape,
     slice,
+    topk,
 )

@@ -102,7 +102,7 @@ class BatchFeeds:
         output = self._loss_metadata.get("output")
         graph = self.step_model.graph
         if not any(info.name == output for info in graph.value_info):
-            from normgrad.graphs.optimizers import expose_forward_outputs, forward_outputs
+            from normgrad.graphs.step_graph import expose_forward_outputs, forward_outputs
 
             try:
                 # the output where only the forward tail computes it (a bias Add the loss absorbed)

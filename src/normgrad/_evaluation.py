@@ -2,7 +2,7 @@
 in eval mode with the current state, and no update.
 
 :class:`Evaluation`, a base of the Trainer, runs the evaluation graph (the one exported
-beside the step graph, or one built from it: :func:`normgrad.graphs.optimizers.build_eval_graph`),
+beside the step graph, or one built from it: :func:`normgrad.graphs.step_graph.build_eval_graph`),
 checked against the step graph's state and data inputs, in a session made on first use.
 :class:`EvalResult` is what it returns."""
 
@@ -52,11 +52,11 @@ class Evaluation:
 
     def _evaluation_part(self) -> _Part:
         if self._evaluation is None:
-            from normgrad.graphs import optimizers
+            from normgrad.graphs import step_graph
 
             source = self._eval_source
             if source is None:
-                model = optimizers.build_eval_graph(self.step_model)
+                model = step_graph.build_eval_graph(self.step_model)
             else:
                 model = source if isinstance(source, onnx.ModelProto) else _load_step_graph(source)
             step_inputs = {i.name: i for i in self.step_model.graph.input}

@@ -4,6 +4,7 @@ scheduler writes between steps (as torch's write ``optimizer.param_groups[g]["lr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import MutableMapping
@@ -19,9 +20,6 @@ from normgrad.graphs.optimizers import HYPERPARAMETER_INPUTS as NAMES
 CHECKPOINT_METADATA = "normgrad.hyperparameters"
 """Checkpoint metadata key: JSON {name: value} of the hyperparameters the next step uses (those
 that follow no schedule)."""
-
-_OPTION_NAMES = {"max_grad_norm": "clip_grad_norm"}  # the export option each name was given as, where it differs
-
 
 def _number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
@@ -43,6 +41,8 @@ class Hyperparameters(MutableMapping):
         self._schedules: Dict[str, Callable[[int], float]] = {}
         self._options = dict(options)  # the structural options the rules read (nesterov, momentum buffer)
         self._next_step = next_step
+        self._unusable: Dict[str, str] = {}  # name -> why its value (set while deferring) cannot be used
+        self._deferring = False
 
     def __getitem__(self, name: str) -> float:
         if name in self._schedules:
@@ -51,8 +51,25 @@ class Hyperparameters(MutableMapping):
 
     def __setitem__(self, name: str, value) -> None:
         self._known(name)
-        self._values[name] = self._check(name, value, f"hyperparameters[{name!r}] = {value!r}")
+        try:
+            self._values[name] = self._check(name, value, f"hyperparameters[{name!r}] = {value!r}")
+            self._unusable.pop(name, None)
+        except TrainerError as error:
+            if not (self._deferring and _number(value) and math.isfinite(float(value))):
+                raise
+            self._values[name], self._unusable[name] = float(value), str(error)
         self._schedules.pop(name, None)
+
+    @contextlib.contextmanager
+    def deferring_checks(self) -> Iterator[None]:
+        """Inside, a finite value that breaks a rule is kept and refused when a step uses it,
+        not when set: torch lets a scheduler compute a value no step uses (OneCycleLR's
+        learning rate after the last step, just below 0 with ``anneal_strategy="linear"``)."""
+        self._deferring, before = True, self._deferring
+        try:
+            yield
+        finally:
+            self._deferring = before
 
     def __delitem__(self, name: str) -> None:
         raise TrainerError(f"hyperparameter {name!r} cannot be removed: the step graph takes it at every step")
@@ -80,16 +97,20 @@ class Hyperparameters(MutableMapping):
 
     def value(self, name: str, step: int) -> float:
         """The checked value of ``name`` at the 1-based ``step``."""
+        if name in self._unusable:
+            raise TrainerError(f"step {step} cannot use {name} {self._values[name]!r}: {self._unusable[name]}")
         if name not in self._schedules:
             return self._values[name]
         returned = self._schedules[name](step)
         return self._check(name, returned, f"the {name} schedule returned {returned!r} for step {step}")
 
     def restore(self, saved: Mapping[str, float]) -> None:
-        """The values a checkpoint saved, for the names it has and that follow no schedule."""
-        for name, value in saved.items():
-            if name in self._values and name not in self._schedules:
-                self[name] = value
+        """The values a checkpoint saved, for the names it has and that follow no schedule (a
+        value no step may use, as a scheduler left it after the last step, refused when used)."""
+        with self.deferring_checks():
+            for name, value in saved.items():
+                if name in self._values and name not in self._schedules:
+                    self[name] = value
 
     def _known(self, name: str) -> None:
         if name not in self._values:
@@ -103,6 +124,7 @@ class Hyperparameters(MutableMapping):
         from normgrad.graphs.optimizers import check_hyperparameters
 
         rule = ("a learning rate must be a finite number >= 0 that float32 holds" if name == "lr"
+                else "max_grad_norm must be a number > 0 (inf: no clipping)" if name == "max_grad_norm"
                 else f"{name} must be a finite number")
         if not _number(value):
             raise TrainerError(f"{what}; {rule}")
@@ -111,11 +133,13 @@ class Hyperparameters(MutableMapping):
         except OverflowError:  # an int beyond float64
             raise TrainerError(f"{what}; {rule}") from None
         with np.errstate(over="ignore"):
-            if not (math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
+            off = name == "max_grad_norm" and number == math.inf  # clip_grad_norm_'s max_norm=inf: no clipping
+            if not (off or math.isfinite(number) and np.isfinite(np.float32(number))) or (name == "lr" and number < 0):
                 raise TrainerError(f"{what}; {rule}")
-        values = {**{n: self._values[n] for n in self._values}, name: number}
-        options = {_OPTION_NAMES.get(n, n): v for n, v in values.items() if n not in ("beta1", "beta2")}
-        if "beta1" in values:
+        # a value kept for refusal when used (see deferring_checks) is no rule for the others
+        values = {**{n: v for n, v in self._values.items() if n not in self._unusable}, name: number}
+        options = {n: v for n, v in values.items() if n not in ("beta1", "beta2")}
+        if "beta1" in values and "beta2" in values:
             options["betas"] = (values["beta1"], values["beta2"])
         try:
             check_hyperparameters(self._kind, **options, **self._options)

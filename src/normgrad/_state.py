@@ -132,7 +132,7 @@ class TrainerState:
     def inference_model(self) -> onnx.ModelProto:
         """The forward model with the trained weights and running statistics as initializers,
         BatchNormalization in inference mode and Dropout as Identity: any onnxruntime runs it."""
-        from normgrad.graphs.optimizers import build_inference_model
+        from normgrad.graphs.step_graph import build_inference_model
 
         return build_inference_model(self.step_model, self.state_dict())
 

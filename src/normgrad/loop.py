@@ -1,132 +1,52 @@
 """The training loop above :meth:`Trainer.step`: :func:`fit` (``trainer.fit``) runs epochs
 over training batches, evaluates over a whole validation set (:func:`normgrad.metrics.evaluate`),
-calls :class:`Callback` hooks, stops early (:class:`EarlyStopping`), steps a scheduler
-(:mod:`normgrad.schedules`), keeps the best and the last checkpoints in a folder and resumes
-from the latest of them bitwise, shows a tqdm progress bar, and logs to CSV, TensorBoard and
-a PNG (:mod:`normgrad.logs`). Everything is optional.
+steps a scheduler (:mod:`normgrad.schedules`) and calls the callbacks
+(:mod:`normgrad.callbacks`, as Lightning's) that do the rest: stop early
+(:class:`EarlyStopping`), write checkpoints and resume from them bitwise
+(:class:`ModelCheckpoint`), log to CSV, TensorBoard and a PNG, and show a tqdm progress bar.
+``fit``'s options ``checkpoint_dir``, ``log_dir`` and ``progress`` build those callbacks.
+Everything is optional.
 
 What the loop records: a *step record* per optimizer step, ``{"epoch", "step", "loss"}``
 with the hyperparameters the step used (``lr``, and those of ``trainer.hyperparameters``:
-``weight_decay``, ``beta1``, ...; the values a scheduler set, as torch's), and an *evaluation record* at each epoch's end (and every ``evaluate_every``
-steps), ``{"epoch", "step", "train_loss"}`` (the mean training loss since the previous
-evaluation) with, given validation batches, ``val_loss`` and ``val_<metric>``. Early
-stopping, the best checkpoint and ReduceLROnPlateau judge evaluation records.
+``weight_decay``, ``beta1``, ...; the values a scheduler set, as torch's), and an
+*evaluation record* at each epoch's end (and every ``evaluate_every`` steps), ``{"epoch",
+"step", "train_loss"}`` (the mean training loss since the previous evaluation) with, given
+validation batches, ``val_loss`` and ``val_<metric>``. Early stopping, the checkpoints and
+ReduceLROnPlateau judge evaluation records (a NaN value is never the best).
 
-Checkpoints (``checkpoint_dir``): ``step-00000120.ckpt`` (the trainer's state,
-:meth:`Trainer.save`, with its hyperparameters) and ``step-00000120.json`` (the loop's
-position, history, scheduler and callback states) after each evaluation, at each epoch's end
-and every ``checkpoint_every`` steps, the last ``keep_last`` kept; ``best-00000120.ckpt``
-and ``.json`` at the best evaluation so far of ``monitor``. Each file is written atomically,
-the ``.json`` after its ``.ckpt``: a crash leaves complete pairs. ``resume=True`` continues
-from the latest pair: with the same training batches in the same order (a list, a
-DataLoader without shuffling, or a function ``epoch -> batches`` such as
-:func:`array_batches`), the run goes on bitwise as if it had not stopped.
+Checkpoints (``checkpoint_dir``: a :class:`ModelCheckpoint` with ``save_last=keep_last``,
+``every_n_train_steps=checkpoint_every`` and the best of ``monitor``): ``step-00000120.ckpt``
+(the trainer's state, :meth:`Trainer.save`, with its hyperparameters) and
+``step-00000120.json`` (the loop's position, history, scheduler and callback states) after
+each evaluation and every ``checkpoint_every`` steps, one pair per step at most, the last
+``keep_last`` kept; ``best-00000120.ckpt`` and ``.json`` at the best evaluation so far of
+``monitor``. Each file is written atomically, the ``.json`` after its ``.ckpt``: a crash
+leaves complete pairs. A run that does not resume refuses a folder holding checkpoints.
+``resume=True`` continues from the pair written last: with the same training batches in
+the same order (a list, a DataLoader without shuffling, or a function ``epoch -> batches``
+such as :func:`array_batches`), the run goes on bitwise as if it had not stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import math
 import os
-import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike, write_bytes_atomic
+from normgrad._files import PathLike
 from normgrad._session import TrainerError
+from normgrad.callbacks import (Callback, CSVLogger, EarlyStopping, ModelCheckpoint, PlotLogger, ProgressBar,
+                                TensorBoardLogger)
+from normgrad.callbacks.base import check_mode, improved, monitored
 from normgrad.metrics import Metric, evaluate
 
-__all__ = ["fit", "FitResult", "Callback", "EarlyStopping", "array_batches"]
-
-_CHECKPOINT = re.compile(r"^(step|best)-(\d{8,})\.json$")
-
-
-class Callback:
-    """Hooks :func:`fit` calls; override those you need. ``loop`` is the running loop: its
-    ``trainer``, ``epoch``, ``history`` (step records), ``evaluations`` (evaluation
-    records); set ``loop.should_stop = True`` to end the run after the current step.
-    A callback with state to carry over a resume returns it from :meth:`state_dict` (JSON
-    values) and takes it back in :meth:`load_state_dict` (matched by its class and its rank
-    among the callbacks of that class)."""
-
-    def on_fit_start(self, loop) -> None:
-        """Before the first step (after a resume's state is restored)."""
-
-    def on_step_end(self, loop, record: Dict[str, float]) -> None:
-        """After each optimizer step, with its step record."""
-
-    def on_evaluation_end(self, loop, record: Dict[str, float]) -> None:
-        """After each evaluation, with its evaluation record."""
-
-    def on_epoch_end(self, loop, record: Dict[str, float]) -> None:
-        """After each epoch (after its evaluation), with the epoch's evaluation record."""
-
-    def on_fit_end(self, loop) -> None:
-        """When the run ends, finished, stopped or failed."""
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
-
-
-def _improved(value: float, best: Optional[float], mode: str, min_delta: float = 0.0) -> bool:
-    if best is None:
-        return not math.isnan(value)
-    return value < best - min_delta if mode == "min" else value > best + min_delta
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("min", "max"):
-        raise TrainerError(f"mode must be 'min' or 'max', got {mode!r}")
-
-
-class EarlyStopping(Callback):
-    """Stops the run when ``monitor`` (a name of the evaluation records, e.g. ``val_loss``,
-    ``val_accuracy``) has not improved by more than ``min_delta`` for ``patience``
-    evaluations in a row (``mode``: ``"min"`` or ``"max"`` is better)."""
-
-    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
-        _check_mode(mode)
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise TrainerError(f"patience must be an integer >= 1, got {patience!r}")
-        if not min_delta >= 0:
-            raise TrainerError(f"min_delta must be >= 0, got {min_delta!r}")
-        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)
-        self.best: Optional[float] = None
-        self.wait = 0
-        self.stopped_at: Optional[int] = None
-
-    def on_fit_start(self, loop) -> None:
-        if self.stopped_at is not None:  # a resumed run that had stopped stays stopped
-            loop.should_stop = True
-
-    def on_evaluation_end(self, loop, record: Dict[str, float]) -> None:
-        value = _monitored(record, self.monitor)
-        if _improved(value, self.best, self.mode, self.min_delta):
-            self.best, self.wait = value, 0
-            return
-        self.wait += 1
-        if self.wait >= self.patience:
-            self.stopped_at = int(record["step"])
-            loop.should_stop = True
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"best": self.best, "wait": self.wait, "stopped_at": self.stopped_at}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.best, self.wait, self.stopped_at = state["best"], state["wait"], state["stopped_at"]
-
-
-def _monitored(record: Mapping[str, float], name: str) -> float:
-    if name not in record:
-        raise TrainerError(f"monitor {name!r} is not among the evaluation's values: "
-                           f"{', '.join(n for n in record if n not in ('epoch', 'step'))}")
-    return float(record[name])
+__all__ = ["fit", "FitResult", "Callback", "EarlyStopping", "ModelCheckpoint", "array_batches"]
 
 
 def array_batches(arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool = False, seed: int = 0,
@@ -176,21 +96,133 @@ class FitResult:
 
 
 class _Loop:
-    """The running loop's state (what the callbacks see and the checkpoints' ``.json`` holds)."""
+    """The running loop: what the callbacks see (``trainer``, ``epoch``, ``epochs``, ``batch``,
+    ``batches``, ``history``, ``evaluations``, ``columns``, ``should_stop``, ``at_epoch_end``)
+    and what a checkpoint's ``.json`` holds (:meth:`checkpoint_state`)."""
 
-    def __init__(self, trainer, columns: List[str]):
-        self.trainer = trainer
-        self.columns = columns
+    def __init__(self, trainer, train, epochs: int, columns: List[str], callbacks: List[Callback], scheduler,
+                 scheduler_interval: str, evaluation, metrics: Dict[str, Metric], output: Optional[str], labels: str,
+                 evaluate_every: Optional[int], monitor: str, mode: str):
+        from normgrad import schedules
+
+        self.trainer, self.train, self.epochs, self.columns, self.callbacks = trainer, train, epochs, columns, callbacks
+        self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
+        self.plateau = isinstance(scheduler, schedules.ReduceLROnPlateau)
+        self.evaluation, self.metrics, self.output, self.labels = evaluation, metrics, output, labels
+        self.evaluate_every, self.monitor, self.mode = evaluate_every, monitor, mode
         self.epoch, self.batch = 1, 0  # the epoch running, and how many of its batches are done
+        self.batches: Iterable = ()
         self.history: List[Dict[str, float]] = []
         self.evaluations: List[Dict[str, float]] = []
         self.since_evaluation: List[float] = []
         self.best: Optional[Dict[str, float]] = None
         self.should_stop = False
+        self.at_epoch_end = False  # during the evaluation that ends an epoch
 
     def records(self) -> List[Dict[str, float]]:
         """Step and evaluation records in the order they were made."""
         return sorted(self.history + self.evaluations, key=lambda r: (r["step"], "train_loss" in r))
+
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """What a checkpoint's ``.json`` holds (the callbacks' ``on_save_checkpoint`` first)."""
+        for callback in self.callbacks:
+            callback.on_save_checkpoint(self)
+        return {"epoch": self.epoch, "batch": self.batch, "history": self.history, "evaluations": self.evaluations,
+                "since_evaluation": self.since_evaluation, "best": self.best,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "callbacks": {key: c.state_dict() for key, c in _keyed(self.callbacks).items() if c.state_dict()}}
+
+    def run(self) -> None:
+        try:
+            for callback in self.callbacks:
+                callback.on_fit_start(self)
+            if self.batch and not self.should_stop:  # resumed from a checkpoint written before its step's evaluation
+                self._evaluate_if_due()
+            while self.epoch <= self.epochs and not self.should_stop and self._run_epoch():
+                pass
+        finally:
+            for callback in self.callbacks:
+                callback.on_fit_end(self)
+
+    def _run_epoch(self) -> bool:
+        """The epoch (a resumed one: its batches not done yet); False when stopped mid-epoch."""
+        self.batches = self.train(self.epoch) if callable(self.train) else self.train
+        for callback in self.callbacks:
+            callback.on_epoch_start(self)
+        position = 0
+        for batch in self.batches:
+            position += 1
+            if position <= self.batch:  # done before the checkpoint this run resumed from
+                continue
+            self._step(batch, position)
+            if self.should_stop:
+                return False
+        if position == 0:
+            raise TrainerError(f"the training batches yielded no batch in epoch {self.epoch}"
+                               + (" (a generator runs out after one epoch: pass a list or a function of "
+                                  "the epoch)" if self.epoch > 1 else ""))
+        self.at_epoch_end = True
+        try:
+            record = (self.evaluations[-1] if self._evaluated() else self._evaluate())
+        finally:
+            self.at_epoch_end = False
+        for callback in self.callbacks:
+            callback.on_epoch_end(self, record)
+        if self.scheduler is not None and not self.plateau and self.scheduler_interval == "epoch":
+            self._step_scheduler()
+        self.epoch, self.batch = self.epoch + 1, 0
+        return True
+
+    def _step(self, batch, position: int) -> None:
+        for callback in self.callbacks:
+            callback.on_batch_start(self, batch)
+        for callback in self.callbacks:
+            callback.on_before_optimizer_step(self, batch)
+        trainer = self.trainer
+        used = {name: float(trainer.hyperparameters[name]) for name in _hyperparameter_names(trainer)}
+        positional = batch if isinstance(batch, (tuple, list)) else (batch,)
+        result = trainer.step(*positional, outputs=[])
+        self.batch = position
+        record = {"epoch": self.epoch, "step": trainer.step_count, "loss": result.loss, **used}
+        self.history.append(record)
+        self.since_evaluation.append(result.loss)
+        if self.scheduler is not None and not self.plateau and self.scheduler_interval == "step":
+            self._step_scheduler()
+        for callback in self.callbacks:
+            callback.on_step_end(self, record)
+        self._evaluate_if_due()
+
+    def _step_scheduler(self, *value: float) -> None:
+        """``scheduler.step()``; a value it sets that no step can use (OneCycleLR's lr past its
+        last step, just below 0) is refused when a step uses it, as torch lets it be."""
+        deferring = getattr(self.trainer.hyperparameters, "deferring_checks", None)
+        with deferring() if deferring is not None else contextlib.nullcontext():
+            self.scheduler.step(*value)
+
+    def _evaluated(self) -> bool:
+        return bool(self.evaluations) and self.evaluations[-1]["step"] == self.trainer.step_count
+
+    def _evaluate_if_due(self) -> None:
+        every = self.evaluate_every
+        if every is not None and self.trainer.step_count % every == 0 and not self._evaluated():
+            self._evaluate()
+
+    def _evaluate(self) -> Dict[str, float]:
+        record = {"epoch": self.epoch, "step": self.trainer.step_count,
+                  "train_loss": float(np.mean(self.since_evaluation)) if self.since_evaluation else float("nan")}
+        if self.evaluation is not None:
+            batches = self.evaluation(self.epoch) if callable(self.evaluation) else self.evaluation
+            record.update(evaluate(self.trainer, batches, self.metrics, output=self.output, labels=self.labels))
+        self.since_evaluation = []
+        self.evaluations.append(record)
+        value = monitored(record, self.monitor)
+        if self.plateau:
+            self._step_scheduler(value)
+        if improved(value, None if self.best is None else self.best[self.monitor], self.mode):
+            self.best = record
+        for callback in self.callbacks:
+            callback.on_evaluation_end(self, record)
+        return record
 
 
 def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: int = 1,
@@ -209,7 +241,8 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
             epoch (and every ``evaluate_every`` steps): ``val_loss`` and ``val_<name>`` for
             each of ``metrics`` (``{name: f(outputs, labels)}``, :mod:`normgrad.metrics`),
             taken on the forward ``output`` (default: the loss's) and the batch input ``labels``.
-        callbacks: :class:`Callback` objects (e.g. :class:`EarlyStopping`), called in order.
+        callbacks: :class:`~normgrad.callbacks.Callback` objects (e.g. :class:`EarlyStopping`,
+            :class:`ModelCheckpoint`), called in order, the ModelCheckpoint ones last.
         scheduler: a :mod:`normgrad.schedules` scheduler on this trainer: ``step()`` after
             each optimizer step (``scheduler_interval="step"``, e.g. OneCycleLR) or after each
             epoch (``"epoch"``); a ReduceLROnPlateau gets ``step(monitor's value)`` after each
@@ -217,20 +250,55 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
         monitor, mode: the evaluation value that picks the best checkpoint and that
             ReduceLROnPlateau watches (default ``val_loss`` given ``evaluation``, else
             ``train_loss``), lower (``"min"``) or higher (``"max"``) being better.
-        checkpoint_dir, keep_last, checkpoint_every: see the module's description.
-        resume: continue from the latest checkpoint in ``checkpoint_dir`` (from the start
-            when it holds none).
+        checkpoint_dir, keep_last, checkpoint_every: a :class:`ModelCheckpoint` (see the
+            module's description).
+        resume: continue from the checkpoint written last in ``checkpoint_dir`` (or, without
+            it, in the first ModelCheckpoint's ``dirpath``; from the start when it holds none).
         log_dir: writes ``metrics.csv``, TensorBoard events (when the tensorboard package
             is installed) and ``training.png`` (when matplotlib is) there. A data-parallel
             trainer (:mod:`normgrad.mpi`) logs, shows progress and writes files on rank 0 only.
         progress: a tqdm progress bar per epoch (when tqdm is installed).
 
     Raises:
-        TrainerError: a bad option, a monitor no evaluation record holds, a folder to resume
-            from whose checkpoint does not fit, and whatever :meth:`Trainer.step` raises.
+        TrainerError: a bad option, a monitor no evaluation record holds, a checkpoint folder
+            holding checkpoints without ``resume``, a folder to resume from whose checkpoint
+            does not fit, and whatever :meth:`Trainer.step` raises.
     """
-    from normgrad import schedules
+    _check_options(trainer, epochs, evaluate_every, checkpoint_every, keep_last, scheduler, scheduler_interval, mode)
+    monitor = monitor or ("val_loss" if evaluation is not None else "train_loss")
+    metrics = dict(metrics or {})
+    for name, metric in metrics.items():
+        if not isinstance(name, str) or not callable(metric):
+            raise TrainerError(f"metrics[{name!r}] must be a function f(outputs, labels) -> number under a string name "
+                               f"(normgrad.metrics.accuracy, ...); got {metric!r}")
+    if metrics and evaluation is None:
+        raise TrainerError("metrics need validation batches (evaluation=...)")
+    own = (ModelCheckpoint(checkpoint_dir, monitor=monitor, mode=mode, save_top_k=1, save_last=keep_last,
+                           every_n_train_steps=checkpoint_every) if checkpoint_dir is not None else None)
+    saving = getattr(trainer, "is_saving_rank", True)
+    given = list(callbacks) + ([own] if own is not None else [])
+    writers = [c for c in given if isinstance(c, ModelCheckpoint)]
+    ordered = ([c for c in given if not isinstance(c, ModelCheckpoint)]
+               + (_loggers(log_dir) + _progress_bar(progress) if saving else []) + writers)
+    evaluation_columns = ["train_loss"] + (["val_loss"] + [f"val_{m}" for m in metrics] if evaluation is not None else [])
+    columns = ["epoch", "step", "loss"] + _hyperparameter_names(trainer) + evaluation_columns
+    loop = _Loop(trainer, train, epochs, columns, ordered, scheduler, scheduler_interval, evaluation, metrics, output,
+                 labels, evaluate_every, monitor, mode)
+    resumed = own or (writers[0] if writers else None)
+    if resume and resumed is None:
+        raise TrainerError("resume=True needs the checkpoint_dir (or a ModelCheckpoint callback) to resume from")
+    _prepare_folders(writers, resume)
+    point = resumed.resume_point() if resume else None
+    if point is not None:
+        _resume(loop, point, scheduler, ordered)
+    loop.run()
+    return FitResult(history=loop.history, evaluations=loop.evaluations, stopped_early=loop.should_stop,
+                     best=loop.best, best_checkpoint=resumed.best_model_path if resumed else None,
+                     last_checkpoint=resumed.last_model_path if resumed else None)
 
+
+def _check_options(trainer, epochs, evaluate_every, checkpoint_every, keep_last, scheduler, scheduler_interval,
+                   mode) -> None:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise TrainerError(f"epochs must be an integer >= 1, got {epochs!r}")
     for name, value in (("evaluate_every", evaluate_every), ("checkpoint_every", checkpoint_every)):
@@ -242,124 +310,26 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
         raise TrainerError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
     if scheduler is not None and getattr(scheduler, "trainer", None) is not trainer:
         raise TrainerError("the scheduler drives another trainer (make it with this one: StepLR(trainer, ...))")
-    if resume and checkpoint_dir is None:
-        raise TrainerError("resume=True needs the checkpoint_dir to resume from")
-    _check_mode(mode)
-    monitor = monitor or ("val_loss" if evaluation is not None else "train_loss")
-    metrics = dict(metrics or {})
-    for name, metric in metrics.items():
-        if not isinstance(name, str) or not callable(metric):
-            raise TrainerError(f"metrics[{name!r}] must be a function f(outputs, labels) -> number under a string name "
-                               f"(normgrad.metrics.accuracy, ...); got {metric!r}")
-    if metrics and evaluation is None:
-        raise TrainerError("metrics need validation batches (evaluation=...)")
-    plateau = isinstance(scheduler, schedules.ReduceLROnPlateau)
-    evaluation_columns = ["train_loss"] + (["val_loss"] + [f"val_{m}" for m in metrics] if evaluation is not None else [])
-    loop = _Loop(trainer, ["epoch", "step", "loss"] + _hyperparameter_names(trainer) + evaluation_columns)
-    folder = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
-    saving = getattr(trainer, "is_saving_rank", True)
-    callbacks = list(callbacks) + (_loggers(log_dir) if saving else [])
-    progress = progress and saving
-    if folder is not None:
-        os.makedirs(folder, exist_ok=True)
-        if resume:
-            _resume(loop, folder, scheduler, callbacks)
+    check_mode(mode)
 
-    def save(prefix: str) -> None:
-        state = {"epoch": loop.epoch, "batch": loop.batch, "history": loop.history, "evaluations": loop.evaluations,
-                 "since_evaluation": loop.since_evaluation, "best": loop.best,
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "callbacks": {key: c.state_dict() for key, c in _keyed(callbacks).items() if c.state_dict()}}
-        name = f"{prefix}-{trainer.step_count:08d}"
-        trainer.save(os.path.join(folder, name + ".ckpt"))
-        if trainer.is_saving_rank:  # (a data-parallel trainer: rank 0 writes)
-            write_bytes_atomic(os.path.join(folder, name + ".json"), json.dumps(state).encode("utf-8"))
-            _prune(folder, prefix, 1 if prefix == "best" else keep_last)
 
-    def evaluate_now() -> Dict[str, float]:
-        record = {"epoch": loop.epoch, "step": trainer.step_count,
-                  "train_loss": float(np.mean(loop.since_evaluation)) if loop.since_evaluation else float("nan")}
-        if evaluation is not None:
-            batches = evaluation(loop.epoch) if callable(evaluation) else evaluation
-            record.update(evaluate(trainer, batches, metrics, output=output, labels=labels))
-        loop.since_evaluation = []
-        loop.evaluations.append(record)
-        value = _monitored(record, monitor)
-        for callback in callbacks:
-            callback.on_evaluation_end(loop, record)
-        if plateau:
-            scheduler.step(value)
-        if loop.best is None or _improved(value, loop.best[monitor], mode):
-            loop.best = record
-            if folder is not None:
-                save("best")
-        return record
-
-    bar = None
-    try:
-        for callback in callbacks:
-            callback.on_fit_start(loop)
-        while loop.epoch <= epochs and not loop.should_stop:
-            batches = train(loop.epoch) if callable(train) else train
-            bar = _progress(progress, batches, loop.epoch, epochs, loop.batch)
-            position, finished = 0, False
-            for batch in batches:
-                position += 1
-                if position <= loop.batch:  # done before the checkpoint this run resumed from
-                    continue
-                used = {name: float(trainer.hyperparameters[name]) for name in _hyperparameter_names(trainer)}
-                result = (trainer.step(*batch, outputs=[]) if isinstance(batch, (tuple, list))
-                          else trainer.step(batch, outputs=[]))
-                loop.batch = position
-                record = {"epoch": loop.epoch, "step": trainer.step_count, "loss": result.loss, **used}
-                loop.history.append(record)
-                loop.since_evaluation.append(result.loss)
-                for callback in callbacks:
-                    callback.on_step_end(loop, record)
-                if scheduler is not None and not plateau and scheduler_interval == "step":
-                    scheduler.step()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{used['lr']:.3g}", refresh=False)
-                if evaluate_every is not None and trainer.step_count % evaluate_every == 0:
-                    evaluate_now()
-                    if folder is not None:
-                        save("step")
-                elif folder is not None and checkpoint_every is not None and trainer.step_count % checkpoint_every == 0:
-                    save("step")
-                if loop.should_stop:
-                    break
-            else:
-                finished = True
-            if position == 0:
-                raise TrainerError(f"the training batches yielded no batch in epoch {loop.epoch}"
-                                   + (" (a generator runs out after one epoch: pass a list or a function of "
-                                      "the epoch)" if loop.epoch > 1 else ""))
-            if not finished:  # stopped mid-epoch
-                if folder is not None:
-                    save("step")
-                break
-            record = (loop.evaluations[-1] if loop.evaluations and loop.evaluations[-1]["step"] == trainer.step_count
-                      else evaluate_now())
-            if bar is not None:
-                bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k not in ("epoch", "step")})
-                bar.close()
-                bar = None
-            for callback in callbacks:
-                callback.on_epoch_end(loop, record)
-            if scheduler is not None and not plateau and scheduler_interval == "epoch":
-                scheduler.step()
-            loop.epoch, loop.batch = loop.epoch + 1, 0
-            if folder is not None:
-                save("step")
-    finally:
-        if bar is not None:
-            bar.close()
-        for callback in callbacks:
-            callback.on_fit_end(loop)
-    return FitResult(history=loop.history, evaluations=loop.evaluations, stopped_early=loop.should_stop,
-                     best=loop.best, best_checkpoint=_latest(folder, "best", ".ckpt"),
-                     last_checkpoint=_latest(folder, "step", ".ckpt"))
+def _prepare_folders(writers: Sequence[ModelCheckpoint], resume: bool) -> None:
+    """Makes the checkpoint folders; refuses one folder for two ModelCheckpoints, and a used
+    folder for a run that does not resume (pruning would rank and delete the earlier run's
+    files with this one's, and best/last would name that run's)."""
+    seen: Dict[str, ModelCheckpoint] = {}
+    for writer in writers:
+        folder = os.path.realpath(writer.dirpath)
+        if folder in seen:
+            raise TrainerError(f"two ModelCheckpoint callbacks write to {writer.dirpath}: give each its own folder")
+        seen[folder] = writer
+        os.makedirs(writer.dirpath, exist_ok=True)
+        used = writer.used()
+        if used and not resume:
+            shown = ", ".join(used[:2]) + (f" and {len(used) - 2} more" if len(used) > 2 else "")
+            raise TrainerError(f"checkpoint folder {writer.dirpath} holds an earlier run's checkpoints ({shown}): "
+                               "continue that run with resume=True (normgrad train: --resume), or write to another "
+                               "folder (normgrad train: another --out or --checkpoint-dir), or empty this one")
 
 
 def _hyperparameter_names(trainer) -> List[str]:
@@ -371,11 +341,9 @@ def _hyperparameter_names(trainer) -> List[str]:
 def _loggers(log_dir: Optional[PathLike]) -> List[Callback]:
     if log_dir is None:
         return []
-    from normgrad import logs
-
     os.makedirs(log_dir, exist_ok=True)
-    loggers: List[Callback] = [logs.CSVLogger(os.path.join(log_dir, "metrics.csv"))]
-    for kind, path in ((logs.TensorBoardLogger, log_dir), (logs.PlotLogger, os.path.join(log_dir, "training.png"))):
+    loggers: List[Callback] = [CSVLogger(os.path.join(log_dir, "metrics.csv"))]
+    for kind, path in ((TensorBoardLogger, log_dir), (PlotLogger, os.path.join(log_dir, "training.png"))):
         try:
             loggers.append(kind(path))
         except (ImportError, TrainerError):  # the optional package is not installed
@@ -383,45 +351,23 @@ def _loggers(log_dir: Optional[PathLike]) -> List[Callback]:
     return loggers
 
 
-def _progress(enabled: bool, batches, epoch: int, epochs: int, done: int):
+def _progress_bar(enabled: bool) -> List[Callback]:
     if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    total = len(batches) if hasattr(batches, "__len__") else None
-    return tqdm(total=total, initial=done, desc=f"epoch {epoch}/{epochs}", unit="step", leave=True)
-
-
-def _checkpoints(folder: Optional[str], prefix: str) -> List[str]:
-    """The checkpoint names (``prefix-STEP``) in ``folder`` with both files, oldest first."""
-    if folder is None or not os.path.isdir(folder):
         return []
-    names = [m.group(0)[:-5] for m in map(_CHECKPOINT.match, os.listdir(folder)) if m and m.group(1) == prefix]
-    return sorted(n for n in names if os.path.isfile(os.path.join(folder, n + ".ckpt")))
+    try:
+        return [ProgressBar()]
+    except ImportError:  # tqdm is not installed
+        return []
 
 
 def _latest(folder: Optional[str], prefix: str, suffix: str) -> Optional[str]:
-    names = _checkpoints(folder, prefix)
+    """The newest complete ``prefix`` pair's file of ``suffix`` in ``folder`` (None: none)."""
+    names = ModelCheckpoint(folder).checkpoints(prefix) if folder is not None else []
     return os.path.join(folder, names[-1] + suffix) if names else None
 
 
-def _prune(folder: str, prefix: str, keep: int) -> None:
-    """Removes all but the newest ``keep`` checkpoints of ``prefix`` (the ``.json`` first)."""
-    for name in _checkpoints(folder, prefix)[:-keep]:
-        for suffix in (".json", ".ckpt"):
-            try:
-                os.remove(os.path.join(folder, name + suffix))
-            except FileNotFoundError:
-                pass
-
-
-def _resume(loop: _Loop, folder: str, scheduler, callbacks: Sequence[Callback]) -> None:
-    """The loop, trainer, scheduler and callbacks as the latest checkpoint in ``folder`` left them."""
-    path = _latest(folder, "step", ".json")
-    if path is None:
-        return
+def _resume(loop: _Loop, path: str, scheduler, callbacks: Sequence[Callback]) -> None:
+    """The loop, trainer, scheduler and callbacks as the checkpoint of ``path`` (a ``.json``) left them."""
     try:
         with open(path, encoding="utf-8") as file:
             state = json.load(file)

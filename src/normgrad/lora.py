@@ -101,7 +101,7 @@ def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
     tensors, the others stay external (write the model with
     :func:`normgrad._external_data.save_models_external`, as :meth:`normgrad.Trainer.export_merged_model`
     does)."""
-    from normgrad.graphs.optimizers import build_inference_model
+    from normgrad.graphs.step_graph import build_inference_model
 
     return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
 
@@ -113,7 +113,7 @@ def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.
     weight's bytes})``, the model still referencing the base weight there; write it with
     :func:`normgrad._external_data.save_models_external` ``(..., contents=...)``, which
     computes them one at a time (the merged weights are never all in memory)."""
-    from normgrad.graphs.optimizers import build_inference_model
+    from normgrad.graphs.step_graph import build_inference_model
 
     model, merged_weights = _merge(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
     external = {t.name for t in model.graph.initializer if t.name in merged_weights
@@ -187,11 +187,11 @@ def _merge(model: onnx.ModelProto, info: Mapping[str, object],
                 break
         else:
             raise LoraError(f"no Add joins the adapter branch of {layer['B']!r} with its base layer's output")
-    from normgrad.graphs.optimizers import _live_nodes, _read_values
+    from normgrad.graphs.step_graph import live_nodes, read_values
 
     del graph.node[:]
-    graph.node.extend(_live_nodes(nodes, [o.name for o in graph.output]))
-    read = _read_values(graph.node)
+    graph.node.extend(live_nodes(nodes, [o.name for o in graph.output]))
+    read = read_values(graph.node)
     for layer in info["layers"]:
         if layer["A"] in read or layer["B"] in read:
             raise LoraError(f"the adapter {layer['A']!r} is still read after merging")

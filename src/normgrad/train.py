@@ -112,7 +112,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         device: where the state buffers live (``"cpu"``, or e.g. ``"cuda"`` with ``device_id``).
         eval_model: the evaluation graph :meth:`evaluate` runs (path or ``ModelProto``, e.g. the
             ``NAME.eval.onnx`` that ``normgrad export --optimizer`` writes); default: built
-            from the step graph (:func:`normgrad.graphs.optimizers.build_eval_graph`, the same
+            from the step graph (:func:`normgrad.graphs.step_graph.build_eval_graph`, the same
             function) when first needed.
         seed: the Dropout seed (an int64 integer): Dropout masks are a function of it, the
             step and the micro-batch (:func:`normgrad.graphs.rewrites.seed_dropout`). None:
@@ -157,7 +157,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
     ):
         import onnxruntime
 
-        from normgrad.graphs import optimizers, structure
+        from normgrad.graphs import optimizers, step_graph, structure
 
         self._ort = onnxruntime
         self._eval_path = None if eval_model is None or isinstance(eval_model, onnx.ModelProto) else eval_model
@@ -229,7 +229,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
                     raise
         self.split = accumulation > 1 or type(self).reduce_gradients is not Trainer.reduce_gradients
         try:
-            self.forward_outputs: List[str] = optimizers.forward_outputs(model)
+            self.forward_outputs: List[str] = step_graph.forward_outputs(model)
         except ValueError:
             self.forward_outputs = []
         self._session_arguments = (options, providers)
@@ -243,8 +243,8 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         everyday = [o for o in self.forward_outputs if o in computed]
         if self.split:
             try:
-                gradient_graph = optimizers.build_gradient_graph(model)
-                gradient = optimizers.expose_forward_outputs(gradient_graph, everyday)
+                gradient_graph = step_graph.build_gradient_graph(model)
+                gradient = step_graph.expose_forward_outputs(gradient_graph, everyday)
                 kind, hyper = optimizers.optimizer_options(model)
             except (ValueError, KeyError, TypeError) as error:
                 raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
@@ -252,18 +252,18 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
             grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
             self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
-            tail_model = optimizers.expose_forward_outputs(gradient_graph, self.forward_outputs) \
+            tail_model = step_graph.expose_forward_outputs(gradient_graph, self.forward_outputs) \
                 if self._tail_outputs else None
             self._tail_state = grad_state
             gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
             self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
-            self._accumulators = [p + optimizers.ACCUMULATOR_SUFFIX for p in self.parameters]
+            self._accumulators = [p + step_graph.ACCUMULATOR_SUFFIX for p in self.parameters]
             self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
                            for a, p in zip(self._accumulators, self.parameters)}
             parts = [self._gradient, self._optimizer]
         else:
             def gated_step(exposed_outputs):
-                exposed = optimizers.expose_forward_outputs(model, exposed_outputs)
+                exposed = step_graph.expose_forward_outputs(model, exposed_outputs)
                 return _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
 
             self._step_part = _Part(onnxruntime, gated_step(everyday), options, providers, self._state_map)
@@ -313,7 +313,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
 
     def _hyperparameters(self, model: onnx.ModelProto, inputs) -> Hyperparameters:
         """The step graph's hyperparameters at their defaults (:func:`graph_defaults`)."""
-        from normgrad.graphs import optimizers
+        from normgrad.graphs import optimizers, step_graph
 
         try:
             kind, options = optimizers.optimizer_options(model)

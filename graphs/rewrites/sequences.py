@@ -28,9 +28,9 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import attr, reserve_name
-from normgrad.graphs.rewrites import _constant_values
+from normgrad.graphs.rewrites._graph import RewriteContext, constant_values
 
-__all__ = ["rewrite_sequences"]
+__all__ = ["rewrite_sequences", "apply"]
 
 
 class _Writer:
@@ -58,7 +58,7 @@ def _static_dim(model_inferred: onnx.GraphProto, name: str, axis: int) -> Option
 
 def _piece_sizes(graph, node, inferred) -> Optional[List[int]]:
     """The piece sizes of SplitToSequence ``node``, or None where the graph does not fix them."""
-    split = _constant_values(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    split = constant_values(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else None
     if split is not None and split.ndim == 1:
         return [int(v) for v in split]
     if len(node.input) > 1 and node.input[1] and split is None:
@@ -193,12 +193,13 @@ def _flat_tile_repeats(graph: onnx.GraphProto, ranks: Dict[str, int], used: set)
         graph.node.extend(kept)
 
 
-def rewrite_sequences(model: onnx.ModelProto) -> None:
+def rewrite_sequences(model: onnx.ModelProto) -> int:
     """Rewrites, in place, the sequence values of ``model``'s graph that only SequenceAt and
-    ConcatFromSequence read into tensor ops (see the module docstring)."""
+    ConcatFromSequence read into tensor ops (see the module docstring); returns how many
+    nodes it replaced."""
     graph = model.graph
     if not any(node.op_type in ("SplitToSequence", "SequenceConstruct") for node in graph.node):
-        return
+        return 0
     inferred = onnx.shape_inference.infer_shapes(model).graph
     ranks = {info.name: len(info.type.tensor_type.shape.dim) for info in list(inferred.input) + list(inferred.value_info)
              if info.type.tensor_type.HasField("shape")}
@@ -219,7 +220,7 @@ def rewrite_sequences(model: onnx.ModelProto) -> None:
         users = readers.get(node.output[0], [])
         if not users or any(user.op_type not in ("SequenceAt", "ConcatFromSequence") for user in users):
             continue
-        positions = [_constant_values(graph, user.input[1]) if user.op_type == "SequenceAt" else None for user in users]
+        positions = [constant_values(graph, user.input[1]) if user.op_type == "SequenceAt" else None for user in users]
         if node.op_type == "SequenceConstruct":
             found = _from_construct(used, node, users, positions)
         elif all(user.op_type == "SequenceAt" and p is not None for user, p in zip(users, positions)) \
@@ -233,7 +234,13 @@ def rewrite_sequences(model: onnx.ModelProto) -> None:
         if found:
             replaced.update(found)
     if not replaced:
-        return
+        return 0
     kept = [new for node in graph.node for new in replaced.get(id(node), [node])]
     del graph.node[:]
     graph.node.extend(kept)
+    return len(replaced)
+
+
+def apply(model: onnx.ModelProto, context: RewriteContext) -> int:
+    """:func:`rewrite_sequences`."""
+    return rewrite_sequences(model)
