@@ -187,6 +187,11 @@ def _needing_grad(
     return needs
 
 
+_TYPE_ONLY_INPUTS = {("CastLike", 1)}
+"""(op type, input index): inputs a node reads for their type or shape alone, whose values no
+output depends on; a trainable value there loses no gradient."""
+
+
 def _refuse_constant_parameters(graph: onnx.GraphProto, types: GradientContext, needs: Set[str]) -> None:
     """Refuses a node whose output needs a gradient but which takes a value computed from a
     trainable initializer at an input its rule does not differentiate (that parameter's
@@ -206,7 +211,8 @@ def _refuse_constant_parameters(graph: onnx.GraphProto, types: GradientContext, 
         differentiable = rule.differentiable_inputs(types, node)
         if any(node.output[i] in needs for i in rule.differentiable_outputs(node)):
             for index, name in enumerate(node.input):
-                if name in computed and index not in differentiable and _maybe_float(types.type_of(name)):
+                if name in computed and index not in differentiable and _maybe_float(types.type_of(name)) \
+                        and (node.op_type, index) not in _TYPE_ONLY_INPUTS:
                     raise UnsupportedOperatorError(
                         f"{describe(node)}: input {index} ('{name}') is computed from trainable parameter "
                         f"'{computed[name]}', but the {node.op_type} rule gives that input no gradient; freeze "

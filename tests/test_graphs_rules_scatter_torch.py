@@ -62,12 +62,7 @@ TORCHSCRIPT_GAPS = {
 }
 
 
-DYNAMO_GAPS = {
-    # main's refusal of trainable values on inputs a rule leaves without gradient counts
-    # CastLike's type-only input 1 (dynamo writes CastLike(x, h[:, 0]) here): to fix there
-    "slice_assignment": pytest.mark.xfail(strict=True, raises=UnsupportedOperatorError,
-                                          reason="CastLike's type-only input refused as an input without gradient"),
-}
+DYNAMO_GAPS = {}
 
 
 def _cases():
