@@ -97,7 +97,8 @@ class FitResult:
 
 class _Loop:
     """The running loop: what the callbacks see (``trainer``, ``epoch``, ``epochs``, ``batch``,
-    ``batches``, ``history``, ``evaluations``, ``columns``, ``should_stop``, ``at_epoch_end``)
+    ``batches``, ``history``, ``evaluations``, ``columns``, ``should_stop``, ``at_epoch_end``,
+    ``epoch_done``)
     and what a checkpoint's ``.json`` holds (:meth:`checkpoint_state`)."""
 
     def __init__(self, trainer, train, epochs: int, columns: List[str], callbacks: List[Callback], scheduler,
@@ -118,6 +119,7 @@ class _Loop:
         self.best: Optional[Dict[str, float]] = None
         self.should_stop = False
         self.at_epoch_end = False  # during the evaluation that ends an epoch
+        self.epoch_done = False  # during on_epoch_end: the epoch, its evaluation and its scheduler step done
 
     def records(self) -> List[Dict[str, float]]:
         """Step and evaluation records in the order they were made."""
@@ -127,7 +129,9 @@ class _Loop:
         """What a checkpoint's ``.json`` holds (the callbacks' ``on_save_checkpoint`` first)."""
         for callback in self.callbacks:
             callback.on_save_checkpoint(self)
-        return {"epoch": self.epoch, "batch": self.batch, "history": self.history, "evaluations": self.evaluations,
+        # written at an epoch's end, the run goes on with the next epoch
+        epoch, batch = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.batch)
+        return {"epoch": epoch, "batch": batch, "history": self.history, "evaluations": self.evaluations,
                 "since_evaluation": self.since_evaluation, "best": self.best,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "callbacks": {key: c.state_dict() for key, c in _keyed(self.callbacks).items() if c.state_dict()}}
@@ -166,10 +170,15 @@ class _Loop:
             record = (self.evaluations[-1] if self._evaluated() else self._evaluate())
         finally:
             self.at_epoch_end = False
-        for callback in self.callbacks:
-            callback.on_epoch_end(self, record)
+        # the epoch's scheduler step first: the epoch-end checkpoint holds the values the next step uses
         if self.scheduler is not None and not self.plateau and self.scheduler_interval == "epoch":
             self._step_scheduler()
+        self.epoch_done = True
+        try:
+            for callback in self.callbacks:
+                callback.on_epoch_end(self, record)
+        finally:
+            self.epoch_done = False
         self.epoch, self.batch = self.epoch + 1, 0
         return True
 
