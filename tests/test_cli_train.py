@@ -263,6 +263,25 @@ def test_resume_refuses_a_new_start_of_a_scheduled_hyperparameter(exported, tmp_
     assert capsys.readouterr().out.startswith(f"resuming at step 8: lr {now:g} (scheduled by StepLR from 0.01)")
 
 
+@pytest.mark.parametrize("first, then", [((), ("--eval", "val.npz")), (("--eval", "val.npz"), ()),
+                                         (("--eval", "val.npz"), ("--eval", "val.npz", "--metrics", "accuracy"))])
+def test_resume_with_other_evaluation_or_metrics_is_one_line(exported, tmp_path, capsys, first, then):
+    """The checkpoint's history has the columns of its run: resuming with evaluation added,
+    dropped or other metrics is refused in one line, no step taken (was a KeyError or the
+    CSV writer's ValueError)."""
+    out = tmp_path / "run"
+    data = ["--data", os.fspath(exported / "train.npz")]
+    def named(args):
+        return [os.fspath(exported / a) if a.endswith(".npz") else a for a in args]
+    assert _run(exported, out, *data, "--epochs", "1", *named(first)) == 0
+    capsys.readouterr()
+    assert _run(exported, out, *data, "--epochs", "2", "--resume", *named(then)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("normgrad train: cannot resume from ") and "give fit the same evaluation batches and metrics" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(os.listdir(out / "checkpoints"))[-1] == "step-00000008.json"  # no step taken
+
+
 def test_start_line_shows_the_step_graphs_own_lr(exported, tmp_path, capsys):
     """No --lr: the line says the lr the step graph trains at (export's 0.001 for AdamW, not
     the digits demo's 0.003 that --help once showed as the default)."""

@@ -131,7 +131,8 @@ class _Loop:
             callback.on_save_checkpoint(self)
         # written at an epoch's end, the run goes on with the next epoch
         epoch, batch = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.batch)
-        return {"epoch": epoch, "batch": batch, "history": self.history, "evaluations": self.evaluations,
+        return {"epoch": epoch, "batch": batch, "columns": self.columns, "history": self.history,
+                "evaluations": self.evaluations,
                 "since_evaluation": self.since_evaluation, "best": self.best,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "callbacks": {key: c.state_dict() for key, c in _keyed(self.callbacks).items() if c.state_dict()}}
@@ -387,8 +388,13 @@ def _resume(loop: _Loop, path: str, scheduler, callbacks: Sequence[Callback]) ->
         loop.history, loop.evaluations = state["history"], state["evaluations"]
         loop.since_evaluation, loop.best = state["since_evaluation"], state["best"]
         saved_scheduler, saved_callbacks = state["scheduler"], state["callbacks"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        saved_columns = state.get("columns", loop.columns)  # written before the columns were: not checked
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise TrainerError(f"cannot resume from {path}: {error}") from None
+    if saved_columns != loop.columns:
+        raise TrainerError(f"cannot resume from {path}: its run logged {', '.join(map(str, saved_columns))}; this one "
+                           f"logs {', '.join(loop.columns)}: give fit the same evaluation batches and metrics "
+                           "(normgrad train: the same --eval and --metrics)")
     checkpoint = path[:-5] + ".ckpt"
     try:  # another model's folder says so first, before what the run was given
         saved_state = checkpoints.load(checkpoint)
