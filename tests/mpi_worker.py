@@ -415,7 +415,7 @@ def check_fit(folder: str) -> None:
 
 def check_unequal_shards(folder: str, ends_with: str) -> None:
     """normgrad.loop.fit with rank 0 holding 3 training batches and rank 1 2, each epoch
-    ending in ``ends_with``: an evaluation, a checkpoint, or both: a TrainerError on every
+    ending in ``ends_with``: an evaluation, a checkpoint, both or neither: a TrainerError on every
     rank naming the ranks and the steps they came to (rank 1's batches ran out after step 2),
     never another collective's message read as a step's."""
     from normgrad import loop
@@ -430,7 +430,7 @@ def check_unequal_shards(folder: str, ends_with: str) -> None:
         loop.fit(trainer, [ones] * (3 if mpi.rank() == 0 else 2), epochs=2, progress=False, **options)
     except TrainerError as error:
         assert re.search(r"the ranks' training batches ran out at different steps: rank 0 to step 3, rank 1 to the "
-                         r"(evaluation|end of a save) after step 2: rank 1 had no batch for step 3 while the others "
+                         r"end of epoch 1 after step 2: rank 1 had no batch for step 3 while the others "
                          r"did; every rank needs as many batches per epoch", str(error)), error
         print(f"unequal shards ok on rank {mpi.rank()}: {error}")
         return

@@ -137,10 +137,10 @@ def test_fit_on_two_ranks(tmp_path):
     assert result.stdout.count("fit ok on rank") == RANKS, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("ends_with", ["evaluation", "checkpoint"])
+@pytest.mark.parametrize("ends_with", ["evaluation", "checkpoint", "neither"])
 def test_fit_with_unequal_shards_is_one_error_on_every_rank(tmp_path, ends_with):
-    """Rank 0 holds 3 training batches, rank 1 2: at step 3 rank 1 comes to the epoch's
-    evaluation (or checkpoint) instead. Every collective carries what it is, so each rank
+    """Rank 0 holds 3 training batches, rank 1 2: at step 3 rank 1 comes to the end of the
+    epoch instead (with or without an evaluation or checkpoint there). Every collective carries what it is, so each rank
     raises the same TrainerError naming the ranks and where they came to, and the job
     ends (mpi_worker.check_unequal_shards); no other collective's values read as a step's."""
     result = run_job("unequal", str(tmp_path), ends_with)

@@ -166,6 +166,9 @@ class _Loop:
             raise TrainerError(f"the training batches yielded no batch in epoch {self.epoch}"
                                + (" (a generator runs out after one epoch: pass a list or a function of "
                                   "the epoch)" if self.epoch > 1 else ""))
+        every_rank = getattr(self.trainer, "from_every_rank", None)  # a data-parallel trainer's ranks
+        if every_rank is not None:  # all end the epoch here, or one whose batches ran out is named
+            every_rank(position, f"the end of epoch {self.epoch}")
         self.at_epoch_end = True
         try:
             record = (self.evaluations[-1] if self._evaluated() else self._evaluate())
