@@ -610,12 +610,12 @@ class LastHiddenState(nn.Module):
 
 def longformer() -> LastHiddenState:
     """transformers.LongformerModel (hidden 32, 1 layer, 2 heads, attention window 4): its
-    sliding-window attention writes its band matrices by slice assignment (ScatterND).
-    ``onnx_export``: overlapping chunks by ``unfold``, not ``as_strided`` (which torch's
-    TorchScript exporter writes wrongly: its forward differs from torch's)."""
+    sliding-window attention writes its band matrices by slice assignment (ScatterND). Its
+    default config: ``normgrad.torch.export`` sets ``onnx_export`` for the export (overlapping
+    chunks by ``unfold``, not ``as_strided``, which torch's TorchScript exporter writes wrongly)."""
     return LastHiddenState(lambda t: t.LongformerModel(t.LongformerConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
-        max_position_embeddings=64, attention_window=[4], onnx_export=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+        max_position_embeddings=64, attention_window=[4], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
 
 
 def swinv2() -> LastHiddenState:

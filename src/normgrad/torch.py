@@ -144,7 +144,7 @@ def export(
     frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
     embeddings = _embedding_settings(torch, module)
     export_module = _export_torchscript if exporter == "torchscript" else _export_dynamo
-    with _exportable_experts(module), _without_scale_grad_by_freq(torch, module):
+    with _exportable_experts(module), _onnx_export_configs(module), _without_scale_grad_by_freq(torch, module):
         model, contents = export_module(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
     # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
@@ -188,6 +188,30 @@ def _exportable_experts(module):
     finally:
         for model, original in reversed(list(zip(models, originals))):
             model.set_experts_implementation(original)
+
+
+@contextlib.contextmanager
+def _onnx_export_configs(module):
+    """Within the block, every transformers config in ``module`` says ``onnx_export``, which
+    Longformer's and LED's attention read to build their overlapping chunks with ``unfold``
+    instead of ``as_strided`` (which torch's TorchScript exporter writes wrongly: the exported
+    forward differs from torch's); each config gets its own setting back after."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in module.modules())
+               if type(c).__module__.startswith("transformers.") and hasattr(c, "to_dict")}
+    originals = {key: c.__dict__.get("onnx_export", _ABSENT) for key, c in configs.items()}
+    try:
+        for config in configs.values():
+            config.onnx_export = True
+        yield
+    finally:
+        for key, config in configs.items():
+            if originals[key] is _ABSENT:
+                del config.onnx_export
+            else:
+                config.onnx_export = originals[key]
+
+
+_ABSENT = object()
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:
