@@ -77,6 +77,8 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
         return TRAINING_DROPOUT
     if runtime == "openvino-ep" and _runtime_axes_grad_graph(model):
         return RUNTIME_AXES_EP
+    if runtime == "openvino-ep" and _clipping_if(model) and any(n.op_type == "EmbeddingGrad" for n in model.graph.node):
+        return CLIPPING_IF_EMBEDDING_EP
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
@@ -127,6 +129,17 @@ def _tract_recurrent_lacks(nodes, constants) -> Optional[str]:
 TRAINING_DROPOUT = ("onnxruntime's training-mode Dropout (OpenVINO and the EP: 'Training mode is not supported for "
                     "Dropout op'; tract: 'Dropout in training mode with a non-zero ratio is not supported'), which a "
                     "grad-only graph keeps but with --portable: export with --portable (--inline --portable)")
+
+
+CLIPPING_IF_EMBEDDING_EP = ("a step graph whose clipping-norm If reads an EmbeddingGrad's gradient ('the graph is not "
+                            "acyclic': its partitioning after onnxruntime removes an Identity; measured on torch's "
+                            "EmbeddingBag + Embedding classifier): export with --inline or --portable")
+
+
+def _clipping_if(model: onnx.ModelProto) -> bool:
+    """The step graph's If that computes the clipping norm only when max_grad_norm is finite."""
+    return any(n.op_type == "If" and any(a.g.name == "clip_grad_norm" for a in n.attribute
+                                         if a.type == onnx.AttributeProto.GRAPH) for n in model.graph.node)
 
 
 RUNTIME_AXES_EP = ("a grad-only graph wholly in standard ops with a broadcast gradient summed over axes computed at run "
