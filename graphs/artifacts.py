@@ -66,7 +66,7 @@ def check_artifact_paths(artifacts: Artifacts,
     for what, path in artifacts.outputs().items():
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise FileNotFoundError(2, f"no folder {folder}", path)
+            raise FileNotFoundError(2, f"no folder {folder} for the {what}", path)
         refuse_irregular_file(path, what)
 
 

@@ -394,16 +394,16 @@ def _resume(loop: _Loop, path: str, scheduler, callbacks: Sequence[Callback]) ->
         saved_columns = state.get("columns", loop.columns)  # written before the columns were: not checked
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise TrainerError(f"cannot resume from {path}: {error}") from None
-    if saved_columns != loop.columns:
-        raise TrainerError(f"cannot resume from {path}: its run logged {', '.join(map(str, saved_columns))}; this one "
-                           f"logs {', '.join(loop.columns)}: give fit the same evaluation batches and metrics "
-                           "(normgrad train: the same --eval and --metrics)")
     checkpoint = path[:-5] + ".ckpt"
     try:  # another model's folder says so first, before what the run was given
         saved_state = checkpoints.load(checkpoint)
         checkpoints.check_matches(saved_state, loop.trainer._expected)
     except checkpoints.CheckpointError as error:
         raise TrainerError(f"cannot resume from {checkpoint}: {error} (checked against the step graph's state)") from None
+    if saved_columns != loop.columns:
+        raise TrainerError(f"cannot resume from {path}: its run logged {', '.join(map(str, saved_columns))}; this one "
+                           f"logs {', '.join(loop.columns)}: give fit the same evaluation batches and metrics "
+                           "(normgrad train: the same --eval and --metrics)")
     if (saved_scheduler is None) != (scheduler is None):
         raise TrainerError(f"cannot resume from {path}: it was written by a run {'with' if saved_scheduler else 'without'} "
                            "a scheduler; give fit the same scheduler (normgrad train: --scheduler)")
