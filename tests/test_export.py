@@ -398,7 +398,7 @@ def test_save_artifacts_failure_writes_nothing_and_keeps_the_old_set(tmp_path, m
 
 
 def test_save_artifacts_refuses_aliases_and_missing_folders(tmp_path):
-    from normgrad._files import PathAliasError
+    from normgrad.util.files import PathAliasError
     from normgrad.graphs import save_artifacts
 
     step, initial = _step_set()

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from normgrad._files import PathAliasError, refuse_aliases, write_bytes_atomic
+from normgrad.util.files import PathAliasError, refuse_aliases, write_bytes_atomic
 
 
 def test_write_replaces_whole_file(tmp_path):

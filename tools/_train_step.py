@@ -11,7 +11,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from normgrad._files import beside_step_graph, eval_graph_path
+from normgrad.util.files import beside_step_graph, eval_graph_path
 from normgrad.tools.cli import CommandError, one_line, positive_int
 
 DEFAULT_BATCH_SIZE = 32
@@ -130,7 +130,7 @@ def fixed_batch_size(trainer) -> Optional[int]:
 
 def parse_scheduler(text: str, trainer):
     """``'StepLR(step_size=5, gamma=0.5)'`` -> that :mod:`normgrad.schedules` scheduler on ``trainer``."""
-    from normgrad import schedules
+    import normgrad.schedules as schedules
 
     try:
         call = ast.parse(text.strip(), mode="eval").body
@@ -153,7 +153,8 @@ def parse_scheduler(text: str, trainer):
 
 
 def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from normgrad import loop, metrics
+    import normgrad.loop as loop
+    import normgrad.metrics as metrics
     from normgrad.train import Trainer, TrainerError
 
     if not args.data:

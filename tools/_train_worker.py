@@ -18,6 +18,8 @@ import numpy as np
 # Python has no normgrad (it cannot share an environment with a current onnxruntime)
 from _bench_options import bench_session_options  # noqa: E402
 
+from normgrad.ops import api
+
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -96,12 +98,11 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
         return float(trainer.step(x, labels))
 
     def profile():
-        import normgrad
 
         with tempfile.TemporaryDirectory() as folder:
             options = bench_session_options(threads, os.path.join(folder, "p"), training_session_options(onnxruntime))
             if variant == "cpp":
-                normgrad.session_options("cpp", options)
+                api.session_options("cpp", options)
             session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
                                                    providers=["CPUExecutionProvider"])
             feeds = {**hyperparameter_feeds(step_graph), **trainer.state_dict(), x_name: x, "labels": labels,

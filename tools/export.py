@@ -13,8 +13,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import PathAliasError, refuse_irregular_file
-from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, external_data_files, uses_external_data
+from normgrad.util.files import PathAliasError, refuse_irregular_file
+from normgrad.util.external_data import EXTERNAL_TENSOR_MIN_BYTES, external_data_files, uses_external_data
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]

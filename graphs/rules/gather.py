@@ -19,7 +19,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.ops import DOMAIN, embedding_grad
 
 __all__ = ["ONE_HOT_ROWS", "gather_gradient", "gather_nd_gradient", "gather_elements_gradient"]

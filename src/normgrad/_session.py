@@ -12,9 +12,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from normgrad._files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, eval_graph_path,
+from normgrad.util.files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, eval_graph_path,
                              refuse_aliases, refuse_irregular_file)
-from normgrad._external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
+from normgrad.util.external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
 from normgrad.graphs import structure
 
 
@@ -39,7 +39,7 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     reader of a weight precedes its update (so it may be in place)."""
     from onnx import helper
 
-    from normgrad._api import add_functions_in_place
+    from normgrad.ops.api import add_functions_in_place
     from normgrad.ops import DOMAIN, OPERATORS, gated_update
 
     gated = copy.deepcopy(model)
@@ -121,7 +121,7 @@ _SPLIT_LOSS = "normgrad.loss"
 
 def _load_step_graph(path: PathLike, what: str = "step graph") -> onnx.ModelProto:
     """The graph at ``path``, after finishing an interrupted commit of its folder
-    (:func:`normgrad._files.complete_interrupted_commits`); its external data (a frozen base)
+    (:func:`normgrad.util.files.complete_interrupted_commits`); its external data (a frozen base)
     stays in its files, which the sessions read from the graph's folder."""
     complete_interrupted_commits(os.path.dirname(os.path.abspath(os.fspath(path))))
     try:
@@ -144,7 +144,7 @@ def _external_data_options(options, folder: str) -> None:
 
 def _check_external_data(model: onnx.ModelProto, folder: str, what: str = "step graph") -> None:
     """TrainerError naming the first external tensor of ``model`` whose data cannot be used
-    from ``folder`` (:func:`normgrad._external_data.external_data_extent`: a location outside it, a
+    from ``folder`` (:func:`normgrad.util.external_data.external_data_extent`: a location outside it, a
     missing file, one shorter than offset + length); onnxruntime would fail at session
     creation with its own message. Every graph the Trainer loads goes through it."""
     for tensor in model.graph.initializer:
@@ -232,7 +232,7 @@ def _exported_eval_graph(step_path: Optional[PathLike]) -> Optional[str]:
 
 def _refuse_overwriting(outputs: Mapping[str, PathLike], read: Sequence) -> None:
     """TrainerError when a write's outputs alias each other or a file in ``read``
-    (:func:`normgrad._files.refuse_aliases`)."""
+    (:func:`normgrad.util.files.refuse_aliases`)."""
     try:
         refuse_aliases(outputs, read)
     except PathAliasError as error:

@@ -18,9 +18,9 @@ from typing import Dict, Mapping, Union
 import numpy as np
 import onnx
 
-from normgrad import checkpoint as checkpoints
-from normgrad._external_data import save_models_external
-from normgrad._files import PathLike
+import normgrad.checkpoint as checkpoints
+from normgrad.util.external_data import save_models_external
+from normgrad.util.files import PathLike
 from normgrad._hyperparameters import CHECKPOINT_METADATA, from_checkpoint
 from normgrad._session import TrainerError, _refuse_overwriting
 
@@ -148,7 +148,7 @@ class TrainerState:
         """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
         ``adapter_config.json`` in ``directory`` (:func:`normgrad.lora.save_adapter`; the step
         graph must come from a peft model exported with :func:`normgrad.torch.export`)."""
-        from normgrad import lora
+        import normgrad.lora as lora
 
         if self.is_saving_rank:
             self._refuse_overwriting({"adapter " + name: os.path.join(directory, name)
@@ -160,7 +160,7 @@ class TrainerState:
         """Writes the inference model with the trained LoRA adapters folded into their base
         weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
         external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
-        from normgrad import lora
+        import normgrad.lora as lora
 
         if self.is_saving_rank:
             self._refuse_overwriting({"merged model": path})
@@ -178,8 +178,8 @@ class TrainerState:
 
     def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
         """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
-        past :data:`normgrad._external_data.INLINE_MODEL_BYTES` keeps its large tensors in
-        ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
+        past :data:`normgrad.util.external_data.INLINE_MODEL_BYTES` keeps its large tensors in
+        ``PATH.HASH.data`` beside it (one set: :func:`normgrad.util.files.commit_files`)."""
         save_models_external({path: model}, self.external_data_folder)
 
 

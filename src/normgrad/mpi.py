@@ -29,7 +29,7 @@ This module holds the communicator and its collectives, the C++ library's config
 and :func:`abort_on_error`; :class:`DataParallelTrainer` lives in
 :mod:`normgrad._data_parallel` (imported on first use), the launcher helpers
 (:func:`launched_ranks`, :func:`mpirun_command`, :func:`mpirun_environment`) in
-:mod:`normgrad._mpi_launch`; all are exported from here.
+:mod:`normgrad.util.mpi_launch`; all are exported from here.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
-from normgrad._mpi_launch import LAUNCHER_SIZE_VARIABLES, launched_ranks, mpirun_command, mpirun_environment
+from normgrad.ops import all_reduce, api
+from normgrad.util.mpi_launch import LAUNCHER_SIZE_VARIABLES, launched_ranks, mpirun_command, mpirun_environment
 
 __all__ = [
     "MPIUnavailableError",
@@ -111,13 +112,6 @@ def available() -> bool:
     except (MPIUnavailableError, RuntimeError, OSError):
         return False
     return True
-
-
-def unconfigured_message(ranks: int) -> str:
-    """The refusal of an AllReduce run in a job of ``ranks`` ranks without :func:`init`."""
-    return (f"AllReduce: this process is one of {ranks} MPI ranks but normgrad's AllReduce is not configured: "
-            "call normgrad.mpi.init() before running a --data-parallel or --sync-batch-norm graph "
-            "(unconfigured, each rank would train on its own gradients)")
 
 
 def timeout() -> float:
@@ -201,6 +195,7 @@ def init(communicator=None, abort: bool = True, library: bool = True, timeout: O
     _exit_comm = _comm.Dup()
     _gather_comm = _comm.Dup()
     _timeout = None if timeout is None else float(timeout)
+    all_reduce.set_communicator(_comm)
     if abort:
         abort_on_error()
     if library:
@@ -232,9 +227,8 @@ def size() -> int:
 
 
 def _library():
-    import normgrad
 
-    return ctypes.CDLL(normgrad.library_path())
+    return ctypes.CDLL(api.library_path())
 
 
 def configure_library(communicator) -> None:
@@ -278,9 +272,8 @@ def configured_size() -> int:
 def session_options(backend: str = "cpp", options=None):
     """``normgrad.session_options(backend)`` for graphs with AllReduce nodes: sequential
     execution, so every rank runs the collectives in the same (graph) order."""
-    import normgrad
 
-    return _sequential(normgrad.session_options(backend, options))
+    return _sequential(api.session_options(backend, options))
 
 
 def broadcast(arrays: Optional[Mapping[str, np.ndarray]], root: int = 0) -> Dict[str, np.ndarray]:
@@ -333,16 +326,9 @@ def shard(data: np.ndarray, axis: int = 0) -> np.ndarray:
 
 def allreduce_array(array: np.ndarray) -> np.ndarray:
     """The sum of ``array`` over the ranks, through mpi4py (what the Python kernel of
-    AllReduce runs): rank-order float64 sum rounded once, as the C++ kernel. Without
-    :func:`init` or with one rank: a copy of ``array``."""
-    array = np.asarray(array)
-    if _comm is None or size() == 1:
-        return array.copy()
-    parts = _comm.allgather(array)
-    total = np.zeros(array.shape, np.float64)
-    for part in parts:
-        total += part.astype(np.float64)
-    return total.astype(array.dtype)
+    AllReduce runs: :func:`normgrad.ops.all_reduce.sum_over_ranks`): rank-order float64 sum
+    rounded once, as the C++ kernel. Without :func:`init` or with one rank: a copy of ``array``."""
+    return all_reduce.sum_over_ranks(array, _comm)
 
 
 def trainer(step_model, checkpoint, **options):

@@ -44,11 +44,12 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 import numpy as np
 import onnx
 
-from normgrad import checkpoint as checkpoints
+from normgrad.ops import api
+import normgrad.checkpoint as checkpoints
 from normgrad._batches import BatchFeeds, _unpack_dict
 from normgrad._evaluation import EvalResult, Evaluation
-from normgrad._external_data import uses_external_data
-from normgrad._files import PathLike
+from normgrad.util.external_data import uses_external_data
+from normgrad.util.files import PathLike
 from normgrad._hyperparameters import Hyperparameters, graph_defaults
 from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
                                _check_step_metadata, _exported_eval_graph, _external_data_options, _files_read,
@@ -220,10 +221,9 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
                 eval_model is not None and any(uses_external_data(t) for t in eval_model.graph.initializer)):
             _external_data_options(options, self.external_data_folder)
         if kernels is not None:
-            import normgrad
 
             try:
-                normgrad.session_options("cpp", options)
+                api.session_options("cpp", options)
             except FileNotFoundError:
                 if kernels == "cpp":
                     raise
