@@ -30,6 +30,7 @@ from normgrad.graphs.rules import (  # noqa: F401
     conv,
     cumsum,
     depth_to_space,
+    dft,
     dropout,
     einsum,
     elementwise,
@@ -49,6 +50,7 @@ from normgrad.graphs.rules import (  # noqa: F401
     select,
     shape,
     slice,
+    topk,
 )
 
 __all__ = ["Rule", "register", "lookup", "supported_op_types", "UnsupportedOperatorError"]
