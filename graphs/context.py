@@ -12,15 +12,19 @@ import onnx.shape_inference
 
 from normgrad.ops import DOMAIN, outer_product_sum
 from normgrad.ops._common import describe, reserve_name
-from normgrad.graphs.rules.registry import UnsupportedOperatorError
 from normgrad.ops.node_writer import Dim, NodeWriter
 
-__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe", "reserve_name", "value_types"]
+__all__ = ["GradientContext", "FLOAT_ELEM_TYPES", "attr", "constant_node_value", "describe", "reserve_name", "value_types",
+           "UnsupportedOperatorError"]
 
 FLOAT_ELEM_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 )
 """Element types a gradient can flow through."""
+
+class UnsupportedOperatorError(NotImplementedError):
+    """A gradient must flow through an operator (or a variant of one) that no rule handles."""
+
 
 WEIGHT_GRADIENT_OUTER_PRODUCT_MACS = 1 << 24
 """Float32 weight gradients of at least this many multiply-adds are an OuterProductSum

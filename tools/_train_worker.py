@@ -18,8 +18,6 @@ import numpy as np
 # Python has no normgrad (it cannot share an environment with a current onnxruntime)
 from _bench_options import bench_session_options  # noqa: E402
 
-from normgrad.ops import api
-
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -98,6 +96,7 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
         return float(trainer.step(x, labels))
 
     def profile():
+        from normgrad.ops import api
 
         with tempfile.TemporaryDirectory() as folder:
             options = bench_session_options(threads, os.path.join(folder, "p"), training_session_options(onnxruntime))

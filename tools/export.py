@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import onnx
 
     from normgrad.graphs import UnsupportedOperatorError
-    from normgrad.graphs.artifacts import artifact_paths, check_artifact_paths, save_artifacts
+    from normgrad.artifacts import artifact_paths, check_artifact_paths, save_artifacts
 
     parser = _parser()
     args = parser.parse_args(argv)

@@ -8,16 +8,13 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import onnx
 
+from normgrad.graphs.context import UnsupportedOperatorError
 from normgrad.ops import DOMAIN
 
 __all__ = ["Rule", "register", "lookup", "supported_op_types", "UnsupportedOperatorError"]
 
 GradientFn = Callable[..., Sequence[Optional[str]]]
 IndexSpec = Union[Tuple[int, ...], Callable[..., Tuple[int, ...]], None]
-
-
-class UnsupportedOperatorError(NotImplementedError):
-    """A gradient must flow through an operator (or a variant of one) that no rule handles."""
 
 
 @dataclasses.dataclass(frozen=True)

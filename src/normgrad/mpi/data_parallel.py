@@ -1,10 +1,8 @@
 """The data-parallel Trainer of :mod:`normgrad.mpi`: :class:`DataParallelTrainer`, with the
 checks that keep the ranks in step (the same step graph and options everywhere, batches of
 one size, bitwise the same state after the first step), the checkpoint read on rank 0 and
-broadcast, and files written on rank 0 with every rank told of the outcome. Imported on
-first use of ``normgrad.mpi.DataParallelTrainer``, so that ``import normgrad.mpi`` does not
-import :mod:`normgrad.train`; the communicator and collectives it uses are
-:mod:`normgrad.mpi`'s."""
+broadcast, and files written on rank 0 with every rank told of the outcome. The
+communicator and collectives it uses are :mod:`normgrad.mpi.communicator`'s."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import onnx
 
 import normgrad.checkpoint as checkpoints
 from normgrad._session import _check_step_metadata, _load_step_graph
-from normgrad.mpi import _sequential, broadcast, comm, gather, init, initialized, rank, size
+from normgrad.mpi.communicator import _sequential, broadcast, comm, gather, init, initialized, rank, size
 from normgrad.train import Trainer, TrainerError
 
 __all__ = ["DataParallelTrainer"]

@@ -17,9 +17,11 @@ from typing import Iterable, Mapping, Optional, Tuple, Union
 import numpy as np
 import onnx
 
+import normgrad.checkpoint as checkpoints
+from normgrad.graphs.step_graph import build_eval_graph
 from normgrad.util.external_data import stage_models_external
 from normgrad.util.files import (PathLike, beside_step_graph, commit_files, eval_graph_path, refuse_aliases,
-                             refuse_irregular_file, staging)
+                                 refuse_irregular_file, staging)
 
 __all__ = ["Artifacts", "artifact_paths", "check_artifact_paths", "save_artifacts"]
 
@@ -100,11 +102,7 @@ def save_artifacts(path: PathLike, graph: onnx.ModelProto, state: Mapping[str, n
     artifacts = artifact_paths(path, checkpoint, eval_graph is not False)
     check_artifact_paths(artifacts, inputs)
     if eval_graph is True:
-        from normgrad.graphs.step_graph import build_eval_graph
-
         eval_graph = build_eval_graph(graph)
-    import normgrad.checkpoint as checkpoints
-
     graphs = {artifacts.graph: graph, **({artifacts.eval_graph: eval_graph} if artifacts.eval_graph else {})}
     target = artifacts.graph
     try:
