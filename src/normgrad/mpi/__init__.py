@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from normgrad.mpi.communicator import (
     CollectiveTimeoutError,
+    EXIT_WAIT_SECONDS,
     LAUNCHER_SIZE_VARIABLES,
     MPIUnavailableError,
     TIMEOUT_SECONDS,
@@ -46,6 +47,7 @@ from normgrad.mpi.communicator import (
     broadcast,
     comm,
     configure_library,
+    configured_size,
     gather,
     init,
     initialized,
@@ -85,6 +87,8 @@ __all__ = [
     "LAUNCHER_SIZE_VARIABLES",
     "trainer",
     "DataParallelTrainer",
+    "configured_size",
+    "EXIT_WAIT_SECONDS",
 ]
 
 
