@@ -47,6 +47,8 @@ from normgrad.graphs.rules import (  # noqa: F401
     reduce,
     resize,
     rotary,
+    scatter_elements,
+    scatter_nd,
     select,
     shape,
     slice,

@@ -35,6 +35,7 @@ are exported from here.
 from __future__ import annotations
 
 from normgrad.mpi.communicator import (
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     EXIT_WAIT_SECONDS,
     LAUNCHER_SIZE_VARIABLES,
@@ -80,6 +81,7 @@ __all__ = [
     "mpirun_command",
     "mpirun_environment",
     "CollectiveTimeoutError",
+    "CollectiveMismatchError",
     "TIMEOUT_SECONDS",
     "timeout",
     "gather",
