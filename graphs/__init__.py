@@ -8,17 +8,17 @@ normalization layers.
 * :func:`build_step_graph`: a training graph with a loss + an optimizer graph = one step graph.
 * :func:`build_optimizer_graph`: one torch.optim step (SGD, Adam, AdamW, optional
   global-norm clipping) as a model taking gradients as inputs.
-* :func:`save_artifacts`: a step graph, its evaluation graph and its checkpoint written as
-  one set (what ``normgrad export --optimizer`` writes).
+
+A step graph, its evaluation graph and its checkpoint are written as one set by
+:func:`normgrad.artifacts.save_artifacts` (the checkpoint is the training layer's format).
 * :class:`UnsupportedOperatorError`: a gradient would flow through an op without a rule.
 """
 
 from __future__ import annotations
 
-from normgrad.graphs.artifacts import save_artifacts
 from normgrad.graphs.builder import AnyTrainingGraph, TrainingGraph, build_training_graph
 from normgrad.graphs.optimizers import build_optimizer_graph
 from normgrad.graphs.step_graph import build_step_graph
 from normgrad.graphs.rules import UnsupportedOperatorError, supported_op_types
 
-__all__ = ["build_training_graph", "TrainingGraph", "AnyTrainingGraph", "build_optimizer_graph", "build_step_graph", "save_artifacts", "supported_op_types", "UnsupportedOperatorError"]
+__all__ = ["build_training_graph", "TrainingGraph", "AnyTrainingGraph", "build_optimizer_graph", "build_step_graph", "supported_op_types", "UnsupportedOperatorError"]

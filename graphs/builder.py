@@ -17,11 +17,13 @@ import onnx.inliner
 import onnx.numpy_helper
 import onnx.shape_inference
 
-import normgrad
-from normgrad._api import add_functions_in_place
-from normgrad._external_data import check_model
-from normgrad.graphs import data_parallel as data_parallel_rules
-from normgrad.graphs import losses, patterns, rewrites, torch_exports
+from normgrad.ops.api import add_functions_in_place
+from normgrad.util.external_data import check_model
+import normgrad.graphs.data_parallel as data_parallel_rules
+import normgrad.graphs.losses as losses
+import normgrad.graphs.patterns as patterns
+import normgrad.graphs.rewrites as rewrites
+import normgrad.graphs.torch_exports as torch_exports
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, batch_norm, lookup
 from normgrad.graphs.portable import COSTLY_REWRITES, make_portable, scan_bodies_self_contained

@@ -29,7 +29,7 @@ import onnx.helper as oh
 import onnx.inliner
 import onnx.shape_inference
 
-import normgrad
+from normgrad.ops import api
 from normgrad.graphs.context import attr
 from normgrad.graphs.context import value_types
 from normgrad.ops import DOMAIN, OPERATORS, _common
@@ -111,7 +111,7 @@ def _opset(model: onnx.ModelProto) -> int:
 def inline_normgrad(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with every normgrad node (and every other model-local function)
     inlined; normgrad bodies with static reduction axes where they are known."""
-    model = normgrad.add_functions(model)
+    model = api.add_functions(model)
     types = _value_types(model)
     opset = _opset(model)
     per_node = []

@@ -25,8 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-import normgrad
-from normgrad._external_data import check_model
+from normgrad.ops import api
+from normgrad.util.external_data import check_model
 from normgrad.ops._common import DOMAIN, IR_VERSION
 
 __all__ = [
@@ -460,7 +460,7 @@ def build_optimizer_graph(
     graph = helper.make_graph(g.nodes, f"{kind}_step", inputs, outputs, initializer=g.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = IR_VERSION
-    model = normgrad.add_functions(model)
+    model = api.add_functions(model)
     hyperparameters = {"kind": kind, "lr": lr, "max_grad_norm": max_grad_norm, "weight_decay": weight_decay}
     if no_weight_decay:
         hyperparameters["no_weight_decay"] = no_weight_decay

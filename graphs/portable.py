@@ -105,7 +105,7 @@ import onnx.helper as oh
 import onnx.inliner
 import onnx.numpy_helper as onh
 
-from normgrad._external_data import check_model
+from normgrad.util.external_data import check_model
 from normgrad.graphs.context import attr, describe, reserve_name, value_types
 from normgrad.graphs.optimizers import clipping_without_if
 from normgrad.graphs.rewrites import dropout_seed

@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-import normgrad
-from normgrad._external_data import check_model
-from normgrad.graphs import rewrites
+from normgrad.ops import api
+from normgrad.util.external_data import check_model
+import normgrad.graphs.rewrites as rewrites
 from normgrad.graphs.optimizers import (build_optimizer_graph, clipping_without_if, hyperparameter_defaults, next_name,
                                          optimizer_state_names)
 from normgrad.graphs.portable import make_portable
@@ -468,7 +468,7 @@ def build_step_graph(
     model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")
     model.functions.extend(training.functions)
     model.ir_version = IR_VERSION
-    model = normgrad.add_functions(model)  # the optimizer's AdamUpdate body and opset, if the training graph had none
+    model = api.add_functions(model)  # the optimizer's AdamUpdate body and opset, if the training graph had none
     if metadata.get("normgrad.inline") == "true":  # standard domains only, as the training graph
         from normgrad.graphs.inline import inline_normgrad
 

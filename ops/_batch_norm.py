@@ -7,7 +7,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["MIN_RANK", "MAX_RANK", "RELU_OUTPUT", "RELU_OUTPUT_DOC", "validate", "infer", "relu_select", "relu_select_body"]

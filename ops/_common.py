@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Set
 
 import ml_dtypes
 import numpy as np
@@ -22,8 +22,10 @@ __all__ = [
     "check_rank",
     "check_same_shape",
     "check_vector",
+    "describe",
     "is_float_dtype",
     "make_schema",
+    "reserve_name",
     "normalization_grad_body",
     "sum_to_shape",
     "sum_to_shape_body",
@@ -382,3 +384,18 @@ def normalization_grad_body(rstd: str, count: str, centre: bool, param: str, par
         "dy_x_hat = Mul (dyf, x_hat_full)",
     ]
     return "\n".join(lines) + "\n" + sum_to_shape_body(param, param_float, "x_shape", sums, sum_axes)
+
+
+def reserve_name(used: Set[str], name: str) -> str:
+    """``name``, or ``name`` with the first numeric suffix not in ``used``; added to ``used``."""
+    candidate, k = name, 0
+    while candidate in used:
+        k += 1
+        candidate = f"{name}_{k}"
+    used.add(candidate)
+    return candidate
+
+
+def describe(node: onnx.NodeProto) -> str:
+    """A human-readable reference to ``node`` for error messages."""
+    return f"{node.op_type} node '{node.name}'" if node.name else f"{node.op_type} node producing '{node.output[0]}'"

@@ -23,7 +23,7 @@ import onnx
 import onnx.parser
 from onnx.defs import OpSchema
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["ATTRIBUTES", "stats_shape", "validate", "rows", "gradients", "schema", "function_body"]

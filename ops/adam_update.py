@@ -57,7 +57,8 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import onnx
 
-from normgrad.ops import _common, _update
+import normgrad.ops._common as _common
+import normgrad.ops._update as _update
 
 __all__ = list(_update.MODULE_API)
 

@@ -34,11 +34,13 @@ import onnx
 import onnx.parser
 from onnx.defs import OpSchema
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
+from normgrad.util.mpi_launch import launched_ranks
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "TYPES", "Result",
-           "validate", "reference", "python_kernel", "schema", "function_body"]
+           "validate", "reference", "set_communicator", "unconfigured_message", "sum_over_ranks", "python_kernel",
+           "schema", "function_body"]
 
 OP_TYPE = "AllReduce"
 INPUTS = ("input",)
@@ -90,14 +92,44 @@ def reference(input, *other_ranks) -> Result:
     return Result(total.astype(arrays[0].dtype))
 
 
-def python_kernel(input) -> Result:
-    """What the float32 Python kernel runs: the sum over ``normgrad.mpi``'s communicator
-    when one is configured (through mpi4py), else the identity."""
-    from normgrad import mpi
+_communicator = None
+"""The mpi4py communicator the Python kernel sums over; None (the identity) until
+``normgrad.mpi.init`` hands its own down through :func:`set_communicator`."""
 
-    if not mpi.initialized() and mpi.launched_ranks() > 1:
-        raise NormgradInputError(mpi.unconfigured_message(mpi.launched_ranks()))
-    return Result(mpi.allreduce_array(validate(input)[0]))
+
+def set_communicator(communicator) -> None:
+    """Makes ``communicator`` (an ``mpi4py.MPI.Comm``; None: none) the one the Python kernel sums over."""
+    global _communicator
+    _communicator = communicator
+
+
+def unconfigured_message(ranks: int) -> str:
+    """The refusal of an AllReduce run in a job of ``ranks`` ranks without ``normgrad.mpi.init()``."""
+    return (f"AllReduce: this process is one of {ranks} MPI ranks but normgrad's AllReduce is not configured: "
+            "call normgrad.mpi.init() before running a --data-parallel or --sync-batch-norm graph "
+            "(unconfigured, each rank would train on its own gradients)")
+
+
+def sum_over_ranks(array: np.ndarray, communicator) -> np.ndarray:
+    """The sum of ``array`` over the ranks of ``communicator`` (an ``mpi4py.MPI.Comm``):
+    rank-order float64 sum rounded once, as the C++ kernel. With None or one rank: a copy
+    of ``array``."""
+    array = np.asarray(array)
+    if communicator is None or communicator.Get_size() == 1:
+        return array.copy()
+    parts = communicator.allgather(array)
+    total = np.zeros(array.shape, np.float64)
+    for part in parts:
+        total += part.astype(np.float64)
+    return total.astype(array.dtype)
+
+
+def python_kernel(input) -> Result:
+    """What the float32 Python kernel runs: the sum over the communicator ``normgrad.mpi.init``
+    set (:func:`set_communicator`), else the identity."""
+    if _communicator is None and launched_ranks() > 1:
+        raise NormgradInputError(unconfigured_message(launched_ranks()))
+    return Result(sum_over_ranks(validate(input)[0], _communicator))
 
 
 def _infer(ctx) -> None:

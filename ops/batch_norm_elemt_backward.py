@@ -39,7 +39,8 @@ import onnx
 import onnx.parser
 from onnx.defs import OpSchema
 
-from normgrad.ops import _batch_norm, _common
+import normgrad.ops._batch_norm as _batch_norm
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "ONES_IF_OMITTED", "SCALAR_IF_OMITTED", "OUTPUT_SHAPE_FROM",

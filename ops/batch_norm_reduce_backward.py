@@ -37,7 +37,8 @@ import onnx
 import onnx.parser
 from onnx.defs import OpSchema
 
-from normgrad.ops import _batch_norm, _common
+import normgrad.ops._batch_norm as _batch_norm
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_FLAGS", "ONES_IF_OMITTED", "SCALAR_IF_OMITTED",

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import onnx
 
-from normgrad.ops import _common, safe_softmax
+import normgrad.ops._common as _common
+import normgrad.ops.safe_softmax as safe_softmax
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference",

@@ -35,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import onnx
 
-from normgrad.ops import _common, softmax_cross_entropy
+import normgrad.ops._common as _common
+import normgrad.ops.softmax_cross_entropy as softmax_cross_entropy
 from normgrad.ops._common import NormgradInputError
 from normgrad.ops.softmax_cross_entropy import ATTRIBUTES_READ_UNLESS_DEFAULT, NO_IGNORE_INDEX  # noqa: F401
 
@@ -108,10 +109,8 @@ def schema():
 
 def function_body(opset: int = _common.ONNX_OPSET, reads=()) -> onnx.FunctionProto:
     """Add, SoftmaxCrossEntropy's standard-op body, ReduceSum of dlogits over axis 0."""
-    from normgrad.graphs.losses import cross_entropy_standard_ops
-
     def write(ctx, ignore_index):
-        loss, dlogits = cross_entropy_standard_ops(ctx, ctx.op("Add", "logits", "bias"), "labels",
+        loss, dlogits = softmax_cross_entropy.cross_entropy_standard_ops(ctx, ctx.op("Add", "logits", "bias"), "labels",
                                                    ignore_index=ignore_index)
         return loss, dlogits, ctx.reduce("ReduceSum", dlogits, [0], keepdims=False)
 

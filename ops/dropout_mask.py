@@ -39,7 +39,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "INPUT_DTYPES", "OUTPUT_DTYPES",

@@ -21,7 +21,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import onnx
 
-from normgrad.ops import _common, _update
+import normgrad.ops._common as _common
+import normgrad.ops._update as _update
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OPTIONAL", "BOOL_INPUTS", "HYPERPARAMETERS", "ELEMENTWISE",
            "SCALAR_IF_OMITTED", "ONES_IF_OMITTED", "OUTPUT_SHAPE_FROM", "TYPES", "SPEC", "Result", "validate",

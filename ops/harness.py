@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+import normgrad.ops.api as api
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPERATORS, OPSET_VERSION, operator
 from normgrad.ops._common import tensor_type
 
@@ -79,17 +80,15 @@ def make_session(model: onnx.ModelProto, backend: str, threads: Optional[int] = 
     ``options`` (a new ``SessionOptions`` when None) given ``threads`` when not None."""
     import onnxruntime
 
-    import normgrad
-
     options = onnxruntime.SessionOptions() if options is None else options
     if threads is not None:
         options.intra_op_num_threads = threads
     if backend == "functions":
-        model = normgrad.add_functions(model)
+        model = api.add_functions(model)
     else:
         if backend == "python":  # the bridge declares every input and output required
-            model = normgrad.prepare_for_python_kernels(model)
-        normgrad.session_options(backend, options)
+            model = api.prepare_for_python_kernels(model)
+        api.session_options(backend, options)
     return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -177,9 +176,7 @@ def run(
     if backend == "evaluator":
         from onnx.reference import ReferenceEvaluator
 
-        import normgrad
-
-        evaluator = ReferenceEvaluator(normgrad.add_functions(model))
+        evaluator = ReferenceEvaluator(api.add_functions(model))
         feeds = {name: value for name, value in inputs.items() if value is not None}
         names = [o.name for o in model.graph.output]
         return dict(zip(names, evaluator.run(None, feeds)))

@@ -42,7 +42,8 @@ import numpy as np
 import onnx
 from onnx.defs import OpSchema
 
-from normgrad.ops import _common, _row_normalization
+import normgrad.ops._common as _common
+import normgrad.ops._row_normalization as _row_normalization
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference", "schema", "function_body"]
 

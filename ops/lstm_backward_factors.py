@@ -37,7 +37,7 @@ from typing import Callable, List, NamedTuple
 import numpy as np
 import onnx
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference",

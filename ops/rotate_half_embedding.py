@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "ATTRIBUTES_READ_UNLESS_DEFAULT", "OUTPUT_SHAPE_FROM", "Result",

@@ -31,7 +31,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import onnx
 
-from normgrad.ops import _common, activation_grad
+import normgrad.ops._common as _common
+import normgrad.ops.activation_grad as activation_grad
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference",

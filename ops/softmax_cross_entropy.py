@@ -6,7 +6,7 @@ write it for float32 [samples, classes] logits without label smoothing; over a v
 the standard-op form (Softmax, two ReduceMax, the label's log-probability, the weighted
 gradient) makes about eight passes over [N, C], the kernel reads the logits once and
 writes the gradient once. The function body is that standard-op form, node for node
-(``normgrad.graphs.losses.cross_entropy_standard_ops``).
+(:func:`cross_entropy_standard_ops`).
 
 With m_i the largest logit of sample i, S_i = sum_c exp(logits[i, c] - m_i), the samples
 counted those whose label is not ``ignore_index`` (all of them when ``ignore_index`` is
@@ -35,19 +35,21 @@ Attribute:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
+from normgrad.ops.node_writer import NodeWriter
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "NO_IGNORE_INDEX", "ATTRIBUTES_READ_UNLESS_DEFAULT",
            "OUTPUT_SHAPE_FROM", "INPUT_DTYPES", "Result", "validate", "reference", "schema", "function_body",
-           "checked_logits_and_labels", "schema_with_ignore_index", "standard_op_function"]
+           "checked_logits_and_labels", "schema_with_ignore_index", "standard_op_function", "cross_entropy_standard_ops",
+           "softmax_cross_entropy_gradient"]
 
 OP_TYPE = "SoftmaxCrossEntropy"
 INPUTS = ("logits", "labels")
@@ -157,6 +159,83 @@ def schema_with_ignore_index(op_type: str, doc: str, inputs, outputs, infer):
                                attributes=attributes)
 
 
+def cross_entropy_standard_ops(ctx: NodeWriter, output: str, labels: str, label_smoothing: float = 0.0,
+                               ignore_index: Optional[int] = None) -> tuple:
+    """torch's ``cross_entropy`` of logits ``output`` and class-index ``labels`` (the loss and
+    its gradient, :func:`normgrad.graphs.losses.append_loss`'s) in standard ops (y of rank >= 2,
+    any float type); the operator's function body.
+
+    The gradient is softmax(y) times each sample's weight (1/count, 0 where ignored), its
+    entry at the label lowered by (1 - ls) times the weight
+    (:func:`softmax_cross_entropy_gradient`)."""
+    probs = ctx.op("Softmax", output, axis=1)
+    if ignore_index is None:
+        safe, valid = labels, None
+        count = ctx.op("CastLike", ctx.op("Size", labels), output)
+    else:
+        ignored = ctx.op("Equal", labels, ctx.op("Constant", value=onh.from_array(np.array(ignore_index, np.int64))))
+        safe = ctx.op("Where", ignored, ctx.op("Constant", value=onh.from_array(np.array(0, np.int64))), labels)
+        valid = ctx.op("CastLike", ctx.op("Not", ignored), output)
+        count = ctx.reduce("ReduceSum", valid, None, keepdims=False)
+    masked = (lambda value: value) if valid is None else (lambda value: ctx.op("Mul", value, valid))
+    index = ctx.unsqueeze(safe, [1])
+    if label_smoothing:  # the loss sums every class's log-probability
+        log_probs = ctx.op("LogSoftmax", output, axis=1)
+        picked = ctx.op("GatherElements", log_probs, index, axis=1)
+    else:
+        picked = _log_probability_at(ctx, output, probs, index)
+    picked = ctx.op("Squeeze", picked, ctx.ints([1]))
+    if valid is None and not label_smoothing:  # a plain mean (OpenVINO's EP leaves a ReduceSum to a scalar on the CPU)
+        loss = ctx.op("Neg", ctx.reduce("ReduceMean", picked, None, keepdims=False))
+    else:
+        total = ctx.reduce("ReduceSum", masked(picked), None, keepdims=False)
+        if label_smoothing:
+            # the classes' count C as a scalar
+            depth = ctx.op("CastLike", ctx.op("Squeeze", ctx.shape_of(output, start=1, end=2), ctx.ints([0])), output)
+            smoothing_per_class = ctx.op("Div", ctx.scalar(label_smoothing, output), depth)
+            total = ctx.op("Mul", total, ctx.scalar(1.0 - label_smoothing, output))
+            class_sum = ctx.reduce("ReduceSum", masked(ctx.reduce("ReduceSum", log_probs, [1], keepdims=False)), None,
+                                   keepdims=False)
+            total = ctx.op("Add", total, ctx.op("Mul", class_sum, smoothing_per_class))
+        loss = ctx.op("Neg", ctx.op("Div", total, count))
+    weight = ctx.op("Div", ctx.scalar(1.0, output), count) if valid is None else ctx.unsqueeze(
+        ctx.op("Div", valid, count), [1])
+    shift = ctx.op("Mul", weight, smoothing_per_class) if label_smoothing else None
+    lowered = ctx.op("Mul", weight, ctx.scalar(1.0 - label_smoothing, output)) if label_smoothing else weight
+    return loss, softmax_cross_entropy_gradient(ctx, probs, index, weight, lowered, shift)
+
+
+def _log_probability_at(ctx: NodeWriter, logits: str, probs: str, index: str) -> str:
+    """log_softmax(logits) at ``index`` along axis 1, from ``probs`` = softmax(logits, axis 1)
+    without a LogSoftmax pass over [samples, classes] (a vocabulary-sized one costs as much as
+    the Softmax the gradient needs): with m the largest logit of a sample, the largest
+    probability is 1 / sum_c exp(logits_c - m), at least 1/C, so never underflowing, and
+    log_softmax(logits)_t = (logits_t - m) + log(max probs). Two reading passes (ReduceMax)
+    instead of one writing a tensor. A non-finite logit makes the sample's whole softmax NaN,
+    and its log-probability with it."""
+    top = ctx.reduce("ReduceMax", logits, [1], keepdims=True)
+    largest = ctx.reduce("ReduceMax", probs, [1], keepdims=True)
+    below_top = ctx.op("Sub", ctx.op("GatherElements", logits, index, axis=1), top)
+    return ctx.op("Add", below_top, ctx.op("Log", largest))
+
+
+def softmax_cross_entropy_gradient(ctx: NodeWriter, probs: str, index: str, weight: str,
+                                   lowered: Optional[str] = None, shift: Optional[str] = None) -> str:
+    """probs * weight - shift, with each sample's entry at its label lowered by ``lowered``
+    (``weight`` when None): the gradient of a weighted cross-entropy over the logits whose
+    softmax (axis 1) is ``probs``. ``index`` holds the labels with a size-1 axis 1
+    ([N, 1, d1, ...]); ``weight``, ``lowered`` and ``shift`` are scalars or shaped like ``index``.
+
+    Written without a one-hot tensor: over a vocabulary, every [samples, classes] tensor is a
+    pass over memory (OneHot alone cost onnxruntime 200 ms at [1024, 8192]); the label entries
+    are read and written back with GatherElements and ScatterElements."""
+    grad = ctx.op("Mul", probs, weight)
+    if shift is not None:
+        grad = ctx.op("Sub", grad, shift)
+    at_label = ctx.op("Sub", ctx.op("GatherElements", grad, index, axis=1), lowered or weight)
+    return ctx.op("ScatterElements", grad, index, at_label, axis=1)
+
+
 _IGNORE_INDEX_MARK = -0x5EED0CE1055
 """A value the body builder passes for ``ignore_index``, whose Constant becomes a reference
 to the node's attribute."""
@@ -165,8 +244,6 @@ to the node's attribute."""
 def function_body(opset: int = _common.ONNX_OPSET, reads=()) -> onnx.FunctionProto:
     """The standard-op form the loss writes without the operator: the plain mean when
     ``reads`` is empty, the masked mean reading ``ignore_index`` when it holds it."""
-    from normgrad.graphs.losses import cross_entropy_standard_ops
-
     def write(ctx, ignore_index):
         return cross_entropy_standard_ops(ctx, "logits", "labels", ignore_index=ignore_index)
 
@@ -178,11 +255,9 @@ def standard_op_function(op_type: str, float_inputs: dict, outputs, write, opset
     in ``outputs``' order) over the float32 ``float_inputs`` ({name: dims}) and int64
     ``labels``, with ``ignore_index`` a reference to the node's attribute when ``reads``
     holds it (None otherwise): SoftmaxCrossEntropy's and BiasSoftmaxCrossEntropy's."""
-    from normgrad.graphs.context import GradientContext
-
     infos = [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims) for name, dims in float_inputs.items()]
     graph = oh.make_graph([], op_type, infos + [oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["N"])], [])
-    ctx = GradientContext(graph, opset, set())
+    ctx = NodeWriter(graph, opset)
     ctx.scope(op_type)
     ignore_index = _IGNORE_INDEX_MARK if "ignore_index" in reads else None
     renamed = dict(zip(write(ctx, ignore_index), outputs))

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper as onh
 
-from normgrad.ops import _common
+import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference",

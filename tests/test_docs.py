@@ -294,7 +294,7 @@ def test_cli_reference_is_current():
     assert CLI_SECTION.search(text), "docs/reference/cli.md lost its cli-reference markers"
     updated = CLI_SECTION.sub(lambda match: match.group(1) + render_cli_reference() + match.group(2), text)
     if os.environ.get("NORMGRAD_WRITE_CLI_REFERENCE") == "1" and updated != text:
-        from normgrad._files import write_bytes_atomic
+        from normgrad.util.files import write_bytes_atomic
 
         write_bytes_atomic(CLI_PAGE, updated.encode("utf-8"))
         text = updated

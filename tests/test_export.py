@@ -385,7 +385,7 @@ def _step_set():
 
 def test_save_artifacts_writes_step_eval_and_checkpoint(tmp_path):
     from normgrad import checkpoint
-    from normgrad.graphs import save_artifacts
+    from normgrad.artifacts import save_artifacts
     from normgrad.graphs.step_graph import build_eval_graph
 
     step, initial = _step_set()
@@ -404,7 +404,7 @@ def test_save_artifacts_writes_step_eval_and_checkpoint(tmp_path):
 
 def test_save_artifacts_failure_writes_nothing_and_keeps_the_old_set(tmp_path, monkeypatch):
     from normgrad import checkpoint
-    from normgrad.graphs import save_artifacts
+    from normgrad.artifacts import save_artifacts
 
     step, initial = _step_set()
     old = {name: f"old {name}".encode() for name in ("s.onnx", "s.eval.onnx", "s.ckpt")}
@@ -422,8 +422,8 @@ def test_save_artifacts_failure_writes_nothing_and_keeps_the_old_set(tmp_path, m
 
 
 def test_save_artifacts_refuses_aliases_and_missing_folders(tmp_path):
-    from normgrad._files import PathAliasError
-    from normgrad.graphs import save_artifacts
+    from normgrad.util.files import PathAliasError
+    from normgrad.artifacts import save_artifacts
 
     step, initial = _step_set()
     with pytest.raises(PathAliasError, match="are one file"):

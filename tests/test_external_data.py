@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-import normgrad._external_data
-from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
+import normgrad.util.external_data
+from normgrad.util.external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
 from normgrad.tools.export import main as export_main
 from normgrad.train import Trainer, TrainerError
 
@@ -30,7 +30,7 @@ STEPS, LR = 3, 1e-3
 
 def _data_file(folder, model_name: str) -> str:
     """The one external-data file of ``model_name`` in ``folder``: MODEL.HASH.data (named by
-    its content, normgrad._files.stage_data_file)."""
+    its content, normgrad.util.files.stage_data_file)."""
     names = [n for n in os.listdir(folder) if re.fullmatch(re.escape(model_name) + r"\.[0-9a-f]{16}\.data", n)]
     assert len(names) == 1, (model_name, sorted(os.listdir(folder)))
     return names[0]
@@ -231,7 +231,7 @@ def test_missing_external_data_is_a_trainer_error(tmp_path):
 def test_large_inline_weights_go_to_external_data(tmp_path, monkeypatch):
     """save_models_external moves a model's inline tensors of 1 KiB or more to PATH.data when
     they pass INLINE_MODEL_BYTES (lowered here), and the model it writes runs the same."""
-    monkeypatch.setattr(normgrad._external_data, "INLINE_MODEL_BYTES", 1024)
+    monkeypatch.setattr(normgrad.util.external_data, "INLINE_MODEL_BYTES", 1024)
     model = _two_layer_model()
     x = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from normgrad._files import PathAliasError, refuse_aliases, write_bytes_atomic
+from normgrad.util.files import PathAliasError, refuse_aliases, write_bytes_atomic
 
 
 def test_write_replaces_whole_file(tmp_path):
@@ -52,7 +52,7 @@ def test_written_files_honour_the_umask_as_open_does(tmp_path, umask):
     """One file, a set of files (the journaled commit) and a folder replaced as one: each new
     file gets the mode open() gives a new file under the same umask (not mkstemp's 0600),
     each new folder os.mkdir's; a replaced file keeps its own mode."""
-    from normgrad._files import StagedFile, commit_files, replace_folder_files
+    from normgrad.util.files import StagedFile, commit_files, replace_folder_files
 
     with open(tmp_path / "by_open", "wb"):
         pass

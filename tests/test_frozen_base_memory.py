@@ -20,7 +20,7 @@ import sys
 import onnx
 import pytest
 
-from normgrad._external_data import uses_external_data
+from normgrad.util.external_data import uses_external_data
 
 import test_external_data as external
 

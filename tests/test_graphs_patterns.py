@@ -95,12 +95,12 @@ def _check(training: TrainingGraph) -> None:
 def _unfused(forward: onnx.ModelProto, only=None, **kwargs) -> TrainingGraph:
     """The training graph the per-node rules alone write (``only``: the names of the patterns
     to leave out; all when None)."""
-    saved = list(patterns._PATTERNS)
-    patterns._PATTERNS[:] = [(name, matcher) for name, matcher in saved if only is not None and name not in only]
+    saved = list(patterns.registry._PATTERNS)
+    patterns.registry._PATTERNS[:] = [(name, matcher) for name, matcher in saved if only is not None and name not in only]
     try:
         return build_training_graph(forward, **kwargs)
     finally:
-        patterns._PATTERNS[:] = saved
+        patterns.registry._PATTERNS[:] = saved
 
 
 def _assert_fused(forward: onnx.ModelProto, training: TrainingGraph, norms: int = 1, affine: bool = True) -> List[str]:

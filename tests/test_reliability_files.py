@@ -16,7 +16,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from normgrad import checkpoint
-from normgrad._files import PathOutsideFolderError, path_inside, remove_inside, write_bytes_atomic
+from normgrad.util.files import PathOutsideFolderError, path_inside, remove_inside, write_bytes_atomic
 from normgrad.graphs import examples
 from normgrad.tools import corpus as corpus_tool
 from normgrad.tools import cli

@@ -22,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from normgrad import checkpoint
-from normgrad._external_data import save_models_external, uses_external_data
+from normgrad.util.external_data import save_models_external, uses_external_data
 from normgrad.tools.export import main as export_main
 from normgrad.train import Trainer, TrainerError
 
@@ -87,9 +87,9 @@ sys.addaudithook(hook)
 
 SAVE_MODEL = """
 import onnx
-import normgrad._external_data
-from normgrad._external_data import save_models_external
-normgrad._external_data.INLINE_MODEL_BYTES = 1024
+import normgrad.util.external_data
+from normgrad.util.external_data import save_models_external
+normgrad.util.external_data.INLINE_MODEL_BYTES = 1024
 save_models_external({sys.argv[3]: onnx.load(sys.argv[4])})
 """
 
@@ -99,9 +99,9 @@ def test_item3_a_killed_model_save_leaves_the_old_model_or_the_new_one(tmp_path,
     """The data file goes under a new content-addressed name, the model's rename commits, the
     old data file is removed after: a kill before the model's rename leaves the old model
     reading its own old data (it computed 33 off before); after it, the new model."""
-    import normgrad._external_data
+    import normgrad.util.external_data
 
-    monkeypatch.setattr(normgrad._external_data, "INLINE_MODEL_BYTES", 1024)
+    monkeypatch.setattr(normgrad.util.external_data, "INLINE_MODEL_BYTES", 1024)
     path = tmp_path / "m.onnx"
     old, new = _two_layer_model(1.0), _two_layer_model(2.0)
     save_models_external({path: old})
@@ -412,7 +412,7 @@ def test_item15_a_checkpoint_seed_outside_int64_is_refused(tmp_path, seed):
 DATA_PARALLEL = """
 import sys
 from normgrad import mpi
-from normgrad._external_data import uses_external_data
+from normgrad.util.external_data import uses_external_data
 from normgrad.train import TrainerError
 mpi.init(abort=False, library=False)
 try:

@@ -14,8 +14,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from normgrad import loop
-from normgrad._files import beside_step_graph, eval_graph_path
+import normgrad.loop as loop
+from normgrad.util.files import beside_step_graph, eval_graph_path
 from normgrad._session import TrainerError
 from normgrad.tools.cli import CommandError, one_line, positive_int
 
@@ -183,7 +183,7 @@ def fixed_batch_size(trainer) -> Optional[int]:
 
 def parse_scheduler(text: str, trainer):
     """``'StepLR(step_size=5, gamma=0.5)'`` -> that :mod:`normgrad.schedules` scheduler on ``trainer``."""
-    from normgrad import schedules
+    import normgrad.schedules as schedules
 
     try:
         call = ast.parse(text.strip(), mode="eval").body
@@ -275,7 +275,7 @@ def _flag(hyperparameter: str) -> str:
 
 
 def _metric(name: str):
-    from normgrad import metrics
+    import normgrad.metrics as metrics
 
     return metrics.top_k_accuracy(5) if name == "top5" else getattr(metrics, name)
 

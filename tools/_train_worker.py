@@ -96,12 +96,12 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
         return float(trainer.step(x, labels))
 
     def profile():
-        import normgrad
+        from normgrad.ops import api
 
         with tempfile.TemporaryDirectory() as folder:
             options = bench_session_options(threads, os.path.join(folder, "p"), training_session_options(onnxruntime))
             if variant == "cpp":
-                normgrad.session_options("cpp", options)
+                api.session_options("cpp", options)
             session = onnxruntime.InferenceSession(step_graph.SerializeToString(), options,
                                                    providers=["CPUExecutionProvider"])
             feeds = {**hyperparameter_feeds(step_graph), **trainer.state_dict(), x_name: x, "labels": labels,

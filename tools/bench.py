@@ -69,6 +69,8 @@ from typing import Callable, Dict, List, Optional
 import ml_dtypes
 import numpy as np
 
+from normgrad.ops import api
+from normgrad.tools._bench_models import resnet_forward
 from normgrad.tools.cli import ArgumentParser, positive_int
 
 __all__ = ["main"]
@@ -336,35 +338,6 @@ def _runners(op_type, inputs, outputs, threads, *, full: bool, torch_runner=None
 RESNET_OPS = ("BatchNormReduceBackward", "BatchNormElemtBackward", "GroupNormalizationGrad")
 
 
-def _resnet_forward(n: int, c: int, h: int, w: int):
-    """The forward ONNX model of a ResNet basic block on x [n, c, h, w] (opset 17)."""
-    import onnx.helper as oh
-
-    from normgrad.graphs import examples
-
-    rng = np.random.default_rng(42)
-    std = np.sqrt(2.0 / (9 * c))  # He initialisation keeps the activations O(1)
-    params = {
-        "w1": (rng.standard_normal((c, c, 3, 3)) * std).astype(np.float32),
-        "w2": (rng.standard_normal((c, c, 3, 3)) * std).astype(np.float32),
-    }
-    for i in (1, 2):
-        params[f"s{i}"] = rng.uniform(0.5, 1.5, c).astype(np.float32)
-        params[f"t{i}"] = (0.1 * rng.standard_normal(c)).astype(np.float32)
-        params[f"m{i}"] = (0.1 * rng.standard_normal(c)).astype(np.float32)
-        params[f"v{i}"] = rng.uniform(0.5, 1.5, c).astype(np.float32)
-    nodes = [
-        oh.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
-        oh.make_node("BatchNormalization", ["c1", "s1", "t1", "m1", "v1"], ["n1", "rm1", "rv1"], training_mode=1),
-        oh.make_node("Relu", ["n1"], ["r1"]),
-        oh.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
-        oh.make_node("BatchNormalization", ["c2", "s2", "t2", "m2", "v2"], ["n2", "rm2", "rv2"], training_mode=1),
-        oh.make_node("Add", ["n2", "x"], ["sum"]),
-        oh.make_node("Relu", ["sum"], ["y"]),
-    ]
-    return examples.model(nodes, {"x": (n, c, h, w)}, ["y"], params, opset=17, name="resnet_basic_block")
-
-
 def _torch_resnet(params, inputs, threads):
     """Torch eager forward + backward of the block with ``params``; run() returns y, and the
     gradients are read from ``run.grads()`` afterwards (names as in the training graph)."""
@@ -447,11 +420,9 @@ def _ort_r1(train, inputs, threads) -> np.ndarray:
     import onnx.helper as oh
     import onnxruntime
 
-    import normgrad
-
     model = copy.deepcopy(train)
     model.graph.output.append(oh.make_tensor_value_info("r1", onnx.TensorProto.FLOAT, None))
-    options = normgrad.session_options("cpp", _session_options(threads))
+    options = api.session_options("cpp", _session_options(threads))
     session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(["r1"], inputs)[0]
 
@@ -463,10 +434,8 @@ def _profile_breakdown(train_bytes, inputs, threads, runs: int = 3) -> str:
 
     import onnxruntime
 
-    import normgrad
-
     with tempfile.TemporaryDirectory() as tmp:
-        options = normgrad.session_options("cpp", _session_options(threads))
+        options = api.session_options("cpp", _session_options(threads))
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(tmp, "resnet")
         session = onnxruntime.InferenceSession(train_bytes, options, providers=["CPUExecutionProvider"])
@@ -504,11 +473,10 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
     import onnx.numpy_helper as onh
     import onnxruntime
 
-    import normgrad
     from normgrad.graphs import build_training_graph
 
     n, c, h, w = shape
-    forward = _resnet_forward(n, c, h, w)
+    forward = resnet_forward(n, c, h, w)
     train, weights = build_training_graph(forward)
     train_bytes = train.SerializeToString()
     params = {name: np.array(value) for name, value in weights.items()}  # writable, for torch
@@ -523,7 +491,7 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
     for backend in ("cpp",) + (("functions",) if full else ()):
         options = _session_options(threads)
         if backend == "cpp":
-            normgrad.session_options("cpp", options)
+            api.session_options("cpp", options)
         try:
             sessions[backend] = onnxruntime.InferenceSession(train_bytes, options, providers=["CPUExecutionProvider"])
         except Exception as error:
@@ -619,13 +587,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     if "--train" in (sys.argv[1:] if argv is None else argv):
-        from normgrad.tools import bench_train
+        import normgrad.tools.bench_train as bench_train
 
         return bench_train.main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.mpi:
-        from normgrad.tools import bench_mpi
+        import normgrad.tools.bench_mpi as bench_mpi
 
         resnet_shape = list(args.resnet_shape or ((4, 8, 16, 16) if args.quick else (16, 64, 56, 56)))
         if args.repeat is not None and args.repeat < 1:
@@ -651,13 +619,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import onnxruntime
 
-    import normgrad
-
     rng = np.random.default_rng(0)
     full = not args.no_slow
     print(f"normgrad bench: shape {list(shape)}, groups {args.groups}, {threads} threads, median of {repeat}; "
           f"onnxruntime {onnxruntime.__version__}, torch {'yes' if _have_torch() else 'not installed'}", file=out)
-    print(f"C++ library: {normgrad.library_path()}", file=out)
+    print(f"C++ library: {api.library_path()}", file=out)
     from normgrad.tools._bench_options import cpu_description
 
     print(f"CPU: {cpu_description()}", file=out)
@@ -785,7 +751,6 @@ def _print_step_table(width: int, threads: int, repeat: int, out) -> None:
 
     import onnxruntime
 
-    import normgrad
     from normgrad.graphs import build_step_graph, build_training_graph, examples
     from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.train import Trainer
@@ -794,7 +759,7 @@ def _print_step_table(width: int, threads: int, repeat: int, out) -> None:
     rng = np.random.default_rng(1)
     x, labels = rng.standard_normal((32, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 32)
     trainer = Trainer(step, initial, lr=1e-3, session_options=_session_options(threads))
-    session = onnxruntime.InferenceSession(step.SerializeToString(), normgrad.session_options("cpp", _session_options(threads)),
+    session = onnxruntime.InferenceSession(step.SerializeToString(), api.session_options("cpp", _session_options(threads)),
                                            providers=["CPUExecutionProvider"])
     next_of = json.loads({p.key: p.value for p in step.metadata_props}["normgrad.state"])
     names = [o.name for o in session.get_outputs()]

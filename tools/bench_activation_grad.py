@@ -27,6 +27,8 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
+from normgrad.ops import api
+
 __all__ = ["main"]
 
 
@@ -58,7 +60,6 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
     args = parser.parse_args(argv)
     import onnxruntime as ort
 
-    import normgrad
     from normgrad.ops import DOMAIN, activation_grad
 
     rng = np.random.default_rng(0)
@@ -72,7 +73,7 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    normgrad.session_options("cpp", options)
+    api.session_options("cpp", options)
     calls = {}
     for activation, op_type in activation_grad.ACTIVATIONS.items():
         names = ["dy", "x", *known[activation].values()]

@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import onnx
 
+from normgrad.ops import api
+
 __all__ = ["main"]
 
 MASK_SHAPE = (8, 128, 256)
@@ -35,14 +37,12 @@ MASK_SHAPE = (8, 128, 256)
 def _session(model: onnx.ModelProto, kernels: bool):
     import onnxruntime as ort
 
-    import normgrad
-
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
     if kernels:
-        normgrad.session_options("cpp", options)
-    return ort.InferenceSession(normgrad.add_functions(model).SerializeToString(), options,
+        api.session_options("cpp", options)
+    return ort.InferenceSession(api.add_functions(model).SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
 
 

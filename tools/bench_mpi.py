@@ -41,11 +41,11 @@ TIMED_STEPS, PROFILED_STEPS = 5, 3
 def _worker(shape: List[int], threads: int) -> None:
     import onnxruntime
 
-    from normgrad import mpi
+    import normgrad.mpi as mpi
     from normgrad.graphs import build_step_graph, build_training_graph
     from normgrad.graphs.optimizers import hyperparameter_feeds
     from normgrad.tools._bench_options import bench_session_options
-    from normgrad.tools.bench import _resnet_forward
+    from normgrad.tools._bench_models import resnet_forward
 
     onnxruntime.set_default_logger_severity(3)
     comm = mpi.init()
@@ -54,7 +54,7 @@ def _worker(shape: List[int], threads: int) -> None:
     if n % ranks:
         raise SystemExit(f"normgrad bench --mpi: the global batch {n} is not a multiple of {ranks} ranks")
     local = [n // ranks, c, h, w]
-    training = build_training_graph(_resnet_forward(*local), loss="mse", data_parallel=True, sync_batch_norm=True)
+    training = build_training_graph(resnet_forward(*local), loss="mse", data_parallel=True, sync_batch_norm=True)
     step_model, initial = build_step_graph(training, "sgd", momentum=0.9)
     meta = {p.key: json.loads(p.value) for p in step_model.metadata_props}
     state = mpi.broadcast(initial)
@@ -118,7 +118,7 @@ def _exchange_alone(step_model, threads: int, repeat: int = 20) -> float:
     import onnx.helper as oh
     import onnxruntime
 
-    from normgrad import mpi
+    import normgrad.mpi as mpi
     from normgrad.ops import IR_VERSION, ONNX_OPSET
 
     inferred = onnx.shape_inference.infer_shapes(step_model, data_prop=True)
@@ -148,7 +148,7 @@ def _exchange_alone(step_model, threads: int, repeat: int = 20) -> float:
 
 def run_section(shape: List[int], total_threads: int, rounds: int, out) -> int:
     """Launches the jobs, prints the section; returns 0, or 1 when a job failed."""
-    from normgrad import mpi
+    import normgrad.mpi as mpi
 
     title = (f"\nData parallelism on MPI: ResNet basic block SGD step (--data-parallel --sync-batch-norm), "
              f"global batch x {list(shape)}, {total_threads} threads split between the ranks, {rounds} rounds")

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import onnx
 
+from normgrad.ops import api
+
 __all__ = ["main", "forms", "blocks"]
 
 
@@ -68,8 +70,6 @@ def measure(training: onnx.ModelProto, runs: int, rounds: int, seed: int = 0) ->
     """{form: per-round median milliseconds of one training-graph run}."""
     import onnxruntime as ort
 
-    import normgrad
-
     rng = np.random.default_rng(seed)
     feeds = _feeds(training, rng)
     sessions = {}
@@ -77,7 +77,7 @@ def measure(training: onnx.ModelProto, runs: int, rounds: int, seed: int = 0) ->
         options = ort.SessionOptions()
         options.intra_op_num_threads = 2
         options.log_severity_level = 3
-        session = ort.InferenceSession(normgrad.add_functions(model).SerializeToString(), options,
+        session = ort.InferenceSession(api.add_functions(model).SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
         wanted = {i.name for i in session.get_inputs()}
         fed = {k: v for k, v in {**feeds, "dropout_seed": np.array(0, np.int64)}.items() if k in wanted}

@@ -314,9 +314,9 @@ def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (torch.from_numpy(x),), buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
                           do_constant_folding=False, input_names=["x"], output_names=["y"], opset_version=17)
-    from normgrad import _files
+    from normgrad.util.files import write_bytes_atomic
 
-    _files.write_bytes_atomic(paths["onnx"], buffer.getvalue())
+    write_bytes_atomic(paths["onnx"], buffer.getvalue())
     np.save(paths["x.npy"], x)
     np.save(paths["labels.npy"], labels)
     return paths

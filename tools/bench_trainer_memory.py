@@ -13,7 +13,7 @@ import numpy as np, onnx
 model_name, variant = sys.argv[1], sys.argv[2]
 folder = tempfile.mkdtemp(prefix="normgrad-bench-")
 from normgrad.graphs import build_step_graph, build_training_graph, examples, structure
-from normgrad import train
+import normgrad.train as train
 
 if model_name == "resnet18":
     forward = examples.resnet18(batch=8, size=64)
@@ -22,7 +22,7 @@ if model_name == "resnet18":
     loss = "cross_entropy"
 else:
     import torch, transformers
-    from normgrad import torch as nt
+    import normgrad.torch as nt
     config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
                                      vocab_size=1000, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0)

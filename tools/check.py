@@ -36,6 +36,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
+from normgrad.ops import api
 from normgrad.graphs.builder import (METADATA_GRADIENTS, METADATA_LOSS, METADATA_SEEDS, METADATA_WEIGHTS, AnyTrainingGraph,
                                      training_graph_parts)
 from normgrad.graphs.portable import weights_as_inputs
@@ -686,8 +687,6 @@ def check_gradients(
         raise ValueError(f"directions must be >= 1 and step a finite number > 0; got {directions}, {step}")
     import onnxruntime
 
-    import normgrad
-
     model, weights = training_graph_parts(training)
     if any(t.name in weights for t in model.graph.initializer):  # an older normgrad's form
         model = copy.deepcopy(model)
@@ -695,7 +694,7 @@ def check_gradients(
     check_metadata(model)
     feeds = {**random_feeds(model, seed), **weights} if feeds is None else {**weights, **feeds}
     if session_options is None:  # the function bodies, attached if the model lacks them
-        model = normgrad.add_functions(model)
+        model = api.add_functions(model)
         session_options = onnxruntime.SessionOptions()
     model = _with_second_outputs(model)
     float_typed = _float_typed(model)
@@ -758,7 +757,7 @@ def _feeds_with_checkpoint(model: onnx.ModelProto, model_path: str, checkpoint_p
     whose tensor does not fit its input, is an error."""
     import os
 
-    from normgrad import checkpoint
+    import normgrad.checkpoint as checkpoint
 
     feeds = random_feeds(model, seed)
     path = checkpoint_path
@@ -794,7 +793,7 @@ class CheckpointFeedError(ValueError):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``normgrad check``; returns the process exit code (1 if a gradient fails)."""
-    from normgrad._files import refuse_irregular_file
+    from normgrad.util.files import refuse_irregular_file
     from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line, positive_float, positive_int
 
     parser = ArgumentParser(prog="normgrad check", description=__doc__.split("\n\n")[0])
@@ -823,9 +822,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_metadata(model)
         options = None
         if args.backend != "functions":
-            import normgrad
 
-            options = normgrad.session_options(args.backend)
+            options = api.session_options(args.backend)
         feeds = _feeds_with_checkpoint(model, args.model, args.checkpoint, args.seed)
         checks = check_gradients(model, feeds, session_options=options, directions=args.directions, step=args.step,
                                  seed=args.seed)

@@ -249,7 +249,7 @@ def update_page_command(argv: Optional[Sequence[str]], prog: str, description: s
     table): ``PAGE [--check]``; ``update(text) -> text`` renders ``what`` into the page's text
     (ValueError when it cannot). Writes atomically, only a changed page. 0 written or current,
     1 stale (``--check``) or unreadable, 2 usage."""
-    from normgrad._files import write_bytes_atomic
+    from normgrad.util.files import write_bytes_atomic
 
     parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("page", help=page_help)

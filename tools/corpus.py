@@ -56,7 +56,9 @@ import numpy as np
 import onnx
 import onnx.numpy_helper as onh
 
-from normgrad._files import PathOutsideFolderError, path_inside, remove_inside, write_inside
+from normgrad.ops import api
+from normgrad.util.version import __version__
+from normgrad.util.files import PathOutsideFolderError, path_inside, remove_inside, write_inside
 
 __all__ = ["Case", "cases", "generate", "write", "compare", "default_out", "float64_outputs", "main", "CorpusFolderError",
            "TOLERANCE", "tensor_difference"]
@@ -128,13 +130,12 @@ def _rng(name: str) -> np.random.Generator:
 
 
 def _finish(model: onnx.ModelProto, description: str) -> onnx.ModelProto:
-    import normgrad
     from normgrad.ops import IR_VERSION
 
     model = copy.deepcopy(model)
     model.ir_version = IR_VERSION
     model.producer_name = PRODUCER_NAME
-    model.producer_version = normgrad.__version__
+    model.producer_version = __version__
     model.domain = ""
     model.model_version = 1
     model.doc_string = description
@@ -164,13 +165,12 @@ def _node_case(
     outputs: Optional[Sequence[str]] = None,
     attributes: Optional[Dict[str, int]] = None,
 ) -> Case:
-    import normgrad
     from normgrad.ops import harness, operator
 
     module = operator(op_type)
     model = harness.node_model(op_type, inputs, outputs, attributes)
     omits = _omits_optional(model)
-    model = _finish(normgrad.add_functions(model), description)
+    model = _finish(api.add_functions(model), description)
     args = {key: inputs.get(key) for key in module.INPUTS}
     result = module.reference(**args, **dict(attributes or {}))
     by_name = dict(zip(module.OUTPUTS, result))
@@ -424,8 +424,6 @@ def _training_cases() -> List[Callable[[], List[Case]]]:
 
 def cases() -> List[Case]:
     """Every corpus case, freshly generated (a few seconds)."""
-    import normgrad  # noqa: F401  (registers the schemas)
-
     result = [make() for make in _node_cases()]
     for make in _training_cases():
         result.extend(make())

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import ml_dtypes
 import numpy as np
 
-import normgrad
+from normgrad.ops import api
+from normgrad.util.version import __version__
 from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import group_normalization_grad as gng
@@ -89,7 +90,7 @@ def row_norm_case(op_type, shape, dtype, stats_dtype=np.float32, seed=0) -> dict
 def available_backends() -> list:
     backends = ["cpp", "python", "functions", "evaluator"]
     try:
-        normgrad.library_path()
+        api.library_path()
     except FileNotFoundError:
         backends.remove("cpp")
     return backends
@@ -187,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--shape needs N and C, C divisible by --groups; got {args.shape}, {args.groups}")
 
     backends = available_backends()
-    print(f"normgrad {normgrad.__version__}: backends {', '.join(backends)} (reference: NumPy float64)\n")
+    print(f"normgrad {__version__}: backends {', '.join(backends)} (reference: NumPy float64)\n")
     rows = accuracy_rows(backends)
     print(f"{'operator':<26}{'backend':<11}{'dtype':<10}{'rel. error':>12}  ok")
     for op_type, backend, dtype, error, ok in rows:

@@ -13,8 +13,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from normgrad._files import PathAliasError, refuse_irregular_file
-from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, external_data_files, uses_external_data
+from normgrad.util.files import PathAliasError, refuse_irregular_file
+from normgrad.util.external_data import EXTERNAL_TENSOR_MIN_BYTES, external_data_files, uses_external_data
 from normgrad.tools.cli import ArgumentParser, CommandError, load_model, one_line
 
 __all__ = ["main"]
@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import onnx
 
     from normgrad.graphs import UnsupportedOperatorError
-    from normgrad.graphs.artifacts import artifact_paths, check_artifact_paths, save_artifacts
+    from normgrad.artifacts import artifact_paths, check_artifact_paths, save_artifacts
 
     parser = _parser()
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from normgrad._files import write_bytes_atomic
+from normgrad.util.files import write_bytes_atomic
 
 __all__ = ["RESULTS_PATH", "AND", "recording", "load_results", "save_results", "render", "update_page", "main"]
 

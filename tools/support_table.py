@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from normgrad._files import write_bytes_atomic
+from normgrad.util.files import write_bytes_atomic
 from normgrad.tools.cli import update_page_command
 
 __all__ = ["RESULTS_PATH", "load_results", "save_results", "render", "update_readme", "main"]

@@ -67,7 +67,7 @@ def _plot(losses: List[float], steps_per_epoch: int, accuracies: List[float], pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from normgrad._files import write_bytes_atomic
+    from normgrad.util.files import write_bytes_atomic
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3), dpi=90)
     steps = np.arange(1, len(losses) + 1)
@@ -136,8 +136,8 @@ def _train_digits(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except ImportError:
         print("normgrad train: needs scikit-learn for its bundled digits: pip install 'normgrad[train]'", file=sys.stderr)
         return 1
-    from normgrad import train
-    from normgrad._files import save_model_atomic
+    import normgrad.train as train
+    from normgrad.util.files import save_model_atomic
     from normgrad.graphs import build_step_graph, build_training_graph, examples
 
     started = time.perf_counter()

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from normgrad._files import write_bytes_atomic
+from normgrad.util.files import write_bytes_atomic
 
 
 def _save_array(path: str, array) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView
+from normgrad.graphs.patterns.registry import GraphView
 
 try:
     import onnx_ir as ir

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
-from normgrad.graphs.patterns import GraphView
+from normgrad.graphs.patterns.registry import GraphView
 from normgrad.graphs.patterns._declarative import Binding, ChainPattern
 
 __all__ = ["RowNormChain", "match_row_norm", "casts_to_float", "normalised_axis", "fixed_epsilon", "broadcasts_along", "keeps_shape", "float_input"]

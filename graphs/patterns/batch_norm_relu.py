@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, is_op, register
+from normgrad.graphs.patterns.registry import GraphView, Match, is_op, register
 from normgrad.graphs.rules.batch_norm import batch_norm_backward
 
 __all__ = ["PATTERN", "match_batch_norm_relu"]

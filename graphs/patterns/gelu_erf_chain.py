@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns.registry import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import Binding, ChainPattern
 from normgrad.graphs.patterns._row_norm import float_input
 from normgrad.graphs.rules.activations import activation_gradient

@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns.registry import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern
 from normgrad.graphs.rules.activations import activation_gradient
 from normgrad.ops.activation_grad import TANH_GELU_CUBIC

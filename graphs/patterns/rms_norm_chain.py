@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns.registry import GraphView, Match, register
 from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
 from normgrad.graphs.patterns._row_norm import casts_to_float, match_row_norm
 from normgrad.graphs.rules.layer_norm import row_norm_gradient

@@ -23,7 +23,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.patterns import GraphView, Match, is_op, register
+from normgrad.graphs.patterns.registry import GraphView, Match, is_op, register
 from normgrad.graphs.patterns._row_norm import float_input
 from normgrad.graphs.rules.activations import activation_gradient
 

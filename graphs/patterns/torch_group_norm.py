@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
-from normgrad.graphs.patterns import GraphView, Match, register
+from normgrad.graphs.patterns.registry import GraphView, Match, register
 from normgrad.graphs.rules._norm import as_float32, statistics
 from normgrad.ops import DOMAIN
 

@@ -9,7 +9,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError
+from normgrad.graphs.rules.registry import UnsupportedOperatorError
 
 __all__ = ["Window", "window_of", "transposed_window"]
 

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 from normgrad.ops import (DOMAIN, activation_grad, bias_safe_softmax, gelu_with_slope, safe_softmax, silu_mul,
                           softmax_grad, swiglu_grad)
 

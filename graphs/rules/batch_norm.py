@@ -32,7 +32,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 from normgrad.graphs.rules._norm import as_float32, float32_scalar
 from normgrad.ops import DOMAIN
 

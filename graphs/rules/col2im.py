@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 
 __all__ = ["col2im_gradient", "im2col_positions"]
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["depth_to_space_gradient", "space_to_depth_gradient"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["dropout_gradient"]
 

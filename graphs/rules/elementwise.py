@@ -10,7 +10,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["binary_gradient", "pow_gradient"]
 

@@ -22,7 +22,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.torch_exports import EmbeddingGradient
 from normgrad.ops import DOMAIN, embedding_grad
 

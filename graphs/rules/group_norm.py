@@ -14,7 +14,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 from normgrad.graphs.rules._norm import as_float32, statistics
 from normgrad.ops import DOMAIN
 

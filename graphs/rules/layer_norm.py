@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules._norm import float32_scalar
 from normgrad.ops import DOMAIN
 

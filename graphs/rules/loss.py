@@ -9,7 +9,7 @@ divided by the sum of w[t_i] over the samples not ignored. So each sample's loss
 gradient factor c_i = dy_i w[t_i] (dy_i / sum w for mean), and
 d/dx = -c_i at the label (NegativeLogLikelihoodLoss: one ScatterElements);
 d/dscores = c_i softmax(scores) - c_i at the label
-(:func:`~normgrad.graphs.losses.softmax_cross_entropy_gradient`), plus, when the
+(:func:`~normgrad.ops.softmax_cross_entropy.softmax_cross_entropy_gradient`), plus, when the
 log-probabilities output is read, its gradient g through LogSoftmax: g - softmax sum_c g.
 The labels and weights get no gradient.
 """
@@ -23,8 +23,8 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.losses import softmax_cross_entropy_gradient
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.ops.softmax_cross_entropy import softmax_cross_entropy_gradient
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 
 __all__ = ["softmax_cross_entropy_loss_gradient"]
 

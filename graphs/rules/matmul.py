@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["matmul_gradient", "GEMM_ELEM_TYPES"]
 

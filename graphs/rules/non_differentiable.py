@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import onnx
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES, GradientContext, attr
-from normgrad.graphs.rules import register, register_non_differentiable
+from normgrad.graphs.rules.registry import register, register_non_differentiable
 
 __all__ = ["NON_DIFFERENTIABLE", "cast_gradient"]
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 from normgrad.graphs.rules._scatter import flat_positions, scatter_to_positions
 
 __all__ = ["pad_gradient"]

@@ -14,7 +14,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules._scatter import scatter_to_positions
 from normgrad.graphs.rules._window import transposed_window, window_of
 

@@ -43,7 +43,7 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.ops import DOMAIN, lstm_backward_factors
 
 __all__ = ["recurrent_gradient", "SUPPORTED_ACTIVATIONS"]

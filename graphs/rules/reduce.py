@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["reduce_gradient", "global_average_pool_gradient"]
 

@@ -21,7 +21,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 
 __all__ = ["resize_gradient"]
 

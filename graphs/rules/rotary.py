@@ -14,7 +14,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 from normgrad.ops import DOMAIN, rotate_half_embedding
 
 __all__ = ["rotate_half_embedding_gradient"]

@@ -31,7 +31,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules._scatter import flat_positions
 
 __all__ = ["Scatter", "scatter_gradients", "scatter_elements_gradient", "distinct_keys", "reads"]

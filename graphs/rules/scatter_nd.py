@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules.scatter_elements import Scatter, distinct_keys, reads, scatter_gradients
 
 __all__ = ["scatter_nd_gradient"]

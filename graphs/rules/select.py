@@ -11,7 +11,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["where_gradient", "variadic_gradient"]
 

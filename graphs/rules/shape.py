@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["reshape_gradient", "identity_gradient", "expand_gradient", "transpose_gradient"]
 

@@ -17,7 +17,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 from normgrad.graphs.rules._scatter import flat_positions, scatter_to_positions
 
 __all__ = ["slice_gradient", "split_gradient", "tile_gradient"]

@@ -13,7 +13,7 @@ from typing import List, Optional
 import onnx
 
 from normgrad.graphs.context import GradientContext, attr
-from normgrad.graphs.rules import register
+from normgrad.graphs.rules.registry import register
 
 __all__ = ["topk_gradient"]
 

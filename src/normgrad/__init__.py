@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from normgrad.errors import CheckpointError, LoraError, TrainerError
 from normgrad.ops import DOMAIN, OPSET_VERSION, NormgradInputError
-from normgrad._api import (
+from normgrad.util.version import __version__
+from normgrad.ops.api import (
     NormgradSessionError,
     add_functions,
     check_attributes,
@@ -47,7 +48,6 @@ __all__ = [
     "prepare_for_python_kernels",
     "session_options",
 ]
-__version__ = "0.1.0"
 
 _SUBMODULES = ("checkpoint", "graphs", "mpi", "ops", "tools", "torch", "train")
 

@@ -15,8 +15,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from normgrad._external_data import uses_external_data
-from normgrad._files import StagedFile
+from normgrad.util.external_data import uses_external_data
+from normgrad.util.files import StagedFile
 from normgrad._step_graph import APPLIED, SPLIT_LOSS, StepGraph
 from normgrad.errors import TrainerError
 from normgrad.graphs import structure
@@ -240,7 +240,7 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     reader of a weight precedes its update (so it may be in place)."""
     from onnx import helper
 
-    from normgrad._api import add_functions_in_place
+    from normgrad.ops.api import add_functions_in_place
     from normgrad.ops import DOMAIN, OPERATORS, gated_update
 
     gated = copy.deepcopy(model)
@@ -328,7 +328,7 @@ def prepare_session_options(options, graph: StepGraph, eval_model: Optional[onnx
             eval_model is not None and any(uses_external_data(t) for t in eval_model.graph.initializer)):
         _external_data_options(options, graph.external_data_folder)
     if kernels is not None:
-        from normgrad._api import session_options
+        from normgrad.ops.api import session_options
 
         try:
             session_options("cpp", options)

@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import numpy as np
 import onnx
 
-from normgrad import checkpoint as checkpoints
-from normgrad._files import PathAliasError, PathLike, refuse_aliases
+import normgrad.checkpoint as checkpoints
+from normgrad.util.files import PathAliasError, PathLike, refuse_aliases
 from normgrad._hyperparameters import CHECKPOINT_METADATA, Hyperparameters, from_checkpoint
 from normgrad._step_graph import StepGraph
 from normgrad.errors import TrainerError
@@ -200,7 +200,7 @@ def initial_seed(graph: StepGraph, seed) -> int:
 
 def refuse_overwriting(outputs: Mapping[str, PathLike], read: Sequence) -> None:
     """TrainerError when a write's outputs alias each other or a file in ``read``
-    (:func:`normgrad._files.refuse_aliases`)."""
+    (:func:`normgrad.util.files.refuse_aliases`)."""
     try:
         refuse_aliases(outputs, read)
     except PathAliasError as error:

@@ -13,8 +13,8 @@ from typing import Dict, List, Mapping, Optional, Tuple, Union
 import numpy as np
 import onnx
 
-from normgrad._external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
-from normgrad._files import PathLike, complete_interrupted_commits, eval_graph_path, refuse_irregular_file
+from normgrad.util.external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
+from normgrad.util.files import PathLike, complete_interrupted_commits, eval_graph_path, refuse_irregular_file
 from normgrad.errors import TrainerError
 
 __all__ = ["StepGraph", "load_graph", "check_metadata", "check_reserved_names", "check_external_data", "files_read",
@@ -88,7 +88,7 @@ class StepGraph:
 
 def load_graph(path: PathLike, what: str = "step graph") -> onnx.ModelProto:
     """The graph at ``path``, after finishing an interrupted commit of its folder
-    (:func:`normgrad._files.complete_interrupted_commits`); its external data (a frozen base)
+    (:func:`normgrad.util.files.complete_interrupted_commits`); its external data (a frozen base)
     stays in its files, which the sessions read from the graph's folder."""
     complete_interrupted_commits(os.path.dirname(os.path.abspath(os.fspath(path))))
     try:
@@ -102,7 +102,7 @@ def load_graph(path: PathLike, what: str = "step graph") -> onnx.ModelProto:
 
 def check_external_data(model: onnx.ModelProto, folder: str, what: str = "step graph") -> None:
     """TrainerError naming the first external tensor of ``model`` whose data cannot be used
-    from ``folder`` (:func:`normgrad._external_data.external_data_extent`: a location outside it, a
+    from ``folder`` (:func:`normgrad.util.external_data.external_data_extent`: a location outside it, a
     missing file, one shorter than offset + length); onnxruntime would fail at session
     creation with its own message. Every graph the Trainer loads goes through it."""
     for tensor in model.graph.initializer:

@@ -4,7 +4,7 @@ The file is an ONNX model (IR version 10) whose graph holds nothing but initiali
 ``TensorProto`` per tensor with raw data (any ONNX dtype; bfloat16 and the float8 types as
 onnx's ``ml_dtypes`` arrays), and whose ``metadata_props`` hold the metadata. Any ONNX tool
 reads it (``onnx.load``); values round-trip bitwise. Writes are atomic
-(:func:`normgrad._files.commit_files`): a crash while saving leaves the old file.
+(:func:`normgrad.util.files.commit_files`): a crash while saving leaves the old file.
 
 Integrity: the metadata ``normgrad.checksum`` is the SHA-256 of every tensor's name, type,
 shape and bytes and of the other metadata; :func:`load` recomputes it and refuses a file
@@ -28,8 +28,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, StagedFile, commit_files, complete_interrupted_commits, staging
-from normgrad._external_data import ExternalDataError, external_data_extent
+from normgrad.util.files import PathLike, StagedFile, commit_files, complete_interrupted_commits, staging
+from normgrad.util.external_data import ExternalDataError, external_data_extent
 from normgrad.errors import CheckpointError
 from normgrad.ops._common import IR_VERSION
 
@@ -68,8 +68,8 @@ def save(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[st
 
 def stage(path: PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] = {},
           external_data: Optional[bool] = None) -> List[StagedFile]:
-    """What :func:`save` writes, staged (:class:`normgrad._files.StagedFile`: the data file,
-    if any, then the checkpoint), for :func:`normgrad._files.commit_files` to put in place,
+    """What :func:`save` writes, staged (:class:`normgrad.util.files.StagedFile`: the data file,
+    if any, then the checkpoint), for :func:`normgrad.util.files.commit_files` to put in place,
     alone or with other files as one set."""
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):

@@ -38,8 +38,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from normgrad import checkpoint as checkpoints
-from normgrad._files import PathLike
+import normgrad.checkpoint as checkpoints
+from normgrad.util.files import PathLike
 from normgrad._session import TrainerError
 from normgrad.callbacks import (Callback, CSVLogger, EarlyStopping, ModelCheckpoint, PlotLogger, ProgressBar,
                                 TensorBoardLogger)
@@ -104,7 +104,7 @@ class _Loop:
     def __init__(self, trainer, train, epochs: int, columns: List[str], callbacks: List[Callback], scheduler,
                  scheduler_interval: str, evaluation, metrics: Dict[str, Metric], output: Optional[str], labels: str,
                  evaluate_every: Optional[int], monitor: str, mode: str):
-        from normgrad import schedules
+        import normgrad.schedules as schedules
 
         self.trainer, self.train, self.epochs, self.columns, self.callbacks = trainer, train, epochs, columns, callbacks
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval

@@ -24,8 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from normgrad._files import PathLike, StagedFile, commit_files, replace_folder_files, staging
-from normgrad._external_data import check_model
+from normgrad.util.files import PathLike, StagedFile, commit_files, replace_folder_files, staging
+from normgrad.util.external_data import check_model
 from normgrad.errors import LoraError
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
@@ -60,8 +60,8 @@ def _usable(model: onnx.ModelProto) -> Dict[str, object]:
 def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> List[str]:
     """Writes the trained adapters in ``tensors`` (a trainer's :meth:`~normgrad.Trainer.state_dict`)
     to ``directory`` (created if needed) as peft's ``adapter_model.safetensors`` and
-    ``adapter_config.json``, as one set for any reader (:func:`normgrad._files.replace_folder_files`;
-    where it cannot, :func:`normgrad._files.commit_files`, completed by normgrad's next read):
+    ``adapter_config.json``, as one set for any reader (:func:`normgrad.util.files.replace_folder_files`;
+    where it cannot, :func:`normgrad.util.files.commit_files`, completed by normgrad's next read):
     a kill leaves the old pair or the new one, never run B's weights beside run A's config;
     returns the two paths.
 
@@ -96,7 +96,7 @@ def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
     ``base_dir``: the folder of the step graph's external data (a frozen base), default the
     current folder; the base weights the adapters change are read from it and become inline
     tensors, the others stay external (write the model with
-    :func:`normgrad._external_data.save_models_external`, as :meth:`normgrad.Trainer.export_merged_model`
+    :func:`normgrad.util.external_data.save_models_external`, as :meth:`normgrad.Trainer.export_merged_model`
     does)."""
     from normgrad.graphs.step_graph import build_inference_model
 
@@ -108,7 +108,7 @@ def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.
     """:func:`merged_model` with the merged weights whose base is in external data left to
     compute while the model is written: ``(model, {name: function returning the merged
     weight's bytes})``, the model still referencing the base weight there; write it with
-    :func:`normgrad._external_data.save_models_external` ``(..., contents=...)``, which
+    :func:`normgrad.util.external_data.save_models_external` ``(..., contents=...)``, which
     computes them one at a time (the merged weights are never all in memory)."""
     from normgrad.graphs.step_graph import build_inference_model
 

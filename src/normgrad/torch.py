@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnx
 
-from normgrad import lora
-from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external
+import normgrad.lora as lora
+from normgrad.util.external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external
 from normgrad.graphs.tidy import tidy
 from normgrad.graphs.torch_exports import (METADATA_EMBEDDINGS, METADATA_PEFT, METADATA_TORCH_PARAMETERS,
                                           referenced_parameters)
@@ -104,7 +104,7 @@ def export(
         opset: default-domain opset (torchscript 12-20, default 17; dynamo 18-21, default 18).
         external_data: write the frozen initializers (no ``requires_grad``; 1 KiB or more)
             to ``PATH.HASH.data`` beside the model (named by its content: the model and its data
-            are one set, see :func:`normgrad._files.commit_files`), which references them (relative location):
+            are one set, see :func:`normgrad.util.files.commit_files`), which references them (relative location):
             the route for models past protobuf's 2 GiB limit. The returned model holds the
             references too (relative to the model's folder: the graph builders do not read
             them; give the Trainer the step graph by path, or ``external_data_folder``).

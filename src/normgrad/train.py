@@ -44,11 +44,11 @@ from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple,
 import numpy as np
 import onnx
 
-from normgrad import checkpoint as checkpoints
+import normgrad.checkpoint as checkpoints
 from normgrad._batches import BatchFeeds, unpack_dict
 from normgrad._evaluation import EvalResult, Evaluation
-from normgrad._external_data import save_models_external
-from normgrad._files import PathLike
+from normgrad.util.external_data import save_models_external
+from normgrad.util.files import PathLike
 from normgrad._hyperparameters import Hyperparameters, graph_defaults
 from normgrad._session import TrainerSession, keep_bfloat16_initializers, prepare_session_options, training_session_options
 from normgrad._state import SEED_METADATA, STEP_METADATA, TrainerState, initial_seed, writing
@@ -356,7 +356,7 @@ class Trainer:
         """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
         ``adapter_config.json`` in ``directory`` (:func:`normgrad.lora.save_adapter`; the step
         graph must come from a peft model exported with :func:`normgrad.torch.export`)."""
-        from normgrad import lora
+        import normgrad.lora as lora
 
         if self.is_saving_rank:
             self._state.refuse_overwriting({"adapter " + name: os.path.join(directory, name)
@@ -368,7 +368,7 @@ class Trainer:
         """Writes the inference model with the trained LoRA adapters folded into their base
         weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
         external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
-        from normgrad import lora
+        import normgrad.lora as lora
 
         if self.is_saving_rank:
             self._state.refuse_overwriting({"merged model": path})

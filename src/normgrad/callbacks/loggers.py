@@ -22,7 +22,7 @@ import os
 import time
 from typing import Dict, List
 
-from normgrad._files import PathLike, write_bytes_atomic
+from normgrad.util.files import PathLike, write_bytes_atomic
 from normgrad._session import TrainerError
 from normgrad.callbacks.base import Callback
 

@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from normgrad._files import PathLike, write_bytes_atomic
+from normgrad.util.files import PathLike, write_bytes_atomic
 from normgrad._session import TrainerError
 from normgrad.callbacks.base import Callback, check_mode, improved, monitored
 

@@ -12,7 +12,7 @@ checkpoint, an adapter folder) are put in place by :func:`commit_files`, whose d
 says where each set's commit point is; :func:`refuse_aliases` is the one check that a
 write's targets are none of its inputs, of each other, or of the files a loaded graph reads.
 Models whose tensors live in external data files (writing them, checking their extents)
-are :mod:`normgrad._external_data`'s."""
+are :mod:`normgrad.util.external_data`'s."""
 
 from __future__ import annotations
 

@@ -1,36 +1,6 @@
-"""Data-parallel training across processes on MPI: the one place normgrad talks to MPI.
-
-Launch with ``mpirun -n N python train.py`` (``pip install "normgrad[mpi]"`` brings mpi4py
-and Open MPI; a system MPI with its own mpi4py works too). In the script::
-
-    from normgrad import mpi
-    mpi.init()                                    # MPI up, AllReduce kernels configured,
-                                                  # a failing rank ends the job
-    trainer = mpi.DataParallelTrainer("net_step.onnx", "net_step.ckpt", lr=0.1)
-    loss = trainer.step(mpi.shard(x), mpi.shard(labels))   # this rank's part of the global batch
-
-or, with sessions of your own: ``mpi.broadcast(state)`` (rank 0's initial weights
-everywhere) and ``onnxruntime.InferenceSession(path, mpi.session_options())``. The step
-graph comes from ``normgrad export ... --data-parallel --sync-batch-norm``.
-
-mpi4py is imported lazily (by :func:`init` and the functions that need a communicator), so
-``import normgrad`` never needs MPI. Without :func:`init` every function here behaves as a
-single process of rank 0: :func:`size` is 1, :func:`broadcast` and :func:`allreduce_array`
-return their input, and the AllReduce operator is the identity.
-
-How the C++ kernel reaches MPI: the library is built without MPI (no header, no link), so
-one wheel works with or without it and with any MPI. :func:`init` hands it the addresses
-of ``MPI_Alltoallv``, ``MPI_Allgatherv`` and ``MPI_Error_string`` in the MPI library
-mpi4py itself loaded, the communicator's and ``MPI_BYTE``'s handles and the handle width
-(pointers in Open MPI, ints in MPICH), through the library's exported
-``normgrad_mpi_configure``. The kernel and mpi4py then share one MPI, whichever it is.
-
-This module holds the communicator and its collectives, the C++ library's configuration
-and :func:`abort_on_error`; :class:`DataParallelTrainer` lives in
-:mod:`normgrad._data_parallel` (imported on first use), the launcher helpers
-(:func:`launched_ranks`, :func:`mpirun_command`, :func:`mpirun_environment`) in
-:mod:`normgrad._mpi_launch`; all are exported from here.
-"""
+"""The communicator of :mod:`normgrad.mpi` and its collectives, the C++ library's
+configuration and :func:`abort_on_error`: what :mod:`normgrad.mpi.data_parallel` builds on
+(see :mod:`normgrad.mpi` for how to use them)."""
 
 from __future__ import annotations
 
@@ -43,7 +13,8 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
-from normgrad._mpi_launch import LAUNCHER_SIZE_VARIABLES, launched_ranks, mpirun_command, mpirun_environment
+from normgrad.ops import all_reduce, api
+from normgrad.util.mpi_launch import LAUNCHER_SIZE_VARIABLES, launched_ranks, mpirun_command, mpirun_environment
 
 __all__ = [
     "MPIUnavailableError",
@@ -60,8 +31,6 @@ __all__ = [
     "allreduce_array",
     "abort_on_error",
     "barrier",
-    "trainer",
-    "DataParallelTrainer",
     "mpirun_command",
     "mpirun_environment",
     "CollectiveTimeoutError",
@@ -126,13 +95,6 @@ def available() -> bool:
     except (MPIUnavailableError, RuntimeError, OSError):
         return False
     return True
-
-
-def unconfigured_message(ranks: int) -> str:
-    """The refusal of an AllReduce run in a job of ``ranks`` ranks without :func:`init`."""
-    return (f"AllReduce: this process is one of {ranks} MPI ranks but normgrad's AllReduce is not configured: "
-            "call normgrad.mpi.init() before running a --data-parallel or --sync-batch-norm graph "
-            "(unconfigured, each rank would train on its own gradients)")
 
 
 def timeout() -> float:
@@ -221,6 +183,7 @@ def init(communicator=None, abort: bool = True, library: bool = True, timeout: O
     _exit_comm = _comm.Dup()
     _gather_comm = _comm.Dup()
     _timeout = None if timeout is None else float(timeout)
+    all_reduce.set_communicator(_comm)
     if abort:
         abort_on_error()
     if library:
@@ -252,9 +215,8 @@ def size() -> int:
 
 
 def _library():
-    import normgrad
 
-    return ctypes.CDLL(normgrad.library_path())
+    return ctypes.CDLL(api.library_path())
 
 
 def configure_library(communicator) -> None:
@@ -298,9 +260,8 @@ def configured_size() -> int:
 def session_options(backend: str = "cpp", options=None):
     """``normgrad.session_options(backend)`` for graphs with AllReduce nodes: sequential
     execution, so every rank runs the collectives in the same (graph) order."""
-    import normgrad
 
-    return _sequential(normgrad.session_options(backend, options))
+    return _sequential(api.session_options(backend, options))
 
 
 def broadcast(arrays: Optional[Mapping[str, np.ndarray]], root: int = 0) -> Dict[str, np.ndarray]:
@@ -353,21 +314,9 @@ def shard(data: np.ndarray, axis: int = 0) -> np.ndarray:
 
 def allreduce_array(array: np.ndarray) -> np.ndarray:
     """The sum of ``array`` over the ranks, through mpi4py (what the Python kernel of
-    AllReduce runs): rank-order float64 sum rounded once, as the C++ kernel. Without
-    :func:`init` or with one rank: a copy of ``array``."""
-    array = np.asarray(array)
-    if _comm is None or size() == 1:
-        return array.copy()
-    parts = _comm.allgather(array)
-    total = np.zeros(array.shape, np.float64)
-    for part in parts:
-        total += part.astype(np.float64)
-    return total.astype(array.dtype)
-
-
-def trainer(step_model, checkpoint, **options):
-    """A :class:`normgrad.train.Trainer` for ``mpirun`` (see :class:`DataParallelTrainer`)."""
-    return __getattr__("DataParallelTrainer")(step_model, checkpoint, **options)
+    AllReduce runs: :func:`normgrad.ops.all_reduce.sum_over_ranks`): rank-order float64 sum
+    rounded once, as the C++ kernel. Without :func:`init` or with one rank: a copy of ``array``."""
+    return all_reduce.sum_over_ranks(array, _comm)
 
 
 def _sequential(options):
@@ -376,14 +325,6 @@ def _sequential(options):
     options = options if options is not None else onnxruntime.SessionOptions()
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     return options
-
-
-def __getattr__(name: str):
-    if name == "DataParallelTrainer":  # imported on first use: normgrad.train is not imported before
-        from normgrad._data_parallel import DataParallelTrainer
-
-        return globals().setdefault(name, DataParallelTrainer)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def barrier() -> None:
@@ -489,9 +430,3 @@ def abort_on_error() -> None:
     sys.excepthook = report_and_abort
     threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
     atexit.register(wait_for_the_others)
-
-
-if __name__ == "__main__":  # python -m normgrad.mpi SCRIPT: the imported module (the script's normgrad.mpi) runs it
-    from normgrad import mpi
-
-    mpi.main()

@@ -2,7 +2,7 @@
 (:func:`save_artifacts`; ``normgrad export`` wraps it).
 
 Each file is built and staged under a temporary name before any is put in place, then all
-are committed as one set (:func:`normgrad._files.commit_files`): a failure or a kill leaves
+are committed as one set (:func:`normgrad.util.files.commit_files`): a failure or a kill leaves
 the old graphs and checkpoint (a trained one) or the new ones, never a mix. A frozen base in
 external data stays in its files (graphs in the input's folder) or is copied to one
 ``NAME.HASH.data``, which both graphs share.
@@ -17,9 +17,11 @@ from typing import Iterable, Mapping, Optional, Tuple, Union
 import numpy as np
 import onnx
 
-from normgrad._external_data import stage_models_external
-from normgrad._files import (PathLike, beside_step_graph, commit_files, eval_graph_path, refuse_aliases,
-                             refuse_irregular_file, staging)
+import normgrad.checkpoint as checkpoints
+from normgrad.graphs.step_graph import build_eval_graph
+from normgrad.util.external_data import stage_models_external
+from normgrad.util.files import (PathLike, beside_step_graph, commit_files, eval_graph_path, refuse_aliases,
+                                 refuse_irregular_file, staging)
 
 __all__ = ["Artifacts", "artifact_paths", "check_artifact_paths", "save_artifacts"]
 
@@ -39,7 +41,7 @@ class Artifacts:
     eval_graph: Optional[str]
 
     def outputs(self) -> dict:
-        """{what: path} of every file of the set, as :func:`normgrad._files.refuse_aliases` names them."""
+        """{what: path} of every file of the set, as :func:`normgrad.util.files.refuse_aliases` names them."""
         named = {"output (-o)": self.graph, "checkpoint (--checkpoint)": self.checkpoint}
         return {**named, **({"evaluation graph": self.eval_graph} if self.eval_graph is not None else {})}
 
@@ -59,7 +61,7 @@ def check_artifact_paths(artifacts: Artifacts,
     is a folder or another non-regular file.
 
     Raises:
-        normgrad._files.PathAliasError: (a ValueError) two of them are one file.
+        normgrad.util.files.PathAliasError: (a ValueError) two of them are one file.
         OSError: a folder that does not exist, or a path that is not a regular file.
     """
     refuse_aliases(artifacts.outputs(), inputs)
@@ -100,11 +102,7 @@ def save_artifacts(path: PathLike, graph: onnx.ModelProto, state: Mapping[str, n
     artifacts = artifact_paths(path, checkpoint, eval_graph is not False)
     check_artifact_paths(artifacts, inputs)
     if eval_graph is True:
-        from normgrad.graphs.step_graph import build_eval_graph
-
         eval_graph = build_eval_graph(graph)
-    from normgrad import checkpoint as checkpoints
-
     graphs = {artifacts.graph: graph, **({artifacts.eval_graph: eval_graph} if artifacts.eval_graph else {})}
     target = artifacts.graph
     try:

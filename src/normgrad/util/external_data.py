@@ -2,11 +2,11 @@
 
 :func:`stage_models_external` and :func:`save_models_external` write models with their large
 tensors (or those already external) in one content-addressed ``PATH.HASH.data`` file, put in
-place with the model as one set (:func:`normgrad._files.commit_files`);
+place with the model as one set (:func:`normgrad.util.files.commit_files`);
 :func:`external_data_extent` is the one check of an external tensor's location, offset and
 length before a byte is read; :func:`check_model` runs onnx's checker on a model whose
 data is external. The atomic writes, the multi-file commit and the path rules they use
-live in :mod:`normgrad._files`."""
+live in :mod:`normgrad.util.files`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import onnx
 
-from normgrad._files import (PathLike, PathOutsideFolderError, StagedFile, commit_files, path_inside,
+from normgrad.util.files import (PathLike, PathOutsideFolderError, StagedFile, commit_files, path_inside,
                              refuse_irregular_file, stage_data_file, staging)
 
 __all__ = ["INLINE_MODEL_BYTES", "EXTERNAL_TENSOR_MIN_BYTES", "uses_external_data", "check_model",

@@ -15,9 +15,9 @@ from typing import Mapping
 import numpy as np
 import onnx
 
-from normgrad import checkpoint as checkpoints
+import normgrad.checkpoint as checkpoints
 from normgrad._session import _check_step_metadata, _load_step_graph
-from normgrad.mpi import CollectiveMismatchError, _sequential, broadcast, comm, gather, init, initialized, rank, size
+from normgrad.mpi.communicator import CollectiveMismatchError, _sequential, broadcast, comm, gather, init, initialized, rank, size
 from normgrad.train import Trainer, TrainerError
 
 __all__ = ["DataParallelTrainer"]

@@ -90,7 +90,7 @@ def session_options(backend: str = "cpp", options=None):
     if backend == "cpp":
         options.register_custom_ops_library(library_path())
     else:
-        from normgrad.ops import python_kernels
+        import normgrad.ops.python_kernels as python_kernels
 
         options.register_custom_ops_library(python_kernels.library_path())
     options.add_session_config_entry(_REGISTERED_KEY, backend)
@@ -205,12 +205,10 @@ def add_functions_in_place(model: onnx.ModelProto) -> onnx.ModelProto:
     opset = _default_opset(model)
     if used and opset < 15:
         raise ValueError(f"normgrad function bodies need default-domain opset >= 15; the model imports {opset}")
-    from normgrad.graphs.context import reserve_name
-
     used_names = _value_names(model)
     bodies = {}
     for op_type in sorted(used - {name for domain, name in present if domain == DOMAIN}):
-        reads = _body_reads(model, op_type, lambda name: reserve_name(used_names, name))
+        reads = _body_reads(model, op_type, lambda name: _common.reserve_name(used_names, name))
         bodies[op_type] = OPERATORS[op_type].function_body(opset, reads) if reads else OPERATORS[op_type].function_body(opset)
     formals = {f.name: len(f.input) for f in list(model.functions) + list(bodies.values()) if f.domain == DOMAIN}
     for nodes in _node_lists(model):
@@ -251,8 +249,6 @@ def check_attributes(model: onnx.ModelProto) -> None:
         NormgradInputError: a node sets an attribute its operator does not have, or one of
             the wrong type (e.g. FLOAT ``input_g=0.0``); the message names node and attribute.
     """
-    from normgrad.graphs.context import describe
-
     for nodes in _node_lists(model):
         for node in nodes:
             module = OPERATORS.get(node.op_type) if node.domain == DOMAIN else None
@@ -262,12 +258,12 @@ def check_attributes(model: onnx.ModelProto) -> None:
                 if attr.name not in module.ATTRIBUTES:
                     known = ", ".join(sorted(module.ATTRIBUTES)) or "none"
                     raise NormgradInputError(
-                        f"{describe(node)}: unknown attribute '{attr.name}' ({node.op_type} has: {known})"
+                        f"{_common.describe(node)}: unknown attribute '{attr.name}' ({node.op_type} has: {known})"
                     )
                 expected = _ATTRIBUTE_TYPES[type(module.ATTRIBUTES[attr.name])]
                 if attr.type != expected:
                     raise NormgradInputError(
-                        f"{describe(node)}: attribute '{attr.name}' must be of type "
+                        f"{_common.describe(node)}: attribute '{attr.name}' must be of type "
                         f"{onnx.AttributeProto.AttributeType.Name(expected)}; got "
                         f"{onnx.AttributeProto.AttributeType.Name(attr.type)}"
                     )
@@ -310,14 +306,12 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
     Raises:
         NormgradInputError: as :func:`check_attributes`.
     """
-    from normgrad.graphs.context import reserve_name
-
     check_attributes(model)
     model = copy.deepcopy(model)
     used = _value_names(model)
 
     def fresh(name: str) -> str:
-        return reserve_name(used, name)
+        return _common.reserve_name(used, name)
 
     def rewrite(nodes) -> None:
         rewritten = []
