@@ -193,6 +193,7 @@ def _adamw(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_bfloat16_base_steps_match_torch(exported, level):

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import onnx.numpy_helper as onh
 import pytest
 
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
+from _helpers import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph, examples, losses
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import make_portable

@@ -24,6 +24,8 @@ from normgrad.train import Trainer, TrainerError
 
 from _graph_models import two_layer_model
 
+pytestmark = pytest.mark.slow
+
 STEPS, LR = 3, 1e-3
 
 

@@ -16,6 +16,8 @@ import pytest
 from normgrad.graphs import build_training_graph, supported_op_types
 from normgrad.graphs.patterns import _declarative
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 nn = torch.nn
 

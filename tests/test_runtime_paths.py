@@ -30,7 +30,7 @@ import pytest
 
 import normgrad
 
-from conftest import cpp_available
+from _helpers import cpp_available
 from test_corpus import assert_matches, load_case
 
 OLDEST_ORT = (1, 19, 2)

@@ -32,6 +32,8 @@ import _runtimes
 from _providers import max_relative_error
 from test_corpus import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
 
+pytestmark = pytest.mark.slow
+
 FORMS = ("stored", "inlined")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
+from _helpers import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.graphs.optimizers import hyperparameter_feeds

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import OPTIMIZATION_LEVELS as LEVELS, cpp_available
+from _helpers import OPTIMIZATION_LEVELS as LEVELS, cpp_available
 from normgrad.graphs import build_step_graph, build_training_graph, examples
 from normgrad.graphs.inline import inline_normgrad
 from normgrad.graphs.optimizers import hyperparameter_feeds

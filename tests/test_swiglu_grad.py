@@ -16,7 +16,7 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
+from _helpers import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
                       step_outputs)
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds

@@ -227,7 +227,7 @@ def test_step_graph_fed_nan_epsilon_keeps_every_weight(backend):
     import onnxruntime as ort
 
     import normgrad
-    from conftest import cpp_available
+    from _helpers import cpp_available
 
     if backend == "cpp" and not cpp_available():
         pytest.skip("needs the C++ library")

@@ -22,6 +22,8 @@ from normgrad.graphs.rewrites import DROPOUT_SEED_INPUT
 from normgrad.train import Trainer
 from normgrad.graphs.optimizers import hyperparameter_feeds
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
