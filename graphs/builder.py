@@ -183,7 +183,41 @@ def _needing_grad(
             f"no gradient rule for operator{'s' if len(gaps) > 1 else ''} {', '.join(gaps)}; a gradient must flow "
             f"through {'each of them' if len(gaps) > 1 else 'it'}. Supported: see normgrad.graphs.supported_op_types()"
         )
+    _refuse_constant_parameters(graph, types, needs)
     return needs
+
+
+def _refuse_constant_parameters(graph: onnx.GraphProto, types: GradientContext, needs: Set[str]) -> None:
+    """Refuses a node whose output needs a gradient but which takes a value computed from a
+    trainable initializer at an input its rule does not differentiate (that parameter's
+    gradient through it would silently be zero). The initializer itself there (or an
+    Identity of it) is not refused: that is TorchScript's merge of equal tensors, a buffer
+    sharing a parameter's initializer, which ``torch_exports.merged_initializers_warning`` names.
+
+    Raises:
+        UnsupportedOperatorError: naming the node, the input and the parameter.
+    """
+    aliases = {t.name: t.name for t in graph.initializer if t.name in needs}  # a trainable initializer or an Identity of it
+    computed: Dict[str, str] = {}  # value -> a trainable initializer it is computed from
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is None or rule.gradient is None:  # no rule: refused above if it matters; None: no gradient at all
+            continue
+        differentiable = rule.differentiable_inputs(types, node)
+        if any(node.output[i] in needs for i in rule.differentiable_outputs(node)):
+            for index, name in enumerate(node.input):
+                if name in computed and index not in differentiable and _maybe_float(types.type_of(name)):
+                    raise UnsupportedOperatorError(
+                        f"{describe(node)}: input {index} ('{name}') is computed from trainable parameter "
+                        f"'{computed[name]}', but the {node.op_type} rule gives that input no gradient; freeze "
+                        f"'{computed[name]}' (--freeze) or keep it off that input")
+        sources = [(node.input[i] in aliases, aliases.get(node.input[i]) or computed.get(node.input[i]))
+                   for i in differentiable if node.input[i] in aliases or node.input[i] in computed]
+        if sources:
+            target = aliases if node.op_type == "Identity" and sources[0][0] else computed
+            for i in rule.differentiable_outputs(node):
+                if _maybe_float(types.type_of(node.output[i])):
+                    target.setdefault(node.output[i], sources[0][1])
 
 
 def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str]) -> Dict[str, List[str]]:
@@ -461,6 +495,20 @@ def training_graph_with_stored_weights(model: onnx.ModelProto, **options) -> onn
     return _assemble_training_graph(*arguments.args)
 
 
+class _Differentiated(NamedTuple):
+    """The prepared forward model and what its backward pass needs (:func:`_differentiate`)."""
+
+    model: onnx.ModelProto
+    ctx: GradientContext
+    float_outputs: List[onnx.ValueInfoProto]
+    wanted: List[Tuple[str, onnx.TypeProto]]  # the values whose gradients are outputs, in order
+    grad_names: List[str]
+    trainable_inputs: List[onnx.ValueInfoProto]  # the trained initializers, as graph inputs
+    running_statistics: List[Dict[str, str]]
+    original_value_info: List[onnx.ValueInfoProto]
+    peft_adapters: Optional[str]
+
+
 def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_output, batch_norm_all_reduce,
                              data_parallel, sync_batch_norm, bucket_bytes) -> onnx.ModelProto:
     """:func:`build_training_graph` before the weights leave the initializers."""
@@ -469,6 +517,54 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
                          "with data_parallel or sync_batch_norm")
     if sync_batch_norm:
         batch_norm_all_reduce = batch_norm_all_reduce or data_parallel_rules.all_reduce
+    forward = _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss_options)
+    del model  # the prepared copy in ``forward`` is the one assembled
+    ctx, float_outputs = forward.ctx, forward.float_outputs
+    seeds, extra_inputs, extra_outputs, appended, loss_name = _seed_backward(
+        forward.model.graph, ctx, float_outputs, loss, loss_output, loss_options, data_parallel)
+    grads = _backward(forward.model.graph, ctx, seeds)
+    gradients, gradient_outputs, parallel_metadata = _gradient_outputs(
+        forward, grads, appended, loss_name, data_parallel, batch_norm_all_reduce, bucket_bytes)
+    result = _training_model(forward, extra_inputs, extra_outputs + gradient_outputs)
+    loss_of = float_outputs[0].name
+    weight_names = [info.name for info in forward.trainable_inputs]
+    running_statistics, peft_adapters = forward.running_statistics, forward.peft_adapters
+    # a reference to any part of the prepared forward model or of the emitted nodes keeps
+    # all of it alive
+    del forward, ctx, float_outputs, extra_inputs, extra_outputs, gradient_outputs, grads
+    metadata = {
+        METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
+        METADATA_GRADIENTS: json.dumps(gradients),
+        METADATA_WEIGHTS: json.dumps(weight_names),
+        METADATA_LOSS: json.dumps(
+            {"kind": loss, "output": loss_of, **({"options": dict(loss_options)} if loss_options else {})}
+            if loss else {"kind": "output", "output": loss_output} if loss_output else None),
+        **parallel_metadata,
+    }
+    if running_statistics:
+        metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
+    if inline:
+        metadata[METADATA_INLINE] = "true"
+    if peft_adapters is not None:  # which trained tensors are LoRA adapters, for normgrad.lora
+        metadata[torch_exports.METADATA_PEFT] = peft_adapters
+    oh.set_model_props(result, metadata)
+    result.ir_version = IR_VERSION
+    rewrites.cast_stored_weights_per_reader(result)
+    tidy(result)
+    result = add_functions_in_place(result)
+    if inline:
+        from normgrad.graphs.inline import inline_normgrad
+
+        result = inline_normgrad(result)
+        scan_bodies_self_contained(result)  # standard ops for other runtimes: OpenVINO's reads no outer scope
+    result.ir_version = IR_VERSION
+    check_model(result)
+    return result
+
+
+def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss_options) -> _Differentiated:
+    """The forward model checked and prepared, the values a gradient must reach, and the
+    context whose nodes the backward pass emits."""
     check_graph_structure(model.graph)
     torch_exports.check_forward_model(model)
     frozen = set(frozen) | _not_torch_parameters(model)
@@ -505,10 +601,10 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     if trained_folded:
         warnings.warn(torch_exports.folded_constants_warning(
             trained_folded, torch_exports.torchscript_eval_mode(model, trained_folded)),
-            torch_exports.TorchExportWarning, stacklevel=3)
+            torch_exports.TorchExportWarning, stacklevel=4)
     trained_merged = {kept: names for kept, names in merged_initializers.items() if kept in needs}
     if trained_merged:
-        warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=3)
+        warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=4)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
 
@@ -526,9 +622,17 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     _refuse_forward_names(graph, [name + GRAD_SUFFIX for name, _ in wanted] +
                           (["loss"] if loss is not None else []))
     grad_names = [ctx.reserve(name + GRAD_SUFFIX) for name, _ in wanted]
+    return _Differentiated(model, ctx, float_outputs, wanted, grad_names, trainable_inputs, running_statistics,
+                           original_value_info, peft_adapters)
 
+
+def _seed_backward(graph: onnx.GraphProto, ctx: GradientContext, float_outputs, loss, loss_output, loss_options,
+                   data_parallel):
+    """The loss appended (or the loss output, or one seed input per float output) and the
+    seeds of the backward pass: ``(seeds, extra inputs, extra outputs, appended loss, its output name)``."""
     extra_inputs: List[onnx.ValueInfoProto] = []  # seeds or labels
     extra_outputs: List[onnx.ValueInfoProto] = []
+    appended = loss_name = None
     if loss is not None:
         ctx.scope("loss")
         bias_add = losses.bias_add_before(graph, ctx, float_outputs[0].name)
@@ -542,7 +646,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
             raise ValueError("the model already has a value named 'labels'")
         extra_inputs.append(appended.labels)
         loss_name = ctx.reserve("loss")
-        if not data_parallel:  # else the mean over the ranks, below
+        if not data_parallel:  # else the mean over the ranks, in _gradient_outputs
             ctx.op("Identity", appended.loss, outputs=[loss_name])
         extra_outputs.append(_value_info(loss_name, oh.make_tensor_type_proto(appended.elem_type, [])))
         seeds = appended.seeds
@@ -560,38 +664,50 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
             seed = ctx.reserve(output.name + GRAD_SUFFIX)
             extra_inputs.append(_value_info(seed, output.type))
             seeds[output.name] = seed
-    grads = _backward(graph, ctx, seeds)
+    return seeds, extra_inputs, extra_outputs, appended, loss_name
 
+
+def _gradient_outputs(forward: _Differentiated, grads, appended, loss_name, data_parallel, batch_norm_all_reduce,
+                      bucket_bytes):
+    """Each wanted value's gradient (averaged over the ranks when data-parallel) as the output
+    ``NAME_grad``: ``({grad output: value}, their value infos, data-parallel metadata)``."""
+    ctx, wanted = forward.ctx, forward.wanted
     ctx.scope("grad/outputs")
     values = {name: ctx.sum_all(grads[name]) if grads.get(name) else ctx.zeros_like(name) for name, _ in wanted}
     buckets = []
     if data_parallel:
-        trainable = {info.name for info in trainable_inputs}
+        trainable = {info.name for info in forward.trainable_inputs}
         members = [data_parallel_rules.static_member(ctx, name, values[name]) for name, _ in wanted if name in trainable]
-        if loss is not None:
-            members.append(data_parallel_rules.static_member(ctx, loss_name, appended.loss, float_outputs[0].name, []))
+        if appended is not None:
+            members.append(data_parallel_rules.static_member(ctx, loss_name, appended.loss, forward.float_outputs[0].name, []))
         averaged, buckets = data_parallel_rules.average_over_ranks(ctx, members, bucket_bytes)
         values.update((name, averaged[name]) for name in trainable)
-        if loss is not None:
+        if appended is not None:
             ctx.op("Identity", averaged[loss_name], outputs=[loss_name])
     parallel_metadata = data_parallel_rules.metadata(data_parallel, batch_norm_all_reduce is not None, buckets)
     gradients: Dict[str, str] = {}
-    for (name, type_proto), grad_name in zip(wanted, grad_names):
+    outputs: List[onnx.ValueInfoProto] = []
+    for (name, type_proto), grad_name in zip(wanted, forward.grad_names):
         ctx.op("Identity", values[name], outputs=[grad_name])
         gradients[grad_name] = name
-        extra_outputs.append(_value_info(grad_name, type_proto))
+        outputs.append(_value_info(grad_name, type_proto))
+    return gradients, outputs, parallel_metadata
 
+
+def _training_model(forward: _Differentiated, extra_inputs, extra_outputs) -> onnx.ModelProto:
+    """The forward nodes (with the rules' replacements) and the emitted ones in one new model."""
+    graph, ctx = forward.model.graph, forward.ctx
     # the training graph is assembled in the model that holds it, each node copied once; a
     # graph of 10^6 nodes takes gigabytes per copy
-    result = oh.make_model(onnx.GraphProto(), opset_imports=list(model.opset_import), producer_name="normgrad")
+    result = oh.make_model(onnx.GraphProto(), opset_imports=list(forward.model.opset_import), producer_name="normgrad")
     new_graph = result.graph
     new_graph.name = f"{graph.name or 'model'}_training"
     new_graph.doc_string = "Training graph written by normgrad.graphs.build_training_graph"
-    new_graph.input.extend(list(graph.input) + trainable_inputs + extra_inputs)
+    new_graph.input.extend(list(graph.input) + forward.trainable_inputs + extra_inputs)
     new_graph.output.extend(list(graph.output) + extra_outputs)
     new_graph.initializer.extend(graph.initializer)
     new_graph.sparse_initializer.extend(graph.sparse_initializer)
-    new_graph.value_info.extend(original_value_info)
+    new_graph.value_info.extend(forward.original_value_info)
     new_graph.value_info.extend(ctx.declared)
     if ctx.forward_replacements:
         for node in graph.node:
@@ -600,36 +716,4 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     else:
         new_graph.node.extend(graph.node)
     new_graph.node.extend(ctx.nodes)
-    loss_of = float_outputs[0].name
-    weight_names = [info.name for info in trainable_inputs]
-    # a reference to any part of the prepared forward model or of the emitted nodes keeps
-    # all of it alive
-    del graph, ctx, types, wanted, trainable_inputs, extra_inputs, extra_outputs, float_outputs, new_graph, model
-    metadata = {
-        METADATA_SEEDS: json.dumps(seeds if loss is None else {}),
-        METADATA_GRADIENTS: json.dumps(gradients),
-        METADATA_WEIGHTS: json.dumps(weight_names),
-        METADATA_LOSS: json.dumps(
-            {"kind": loss, "output": loss_of, **({"options": dict(loss_options)} if loss_options else {})}
-            if loss else {"kind": "output", "output": loss_output} if loss_output else None),
-        **parallel_metadata,
-    }
-    if running_statistics:
-        metadata[METADATA_BATCH_NORM] = json.dumps(running_statistics)
-    if inline:
-        metadata[METADATA_INLINE] = "true"
-    if peft_adapters is not None:  # which trained tensors are LoRA adapters, for normgrad.lora
-        metadata[torch_exports.METADATA_PEFT] = peft_adapters
-    oh.set_model_props(result, metadata)
-    result.ir_version = IR_VERSION
-    rewrites.cast_stored_weights_per_reader(result)
-    tidy(result)
-    result = add_functions_in_place(result)
-    if inline:
-        from normgrad.graphs.inline import inline_normgrad
-
-        result = inline_normgrad(result)
-        scan_bodies_self_contained(result)  # standard ops for other runtimes: OpenVINO's reads no outer scope
-    result.ir_version = IR_VERSION
-    check_model(result)
     return result

@@ -73,6 +73,10 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     if runtime == "evaluator" and any(n.op_type in ("GRU", "RNN") and len(n.input) > 4 and n.input[4]
                                       for n in model.graph.node):
         return "GRU and RNN nodes with sequence_lens (it ignores sequence_lens: wrong values)"
+    if runtime == "openvino-ep" and training_dropout(model):
+        return TRAINING_DROPOUT
+    if runtime == "openvino-ep" and _runtime_axes_grad_graph(model):
+        return RUNTIME_AXES_EP
     if runtime in ("evaluator", "openvino-ep"):  # the EP gets the graph with functions inlined by onnxruntime
         return None
     if runtime == "openvino" and _inputs_also_initializers(model):
@@ -82,6 +86,8 @@ def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
     if model.functions:
         ops = sorted({f"{f.domain}:{f.name}" for f in model.functions})
         return f"model-local functions ({', '.join(ops)}): export with --inline"
+    if runtime in ("openvino", "tract") and training_dropout(model):
+        return TRAINING_DROPOUT
     if runtime == "openvino" and onnx.TensorProto.BFLOAT16 in _elem_types(model):
         return "bfloat16 graph inputs and outputs (come back as float16, wrong values)"
     if runtime == "tract":
@@ -116,6 +122,35 @@ def _tract_recurrent_lacks(nodes, constants) -> Optional[str]:
     from normgrad.tools.runtime_table import AND
 
     return AND.join(reasons) or None
+
+
+TRAINING_DROPOUT = ("onnxruntime's training-mode Dropout (OpenVINO and the EP: 'Training mode is not supported for "
+                    "Dropout op'; tract: 'Dropout in training mode with a non-zero ratio is not supported'), which a "
+                    "grad-only graph keeps but with --portable: export with --portable (--inline --portable)")
+
+
+RUNTIME_AXES_EP = ("a grad-only graph wholly in standard ops with a broadcast gradient summed over axes computed at run "
+                   "time ('Output names mismatch between OpenVINO and ONNX'; torch's EmbeddingBag + Embedding "
+                   "classifier: the bag output's batch size is unknown to shape inference)")
+
+
+def _runtime_axes_grad_graph(model: onnx.ModelProto) -> bool:
+    """A grad-only graph (no ``lr`` input) without normgrad nodes whose ReduceSum axes come
+    from a NonZero (``GradientContext.sum_to_runtime``): the EP fails it, measured."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    if "lr" in {i.name for i in model.graph.input} or any(n.domain == "normgrad" for n in model.graph.node):
+        return False
+    for node in model.graph.node:
+        axes = producers.get(node.input[1]) if node.op_type == "ReduceSum" and len(node.input) > 1 else None
+        if axes is not None and axes.op_type == "Reshape" and getattr(producers.get(axes.input[0]), "op_type", "") == "NonZero":
+            return True
+    return False
+
+
+def training_dropout(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has a Dropout node given a training_mode (a grad-only graph's, not
+    seeded: it draws the runtime's own random mask)."""
+    return any(n.op_type == "Dropout" and len(n.input) > 2 and n.input[2] for n in model.graph.node)
 
 
 def _reads_outer_scope(scan: onnx.NodeProto) -> bool:

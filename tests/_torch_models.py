@@ -540,6 +540,51 @@ class VAE(nn.Module):
         return self.vae(sample, sample_posterior=False).sample
 
 
+TINY_DECODER = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    intermediate_size=32, vocab_size=50, max_position_embeddings=16)
+"""A one-layer transformers decoder config: hidden 16, 2 query heads sharing 1 key/value head, vocab 50."""
+
+
+def mixtral():
+    """transformers.MixtralForCausalLM (TINY_DECODER; 4 experts, 2 per token) -> logits."""
+    import transformers
+
+    from normgrad.torch import causal_lm_logits
+
+    config = transformers.MixtralConfig(**TINY_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    return causal_lm_logits(transformers.MixtralForCausalLM(config))
+
+
+def qwen2_moe():
+    """transformers.Qwen2MoeForCausalLM (TINY_DECODER; 4 experts of 16, 2 per token, a shared
+    expert of 32 behind its sigmoid gate) -> logits."""
+    import transformers
+
+    from normgrad.torch import causal_lm_logits
+
+    config = transformers.Qwen2MoeConfig(**TINY_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=32)
+    return causal_lm_logits(transformers.Qwen2MoeForCausalLM(config))
+
+
+class FNetEncoder(nn.Module):
+    """transformers.FNetModel (hidden 16, 1 layer, vocab 50 with padding token 0, dropout p = 0;
+    token mixing by torch.fft.fftn, not the TPU matrices) -> (last hidden state, pooled output)."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        config = transformers.FNetConfig(hidden_size=16, num_hidden_layers=1, intermediate_size=32, vocab_size=50,
+                                         max_position_embeddings=16, hidden_dropout_prob=0.0, pad_token_id=0,
+                                         use_tpu_fourier_optimizations=False)
+        self.fnet = transformers.FNetModel(config)
+
+    def forward(self, input_ids):
+        out = self.fnet(input_ids=input_ids)
+        return out.last_hidden_state, out.pooler_output
+
+
 def run_training_graph(training, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """Every output of ``training`` (a TrainingGraph or a model) by name, run in onnxruntime
     with ``feeds`` plus the weights' values ``training`` carries."""

@@ -12,7 +12,7 @@ import pytest
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph
 from normgrad.tools.check import check_gradients
 
-from _graph_models import batch_norm_parameters, model, weights
+from _graph_models import batch_norm_parameters, model, run_training, weights
 
 TOLERANCE = 1e-4
 
@@ -66,12 +66,34 @@ def test_unary_positive_domain(op_type):
     _check(model(nodes, {"x": (3, 4)}, ["y"]))
 
 
-def test_clip():
-    params = {"lo": np.array(-0.5, np.float32), "hi": np.array(0.7, np.float32)}
-    forward = model([_node("Clip", ["x", "lo", "hi"])], {"x": (4, 5)}, ["y"], params)
+@pytest.mark.parametrize("inputs", [["x", "lo", "hi"], ["x", "lo"], ["x", "", "hi"]])
+def test_clip(inputs):
+    """x, min and max, each bound trainable, against finite differences; frozen bounds get none."""
+    params = {name: value for name, value in (("lo", np.float32(-0.5)), ("hi", np.float32(0.7))) if name in inputs}
+    forward = model([_node("Clip", inputs)], {"x": (4, 5)}, ["y"], {k: np.array(v) for k, v in params.items()})
     training, _ = build_training_graph(forward)
-    assert [o.name for o in training.graph.output] == ["y", "x_grad"]
+    assert [o.name for o in training.graph.output] == ["y", "x_grad"] + [f"{name}_grad" for name in params]
     _check(forward)
+    training, _ = build_training_graph(forward, frozen=list(params))
+    assert [o.name for o in training.graph.output] == ["y", "x_grad"]
+
+
+@pytest.mark.parametrize("lo, hi", [(-0.5, 0.5), (0.5, -0.5), (0.5, 0.5)], ids=["ordered", "min-above-max", "equal"])
+def test_clip_matches_torch_clamp_with_tensor_bounds(lo, hi):
+    """torch.clamp(x, min_tensor, max_tensor) autograd, ties at the bounds included (x == min or
+    max goes to x) and min > max (every element is max: max gets the gradient)."""
+    torch = pytest.importorskip("torch")
+    x = np.array([[-1.0, -0.5, -0.25, 0.0], [0.25, 0.5, 1.0, 0.5]], np.float32)
+    dy = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+    forward = model([_node("Clip", ["x", "lo", "hi"])], {"x": x.shape}, ["y"],
+                    {"lo": np.array(lo, np.float32), "hi": np.array(hi, np.float32)})
+    results = run_training(build_training_graph(forward), {"x": x, "y_grad": dy})
+    xt, lot, hit = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x, lo, hi))
+    yt = torch.clamp(xt, lot, hit)
+    yt.backward(torch.tensor(dy, dtype=torch.float64))
+    np.testing.assert_allclose(results["y"], yt.detach().numpy(), rtol=1e-6)
+    for name, tensor in (("x", xt), ("lo", lot), ("hi", hit)):
+        np.testing.assert_allclose(results[f"{name}_grad"], tensor.grad.numpy(), rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("op_type", ["Add", "Sub", "Mul", "Div", "Pow"])
@@ -334,6 +356,37 @@ def test_unknown_domain_operator_on_the_gradient_path_is_named():
     forward = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("my.ops", 1)])
     with pytest.raises(UnsupportedOperatorError, match="Warp of domain 'my.ops' \\(Warp node 'warp'\\)"):
         build_training_graph(forward)
+
+
+def test_trainable_parameter_at_an_input_the_rule_does_not_differentiate_is_refused():
+    """w trains through the Mul and reaches Pad's constant_value, which Pad's rule gives no
+    gradient: refused by name, not a silent zero; frozen, w builds."""
+    nodes = [oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("ReduceMean", ["w"], ["fill"], keepdims=0),
+             oh.make_node("Pad", ["xw", "pads", "fill"], ["y"], name="pad")]
+    forward = model(nodes, {"x": (2, 3)}, ["y"], {"w": np.full((2, 3), 0.5, np.float32), "pads": np.array([0, 1, 0, 1])})
+    with pytest.raises(UnsupportedOperatorError,
+                       match="Pad node 'pad': input 2 \\('fill'\\) is computed from trainable parameter 'w', but the Pad rule"):
+        build_training_graph(forward)
+    assert [o.name for o in build_training_graph(forward, frozen=["w"]).model.graph.output] == ["y", "x_grad"]
+
+
+def test_trainable_parameter_itself_at_an_input_the_rule_does_not_differentiate_is_not_refused():
+    """TorchScript merges equal initializers: an eval-mode BatchNorm's running mean may be its
+    bias's initializer (or an Identity of it); builds, as torch_exports warns of the merge."""
+    nodes = [oh.make_node("Identity", ["t"], ["m"]), _node("BatchNormalization", ["x", "s", "t", "m", "v"])]
+    params = {name: value for name, value in batch_norm_parameters(3).items() if name != "m"}
+    forward = model(nodes, {"x": (2, 3, 4, 4)}, ["y"], params)
+    assert {o.name for o in build_training_graph(forward).model.graph.output} >= {"s_grad", "t_grad"}
+
+
+def test_trainable_parameter_at_integer_or_non_differentiable_inputs_is_not_refused():
+    """w's shape (a Reshape's shape input) and its sign test (a Where's condition) carry no gradient by nature."""
+    nodes = [oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("Shape", ["w"], ["shape"]),
+             oh.make_node("Reshape", ["xw", "shape"], ["r"]), oh.make_node("Greater", ["w", "zero"], ["positive"]),
+             oh.make_node("Where", ["positive", "r", "x"], ["y"])]
+    params = {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), "zero": np.array(0.0, np.float32)}
+    forward = model(nodes, {"x": (2, 3)}, ["y"], params)
+    _check(forward, frozen=["zero"])
 
 
 def test_model_without_default_opset_is_refused():

@@ -16,7 +16,7 @@ import pytest
 from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_training_graph
 from normgrad.tools.check import _output_shapes, check_gradients
 
-from _graph_models import model, weights
+from _graph_models import model, run_training, weights
 from test_graphs_rules import TOLERANCE, _check, _node
 
 
@@ -370,6 +370,75 @@ def test_gather_nd(indices):
     _check(model([_node("GatherND", ["x", "indices"])], {"x": (2, 3, 4)}, ["y"], params))
 
 
+GATHER_ND_BATCHED = [  # (batch_dims, data shape, indices)
+    (1, (2, 3, 4), [[1], [0]]),  # one row per batch
+    (1, (2, 3, 4, 2), [[[0, 1], [2, 3], [0, 1]], [[-1, 0], [1, 2], [1, 2]]]),  # repeats, a negative index
+    (2, (2, 3, 4, 2), [[[3], [0], [1]], [[1], [-1], [2]]]),  # two batch axes
+    (1, (3, 2, 2), [[[0, 1]], [[1, 1]], [[1, 0]]]),  # full tuples: scalars gathered
+]
+
+
+@pytest.mark.parametrize("batch_dims, shape, indices", GATHER_ND_BATCHED)
+def test_gather_nd_batch_dims(batch_dims, shape, indices):
+    _check(model([_node("GatherND", ["x", "indices"], batch_dims=batch_dims)], {"x": shape}, ["y"],
+                 _ints(indices=indices)))
+
+
+@pytest.mark.parametrize("batch_dims, shape, indices", GATHER_ND_BATCHED)
+def test_gather_nd_batch_dims_matches_torch_indexing(batch_dims, shape, indices):
+    """Against torch autograd of the same gather as advanced indexing: x[b..., i0, i1, ...]."""
+    torch = pytest.importorskip("torch")
+    index = np.asarray(indices, np.int64)
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    forward = model([_node("GatherND", ["x", "indices"], batch_dims=batch_dims)], {"x": shape}, ["y"], _ints(indices=index))
+    dy = np.random.default_rng(2).standard_normal(index.shape[:-1] + shape[batch_dims + index.shape[-1]:]).astype(np.float32)
+    results = run_training(build_training_graph(forward), {"x": x, "y_grad": dy})
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    lead = index.shape[:-1]
+    batch = [torch.arange(lead[d]).reshape([-1] + [1] * (len(lead) - d - 1)) for d in range(batch_dims)]
+    yt = xt[tuple(batch + [torch.tensor(index[..., j]) for j in range(index.shape[-1])])]
+    yt.backward(torch.tensor(dy, dtype=torch.float64))
+    np.testing.assert_allclose(results["y"], yt.detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(results["x_grad"], xt.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+AVERAGE_POOL_CEIL = [  # (x shape, kernel, strides, symmetric pad): ceil_mode adds a window to each
+    ((1, 2, 5, 7), [2, 2], [2, 2], 0),
+    ((2, 2, 6, 6), [3, 3], [2, 2], 1),  # the last window reaches past the end pad
+    ((1, 1, 8, 9), [3, 3], [2, 3], 1),  # strides that differ
+]
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("shape, kernel, strides, pad", AVERAGE_POOL_CEIL)
+def test_average_pool_ceil_mode(shape, kernel, strides, pad, count_include_pad):
+    attrs = dict(kernel_shape=kernel, strides=strides, pads=[pad] * 4, ceil_mode=1, count_include_pad=count_include_pad)
+    _check(model([_node("AveragePool", ["x"], **attrs)], {"x": shape}, ["y"]))
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("shape, kernel, strides, pad", AVERAGE_POOL_CEIL)
+def test_average_pool_ceil_mode_matches_torch(shape, kernel, strides, pad, count_include_pad):
+    """torch's avg_pool2d(ceil_mode=True): the output size, the divisors of the windows past
+    the end (count_include_pad counts the explicit pads only) and their gradients."""
+    torch = pytest.importorskip("torch")
+    attrs = dict(kernel_shape=kernel, strides=strides, pads=[pad] * 4, ceil_mode=1, count_include_pad=count_include_pad)
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    yt = torch.nn.functional.avg_pool2d(xt, kernel, strides, pad, ceil_mode=True, count_include_pad=bool(count_include_pad))
+    dy = np.random.default_rng(4).standard_normal(tuple(yt.shape)).astype(np.float32)
+    yt.backward(torch.tensor(dy, dtype=torch.float64))
+    results = run_training(build_training_graph(model([_node("AveragePool", ["x"], **attrs)], {"x": shape}, ["y"])),
+                           {"x": x, "y_grad": dy})
+    np.testing.assert_allclose(results["y"], yt.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["x_grad"], xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_average_pool_ceil_mode_asymmetric_pads_1d():
+    _check(model([_node("AveragePool", ["x"], kernel_shape=[3], strides=[2], pads=[0, 1], ceil_mode=1,
+                        count_include_pad=1)], {"x": (1, 2, 9)}, ["y"]))
+
+
 def test_gradients_do_not_depend_on_the_thread_count():
     """Resize (interpolation matrices and repeats), reflect Pad (scatter-adds), Slice with a
     negative step, ConvTranspose, GatherND with repeated rows: bitwise equal gradients with
@@ -481,12 +550,12 @@ def test_slices_not_covering_an_axis_stay_slices(bounds, shape):
      (1, 1, 4, 4), _floats(s=[1, 1, 2, 2]), "Resize node 'crop'.*tf_crop_and_resize"),
     (oh.make_node("Resize", ["x", "", "", "n"], ["y"], name="keep", keep_aspect_ratio_policy="not_larger"),
      (1, 1, 4, 4), _ints(n=[1, 1, 6, 7]), "Resize node 'keep'.*keep_aspect_ratio_policy not_larger"),
-    (oh.make_node("GatherND", ["x", "i"], ["y"], name="batched", batch_dims=1),
-     (2, 3, 4), _ints(i=[[1], [0]]), "GatherND node 'batched'.*batch_dims 0"),
     (oh.make_node("Conv", ["x", "w"], ["y"], name="same", auto_pad="SAME_UPPER", strides=[2, 2]),
      ("N", 2, "H", "W"), weights(0, w=(2, 2, 3, 3)), "Conv node 'same'.*auto_pad=SAME_UPPER needs static spatial dims"),
     (oh.make_node("AveragePool", ["x"], ["y"], name="ceil", kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
      (1, 2, "H", "W"), {}, "AveragePool node 'ceil'.*ceil_mode=1 needs static spatial dims"),
+    (oh.make_node("AveragePool", ["x"], ["y"], name="dropped", kernel_shape=[3, 3], strides=[3, 3], pads=[1] * 4, ceil_mode=1),
+     (1, 2, 5, 5), {}, "AveragePool node 'dropped'.*drop it \\(output \\[2, 2\\]\\) but onnx's shape inference keeps it \\(\\[3, 3\\]\\)"),
     (oh.make_node("ConvTranspose", ["x", "w"], ["y"], name="shaped", output_shape=[9, 9], strides=[2, 2]),
      (1, 2, "H", "W"), weights(0, w=(2, 2, 3, 3)), "ConvTranspose node 'shaped'.*output_shape needs static spatial dims"),
 ])

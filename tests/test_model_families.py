@@ -49,6 +49,12 @@ def _image(size, channels=3):
     return lambda rng: {"x": rng.standard_normal((2, channels, size, size)).astype(np.float32)}
 
 
+def _token_ids(rng):
+    """Tokens of a vocabulary of 50 but 0, the padding_idx of the tiny transformers models
+    (which the export does not carry: docs/how-to/export-from-torch.md)."""
+    return {"input_ids": rng.integers(1, 50, (2, 6)).astype(np.int64)}
+
+
 FAMILIES: Dict[str, Family] = {
     "resnet18": Family(lambda: zoo.ResNet(width=8), _image(64)),
     "mobilenet_v3_small": Family(lambda: zoo.MobileNetV3(width_mult=0.5), _image(64)),
@@ -74,6 +80,9 @@ FAMILIES: Dict[str, Family] = {
     "embedding_bag": Family(zoo.EmbeddingBagRecommender, lambda rng: {
         "user_ids": rng.integers(0, 30, 7).astype(np.int64), "user_offsets": np.array([0, 2, 5], np.int64),
         "item_ids": rng.integers(0, 40, 6).astype(np.int64), "item_offsets": np.array([0, 1, 4], np.int64)}),
+    "mixtral": Family(zoo.mixtral, _token_ids, needs="transformers"),
+    "qwen2_moe": Family(zoo.qwen2_moe, _token_ids, needs="transformers"),
+    "fnet": Family(zoo.FNetEncoder, _token_ids, ("hidden", "pooled"), "transformers"),
 }
 
 

@@ -16,6 +16,7 @@ recorded there; ``normgrad.tools.runtime_table`` renders docs/runtimes.md from i
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import onnx
@@ -193,17 +194,21 @@ def test_training_loop(runtime, block, loss, optimizer, options, form):
     assert not {i.name for i in step.graph.input} & {t.name for t in step.graph.initializer}
     assert not inline or not step.functions
 
-    def attempt():
-        losses, final = _loop(step, state, batches, lambda feeds: _runtimes.run(runtime, step, feeds))
-        want_losses, want = _loop(step, state, batches, _onnxruntime(step))
-        for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
-            assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}: {got} != {expected}"
-        for name, expected in want.items():
-            assert max_relative_error(final[name], expected) <= 1e-4, name
-        moved = max(max_relative_error(final[name], state[name]) for name in state)
-        assert moved > 1e-3, "the state did not move: the loop tests nothing"
+    _expect(runtime, f"training/{block}/{optimizer}/{form}", step,
+            lambda: _assert_loop_matches_onnxruntime(runtime, step, state, batches))
 
-    _expect(runtime, f"training/{block}/{optimizer}/{form}", step, attempt)
+
+def _assert_loop_matches_onnxruntime(runtime, step, state, batches) -> None:
+    """The 5-step loop on ``runtime`` gives onnxruntime's CPU provider's losses and final
+    state (within 1e-4 of scale), and the state moved."""
+    losses, final = _loop(step, state, batches, lambda feeds: _runtimes.run(runtime, step, feeds))
+    want_losses, want = _loop(step, state, batches, _onnxruntime(step))
+    for k, (got, expected) in enumerate(zip(losses, want_losses), start=1):
+        assert max_relative_error(got, expected) <= 1e-4, f"loss of step {k}: {got} != {expected}"
+    for name, expected in want.items():
+        assert max_relative_error(final[name], expected) <= 1e-4, name
+    moved = max(max_relative_error(final[name], state[name]) for name in state)
+    assert moved > 1e-3, "the state did not move: the loop tests nothing"
 
 
 RECURRENT_NODES = {
@@ -392,3 +397,137 @@ def test_torch_model_trains_as_torch(runtime, net_name, optimizer, inline, tmp_p
         attempt()
     else:
         _expect(runtime, f"training/torch_{net_name}/{optimizer}/{'inline' if inline else 'default'}", step, attempt)
+
+
+def _dropout_mlp() -> onnx.ModelProto:
+    """x [N, 5] -> Gemm -> Relu -> training-mode Dropout (0.25) -> Gemm -> 3 logits."""
+    params = examples.weights(21, w1=(5, 8), b1=(8,), w2=(8, 3), b2=(3,))
+    params.update(ratio=np.array(0.25, np.float32), training=np.array(True))
+    nodes = [onnx.helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]), onnx.helper.make_node("Relu", ["h"], ["r"]),
+             onnx.helper.make_node("Dropout", ["r", "ratio", "training"], ["d"]),
+             onnx.helper.make_node("Gemm", ["d", "w2", "b2"], ["y"])]
+    return examples.model(nodes, {"x": ("N", 5)}, ["y"], params)
+
+
+EMBEDDING_CLASSIFIER = pathlib.Path(__file__).parent / "data" / "embedding_bag_classifier.onnx"
+"""torch's ``nn.EmbeddingBag`` (100 x 6, mode mean, offsets) + ``nn.Embedding`` (5 x 6) of each
+sample's category, summed, to a Linear of 3 logits: :func:`export_embedding_classifier`'s
+export, stored (the OpenVINO venvs have no torch)."""
+
+
+def export_embedding_classifier(path) -> onnx.ModelProto:
+    """Writes :data:`EMBEDDING_CLASSIFIER` with torch's TorchScript exporter (static sizes:
+    9 ids in 4 bags, one of them empty)."""
+    import torch
+
+    from normgrad.torch import export as torch_export
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.category = torch.nn.EmbeddingBag(100, 6, mode="mean"), torch.nn.Embedding(5, 6)
+            self.fc = torch.nn.Linear(6, 3)
+
+        def forward(self, ids, offsets, category):
+            return self.fc(self.bag(ids, offsets) + self.category(category))
+
+    torch.manual_seed(0)
+    example = (torch.randint(0, 100, (9,)), torch.tensor([0, 3, 3, 7]), torch.randint(0, 5, (4,)))
+    return torch_export(Classifier(), example, path, input_names=["ids", "offsets", "category"], output_names=["y"])
+
+
+def _embedding_classifier() -> onnx.ModelProto:
+    return onnx.load(str(EMBEDDING_CLASSIFIER))
+
+
+def test_embedding_classifier_is_torchs_export(tmp_path):
+    """The stored classifier is what :func:`export_embedding_classifier` writes now (its
+    nodes, inputs and initializers' shapes; the weights are random)."""
+    pytest.importorskip("torch")
+    fresh, stored = export_embedding_classifier(tmp_path / "fresh.onnx"), _embedding_classifier()
+    assert [(n.op_type, list(n.input)) for n in fresh.graph.node] == [(n.op_type, list(n.input)) for n in stored.graph.node]
+    assert [(t.name, list(t.dims)) for t in fresh.graph.initializer] == [(t.name, list(t.dims)) for t in stored.graph.initializer]
+
+
+def _gru_tagger() -> onnx.ModelProto:
+    """x [N, 5, 3] -> GRU (hidden 4) over time -> per-step logits y [N, 3 tags, 5]."""
+    params = examples.weights(23, W=(1, 12, 3), R=(1, 12, 4), B=(1, 24), w=(4, 3), b=(3,))
+    params["steps"] = np.array([0, -1, 4], np.int64)
+    nodes = [onnx.helper.make_node("Transpose", ["x"], ["x_time"], perm=[1, 0, 2]),
+             onnx.helper.make_node("GRU", ["x_time", "W", "R", "B"], ["states"], hidden_size=4),
+             onnx.helper.make_node("Reshape", ["states", "steps"], ["per_step"]),  # [T, N, 4]
+             onnx.helper.make_node("MatMul", ["per_step", "w"], ["z"]), onnx.helper.make_node("Add", ["z", "b"], ["zb"]),
+             onnx.helper.make_node("Transpose", ["zb"], ["y"], perm=[1, 2, 0])]
+    return examples.model(nodes, {"x": ("N", 5, 3)}, ["y"], params)
+
+
+def _embedding_batch(rng):
+    offsets = np.array([0, 3, 3, 7], np.int64)  # bag sizes 3, 0 (an empty bag: zeros), 4, 2 (9 ids)
+    return {"ids": rng.integers(0, 100, 9).astype(np.int64), "offsets": offsets,
+            "category": rng.integers(0, 5, 4).astype(np.int64), "labels": rng.integers(0, 3, 4).astype(np.int64)}
+
+
+MODEL_KINDS = {
+    "dropout_mlp": (_dropout_mlp, "sgd", dict(momentum=0.9),
+                    lambda rng: {"x": rng.standard_normal((4, 5)).astype(np.float32),
+                                 "labels": rng.integers(0, 3, 4).astype(np.int64)}),
+    "embedding_classifier": (_embedding_classifier, "adamw", dict(weight_decay=0.01), _embedding_batch),
+    "gru_tagger": (_gru_tagger, "adamw", dict(weight_decay=0.01),
+                   lambda rng: {"x": rng.standard_normal((4, 5, 3)).astype(np.float32),
+                                "labels": rng.integers(0, 3, (4, 5)).astype(np.int64)}),
+}
+"""Model kinds the corpus lacks (training-mode Dropout, embedding tables, a per-step
+recurrent output): (forward builder, optimizer, its options, batch maker), cross-entropy."""
+KIND_FORMS = ("default", "inline", "portable", "inline-portable")
+"""``normgrad export`` with neither flag, ``--inline``, ``--portable``, both."""
+
+
+def _kind_graphs(kind: str, form: str):
+    """(grad-only training graph, its weights, step graph, its initial state) of ``kind`` as
+    ``normgrad export`` writes them in ``form``; fed weights unlike the stored ones."""
+    build, optimizer, options, _ = MODEL_KINDS[kind]
+    inline, portable = form.startswith("inline"), form.endswith("portable")
+    training = build_training_graph(build(), loss="cross_entropy", inline=inline, portable=portable)
+    step, state = build_step_graph(build_training_graph(build(), loss="cross_entropy", inline=inline), optimizer, **options)
+    step, _ = make_portable(step) if portable else as_exported(step)
+    weights = fed_weights(training.weights, kind)
+    state.update({k: weights[k] for k in weights if k in state})
+    return training.model, weights, step, state
+
+
+def _kind_params():
+    return [pytest.param(runtime, kind, form, marks=_runtimes.requires(runtime))
+            for runtime in _runtimes.RUNTIMES for kind in MODEL_KINDS for form in KIND_FORMS]
+
+
+@pytest.mark.parametrize("runtime, kind, form", _kind_params())
+def test_model_kind_grad_graph(runtime, kind, form):
+    """The grad-only training graph of each of :data:`MODEL_KINDS` in each form: every output
+    against onnxruntime's CPU provider. (The default form's training-mode Dropout draws each
+    runtime's own random mask: there only that it runs and gives finite outputs of the same
+    shapes.)"""
+    model, weights, _, _ = _kind_graphs(kind, form)
+    batch = MODEL_KINDS[kind][3](np.random.default_rng(8))
+    feeds = {**weights, **batch, "dropout_seed": np.array(3, np.int64), "step": np.array(1, np.float32)}
+    feeds = {i.name: feeds[i.name] for i in model.graph.input}
+
+    def attempt():
+        got, want = _runtimes.run(runtime, model, feeds), _onnxruntime_outputs(model, feeds)
+        for key, value in want.items():
+            assert got[key].shape == value.shape and np.all(np.isfinite(got[key])), key
+            if not _runtimes.training_dropout(model):
+                assert max_relative_error(got[key], value) <= 1e-4, f"{key}: {got[key]} != {value}"
+
+    _expect(runtime, f"grad/{kind}/{form}", model, attempt)
+
+
+@pytest.mark.parametrize("runtime, kind, form", _kind_params())
+def test_model_kind_training_loop(runtime, kind, form):
+    """5 steps of each of :data:`MODEL_KINDS`'s step graph in each form, state fed back,
+    against the same loop on onnxruntime's CPU provider."""
+    _, _, step, state = _kind_graphs(kind, form)
+    rng = np.random.default_rng(9)
+    batches = [MODEL_KINDS[kind][3](rng) for _ in range(5)]
+
+    _expect(runtime, f"training/{kind}/{MODEL_KINDS[kind][1]}/{form}", step,
+            lambda: _assert_loop_matches_onnxruntime(runtime, step, state, batches))

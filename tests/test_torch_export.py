@@ -340,3 +340,30 @@ def test_a_shared_parameter_is_one_trainable_initializer_with_torchs_summed_grad
     module(torch.tensor(ids)).backward(torch.tensor(dy))
     grad = results[f"{next(iter(recorded))}_grad"]
     np.testing.assert_allclose(grad, module.embed.weight.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("own", [None, "eager"])
+def test_mixture_of_experts_exported_with_batched_mm_experts(tmp_path, own):
+    """A transformers mixture-of-experts model is traced with its experts as batched_mm (the
+    implementation both exporters can export) and gets its own implementation back after."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        intermediate_size=8, vocab_size=10, num_local_experts=2, num_experts_per_tok=1)
+    mixtral = transformers.MixtralForCausalLM(config)
+    if own:
+        mixtral.set_experts_implementation(own)
+    before = mixtral.get_experts_implementation()
+    traced = []
+
+    class Embedding(nn.Module):  # records the experts implementation the export runs with
+        def __init__(self):
+            super().__init__()
+            self.mixtral = mixtral
+
+        def forward(self, ids):
+            traced.append(self.mixtral.get_experts_implementation())
+            return self.mixtral.model.embed_tokens(ids)
+
+    normgrad.torch.export(Embedding(), (torch.tensor([[1, 2]]),), tmp_path / "m.onnx")
+    assert traced and all(seen == {"": "batched_mm"} for seen in traced)
+    assert mixtral.get_experts_implementation() == before != {"": "batched_mm"}

@@ -595,11 +595,7 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
     return ok
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    if "--train" in (sys.argv[1:] if argv is None else argv):
-        from normgrad.tools import bench_train
-
-        return bench_train.main(argv)
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="normgrad bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", action="store_true",
                         help="instead: training steps of four CNNs against torch (and onnxruntime-training); see --train --help")
@@ -616,6 +612,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="ResNet basic block input (default 16 64 56 56; --quick 2 8 8 8)")
     parser.add_argument("--mpi", action="store_true",
                         help="only the data-parallel section: the ResNet block step on 1 and 2 MPI ranks (launches mpirun)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    if "--train" in (sys.argv[1:] if argv is None else argv):
+        from normgrad.tools import bench_train
+
+        return bench_train.main(argv)
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.mpi:
         from normgrad.tools import bench_mpi
@@ -636,6 +641,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if len(shape) < 3 or shape[1] % args.groups:
         parser.error(f"--shape needs rank >= 3 and C divisible by --groups; got {list(shape)}, {args.groups}")
 
+    try:
+        row_shapes = [tuple(int(v) for v in text.lower().split("x")) for text in args.rows or
+                      (["64x96"] if args.quick else ["8192x768", "4096x4096"])]
+    except ValueError:
+        parser.error(f"--rows takes TOKENSxHIDDEN shapes such as 8192x768; got {args.rows}")
+
     import onnxruntime
 
     import normgrad
@@ -648,8 +659,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     from normgrad.tools._bench_options import cpu_description
 
     print(f"CPU: {cpu_description()}", file=out)
-    f32 = np.dtype(np.float32)
+    # onnxruntime takes bfloat16 arrays from NumPy from 1.20 on; before, those rows are left out
+    bfloat16 = (BF16,) if hasattr(onnxruntime.OrtValue, "ortvalue_from_numpy_with_onnx_type") else ()
+    _batch_and_group_norm_rows(shape, args.groups, threads, repeat, full, bfloat16, rng, out)
+    _row_norm_rows(row_shapes, threads, repeat, full, bfloat16, out)
 
+    # ---- ResNet basic block: forward + backward, cpp / functions / torch
+    resnet_shape = tuple(args.resnet_shape or ((2, 8, 8, 8) if args.quick else (16, 64, 56, 56)))
+    print(f"\nResNet basic block x {list(resnet_shape)}: agreement check (one call each)", file=out)
+    status = 0 if _resnet_group(resnet_shape, threads, repeat, full, out) else 1
+    _print_latency(threads, repeat, rng, out)
+    for width in (16,) if args.quick else (16, 128):
+        _print_step_table(width, threads, max(repeat, 9), out)
+    return status
+
+
+def _batch_and_group_norm_rows(shape, groups: int, threads: int, repeat: int, full: bool, bfloat16, rng, out) -> None:
+    """The BatchNorm and GroupNorm gradient operators' tables: float32 against every
+    implementation, float16 and bfloat16 (C++ only) against the floor of their own bytes."""
+    import onnxruntime
+
+    f32 = np.dtype(np.float32)
     # ---- BatchNormReduceBackward
     bn = _bn_inputs(shape, f32, f32, rng)
     runners = _runners("BatchNormReduceBackward", bn, ["sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias"], threads,
@@ -659,7 +689,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     del runners
 
     # ---- GroupNormalizationGrad
-    gn = _gn_inputs(shape, args.groups, f32, f32, rng)
+    gn = _gn_inputs(shape, groups, f32, f32, rng)
     runners = _runners("GroupNormalizationGrad", gn, ["dx"], threads, full=full, torch_runner=_torch_gn,
                        floor_inputs=("x", "dy"))
     _print_table(f"GroupNormalizationGrad float32 x {list(gn['x'].shape)}, gamma {list(gn['gamma'].shape)}, "
@@ -683,8 +713,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # ---- float16 / bfloat16 rows (C++ only, against float32 C++ and the floor of their own bytes)
     del bn, gn, elemt
-    # onnxruntime takes bfloat16 arrays from NumPy from 1.20 on; before, those rows are left out
-    bfloat16 = (BF16,) if hasattr(onnxruntime.OrtValue, "ortvalue_from_numpy_with_onnx_type") else ()
     if not bfloat16:
         print(f"\nbfloat16 rows: skipped (onnxruntime {onnxruntime.__version__} takes no bfloat16 arrays from NumPy; "
               "1.20 and newer do)", file=out)
@@ -694,19 +722,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                            threads, full=False, floor_inputs=("grad_out", "input"))
         _print_table(f"BatchNormReduceBackward {t.name} (U float32)", _time(runners, repeat), out)
         del runners, bn
-        gn = _gn_inputs(shape, args.groups, t, f32, rng)
+        gn = _gn_inputs(shape, groups, t, f32, rng)
         runners = _runners("GroupNormalizationGrad", gn, ["dx"], threads, full=False, floor_inputs=("x", "dy"))
         _print_table(f"GroupNormalizationGrad {t.name} (U float32), dx only", _time(runners, repeat), out)
         del runners, gn
 
-    # ---- LayerNormalizationGrad / RMSNormalizationGrad: [tokens, hidden], float32 and bfloat16
+
+def _row_norm_rows(row_shapes, threads: int, repeat: int, full: bool, bfloat16, out) -> None:
+    """LayerNormalizationGrad and RMSNormalizationGrad on [tokens, hidden], float32 and bfloat16."""
     from normgrad.tools.demo import row_norm_case
 
-    try:
-        row_shapes = [tuple(int(v) for v in text.lower().split("x")) for text in args.rows or
-                      (["64x96"] if args.quick else ["8192x768", "4096x4096"])]
-    except ValueError:
-        parser.error(f"--rows takes TOKENSxHIDDEN shapes such as 8192x768; got {args.rows}")
+    f32 = np.dtype(np.float32)
     for row_shape in row_shapes:
         for t in (f32, *bfloat16):
             for op_type, outputs in (("LayerNormalizationGrad", ["dx", "dscale", "dbias"]),
@@ -720,17 +746,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                              f"(floor: read x + dy, write dx)", _time(runners, repeat), out)
                 del runners, inputs
 
-    # ---- ResNet basic block: forward + backward, cpp / functions / torch
-    resnet_shape = tuple(args.resnet_shape or ((2, 8, 8, 8) if args.quick else (16, 64, 56, 56)))
-    print(f"\nResNet basic block x {list(resnet_shape)}: agreement check (one call each)", file=out)
-    status = 0 if _resnet_group(resnet_shape, threads, repeat, full, out) else 1
 
-    # ---- tiny tensors: per-call latency against an Identity node
+def _print_latency(threads: int, repeat: int, rng, out) -> None:
+    """Tiny tensors: the per-call latency of an operator against an Identity node."""
     import onnx
+    import onnxruntime
     from onnx import helper
 
     from normgrad.ops import IR_VERSION
 
+    f32 = np.dtype(np.float32)
     tiny = _bn_inputs((2, 3, 4), f32, f32, rng)
     runners = {"cpp": _ort_runner(_session("BatchNormReduceBackward", tiny, None, None, "cpp", threads), tiny)}
     identity = helper.make_model(
@@ -748,10 +773,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  {name:<16}{result['median'] * 1e6:10.1f}us", file=out)
     cpp, ident = results["cpp"]["median"], results["Identity node"]["median"]
     print(f"  overhead over Identity: {(cpp - ident) * 1e6:.1f}us", file=out)
-
-    for width in (16,) if args.quick else (16, 128):
-        _print_step_table(width, threads, max(repeat, 9), out)
-    return status
 
 
 def _print_step_table(width: int, threads: int, repeat: int, out) -> None:

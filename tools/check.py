@@ -456,13 +456,18 @@ class _Holder:
         elif op == "PRelu":
             scaled = self.node("Mul", node.input[:2], out + "/negative")
             self.node("Where", [self.held(out, values[node.input[0]] > 0), node.input[0], scaled], out)
-        elif op == "Clip":
+        elif op == "Clip":  # x * inside + min * at_min + max * at_max, the bounds as values (they may be trained)
             x = values[node.input[0]]
             low, high = _clip_bounds(node, values)
-            inside = ((x >= low) & (x <= high)).astype(np.float64)
-            outside = np.where(x < low, low, np.where(x > high, high, 0.0)) * (1 - inside)
-            self.node("Add", [self.node("Mul", [node.input[0], self.held(out, inside)], out + "/inside"),
-                              self.held(out, outside)], out)
+            at_high = (x > high) | (low > high)
+            at_low = ~at_high & (x < low)
+            inside = (~at_high & ~at_low).astype(np.float64)
+            terms = [self.node("Mul", [node.input[0], self.held(out, inside)], out + "/inside")]
+            for index, at_bound, value in ((1, at_low, low), (2, at_high, high)):
+                bound = node.input[index] if len(node.input) > index and node.input[index] else None
+                held = self.held(out, np.where(at_bound, 1.0 if bound else value, 0.0))
+                terms.append(self.node("Mul", [bound, held], f"{out}/bound{index}") if bound else held)
+            self.node("Sum", terms, out)
         elif op in ("HardSigmoid", "HardSwish"):
             alpha, beta, z = _hard_sigmoid_range(node, values[node.input[0]])
             inside = (z > 0) & (z < 1)

@@ -38,6 +38,11 @@ GROUPS = (
     (r"^corpus/train_.*/portable$", "training graph through `make_portable` (`--portable`)"),
     (r"^corpus/train_.*_inline/", "training graph `--inline` (weights pure inputs)"),
     (r"^corpus/train_.*/", "training graph as exported (weights pure inputs, normgrad nodes + local functions)"),
+    *((rf"^{kind}/(dropout_mlp|embedding_classifier|gru_tagger)/(.*/)?{form}$",
+       f"{what} of a training-mode Dropout MLP, an EmbeddingBag + Embedding classifier, a GRU tagger, {title}")
+      for kind, what in (("grad", "grad-only training graph"), ("training", "5-step loop, step graph"))
+      for form, title in (("default", "as exported"), ("inline", "`--inline`"), ("portable", "`--portable`"),
+                          ("inline-portable", "`--inline --portable`"))),
     (r"^recurrent/.*/default$", "recurrent node's training graph (LSTM, GRU, RNN; directions, sequence_lens), as exported"),
     (r"^recurrent/.*/inline$", "recurrent node's training graph, `--inline`"),
     (r"^training/(torch_)?(lstm|gru)(_block)?/.*/default$", "5-step loop, recurrent step graph as exported (LSTM, GRU)"),

@@ -41,6 +41,9 @@ MODEL_TITLES = {
     "prelu_mish": "MLP/Conv1d net with nn.PReLU (per channel and shared) and nn.Mish",
     "cumsum_positions": "position ids from torch.cumsum of the padding mask, causal running mean",
     "embedding_bag": "recommender with nn.EmbeddingBag (sum and mean bags)",
+    "mixtral": "transformers MixtralForCausalLM (tiny config, 4 experts, top-2 router)",
+    "qwen2_moe": "transformers Qwen2MoeForCausalLM (tiny config, 4 experts + shared expert)",
+    "fnet": "transformers FNetModel (tiny config, torch.fft.fftn token mixing)",
 }
 
 

@@ -128,6 +128,7 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     conv,
     cumsum,
     depth_to_space,
+    dft,
     dropout,
     einsum,
     elementwise,
@@ -147,4 +148,5 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     select,
     shape,
     slice,
+    topk,
 )

@@ -24,6 +24,8 @@ class Window:
         pads: begin pads followed by end pads (auto_pad resolved).
         in_sizes: spatial input sizes; None when only the run time knows them.
         out_sizes: spatial output sizes; None likewise.
+        ceil_pads: the part of each end pad that ceil_mode adds (the last window's reach past
+            the padded input), included in ``pads``; empty without it.
         output_padding: what ConvTranspose must add at the end to give back ``in_sizes``.
     """
 
@@ -33,6 +35,7 @@ class Window:
     pads: List[int]
     in_sizes: Optional[List[int]]
     out_sizes: Optional[List[int]]
+    ceil_pads: List[int] = dataclasses.field(default_factory=list)
 
     @property
     def output_padding(self) -> List[int]:
@@ -52,8 +55,8 @@ def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[
         kernel: the kernel size when the node has no ``kernel_shape`` attribute (Conv).
 
     Raises:
-        UnsupportedOperatorError: the input's rank is unknown, ceil_mode changes the output
-            size (or may, at sizes only the run time knows), or auto_pad SAME_* at such sizes.
+        UnsupportedOperatorError: the input's rank is unknown, or ceil_mode or auto_pad
+            SAME_* at sizes only the run time knows.
     """
     shape = ctx.shape(node.input[0])
     if shape is None:
@@ -89,14 +92,36 @@ def window_of(ctx: GradientContext, node: onnx.NodeProto, kernel: Optional[List[
     out_sizes = []
     for i in range(r):
         span = in_sizes[i] + pads[i] + pads[r + i] - (kernel[i] - 1) * dilations[i] - 1
-        floor_size = span // strides[i] + 1
-        if attr(node, "ceil_mode", 0) and -(-span // strides[i]) + 1 != floor_size:
-            raise UnsupportedOperatorError(f"{describe(node)}: ceil_mode=1 that changes the output size is not supported")
-        out_sizes.append(floor_size)
+        out_sizes.append(span // strides[i] + 1)
     out_shape = ctx.shape(node.output[0])
-    if out_shape is not None and all(isinstance(d, int) for d in out_shape[2:]):
-        out_sizes = list(out_shape[2:])
-    return Window(kernel, strides, dilations, pads, in_sizes, out_sizes)
+    declared = list(out_shape[2:]) if out_shape is not None and all(isinstance(d, int) for d in out_shape[2:]) else None
+    if attr(node, "ceil_mode", 0):
+        window = _ceil_mode_window(Window(kernel, strides, dilations, pads, in_sizes, out_sizes))
+        if declared is not None and declared != window.out_sizes:
+            raise UnsupportedOperatorError(
+                f"{describe(node)}: ceil_mode=1 whose last window would start in the end padding: onnxruntime and "
+                f"torch drop it (output {window.out_sizes}) but onnx's shape inference keeps it ({declared}), so the "
+                "model's declared shapes are wrong; export without ceil_mode or with smaller pads")
+        return window
+    return Window(kernel, strides, dilations, pads, in_sizes, declared or out_sizes)
+
+
+def _ceil_mode_window(window: Window) -> Window:
+    """``window`` (floor sizes) with ceil_mode's output sizes, as torch and onnxruntime count
+    them: one more window where the stride does not divide the span, dropped again where it
+    would start in the end padding; its reach past the padded input added to the end pads."""
+    r, pads, out_sizes, ceil_pads = len(window.kernel), list(window.pads), [], []
+    for i, size in enumerate(window.in_sizes):
+        stride, reach = window.strides[i], (window.kernel[i] - 1) * window.dilations[i] + 1
+        span = size + pads[i] + pads[r + i] - reach
+        out = -(-span // stride) + 1
+        if (out - 1) * stride >= size + pads[i]:
+            out -= 1
+        extra = max((out - 1) * stride + reach - (size + pads[i] + pads[r + i]), 0)
+        pads[r + i] += extra
+        out_sizes.append(out)
+        ceil_pads.append(extra)
+    return Window(window.kernel, window.strides, window.dilations, pads, window.in_sizes, out_sizes, ceil_pads)
 
 
 def transposed_window(ctx: GradientContext, dy: str, weights: str, x: str, window: Window, group: int = 1) -> str:

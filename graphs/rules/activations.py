@@ -2,7 +2,7 @@
 
 Relu, LeakyRelu, Elu, Sigmoid, HardSigmoid, HardSwish, Softplus, Tanh, Exp, Log, Sqrt,
 Reciprocal, Neg, Abs, Erf, Sin, Cos, Gelu (opset 20; approximate "none" and "tanh"), Mish
-(opset 18), Clip (gradient to the data only), Softmax and LogSoftmax; PRelu (to the data and
+(opset 18), Clip (to the data, and to min and max as torch.clamp gives them), Softmax and LogSoftmax; PRelu (to the data and
 the slope, which broadcasts to the data unidirectionally).
 """
 
@@ -18,7 +18,7 @@ from normgrad.graphs.rules import register
 from normgrad.ops import (DOMAIN, activation_grad, bias_safe_softmax, gelu_with_slope, safe_softmax, silu_mul,
                           softmax_grad, swiglu_grad)
 
-__all__ = ["UNARY_GRADIENTS", "unary_gradient", "softmax_gradient", "safe_softmax_gradient", "bias_safe_softmax_gradient", "silu_mul_gradient",
+__all__ = ["UNARY_GRADIENTS", "unary_gradient", "clip_gradient", "softmax_gradient", "safe_softmax_gradient", "bias_safe_softmax_gradient", "silu_mul_gradient",
            "prelu_gradient", "activation_gradient", "gelu_with_slope_gradient"]
 
 UnaryFn = Callable[[GradientContext, onnx.NodeProto, str, str, str], str]
@@ -44,15 +44,6 @@ def _hard_sigmoid_slope(ctx: GradientContext, x: str, alpha: float, beta: float)
     z = ctx.op("Add", ctx.op("Mul", x, ctx.scalar(alpha, x)), ctx.scalar(beta, x))
     inside = ctx.op("And", ctx.op("Greater", z, ctx.scalar(0.0, x)), ctx.op("Less", z, ctx.scalar(1.0, x)))
     return ctx.op("Where", inside, ctx.scalar(alpha, x), ctx.scalar(0.0, x))
-
-
-def _clip(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -> str:
-    inside = None
-    for index, compare in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
-        if len(node.input) > index and node.input[index]:
-            test = ctx.op(compare, x, node.input[index])
-            inside = test if inside is None else ctx.op("And", inside, test)
-    return dy if inside is None else ctx.op("Where", inside, dy, ctx.scalar(0.0, x))
 
 
 def _one_minus(ctx: GradientContext, value: str, like: str) -> str:
@@ -125,7 +116,6 @@ UNARY_GRADIENTS: Dict[str, UnaryFn] = {
     "Cos": lambda ctx, node, x, y, dy: ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Sin", x))),
     "Gelu": _gelu,
     "Mish": _mish,
-    "Clip": _clip,
 }
 
 
@@ -133,6 +123,33 @@ UNARY_GRADIENTS: Dict[str, UnaryFn] = {
 def unary_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """dx of an elementwise activation from the table :data:`UNARY_GRADIENTS`."""
     return [UNARY_GRADIENTS[node.op_type](ctx, node, node.input[0], node.output[0], grads[0])]
+
+
+@register("Clip", inputs=(0, 1, 2))
+def clip_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
+    """torch.clamp's gradients: x's where min <= x <= max (a tie goes to x); min's where x < min
+    and min < max; max's where x > max or max < min (ONNX and torch give max where min > max);
+    each bound's summed to its shape."""
+    x, dy = node.input[0], grads[0]
+    low = node.input[1] if len(node.input) > 1 and node.input[1] else None
+    high = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    result: List[Optional[str]] = [None, None, None]
+    if ctx.needs_grad(x):
+        inside = [ctx.op(compare, x, bound) for compare, bound in (("GreaterOrEqual", low), ("LessOrEqual", high)) if bound]
+        result[0] = dy if not inside else ctx.op("Where", _all(ctx, inside), dy, ctx.scalar(0.0, x))
+    if low and ctx.needs_grad(low):
+        below = [ctx.op("Less", x, low)] + ([ctx.op("Less", low, high)] if high else [])
+        result[1] = ctx.sum_to(ctx.op("Where", _all(ctx, below), dy, ctx.scalar(0.0, x)), node.output[0], low)
+    if high and ctx.needs_grad(high):
+        above = ctx.op("Greater", x, high)
+        if low:
+            above = ctx.op("Or", above, ctx.op("Less", high, low))
+        result[2] = ctx.sum_to(ctx.op("Where", above, dy, ctx.scalar(0.0, x)), node.output[0], high)
+    return result
+
+
+def _all(ctx: GradientContext, tests: List[str]) -> str:
+    return tests[0] if len(tests) == 1 else ctx.op("And", *tests)
 
 
 @register("PRelu", inputs=(0, 1))

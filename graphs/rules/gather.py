@@ -1,4 +1,4 @@
-"""Gather, GatherND and GatherElements: the gradient is a scatter-add of dy into zeros of the data's shape.
+"""Gather, GatherND (any batch_dims) and GatherElements: the gradient is a scatter-add of dy into zeros of the data's shape.
 
 Indices may be negative (normalized first) and repeat (repeats accumulate: ``reduction="add"``,
 opset 16, in an order independent of the thread count); Gather's indices may be scalars.
@@ -93,25 +93,36 @@ def _one_hot_product(ctx: GradientContext, data: str, rows: int, flat: str, dy: 
 
 @register("GatherND", min_opset=16)
 def gather_nd_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
-    """GatherND (batch_dims 0) with k-tuples of indices is a Gather along axis 0 of the data
-    viewed as [d0 * ... * d(k-1), rest...] with flat row numbers; its gradient is that
-    Gather's, reshaped back. (Not ScatterND: see :func:`gather_gradient`.)"""
+    """GatherND with k-tuples of indices is a Gather along axis 0 of the data viewed as
+    [b0 * ... * d(batch_dims + k - 1), rest...] with flat row numbers, each tuple's row offset
+    by its batch position (batch_dims leading axes shared by data and indices); its gradient is
+    that Gather's, reshaped back. (Not ScatterND: see :func:`gather_gradient`.)"""
     data, indices, dy = node.input[0], node.input[1], grads[0]
     rank, index_shape = ctx.rank(data, node), ctx.shape(indices)
-    if attr(node, "batch_dims", 0) or index_shape is None or not isinstance(index_shape[-1], int):
+    if index_shape is None or not isinstance(index_shape[-1], int):
         raise UnsupportedOperatorError(
-            f"{describe(node)}: GatherND needs batch_dims 0 and a static last dim of its indices for the gradient")
-    k = index_shape[-1]
-    flat = None
+            f"{describe(node)}: GatherND needs a static rank and last dim of its indices for the gradient")
+    batch_dims, k = attr(node, "batch_dims", 0), index_shape[-1]
+    flat = _batch_positions(ctx, indices, batch_dims, len(index_shape) - 1) if batch_dims else None
     for j in range(k):
         component = ctx.op("Gather", indices, ctx.op("Constant", value=onh.from_array(np.asarray(j, np.int64))), axis=-1)
-        component = _non_negative(ctx, component, data, j)
-        flat = component if flat is None else ctx.op(
-            "Add", ctx.op("Mul", flat, ctx.op("Reshape", ctx.shape_of(data, start=j, end=j + 1), ctx.ints([]))), component)
-    rows = ctx.op("Reshape", data, ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(data, start=k), axis=0))
+        component = _non_negative(ctx, component, data, batch_dims + j)
+        flat = component if flat is None else ctx.op("Add", ctx.op("Mul", flat, ctx.op(
+            "Reshape", ctx.shape_of(data, start=batch_dims + j, end=batch_dims + j + 1), ctx.ints([]))), component)
+    rows = ctx.op("Reshape", data, ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(data, start=batch_dims + k), axis=0))
     flat = ctx.op("Reshape", flat, ctx.ints([-1]))
-    grad = _scatter_add_rows(ctx, rows, rank - k + 1, 0, flat, dy, ctx.elem_type(data))
+    grad = _scatter_add_rows(ctx, rows, rank - batch_dims - k + 1, 0, flat, dy, ctx.elem_type(data))
     return [ctx.reshape_like(grad, data)]
+
+
+def _batch_positions(ctx: GradientContext, indices: str, batch_dims: int, tuple_rank: int) -> str:
+    """The row-major position of each index tuple's batch among the batch_dims leading axes,
+    shaped [b0, ..., b(batch_dims-1), 1, ...] (``tuple_rank`` axes: the indices' less the last)."""
+    batch_shape = ctx.shape_of(indices, end=batch_dims)
+    zero, one = (ctx.op("Constant", value=onh.from_array(np.asarray(v, np.int64))) for v in (0, 1))
+    count = ctx.op("ReduceProd", batch_shape, keepdims=0)
+    shape = ctx.op("Concat", batch_shape, ctx.ints([1] * (tuple_rank - batch_dims)), axis=0)
+    return ctx.op("Reshape", ctx.op("Range", zero, count, one), shape)
 
 
 @register("GatherElements", min_opset=16)

@@ -23,13 +23,21 @@ __all__ = ["average_pool_gradient", "max_pool_gradient"]
 
 @register("AveragePool")
 def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
-    """dx = ConvTranspose(dy / count, ones) per channel."""
+    """dx = ConvTranspose(dy / count, ones) per channel; ceil_mode's last windows as end pads
+    (counting only the explicit pads with count_include_pad, as torch and onnxruntime do)."""
     x, dy = node.input[0], grads[0]
     window = window_of(ctx, node)
     geometry = dict(strides=window.strides, dilations=window.dilations, pads=window.pads)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(ctx.elem_type(x) or onnx.TensorProto.FLOAT)
     ones = ctx.op("Constant", value=onh.from_array(np.ones([1, 1] + window.kernel, dtype)))
-    if attr(node, "count_include_pad", 0) or not any(window.pads):
+    if any(window.ceil_pads) and attr(node, "count_include_pad", 0):
+        # the windows count the explicit pads, not the end that ceil_mode adds: ones over the padded input
+        r = len(window.kernel)
+        padded = [size + window.pads[i] + window.pads[r + i] - window.ceil_pads[i] for i, size in enumerate(window.in_sizes)]
+        plane = ctx.op("ConstantOfShape", ctx.ints([1, 1] + padded), value=onh.from_array(np.ones(1, dtype)))
+        geometry["pads"] = [0] * r + window.ceil_pads
+        dy = ctx.op("Div", dy, ctx.op("Conv", plane, ones, **geometry))
+    elif attr(node, "count_include_pad", 0) or not any(window.pads):
         dy = ctx.op("Div", dy, ctx.scalar(float(np.prod(window.kernel)), x))
     else:
         plane_shape = ctx.op("Concat", ctx.ints([1, 1]), ctx.shape_of(x, start=2), axis=0)

@@ -12,6 +12,7 @@ only when :func:`export` is called.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -136,10 +137,12 @@ def export(
 
     parameters = _trainable_parameters(module)
     frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
-    if exporter == "torchscript":
-        model, contents = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
-    else:
-        model, contents = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
+    with _exportable_experts(module):
+        if exporter == "torchscript":
+            model, contents = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset,
+                                                  frozen)
+        else:
+            model, contents = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
     # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
     tidy(model)
@@ -157,6 +160,28 @@ def export(
     # nothing frozen (full fine-tuning): no empty data file beside the model
     save_models_external({path: model}, move=moving, contents=contents)
     return model
+
+
+EXPORTABLE_EXPERTS = "batched_mm"
+"""The transformers experts implementation both exporters can export: transformers' default
+``grouped_mm`` is a custom op without ONNX form, and ``eager`` loops over the experts the
+example routes to (data-dependent for dynamo; unrolled for just those by TorchScript)."""
+
+
+@contextlib.contextmanager
+def _exportable_experts(module):
+    """Within the block, every transformers mixture-of-experts model in ``module`` runs its
+    experts as :data:`EXPORTABLE_EXPERTS`; each gets its own implementation back after."""
+    models = [m for m in module.modules() if getattr(m, "_can_set_experts_implementation", lambda: False)()
+              and set(m.get_experts_implementation().values()) != {EXPORTABLE_EXPERTS}]
+    originals = [m.get_experts_implementation() for m in models]
+    try:
+        for model in models:
+            model.set_experts_implementation(EXPORTABLE_EXPERTS)
+        yield
+    finally:
+        for model, original in reversed(list(zip(models, originals))):
+            model.set_experts_implementation(original)
 
 
 def _example_inputs(torch, example_inputs) -> Tuple[Any, ...]:
