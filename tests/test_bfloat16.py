@@ -26,7 +26,7 @@ needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch, transforme
 if HAVE_TORCH:
     import peft
     import torch
-    from test_lora import FAMILIES, _torch_name
+    from _lora_models import FAMILIES, _torch_name
 
     import normgrad.torch
 else:

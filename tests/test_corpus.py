@@ -18,9 +18,7 @@ graph (``harness._bfloat16_via_float``; onnxruntime < 1.20 has no bfloat16 array
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -37,36 +35,10 @@ from normgrad.ops import harness
 from normgrad.tools import corpus as corpus_tool
 
 from _helpers import cpp_available
+from _corpus_cases import CASES, CORPUS, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
-CORPUS = pathlib.Path(__file__).resolve().parents[1] / "graphs" / "corpus"
-MANIFEST = json.loads((CORPUS / "manifest.json").read_text()) if (CORPUS / "manifest.json").is_file() else {}
-CASES = sorted(MANIFEST)
 PATHS = ("cpp", "python", "functions", "evaluator")
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-
-# Largest error relative to max(1, max |expected|), by kind and dtype (normgrad.tools.corpus).
-TOLERANCE = corpus_tool.TOLERANCE
-
-def load_case(name: str):
-    """(model, inputs {name: array} in graph order, expected {name: array} in graph order)."""
-    folder = CORPUS / name
-    model = onnx.load(str(folder / "model.onnx"))
-
-    def tensors(prefix):
-        files = sorted((folder / corpus_tool.DATA_SET).glob(f"{prefix}_*.pb"), key=lambda p: int(p.stem.split("_")[1]))
-        result = {}
-        for path in files:
-            tensor = onnx.TensorProto()
-            tensor.ParseFromString(path.read_bytes())
-            result[tensor.name] = onh.to_array(tensor)
-        return result
-
-    return model, tensors("input"), tensors("output")
-
-
-def _has_bfloat16(model: onnx.ModelProto) -> bool:
-    values = list(model.graph.input) + list(model.graph.output)
-    return any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for v in values)
 
 
 def run_onnxruntime(model: onnx.ModelProto, inputs: dict, options: ort.SessionOptions) -> dict:
@@ -109,12 +81,6 @@ def run_path(path: str, model: onnx.ModelProto, inputs: dict) -> dict:
         model = normgrad.prepare_for_python_kernels(model)
     return run_onnxruntime(model, inputs, options)
 
-
-def assert_matches(actual: dict, expected: dict, tolerance: float, what: str) -> None:
-    assert list(actual) == list(expected), f"{what}: outputs {list(actual)} != {list(expected)}"
-    failures = [f"{name}: {difference}" for name, want in expected.items()
-                if (difference := corpus_tool.tensor_difference(actual[name], want, tolerance)) is not None]
-    assert not failures, f"{what}:\n" + "\n".join(failures)
 
 def test_corpus_present():
     assert CASES, f"no corpus in {CORPUS}: run `normgrad corpus`"

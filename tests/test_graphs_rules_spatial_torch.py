@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional
 
-from test_models_transformers_rules import _assert_gradients_match, _distinct_parameters, _export, _run_training  # noqa: E402
+from _transformer_blocks import _assert_gradients_match, _distinct_parameters, _export, _run_training  # noqa: E402
 
 
 class _Lambda(nn.Module):

@@ -16,7 +16,7 @@ from normgrad.graphs.rules import gather
 
 from _graph_models import model, weights
 from _helpers import cpp_available
-from test_graphs_rules import _check, _node
+from _rule_checks import _check, _node
 
 
 def _run(training: TrainingGraph, feeds, outputs):

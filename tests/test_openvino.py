@@ -26,7 +26,7 @@ from normgrad.graphs.optimizers import hyperparameter_feeds
 import _runtimes
 from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, run, session
 from _helpers import cpp_available
-from test_corpus import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
+from _corpus_cases import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
 pytestmark = [pytest.mark.slow, requires_openvino]
 

@@ -395,7 +395,7 @@ def test_llama_block_exports_use_the_operator_bitwise(exporter, monkeypatch):
     block's output, every gradient) is the bits of the graph without the rewrite."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_models_transformers_rules import _export, _LlamaBlock
+    from _transformer_blocks import _export, _LlamaBlock
 
     torch.manual_seed(0)
     module = _LlamaBlock().train()

@@ -21,7 +21,7 @@ from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.step_graph import build_eval_graph, build_inference_model
 from normgrad.ops import DOMAIN, NormgradInputError, harness, silu_mul
-from test_swiglu_grad import _forward, _within_ulps
+from _swiglu_reference import _forward, _within_ulps
 
 OP = silu_mul.OP_TYPE
 KERNELS = ["python"] + (["cpp"] if cpp_available() else [])

@@ -11,7 +11,7 @@ import pytest
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.train import Trainer, TrainerError
 from normgrad.graphs.optimizers import hyperparameter_feeds
-from test_trainer_trust import _linear_tanh_linear, _mse_batch, _options, _step
+from _trainer_graphs import _linear_tanh_linear, _mse_batch, _options, _step
 
 
 def _states_equal(a, b):
