@@ -139,7 +139,7 @@ def test_cpp_kernels_reject_wrongly_typed_attributes():
     assert process.stdout.split() == [w for c, _, _ in BAD_ATTRIBUTES for w in (c, "OK")], process.stdout
 
 
-# ------------------------------------------------------------- 6. non-finite inputs on every path
+# ------------------------------------------------------------- non-finite inputs on every path
 
 
 _NON_FINITE_SCRIPT = r"""

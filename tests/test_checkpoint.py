@@ -1,4 +1,6 @@
-"""normgrad.checkpoint: bitwise round trip, errors naming the tensor, atomic saves."""
+"""normgrad.checkpoint: bitwise round trip, errors naming the tensor, atomic saves; integrity checks
+(truncation, bit flips, a missing checksum), external data read from the checkpoint's folder and
+size-checked before it is read, leftovers of killed saves cleaned, the Trainer resuming from them."""
 
 import builtins
 import os
@@ -155,7 +157,7 @@ def test_empty_checkpoint_file_says_so(tmp_path):
         checkpoint.load(tmp_path / "e.ckpt")
 
 
-# ------------------------------------------------------------------ 9, 18, 21: external data
+# ------------------------------------------------------------------ external data
 
 
 def test_external_data_is_read_from_the_checkpoint_folder(tmp_path, monkeypatch):

@@ -14,6 +14,9 @@ Paths, each against the stored float64-reference outputs with per-dtype toleranc
 ``*_inline`` cases have no normgrad node, so ``cpp``/``python`` would repeat ``functions``:
 skipped. bfloat16 travels through onnxruntime's Python API as float32 with casts inside the
 graph (``harness._bfloat16_via_float``; onnxruntime < 1.20 has no bfloat16 arrays).
+
+``normgrad corpus`` itself writes only into its own folder and removes only what it listed; a
+failed write (a full disk) leaves the old files.
 """
 
 from __future__ import annotations
@@ -326,7 +329,7 @@ def test_corpus_default_folder_is_under_the_current_directory(tmp_path, monkeypa
     assert cli.main(["corpus", "--check"]) == 0
 
 
-# ------------------------------------------------------------- 3. no clobbered files
+# ------------------------------------------------------------- no clobbered files
 
 
 def _fail_fsync(monkeypatch):

@@ -473,7 +473,7 @@ def test_check_fails_a_graph_that_ignores_captures(monkeypatch):
     assert checks["b"].error < 1e-6
 
 
-# ------------------------------------------------------------- 8. nothing to differentiate
+# ------------------------------------------------------------- nothing to differentiate
 
 
 @pytest.mark.parametrize("op_type", ["ArgMax", "Shape"])

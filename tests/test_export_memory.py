@@ -6,7 +6,10 @@ model with every weight in it (and tidy's shape inference copied it twice more):
 (TorchScript) to 5 W (dynamo) over the built model.
 
 The exported model must still compute what the torch module does (onnxruntime against torch,
-float32, 1e-5 of the output's scale), and its data file hold exactly the frozen weights."""
+float32, 1e-5 of the output's scale), and its data file hold exactly the frozen weights.
+
+The training-graph builder at scale: one copy of the caller's model, fresh names found in a
+constant number of probes per node."""
 
 from __future__ import annotations
 

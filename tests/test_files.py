@@ -1,4 +1,7 @@
-"""Atomic writes: a failed write leaves the old file; in-place export is refused."""
+"""Files written safely: atomic writes (a failed write leaves the old file), in-place export refused,
+nothing written through a symbolic link or outside its folder, a writer killed at any rename or removal
+leaves the old set of files or the new one (a model and its data file, the Trainer's save and export,
+an adapter folder), a FIFO refused instead of blocking."""
 
 import json
 import os
@@ -183,7 +186,7 @@ def test_item18_save_and_export_never_overwrite_the_trainers_own_files(tmp_path)
                                                                     kernels=None).step_count == 1
 
 
-# ------------------------------------------------------------------ 9: an adapter folder
+# ------------------------------------------------------------------ an adapter folder
 
 
 PEFT_CONFIG = '{"peft_type": "LORA", "r": 2, "lora_alpha": %d, "target_modules": ["fc"]}'

@@ -1,4 +1,5 @@
-"""Optimizer graphs against torch.optim and clip_grad_norm_, 20 steps on fixed gradients."""
+"""Optimizer graphs against torch.optim and clip_grad_norm_, 20 steps on fixed gradients; the options
+torch.optim refuses refused alike by the Python API and `normgrad export` (one line, exit 2)."""
 
 import os
 
