@@ -187,6 +187,11 @@ def _needing_grad(
     return needs
 
 
+_TYPE_ONLY_INPUTS = {("CastLike", 1)}
+"""(op type, input index): inputs a node reads for their type or shape alone, whose values no
+output depends on; a trainable value there loses no gradient."""
+
+
 def _refuse_constant_parameters(graph: onnx.GraphProto, types: GradientContext, needs: Set[str]) -> None:
     """Refuses a node whose output needs a gradient but which takes a value computed from a
     trainable initializer at an input its rule does not differentiate (that parameter's
@@ -206,7 +211,8 @@ def _refuse_constant_parameters(graph: onnx.GraphProto, types: GradientContext, 
         differentiable = rule.differentiable_inputs(types, node)
         if any(node.output[i] in needs for i in rule.differentiable_outputs(node)):
             for index, name in enumerate(node.input):
-                if name in computed and index not in differentiable and _maybe_float(types.type_of(name)):
+                if name in computed and index not in differentiable and _maybe_float(types.type_of(name)) \
+                        and (node.op_type, index) not in _TYPE_ONLY_INPUTS:
                     raise UnsupportedOperatorError(
                         f"{describe(node)}: input {index} ('{name}') is computed from trainable parameter "
                         f"'{computed[name]}', but the {node.op_type} rule gives that input no gradient; freeze "
@@ -573,6 +579,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
     original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
+    embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
     running_statistics = _name_running_outputs(graph)
@@ -607,6 +614,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
         warnings.warn(torch_exports.merged_initializers_warning(trained_merged), torch_exports.TorchExportWarning, stacklevel=4)
     ctx = GradientContext(graph, opset, needs)
     ctx.batch_statistics = batch_statistics
+    ctx.embeddings = embeddings
 
     input_names = {i.name for i in graph.input}
     wanted = [(i.name, i.type) for i in graph.input if _is_float(i.type)]

@@ -82,6 +82,10 @@ class GradientContext:
         self._counters: Dict[str, int] = {}  # per scope: fresh names continue, never probe from 1 again
         self.batch_statistics: Dict[str, "BatchStatistics"] = {}
         """{Y of a training-mode BatchNormalization: its forward statistics}, set by the builder."""
+        self.embeddings: Dict[str, "EmbeddingGradient"] = {}
+        """{initializer: torch's nn.Embedding gradient semantics of its lookups} (metadata of
+        :func:`normgrad.torch.export`, :func:`normgrad.graphs.torch_exports.embedding_gradients`),
+        set by the builder."""
         self.declared: List[onnx.ValueInfoProto] = []
         """Value infos of emitted values (:meth:`declare`); the builder writes them into the graph."""
         self.forward_replacements: Dict[str, List[onnx.NodeProto]] = {}

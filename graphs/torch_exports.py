@@ -5,7 +5,8 @@ torch's exporters leave traces: the dynamo exporter writes node metadata naming 
 each node came from (``pkg.torch.onnx.fx_node``, with the parameters it read as ``%p_NAME``)
 and the rewrite rule that changed it (``pkg.onnxscript.rewriter.rule_name``); the TorchScript
 exporter names constants it folds ``onnx::OP_N``. :func:`normgrad.torch.export` adds
-``normgrad.torch_parameters``. From these, :func:`check_forward_model` refuses what it can see
+``normgrad.torch_parameters`` and, for nn.Embedding weights with gradient-only semantics,
+``normgrad.embeddings`` (:func:`embedding_gradients`). From these, :func:`check_forward_model` refuses what it can see
 would train wrongly (BatchNorm folded into a convolution, training-mode BatchNorm written in
 inference mode, parameters folded or merged into other initializers) and warns about folded
 constants trained under their own names.
@@ -13,9 +14,10 @@ constants trained under their own names.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import onnx
 
@@ -24,9 +26,12 @@ from normgrad.graphs.context import FLOAT_ELEM_TYPES
 __all__ = [
     "METADATA_TORCH_PARAMETERS",
     "METADATA_PEFT",
+    "METADATA_EMBEDDINGS",
+    "EmbeddingGradient",
     "MisexportedModelError",
     "TorchExportWarning",
     "torch_parameters",
+    "embedding_gradients",
     "referenced_parameters",
     "check_forward_model",
     "torchscript_folded_constants",
@@ -48,6 +53,12 @@ names), "A_key", "B_key" (the names in peft's adapter_model.safetensors), "scali
 "fan_in_fan_out"}], "unsupported" (why the adapter cannot be saved, or null)}`` (see
 :mod:`normgrad.lora`)."""
 
+METADATA_EMBEDDINGS = "normgrad.embeddings"
+"""Model metadata key, written by :func:`normgrad.torch.export`: JSON ``{initializer name:
+{"padding_idx": a row or null, "scale_grad_by_freq": bool}}`` for each trained weight of
+nn.Embedding modules that set either: torch's gradient semantics that live in the module,
+not in the graph (see :class:`EmbeddingGradient`)."""
+
 FIX = ("export with normgrad.torch.export(module, inputs, path) (pip install \"normgrad[torch]\"), which keeps "
        "training-mode BatchNorm and every parameter as its own initializer")
 
@@ -66,6 +77,16 @@ class TorchExportWarning(UserWarning):
     """The forward model trains, but not quite as the torch module would (see the message)."""
 
 
+def _metadata_json(model: onnx.ModelProto, key: str) -> Tuple[Optional[str], Any]:
+    """The text of metadata ``key`` of ``model`` (None if absent) and its JSON value (None
+    if it is no JSON)."""
+    text = next((p.value for p in model.metadata_props if p.key == key), None)
+    try:
+        return text, None if text is None else json.loads(text)
+    except ValueError:
+        return text, None
+
+
 def torch_parameters(model: onnx.ModelProto) -> Optional[Dict[str, str]]:
     """``normgrad.torch_parameters`` of ``model`` ({initializer: torch name}), None if absent.
 
@@ -73,13 +94,9 @@ def torch_parameters(model: onnx.ModelProto) -> Optional[Dict[str, str]]:
         MisexportedModelError: the metadata is not such a dict, or names a value that is not a
             float initializer of the graph.
     """
-    text = next((p.value for p in model.metadata_props if p.key == METADATA_TORCH_PARAMETERS), None)
+    text, mapping = _metadata_json(model, METADATA_TORCH_PARAMETERS)
     if text is None:
         return None
-    try:
-        mapping = json.loads(text)
-    except ValueError:
-        mapping = None
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
         raise MisexportedModelError(f"metadata {METADATA_TORCH_PARAMETERS} must be a JSON object of strings; got {text[:80]!r}")
     initializers = {t.name for t in model.graph.initializer}
@@ -90,6 +107,57 @@ def torch_parameters(model: onnx.ModelProto) -> Optional[Dict[str, str]]:
             f"{'are not initializers' if len(unknown) > 1 else 'is not an initializer'} of the graph"
         )
     return mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingGradient:
+    """How torch's nn.Embedding differentiates its lookup of a weight (the Gather gradient
+    rule applies it to every Gather along axis 0 of that weight; its other readers, e.g. a
+    tied output projection's MatMul, keep their own gradients).
+
+    Attributes:
+        padding_idx: the row that gets no gradient from the lookup, or None.
+        scale_grad_by_freq: each row's lookup gradient is divided by the number of times the
+            lookup's indices name that row.
+    """
+
+    padding_idx: Optional[int]
+    scale_grad_by_freq: bool
+
+
+def embedding_gradients(model: onnx.ModelProto) -> Dict[str, EmbeddingGradient]:
+    """``normgrad.embeddings`` of ``model``: {initializer name: its EmbeddingGradient}, empty
+    if absent.
+
+    Raises:
+        MisexportedModelError: the metadata is malformed, names no 2-D initializer of the
+            graph, or a padding_idx outside the weight's rows.
+    """
+    text, entries = _metadata_json(model, METADATA_EMBEDDINGS)
+    if text is None:
+        return {}
+    if not isinstance(entries, dict):
+        raise _malformed_embeddings(text)
+    rows = {t.name: t.dims[0] for t in model.graph.initializer if len(t.dims) == 2}
+    result: Dict[str, EmbeddingGradient] = {}
+    for name, entry in entries.items():
+        if name not in rows:
+            raise MisexportedModelError(f"metadata {METADATA_EMBEDDINGS} names {name!r}, which is no 2-D initializer of the graph")
+        if not isinstance(entry, dict) or set(entry) != {"padding_idx", "scale_grad_by_freq"} \
+                or not isinstance(entry["scale_grad_by_freq"], bool):
+            raise _malformed_embeddings(text)
+        padding = entry["padding_idx"]
+        if padding is not None and (type(padding) is not int or not 0 <= padding < rows[name]):
+            raise MisexportedModelError(f"metadata {METADATA_EMBEDDINGS} gives {name!r} padding_idx {padding!r}, "
+                                        f"not one of its {rows[name]} rows")
+        result[name] = EmbeddingGradient(padding, entry["scale_grad_by_freq"])
+    return result
+
+
+def _malformed_embeddings(text: str) -> MisexportedModelError:
+    return MisexportedModelError(
+        f"metadata {METADATA_EMBEDDINGS} must be a JSON object {{initializer: {{\"padding_idx\": a row or null, "
+        f"\"scale_grad_by_freq\": true or false}}}}; got {text[:120]!r}")
 
 
 def _mangled(name: str) -> str:

@@ -592,3 +592,50 @@ def run_training_graph(training, feeds: Dict[str, np.ndarray]) -> Dict[str, np.n
     feeds = {**weights, **feeds}
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+class LastHiddenState(nn.Module):
+    """A transformers base model ``make(transformers)`` -> its last hidden state; the inputs
+    are passed as the keywords ``inputs`` name (its dropout probabilities set to 0 by ``make``)."""
+
+    def __init__(self, make, inputs: Sequence[str] = ("input_ids",)):
+        super().__init__()
+        import transformers
+
+        self.model, self.inputs = make(transformers), tuple(inputs)
+
+    def forward(self, *values):
+        return self.model(**dict(zip(self.inputs, values))).last_hidden_state
+
+
+def longformer() -> LastHiddenState:
+    """transformers.LongformerModel (hidden 32, 1 layer, 2 heads, attention window 4): its
+    sliding-window attention writes its band matrices by slice assignment (ScatterND).
+    ``onnx_export``: overlapping chunks by ``unfold``, not ``as_strided`` (which torch's
+    TorchScript exporter writes wrongly: its forward differs from torch's)."""
+    return LastHiddenState(lambda t: t.LongformerModel(t.LongformerConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+        max_position_embeddings=64, attention_window=[4], onnx_export=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+
+
+def swinv2() -> LastHiddenState:
+    """transformers.Swinv2Model (image 32, patch 4, embed 16, depths (1, 1), window 4): the
+    shifted-window attention mask is written by slice assignment."""
+    return LastHiddenState(lambda t: t.Swinv2Model(t.Swinv2Config(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)), ("pixel_values",))
+
+
+def rwkv() -> LastHiddenState:
+    """transformers.RwkvModel (hidden 32, 2 layers, context 16): its CPU time-mixing loop
+    writes each step's output with ``out[:, t] = ...``."""
+    return LastHiddenState(lambda t: t.RwkvModel(t.RwkvConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=16)))
+
+
+def funnel() -> LastHiddenState:
+    """transformers.FunnelBaseModel (d_model 32, 2 blocks of 1 layer, 2 heads): pooling between blocks."""
+    return LastHiddenState(lambda t: t.FunnelBaseModel(t.FunnelConfig(
+        vocab_size=100, block_sizes=[1, 1], d_model=32, n_head=2, d_head=16, d_inner=64, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -412,6 +413,30 @@ def check_fit(folder: str) -> None:
     print(f"fit ok on rank {mpi.rank()}: {len(result.history)} steps, {len(result.evaluations)} evaluations")
 
 
+def check_unequal_shards(folder: str, ends_with: str) -> None:
+    """normgrad.loop.fit with rank 0 holding 3 training batches and rank 1 2, each epoch
+    ending in ``ends_with``: an evaluation, a checkpoint, both or neither: a TrainerError on every
+    rank naming the ranks and the steps they came to (rank 1's batches ran out after step 2),
+    never another collective's message read as a step's."""
+    from normgrad import loop
+    from normgrad.train import TrainerError
+
+    model, initial = _mlp_step()
+    trainer = mpi.DataParallelTrainer(model, initial, lr=0.05)
+    ones = (np.ones((2, 4), np.float32), np.ones((2, 3), np.float32))
+    options = {"evaluation": [ones] if ends_with in ("evaluation", "both") else None,
+               "checkpoint_dir": folder if ends_with in ("checkpoint", "both") else None}
+    try:
+        loop.fit(trainer, [ones] * (3 if mpi.rank() == 0 else 2), epochs=2, progress=False, **options)
+    except TrainerError as error:
+        assert re.search(r"the ranks' training batches ran out at different steps: rank 0 to step 3, rank 1 to the "
+                         r"end of epoch 1 after step 2: rank 1 had no batch for step 3 while the others "
+                         r"did; every rank needs as many batches per epoch", str(error)), error
+        print(f"unequal shards ok on rank {mpi.rank()}: {error}")
+        return
+    raise AssertionError("unequal shards: no error")
+
+
 def hang(victim: int) -> None:
     """Rank ``victim`` sleeps before its first step; the others must fail within the timeout."""
     model, initial = _mlp_step()
@@ -442,6 +467,8 @@ def main(argv) -> None:
         hang(int(argv[1]))
     elif argv[0] == "fit":
         check_fit(argv[1])
+    elif argv[0] == "unequal":
+        check_unequal_shards(argv[1], argv[2])
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

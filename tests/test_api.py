@@ -228,6 +228,24 @@ def test_submodules_load_on_first_use():
     assert result.stdout.strip() == "module 'normgrad' has no attribute 'no_such_thing'"
 
 
+def test_training_errors_are_one_class_each_wherever_imported():
+    """TrainerError, CheckpointError and LoraError are defined once, in normgrad.errors, which
+    imports nothing of normgrad (the bottom layer), and are the same class where users import
+    them."""
+    import ast
+
+    from normgrad import checkpoint, errors, lora, train
+
+    tree = ast.parse(open(errors.__file__).read())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [name for name in imported if name.split(".")[0] == "normgrad"], imported
+    assert normgrad.TrainerError is train.TrainerError is errors.TrainerError
+    assert normgrad.CheckpointError is checkpoint.CheckpointError is errors.CheckpointError
+    assert normgrad.LoraError is lora.LoraError is errors.LoraError
+    assert all(issubclass(e, ValueError) for e in (errors.TrainerError, errors.CheckpointError, errors.LoraError))
+
+
 def test_session_options_register_once_per_options_object():
     """Two trainers (or any two callers) registering into one SessionOptions: the second
     registration is a no-op, so every later session still loads (onnxruntime refused them

@@ -222,3 +222,39 @@ def test_item19_a_zero_size_weight_passes_the_gradient_check(tmp_path, capsys):
     _check(tmp_path / "e_train.onnx")
     out = capsys.readouterr().out
     assert "OK   w_grad" in out and "OK   b_grad" in out
+
+
+def _zero_size_weights_model(output_columns: int) -> onnx.ModelProto:
+    """y = Concat(x @ v, x @ w + b) with w [32, 0] and b [0]; v [32, output_columns], so y
+    is empty for output_columns 0."""
+    rng = np.random.default_rng(19)
+    weights = [onh.from_array(rng.standard_normal((32, output_columns)).astype(np.float32), "v"),
+               onh.from_array(np.zeros((32, 0), np.float32), "w"), onh.from_array(np.zeros(0, np.float32), "b")]
+    nodes = [oh.make_node("MatMul", ["x", "v"], ["h"]), oh.make_node("MatMul", ["x", "w"], ["e"]),
+             oh.make_node("Add", ["e", "b"], ["eb"]), oh.make_node("Concat", ["h", "eb"], ["y"], axis=1)]
+    graph = oh.make_graph(nodes, "zero_size", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 32])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, output_columns])], weights)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def test_zero_size_weights_pass_as_empty_and_the_others_are_still_checked(tmp_path, capsys):
+    status, lines, out = _check_cli(build_training_graph(_zero_size_weights_model(8), loss="mse"), tmp_path, capsys)
+    assert status == 0 and lines == {"x_grad": "OK", "v_grad": "OK", "w_grad": "OK", "b_grad": "OK"}, out
+    assert re.search(r"^OK   w_grad +empty: a zero-size tensor, nothing to compare$", out, re.M), out
+    assert re.search(r"^OK   v_grad +rel\.err \d", out, re.M) and "nan" not in out, out
+
+
+def test_a_loss_of_an_empty_output_needs_zero_gradients(tmp_path, capsys):
+    """mse of a [4, 0] output is a mean over no element: NaN, whatever x is. x's gradient
+    (non-empty) must be exactly zero: it passes; made non-zero, it fails."""
+    training = build_training_graph(_zero_size_weights_model(0), loss="mse")
+    status, lines, out = _check_cli(training, tmp_path, capsys)
+    assert status == 0 and set(lines.values()) == {"OK"} and "nan" not in out, out
+    assert "rel.err 0.00e+00" in out and "the loss reads no element (output y is empty)" in out, out
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(training.model)
+    producer = next(n for n in wrong.graph.node if "x_grad" in n.output)
+    producer.output[list(producer.output).index("x_grad")] = "x_grad/exact"
+    wrong.graph.node.append(oh.make_node("Add", ["x_grad/exact", "x"], ["x_grad"]))
+    status, lines, out = _check_cli(training._replace(model=wrong), tmp_path, capsys)
+    assert status == 1 and lines == {"x_grad": "FAIL", "v_grad": "OK", "w_grad": "OK", "b_grad": "OK"}, out

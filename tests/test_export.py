@@ -244,16 +244,19 @@ def test_dynamo_export_group_norm_matches_autograd(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["export", "check"])
-@pytest.mark.parametrize("problem", ["missing", "not_onnx"])
+@pytest.mark.parametrize("problem", ["missing", "not_onnx", "folder"])
 def test_cli_unreadable_model_is_one_line(tmp_path, capsys, command, problem):
     path = tmp_path / "model.onnx"
     if problem == "not_onnx":
         path.write_text("not a model")
+    elif problem == "folder":
+        path.mkdir()
     args = [str(path), "-o", str(tmp_path / "out.onnx")] if command == "export" else [str(path)]
     tool = export_tool if command == "export" else check_tool
     assert tool.main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"normgrad {command}: ") and str(path) in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "[Errno" not in err
 
 
 def test_cli_export_unwritable_output(tmp_path, capsys):
@@ -357,6 +360,25 @@ def test_batch_norm_relu_gradients_float64_truth(backend, dtype):
         assert got[name].dtype == dtype, name
         error = np.abs(got[name].astype(np.float64) - want).max() / np.abs(want).max()
         assert error < tolerance, (name, error)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_cli_export_files_honour_the_umask(tmp_path, umask):
+    """The step graph, its checkpoint and evaluation graph get the mode open() gives a new
+    file under the umask (they were mkstemp's 0600 whatever the umask)."""
+    onnx.save(mlp(), tmp_path / "mlp.onnx")
+    previous = os.umask(umask)
+    try:
+        with open(tmp_path / "by_open", "wb"):
+            pass
+        assert export_tool.main([str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "step.onnx"), "--loss", "mse",
+                                 "--optimizer", "adamw"]) == 0
+    finally:
+        os.umask(previous)
+    expected = os.stat(tmp_path / "by_open").st_mode & 0o7777
+    assert expected == 0o666 & ~umask
+    for name in ("step.onnx", "step.ckpt", "step.eval.onnx"):
+        assert os.stat(tmp_path / name).st_mode & 0o7777 == expected, name
 
 
 def _step_set():

@@ -272,3 +272,38 @@ def test_check_and_export_refuse_a_fifo_instead_of_blocking(tmp_path, command):
                           text=True, timeout=120)  # a hang guard: main blocked forever
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "not a regular file" in done.stderr
+
+
+@pytest.fixture(params=[0o022, 0o077, 0o002])
+def umask(request):
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+def _mode(path) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+def test_written_files_honour_the_umask_as_open_does(tmp_path, umask):
+    """One file, a set of files (the journaled commit) and a folder replaced as one: each new
+    file gets the mode open() gives a new file under the same umask (not mkstemp's 0600),
+    each new folder os.mkdir's; a replaced file keeps its own mode."""
+    from normgrad._files import StagedFile, commit_files, replace_folder_files
+
+    with open(tmp_path / "by_open", "wb"):
+        pass
+    os.mkdir(tmp_path / "by_mkdir")
+    expected, expected_folder = _mode(tmp_path / "by_open"), _mode(tmp_path / "by_mkdir")
+    assert expected == 0o666 & ~umask
+
+    write_bytes_atomic(tmp_path / "one.bin", b"1")
+    commit_files([StagedFile(tmp_path / "a.onnx", [b"a"]), StagedFile(tmp_path / "a.ckpt", [b"b"])])
+    assert replace_folder_files(tmp_path / "adapter", {"weights.bin": b"w", "config.json": b"{}"})
+    for path in ("one.bin", "a.onnx", "a.ckpt", "adapter/weights.bin", "adapter/config.json"):
+        assert _mode(tmp_path / path) == expected, path
+    assert _mode(tmp_path / "adapter") == expected_folder
+
+    os.chmod(tmp_path / "a.onnx", 0o640)
+    commit_files([StagedFile(tmp_path / "a.onnx", [b"c"]), StagedFile(tmp_path / "a.ckpt", [b"d"])])
+    assert _mode(tmp_path / "a.onnx") == 0o640 and _mode(tmp_path / "a.ckpt") == expected

@@ -366,10 +366,11 @@ def test_trainable_parameter_itself_at_an_input_the_rule_does_not_differentiate_
 
 
 def test_trainable_parameter_at_integer_or_non_differentiable_inputs_is_not_refused():
-    """w's shape (a Reshape's shape input) and its sign test (a Where's condition) carry no gradient by nature."""
+    """w's shape (a Reshape's shape input), its sign test (a Where's condition) and x * w as the
+    type CastLike reads (dynamo's slice assignment writes one) carry no gradient by nature."""
     nodes = [oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("Shape", ["w"], ["shape"]),
              oh.make_node("Reshape", ["xw", "shape"], ["r"]), oh.make_node("Greater", ["w", "zero"], ["positive"]),
-             oh.make_node("Where", ["positive", "r", "x"], ["y"])]
+             oh.make_node("CastLike", ["x", "xw"], ["x_like"]), oh.make_node("Where", ["positive", "r", "x_like"], ["y"])]
     params = {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), "zero": np.array(0.0, np.float32)}
     forward = model(nodes, {"x": (2, 3)}, ["y"], params)
     _check(forward, frozen=["zero"])

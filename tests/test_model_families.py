@@ -49,10 +49,10 @@ def _image(size, channels=3):
     return lambda rng: {"x": rng.standard_normal((2, channels, size, size)).astype(np.float32)}
 
 
-def _token_ids(rng):
-    """Tokens of a vocabulary of 50 but 0, the padding_idx of the tiny transformers models
-    (which the export does not carry: docs/how-to/export-from-torch.md)."""
-    return {"input_ids": rng.integers(1, 50, (2, 6)).astype(np.int64)}
+def _token_ids(rng, low=1, length=6):
+    """Tokens of a vocabulary of 50 from ``low``, above the padding_idx of the tiny transformers
+    models (0; Longformer's 1), which the export does not carry: docs/how-to/export-from-torch.md."""
+    return {"input_ids": rng.integers(low, 50, (2, length)).astype(np.int64)}
 
 
 FAMILIES: Dict[str, Family] = {
@@ -83,6 +83,11 @@ FAMILIES: Dict[str, Family] = {
     "mixtral": Family(zoo.mixtral, _token_ids, needs="transformers"),
     "qwen2_moe": Family(zoo.qwen2_moe, _token_ids, needs="transformers"),
     "fnet": Family(zoo.FNetEncoder, _token_ids, ("hidden", "pooled"), "transformers"),
+    "longformer": Family(zoo.longformer, lambda rng: _token_ids(rng, low=2, length=8), needs="transformers"),
+    "swinv2": Family(zoo.swinv2, lambda rng: {"pixel_values": rng.standard_normal((2, 3, 32, 32)).astype(np.float32)},
+                     needs="transformers"),
+    "rwkv": Family(zoo.rwkv, _token_ids, needs="transformers"),
+    "funnel": Family(zoo.funnel, _token_ids, needs="transformers"),
 }
 
 

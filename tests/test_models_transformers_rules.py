@@ -6,6 +6,7 @@ RMSNormalizationGrad; gradients against torch autograd."""
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -196,3 +197,73 @@ def test_gated_silu_families_match_torch(exporter, family):
     norms = 3 if _declarative.AVAILABLE else 0
     ops = _check_model(module, inputs, exporter, "input_ids", ("y",), "RMSNormalizationGrad", norms)
     assert (ops["SiLUMul"], ops["SwiGLUGrad"], ops["Sigmoid"]) == (1, 1, 0), ops
+
+
+class _Seq2SeqLogits(nn.Module):
+    """A transformers encoder-decoder's logits from input_ids and decoder_input_ids."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, decoder_input_ids):
+        return self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+
+
+def _seq2seq(transformers, family):
+    """A tiny random ``family`` model (d_model 16, one layer each side, vocab 64, no dropout)
+    and its pad token."""
+    if family == "T5":
+        config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                       num_heads=2, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                                       decoder_start_token_id=0, attn_implementation="eager")
+        return transformers.T5ForConditionalGeneration(config), 0
+    pad = {"Pegasus": 0, "Bart": 1}[family]
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=pad, bos_token_id=2, eos_token_id=3,
+        decoder_start_token_id=pad)
+    return getattr(transformers, f"{family}ForConditionalGeneration")(config), pad
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("family", ["Pegasus", "Bart", "T5"])
+def test_seq2seq_with_padding_matches_torch_on_every_tensor(exporter, family, tmp_path):
+    """Pegasus and BART (nn.Embedding with padding_idx, its weight shared by both embeddings
+    and the tied LM head) and T5 (no padding_idx), through normgrad.torch.export, on ids
+    holding the pad token (Pegasus's decoder start token): every parameter's gradient, the
+    padding row of the shared embedding included, against torch autograd to 1e-4 of the
+    tensor's own largest |gradient|. A gradient that is zero in exact arithmetic (the key
+    projections' bias: softmax ignores a shift of a query's scores) is rounding noise in
+    both, compared to 1e-10 of the model's largest gradient instead."""
+    transformers = pytest.importorskip("transformers")
+    import normgrad.torch
+
+    torch.manual_seed(0)
+    model, pad = _seq2seq(transformers, family)
+    module = _Seq2SeqLogits(model).train()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (2, 6)).astype(np.int64)
+    ids[:, -2:] = pad
+    decoder_ids = rng.integers(0, 64, (2, 5)).astype(np.int64)
+    decoder_ids[:, 0] = decoder_ids[1, -1] = pad
+    forward = normgrad.torch.export(module, (torch.tensor(ids), torch.tensor(decoder_ids)), tmp_path / "m.onnx",
+                                    exporter=exporter, input_names=["input_ids", "decoder_input_ids"],
+                                    output_names=["logits"])
+    initializer_of = {name: init for init, name in json.loads(
+        next(p.value for p in forward.metadata_props if p.key == "normgrad.torch_parameters")).items()}
+    logits = module(torch.tensor(ids), torch.tensor(decoder_ids))
+    seed = rng.standard_normal(tuple(logits.shape)).astype(np.float32)
+    logits.backward(torch.tensor(seed))
+    results, _ = _run_training(forward, {"input_ids": ids, "decoder_input_ids": decoder_ids}, {"logits": seed})
+    np.testing.assert_allclose(results["logits"], logits.detach().numpy(), rtol=1e-4, atol=1e-4)
+    expected = {name: p.grad.numpy() for name, p in module.named_parameters() if p.requires_grad}
+    largest = max(np.abs(grad).max() for grad in expected.values())
+    shared = module.model.get_input_embeddings()
+    assert shared.padding_idx == (None if family == "T5" else pad)
+    shared_name = next(name for name, p in module.named_parameters() if p is shared.weight)
+    assert np.abs(expected[shared_name][pad]).max() > 0  # the tied LM head's gradient reaches the padding row
+    for name, grad in expected.items():
+        error = np.abs(results[f"{initializer_of[name]}_grad"] - grad).max()
+        assert error <= 1e-4 * max(np.abs(grad).max(), 1e-6 * largest), (name, error, np.abs(grad).max())

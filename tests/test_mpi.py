@@ -33,9 +33,10 @@ pytestmark = [
 ]
 
 
-def run_job(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+def run_job(*args: str, timeout: float = TIMEOUT, runner: bool = False) -> subprocess.CompletedProcess:
+    """``mpirun -n 2 python tests/mpi_worker.py ARGS`` (``runner``: ``python -m normgrad.mpi tests/mpi_worker.py``)."""
     env = mpi.mpirun_environment(NORMGRAD_MPI_EXIT_WAIT="3", PYTHONUNBUFFERED="1")
-    command = MPIRUN + [sys.executable, str(WORKER), *args]
+    command = MPIRUN + [sys.executable, *(["-m", "normgrad.mpi"] if runner else []), str(WORKER), *args]
     # its own process group, so that a job that overruns is ended whole (mpirun and its ranks)
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                            errors="replace", start_new_session=True)
@@ -78,20 +79,39 @@ def test_data_parallel_trainer_trains_as_one_process(tmp_path):
     assert "trainer ok on 2 ranks" in result.stdout, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("mode, names_it", [
-    ("raise", r"normgrad\.mpi: rank 1 of 2 raised RuntimeError: deliberate failure"),
-    ("exit", r"normgrad\.mpi: rank 1 of 2 called sys\.exit\(3\)"),
-    ("systemexit", r"normgrad\.mpi: rank 1 of 2 raised SystemExit\(3\)"),
-    ("leave", r"normgrad\.mpi: rank 1 of 2 left the program while other ranks still run"),
-    ("die", r"rank 1 with PID \d+ on node \S+ exited on\s+signal 9"),
+@pytest.mark.parametrize("mode, runner, names_it", [
+    ("raise", False, r"normgrad\.mpi: rank 1 of 2 raised RuntimeError: deliberate failure"),
+    ("exit", True, r"normgrad\.mpi: rank 1 of 2 raised SystemExit\(3\)"),
+    ("systemexit", True, r"normgrad\.mpi: rank 1 of 2 raised SystemExit\(3\)"),
+    # run as `python SCRIPT`, no hook sees the SystemExit: the rank leaves, waits, then aborts
+    ("systemexit", False, r"normgrad\.mpi: rank 1 of 2 left the program while other ranks still run"),
+    ("leave", False, r"normgrad\.mpi: rank 1 of 2 left the program while other ranks still run"),
+    ("die", False, r"rank 1 with PID \d+ on node \S+ exited on\s+signal 9"),
 ])
-def test_a_failing_rank_ends_the_job(mode, names_it):
-    result = run_job(mode, "1")
+def test_a_failing_rank_ends_the_job(mode, runner, names_it):
+    """``runner``: the job runs ``python -m normgrad.mpi tests/mpi_worker.py``, which records
+    the status of a SystemExit ending the script: the job ends with it."""
+    result = run_job(mode, "1", runner=runner)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert re.search(names_it, output), output
-    if mode in ("exit", "systemexit"):
+    if runner:
         assert result.returncode == 3, output
+
+
+def test_runner_runs_the_script_as_python_would(tmp_path):
+    """``python -m normgrad.mpi SCRIPT ARG...`` runs SCRIPT as ``__main__`` with ``sys.argv``
+    ``[SCRIPT, ARG...]`` and SCRIPT's folder first on ``sys.path`` (``-m MODULE`` likewise), and
+    ends with its exit status."""
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "script.py").write_text("import sys, helper\nprint(__name__, sys.argv[1:], helper.VALUE)\nsys.exit(3)\n")
+    by_path = subprocess.run([sys.executable, "-m", "normgrad.mpi", str(tmp_path / "script.py"), "a", "b"],
+                             capture_output=True, text=True, timeout=TIMEOUT)
+    by_module = subprocess.run([sys.executable, "-m", "normgrad.mpi", "-m", "script", "a", "b"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=TIMEOUT)
+    for result in (by_path, by_module):
+        assert result.returncode == 3, result.stderr
+        assert result.stdout == "__main__ ['a', 'b'] 7\n", result.stdout + result.stderr
 
 
 def test_all_reduce_refuses_to_run_without_init():
@@ -118,6 +138,17 @@ def test_fit_on_two_ranks(tmp_path):
     result = run_job("fit", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("fit ok on rank") == RANKS, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("ends_with", ["evaluation", "checkpoint", "neither"])
+def test_fit_with_unequal_shards_is_one_error_on_every_rank(tmp_path, ends_with):
+    """Rank 0 holds 3 training batches, rank 1 2: at step 3 rank 1 comes to the end of the
+    epoch instead (with or without an evaluation or checkpoint there). Every collective carries what it is, so each rank
+    raises the same TrainerError naming the ranks and where they came to, and the job
+    ends (mpi_worker.check_unequal_shards); no other collective's values read as a step's."""
+    result = run_job("unequal", str(tmp_path), ends_with)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("unequal shards ok on rank") == RANKS, result.stdout + result.stderr
 
 
 def test_a_hanging_rank_times_out_naming_it():

@@ -265,3 +265,113 @@ def test_onecycle_cycles_a_trainers_beta1_or_momentum(optimizer):
         assert driven.step(**batch) == reference.step(**batch)
         scheduler.step()
     assert all(a.tobytes() == b.tobytes() for a, b in zip(driven.state_dict().values(), reference.state_dict().values()))
+
+
+# (name, arguments, our message, what torch does with them: refuses when "made", fails at a later
+# step ("run": a ZeroDivisionError or TypeError mid-training), or "accepts" and runs with a
+# meaningless value)
+BAD = [
+    ("StepLR", dict(step_size=0), "StepLR step_size must be an integer >= 1, got 0", "run"),
+    ("StepLR", dict(step_size=2.5), "StepLR step_size must be an integer >= 1, got 2.5", "accepts"),
+    ("StepLR", dict(step_size=3, gamma="0.5"), "StepLR gamma must be a finite number >= 0, got '0.5'", "run"),
+    ("MultiStepLR", dict(milestones=["a"]), r"MultiStepLR milestones\[0\] must be an integer >= 0, got 'a'", "accepts"),
+    ("MultiStepLR", dict(milestones=5), "MultiStepLR milestones must be a list of integers >= 0", "made"),
+    ("MultiStepLR", dict(milestones=[3, -1]), r"milestones\[1\] must be an integer >= 0, got -1", "accepts"),
+    ("ConstantLR", dict(factor=0, total_iters=1), r"ConstantLR factor must be in \(0, 1\]", "run"),
+    ("ConstantLR", dict(factor=1.5), r"ConstantLR factor must be in \(0, 1\]", "made"),
+    ("ConstantLR", dict(total_iters="3"), "ConstantLR total_iters must be an integer >= 1, got '3'", "accepts"),
+    ("LinearLR", dict(start_factor=0), r"LinearLR start_factor must be in \(0, 1\]", "made"),
+    ("LinearLR", dict(total_iters=0), "LinearLR total_iters must be an integer >= 1, got 0", "accepts"),
+    ("ExponentialLR", dict(gamma=None), "ExponentialLR gamma must be a finite number >= 0, got None", "run"),
+    ("ExponentialLR", dict(gamma=float("nan")), "ExponentialLR gamma must be a finite number >= 0, got nan", "accepts"),
+    ("CosineAnnealingLR", dict(T_max=0), "CosineAnnealingLR T_max must be an integer >= 1, got 0", "run"),
+    ("CosineAnnealingLR", dict(T_max=10, eta_min="0"), "CosineAnnealingLR eta_min must be a finite number", "run"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=5, T_mult=0), "T_mult must be an integer >= 1, got 0", "made"),
+    ("OneCycleLR", dict(max_lr=0.01, total_steps=2, pct_start=0.5),
+     r"OneCycleLR\(total_steps=2, pct_start=0.5\): its warm-up phase has no steps", "made"),
+    ("OneCycleLR", dict(max_lr=0.01, total_steps=10, pct_start=1.0), "its annealing phase has no steps", "run"),
+    ("OneCycleLR", dict(max_lr=0.01, total_steps=10, pct_start=0.55, three_phase=True),
+     "its annealing phase has no steps", "run"),
+    ("OneCycleLR", dict(max_lr=0.01, total_steps=10, cycle_momentum="yes"),
+     "OneCycleLR cycle_momentum must be True or False, got 'yes'", "run"),
+    ("OneCycleLR", dict(max_lr="1", total_steps=10), "OneCycleLR max_lr must be a finite number >= 0, got '1'", "made"),
+    ("OneCycleLR", dict(max_lr=0.01, total_steps=10, anneal_strategy="lin"),
+     "OneCycleLR anneal_strategy must be one of 'cos', 'linear', got 'lin'", "made"),
+    ("ReduceLROnPlateau", dict(patience="2"), "ReduceLROnPlateau patience must be an integer >= 0, got '2'", "run"),
+    ("ReduceLROnPlateau", dict(cooldown=1.5), "ReduceLROnPlateau cooldown must be an integer >= 0, got 1.5", "accepts"),
+    ("ReduceLROnPlateau", dict(mode="avg"), "ReduceLROnPlateau mode must be one of 'min', 'max', got 'avg'", "made"),
+    ("ReduceLROnPlateau", dict(eps="1"), "ReduceLROnPlateau eps must be a finite number >= 0, got '1'", "run"),
+]
+
+
+def _torch_outcome(name, arguments, steps=12) -> str:
+    theirs, _ = _pair("sgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            scheduler = getattr(lr_scheduler, name)(theirs, **arguments)
+        except (ValueError, TypeError, ZeroDivisionError):
+            return "made"
+        try:
+            for _ in range(steps):
+                theirs.step()
+                scheduler.step(1.0) if name == "ReduceLROnPlateau" else scheduler.step()
+        except (ValueError, TypeError, ZeroDivisionError):
+            return "run"
+    return "accepts"
+
+
+@pytest.mark.parametrize("name,arguments,message,torch_outcome", BAD,
+                         ids=[f"{n}-{'-'.join(a)}-{i}" for i, (n, a, _, _) in enumerate(BAD)])
+def test_every_argument_is_checked_when_the_scheduler_is_made(name, arguments, message, torch_outcome):
+    """A bad argument is a ValueError naming the scheduler, the argument and the rule, when
+    the scheduler is made (before any training); torch's refuses the same values when made,
+    or fails on them mid-run, or runs on with a meaningless value."""
+    _, ours = _pair("sgd")
+    with pytest.raises(ValueError, match=message):
+        getattr(schedules, name)(ours, **arguments)
+    assert _torch_outcome(name, arguments) == torch_outcome
+
+
+EDGES = [  # the limits of the rules, which torch's runs through: accepted, torch's values
+    ("ConstantLR", dict(factor=1.0, total_iters=3)),
+    ("LinearLR", dict(start_factor=1.0, end_factor=0.0, total_iters=4)),
+    ("MultiStepLR", dict(milestones=(0, 3, 3))),
+    ("MultiStepLR", dict(milestones=[])),
+    ("OneCycleLR", dict(max_lr=0.5, total_steps=3)),  # the warm-up ends before step 0: it starts annealing
+    ("OneCycleLR", dict(max_lr=0.5, total_steps=8, pct_start=0.0)),
+    ("OneCycleLR", dict(max_lr=0.5, total_steps=8, pct_start=0.5, three_phase=True)),
+]
+
+
+@pytest.mark.parametrize("name,arguments", EDGES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(EDGES)])
+def test_arguments_at_the_limits_are_accepted_with_torchs_values(name, arguments):
+    theirs, ours = _pair("adamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_scheduler = getattr(lr_scheduler, name)(theirs, **arguments)
+        scheduler = getattr(schedules, name)(ours, **arguments)
+        for step in range(1, arguments.get("total_steps", 9)):
+            theirs.step()
+            torch_scheduler.step()
+            scheduler.step()
+            _assert_same(ours, theirs, step, name)
+
+
+def test_reduce_on_plateau_patience_zero_matches_torch():
+    theirs, ours = _pair("sgd")
+    torch_scheduler = lr_scheduler.ReduceLROnPlateau(theirs, patience=0, cooldown=0)
+    scheduler = schedules.ReduceLROnPlateau(ours, patience=0, cooldown=0)
+    for step, value in enumerate([3.0, 2.0, 2.0, 2.5, 1.0, 1.0], 1):
+        torch_scheduler.step(value)
+        scheduler.step(value)
+        _assert_same(ours, theirs, step, "ReduceLROnPlateau")
+
+
+def test_sequential_milestones_checked():
+    _, ours = _pair("adamw")
+    first, second = schedules.ConstantLR(ours, factor=0.5, total_iters=2), schedules.ExponentialLR(ours, gamma=0.9)
+    with pytest.raises(ValueError, match=r"SequentialLR milestones\[0\] must be an integer >= 0, got 'a'"):
+        schedules.SequentialLR(ours, [first, second], milestones=["a"])
+    with pytest.raises(ValueError, match="SequentialLR milestones must be a list"):
+        schedules.SequentialLR(ours, [first, second], milestones=3)

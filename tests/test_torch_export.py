@@ -21,6 +21,7 @@ import normgrad.torch  # noqa: E402
 from _torch_models import run_training_graph  # noqa: E402
 from normgrad.graphs import build_training_graph  # noqa: E402
 from normgrad.graphs.torch_exports import (  # noqa: E402
+    METADATA_EMBEDDINGS,
     METADATA_TORCH_PARAMETERS,
     MisexportedModelError,
     TorchExportWarning,
@@ -340,6 +341,72 @@ def test_a_shared_parameter_is_one_trainable_initializer_with_torchs_summed_grad
     module(torch.tensor(ids)).backward(torch.tensor(dy))
     grad = results[f"{next(iter(recorded))}_grad"]
     np.testing.assert_allclose(grad, module.embed.weight.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+class _PaddedTiedHead(nn.Module):
+    """_TiedHead with torch's gradient-only embedding settings: the lookup gives row
+    padding_idx no gradient (the tied head's MatMul still does), and with scale_grad_by_freq
+    divides each row's lookup gradient by how often the batch reads the row."""
+
+    def __init__(self, rows, padding_idx, scale_grad_by_freq):
+        super().__init__()
+        self.embed = nn.Embedding(rows, 4, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+        self.head = nn.Linear(4, rows, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():  # nn.Embedding zeroes the padding row: no gradient through the head either
+            self.embed.weight.normal_()
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("rows, padding_idx, scale_grad_by_freq", [
+    (10, 0, False), (10, -1, True), (100, 3, True), (100, None, True),
+])  # 10 rows: the one-hot GEMM gradient; 100: EmbeddingGrad
+def test_embedding_padding_idx_and_scale_grad_by_freq_give_torchs_gradient(
+        exporter, rows, padding_idx, scale_grad_by_freq, tmp_path):
+    torch.manual_seed(0)
+    module = _PaddedTiedHead(rows, padding_idx, scale_grad_by_freq).train()
+    padding = module.embed.padding_idx  # torch's, counted from the start
+    ids = np.array([[1, 2, 2, 0], [7, 1, 3, rows - 1], [3, 3, 3, 7]], np.int64)
+    forward = normgrad.torch.export(module, torch.tensor(ids), tmp_path / "m.onnx", exporter=exporter,
+                                    input_names=["ids"], output_names=["y"])
+    initializer = next(iter(json.loads(next(p.value for p in forward.metadata_props if p.key == METADATA_TORCH_PARAMETERS))))
+    assert json.loads(next(p.value for p in forward.metadata_props if p.key == METADATA_EMBEDDINGS)) == {
+        initializer: {"padding_idx": padding, "scale_grad_by_freq": scale_grad_by_freq}}
+    dy = np.random.default_rng(0).standard_normal((3, 4, rows)).astype(np.float32)
+    training = build_training_graph(forward)
+    grad = run_training_graph(training.model, training.feeds({"ids": ids, "y_grad": dy}))[f"{initializer}_grad"]
+    module(torch.tensor(ids)).backward(torch.tensor(dy))
+    expected = module.embed.weight.grad.numpy()
+    if padding is not None:  # the head's gradient only: the padding row is still trained
+        assert padding in ids and np.abs(expected[padding]).max() > 0.1
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_embeddings_sharing_a_weight_with_different_padding_are_refused(tmp_path):
+    module = _TiedHead()
+    module.other = nn.Embedding(10, 4, padding_idx=2)
+    module.other.weight = module.embed.weight
+    module.forward = lambda ids: module.head(module.embed(ids) + module.other(ids))
+    with pytest.raises(normgrad.torch.TorchExportError, match=r"^nn.Embedding modules 'embed' \(padding_idx=None, "
+                       r"scale_grad_by_freq=False\) and 'other' \(padding_idx=2, scale_grad_by_freq=False\) share one weight"):
+        normgrad.torch.export(module, torch.tensor([[1, 2]]), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"embed.weight": {"padding_idx": 10, "scale_grad_by_freq": false}}', "gives 'embed.weight' padding_idx 10, not one of its 10 rows"),
+    ('{"embed.weight": {"padding_idx": 1}}', "must be a JSON object"),
+    ('{"ghost": {"padding_idx": 1, "scale_grad_by_freq": false}}', "names 'ghost', which is no 2-D initializer"),
+    ('[1]', "must be a JSON object"),
+])
+def test_malformed_embedding_metadata_is_refused(value, message, tmp_path, capsys):
+    forward = normgrad.torch.export(_TiedHead(), torch.tensor([[1, 2]]), tmp_path / "m.onnx", input_names=["ids"])
+    onnx.helper.set_model_props(forward, {**{p.key: p.value for p in forward.metadata_props}, METADATA_EMBEDDINGS: value})
+    with pytest.raises(MisexportedModelError, match=f"^metadata normgrad.embeddings .*{message}"):
+        build_training_graph(forward)
 
 
 @pytest.mark.parametrize("own", [None, "eager"])

@@ -69,6 +69,8 @@ from typing import Callable, Dict, List, Optional
 import ml_dtypes
 import numpy as np
 
+from normgrad.tools.cli import ArgumentParser, positive_int
+
 __all__ = ["main"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -596,19 +598,19 @@ def _resnet_group(shape, threads, repeat, full: bool, out) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="normgrad bench", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="normgrad bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", action="store_true",
                         help="instead: training steps of four CNNs against torch (and onnxruntime-training); see --train --help")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every implementation (2)")
-    parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")
-    parser.add_argument("--shape", type=int, nargs="+", default=None,
+    parser.add_argument("--threads", type=positive_int, default=2, help="intra-op threads for every implementation (2)")
+    parser.add_argument("--repeat", type=positive_int, default=None, help="timed rounds (default 7, --quick 3)")
+    parser.add_argument("--shape", type=positive_int, nargs="+", default=None,
                         help="[N, C, H, W...] of the input (default 32 256 56 56; --quick 4 64 14 14)")
-    parser.add_argument("--groups", type=int, default=32, help="GroupNorm groups (default 32)")
+    parser.add_argument("--groups", type=positive_int, default=32, help="GroupNorm groups (default 32)")
     parser.add_argument("--no-slow", action="store_true", help="skip python/functions/numpy/torch rows")
     parser.add_argument("--rows", type=str, nargs="+", default=None, metavar="TOKENSxHIDDEN",
                         help="LayerNorm/RMSNorm gradient shapes (default 8192x768 4096x4096; --quick 64x96)")
-    parser.add_argument("--resnet-shape", type=int, nargs=4, default=None, metavar=("N", "C", "H", "W"),
+    parser.add_argument("--resnet-shape", type=positive_int, nargs=4, default=None, metavar=("N", "C", "H", "W"),
                         help="ResNet basic block input (default 16 64 56 56; --quick 2 8 8 8)")
     parser.add_argument("--mpi", action="store_true",
                         help="only the data-parallel section: the ResNet block step on 1 and 2 MPI ranks (launches mpirun)")

@@ -68,6 +68,10 @@ class GradientCheck:
         rounded: such decisions the float64 forward takes differently from the float32
             run at x itself (an input that float32 rounding puts on the other side), held
             too; the same for every gradient of one check.
+        note: why the comparison is trivial, if it is: ``"empty"`` (a zero-size tensor: no
+            direction to move along, nothing to compare), or that the loss reads no element
+            (its output is empty: the loss is NaN and its gradient must be exactly zero,
+            compared with a finite difference of 0).
     """
 
     gradient: str
@@ -78,6 +82,7 @@ class GradientCheck:
     step: float = 0.0
     kinks: int = 0
     rounded: int = 0
+    note: str = ""
 
 
 def _metadata(model: onnx.ModelProto, key: str):
@@ -698,11 +703,15 @@ def check_gradients(
     graph_values = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
     decided = [n for n in _needed_decision_values(nodes, float_typed) if n not in graph_values]
     gradients = _metadata(model, METADATA_GRADIENTS)
+    loss_of = (_metadata(model, METADATA_LOSS) or {}).get("output")
     run_model = copy.deepcopy(model)
     outputs = {o.name for o in run_model.graph.output}
     run_model.graph.output.extend(oh.make_empty_tensor_value_info(n) for n in decided if n not in outputs)
+    fetched = list(dict.fromkeys(list(gradients) + decided + ([loss_of] if loss_of in outputs else [])))
     session = onnxruntime.InferenceSession(run_model.SerializeToString(), session_options, providers=["CPUExecutionProvider"])
-    run = dict(zip(list(gradients) + decided, session.run(list(gradients) + decided, feeds)))
+    run = dict(zip(fetched, session.run(fetched, feeds)))
+    # a loss of an empty output (a mean over no element) is NaN, and constant: every gradient is zero
+    no_element = f"the loss reads no element (output {loss_of} is empty)" if loss_of in run and run[loss_of].size == 0 else ""
     initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
     forward = _HeldForward(model, {**initializers, **feeds, **run}, nodes, float_typed)
     feeds64 = _float64_feeds(feeds, set(feeds))
@@ -715,23 +724,26 @@ def check_gradients(
         base = feeds64[wrt]
         rms = float(np.sqrt(np.mean(np.square(base)))) if base.size else 0.0
         h = step * (rms if np.isfinite(rms) and rms > 0 else 1.0)
+        note = "empty" if base.size == 0 else no_element
         analytic, numeric, flipped = [], [], 0
-        if base.size == 0:  # no direction to move along: the (empty) gradient is trivially right
-            analytic, numeric = [0.0] * directions, [0.0] * directions
-        for _ in range(directions if base.size else 0):
+        for _ in range(directions):
             v = rng.standard_normal(g.shape)
+            analytic.append(float(np.sum(g * v)))
+            if note:  # no direction to move along, or a constant loss: the finite difference is 0
+                numeric.append(0.0)
+                continue
             plus, decisions_plus = forward.perturbed(wrt, base + h * v)
             minus, decisions_minus = forward.perturbed(wrt, base - h * v)
             numeric.append((plus - minus) / (2 * h))
-            analytic.append(float(np.sum(g * v)))
             flipped = max(flipped, _flipped(decisions_plus, at_base), _flipped(decisions_minus, at_base))
         typical = float(np.linalg.norm(g))  # the size of <g, v> for a standard normal v
-        measured.append((grad_name, wrt, analytic, numeric, typical, h, flipped))
+        measured.append((grad_name, wrt, analytic, numeric, typical, h, flipped, note))
     floor = 1e-3 * max([m[4] for m in measured] + [1e-30])
     checks = []
-    for grad_name, wrt, analytic, numeric, typical, h, flipped in measured:
+    for grad_name, wrt, analytic, numeric, typical, h, flipped, note in measured:
         errors = [abs(a - n) / max(abs(n), typical, floor) for a, n in zip(analytic, numeric)]
-        checks.append(GradientCheck(grad_name, wrt, analytic, numeric, max(errors, default=0.0), h, flipped, rounded))
+        checks.append(GradientCheck(grad_name, wrt, analytic, numeric, max(errors, default=0.0), h, flipped, rounded,
+                                    note))
     return checks
 
 
@@ -830,10 +842,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for check in checks:
         ok = check.error <= args.tolerance
         failed += not ok
+        if check.note == "empty":
+            print(f"OK   {check.gradient:<40} empty: a zero-size tensor, nothing to compare")
+            continue
         print(
             f"{'OK  ' if ok else 'FAIL'} {check.gradient:<40} rel.err {check.error:.2e}  "
             f"<g,v> {check.analytic[0]: .6e}  finite diff {check.numeric[0]: .6e}  step {check.step:.1e}"
             + (f"  kinks held {check.kinks}" if check.kinks else "")
+            + (f"  ({check.note}: the gradient must be zero)" if check.note else "")
         )
     kinks = sum(1 for check in checks if check.kinks)
     rounded = checks[0].rounded if checks else 0

@@ -9,8 +9,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "positive_float", "one_line",
-           "update_page_command"]
+__all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "non_negative_int", "positive_float",
+           "one_line",
+           "update_page_command", "apply_config", "read_config"]
 
 COMMANDS = {
     "demo": ("normgrad.tools.demo", "run the five normalization-gradient operators on every backend against the float64 reference"),
@@ -30,8 +31,11 @@ class CommandError(Exception):
 
 
 def one_line(error: BaseException) -> str:
-    """An exception's message on one line."""
-    return " ".join(str(error).split()) or type(error).__name__
+    """An exception's message on one line (an OSError's as ``FILE: what``, not ``[Errno N] ...``)."""
+    text = str(error)
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.filename}: {error.strerror}" if error.filename is not None else error.strerror
+    return " ".join(text.split()) or type(error).__name__
 
 
 def _tensors(graph):
@@ -109,6 +113,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite float > 0."""
     try:
@@ -118,6 +133,114 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
     return value
+
+
+def read_config(path: str) -> dict:
+    """The mapping a ``--config`` file holds: ``.toml`` (tomllib, Python 3.11+, else the
+    tomli package), ``.yaml`` / ``.yml`` (PyYAML) or ``.json``.
+
+    Raises:
+        CommandError: the file cannot be read or parsed, its reader is not installed, or it
+            holds something other than a mapping.
+    """
+    suffix = os.path.splitext(path)[1].lower()
+    loaders = {".toml": _toml_loads, ".yaml": _yaml_loads, ".yml": _yaml_loads, ".json": _json_loads}
+    if suffix not in loaders:
+        raise CommandError(f"--config {path}: not a .toml, .yaml, .yml or .json file")
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as error:
+        raise CommandError(f"--config: cannot read {path}: {error.strerror or error}") from None
+    loads, errors = loaders[suffix](path)
+    try:
+        values = loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, *errors) as error:
+        raise CommandError(f"--config {path}: {one_line(error)}") from None
+    if not isinstance(values, dict):
+        raise CommandError(f"--config {path}: holds {type(values).__name__}, not a mapping of flag names to values")
+    return values
+
+
+def _toml_loads(path: str):
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise CommandError(f"--config {path}: reading TOML needs Python 3.11+ or the tomli package "
+                               "(pip install tomli)") from None
+    return tomllib.loads, (tomllib.TOMLDecodeError,)
+
+
+def _yaml_loads(path: str):
+    try:
+        import yaml
+    except ImportError:
+        raise CommandError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)") from None
+    return yaml.safe_load, (yaml.YAMLError,)
+
+
+def _json_loads(path: str):
+    import json
+
+    return json.loads, (ValueError,)
+
+
+def apply_config(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> None:
+    """``--config FILE`` in ``argv``: the file's values (:func:`read_config`) become the
+    parser's defaults, so that flags on the command line override them. A key is a flag's
+    name (``batch-size`` or ``batch_size``) or a positional argument's; each value is
+    checked as the flag's own (its type, choices, number of values; a bool for a switch).
+
+    Raises:
+        CommandError: an unreadable file, an unknown key (named), a bad value.
+    """
+    finder = argparse.ArgumentParser(add_help=False)
+    finder.add_argument("--config")
+    path = finder.parse_known_args(list(sys.argv[1:] if argv is None else argv))[0].config
+    if path is None:
+        return
+    by_name = {}
+    for action in parser._actions:
+        if action.dest in ("help", "config"):
+            continue
+        for name in [option.lstrip("-") for option in action.option_strings] or [action.dest]:
+            by_name[name.replace("_", "-")] = action
+    defaults = {}
+    for key, value in read_config(path).items():
+        action = by_name.get(str(key).replace("_", "-"))
+        if action is None:
+            raise CommandError(f"--config {path}: unknown key {key!r}; the keys are the flags' names: "
+                               f"{', '.join(by_name)}")
+        defaults[action.dest] = _config_value(action, value, f"--config {path}: {key}")
+    parser.set_defaults(**defaults)
+
+
+def _config_value(action: argparse.Action, value, where: str):
+    """A config file's ``value`` for ``action``, checked and converted as argparse would the flag's."""
+    if action.nargs == 0:  # a switch (store_true)
+        if not isinstance(value, bool):
+            raise CommandError(f"{where}: must be true or false; got {value!r}")
+        return value
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    values = value if many and isinstance(value, list) else [value]
+    if not many and isinstance(value, list) or isinstance(action.nargs, int) and len(values) != action.nargs:
+        count = "one value" if not many else f"{action.nargs} values"
+        raise CommandError(f"{where}: takes {count}; got {value!r}")
+    converted = []
+    for item in values:
+        if isinstance(item, (bool, dict, list)) or item is None:
+            raise CommandError(f"{where}: takes {'numbers or strings' if many else 'a number or a string'}; got {item!r}")
+        try:
+            item = action.type(str(item)) if action.type is not None else str(item)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as error:
+            raise CommandError(f"{where}: {one_line(error)}") from None
+        if action.choices is not None and item not in action.choices:
+            raise CommandError(f"{where}: {item!r} is not one of {', '.join(map(str, action.choices))}")
+        converted.append(item)
+    return converted if many else converted[0]
 
 
 def update_page_command(argv: Optional[Sequence[str]], prog: str, description: str, page_help: str, what: str,
@@ -136,8 +259,11 @@ def update_page_command(argv: Optional[Sequence[str]], prog: str, description: s
         with open(args.page, encoding="utf-8") as file:
             text = file.read()
         updated = update(text)
-    except (OSError, ValueError) as error:
-        print(f"{prog}: {args.page}: {error}", file=sys.stderr)
+    except OSError as error:
+        print(f"{prog}: {args.page}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    except ValueError as error:
+        print(f"{prog}: {args.page}: {one_line(error)}", file=sys.stderr)
         return 1
     if args.check:
         print(f"{args.page}: {what} {'current' if updated == text else 'stale'}")
@@ -165,9 +291,31 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+SIGPIPE_EXIT = 128 + 13
+"""The exit status of a command whose reader went away (``normgrad train | head -1``): a
+shell's for a process SIGPIPE ended, as other command-line tools end."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Dispatches to the command's module; returns the process exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """Dispatches to the command's module; returns the process exit code. Output to a pipe
+    whose reader has gone ends the command quietly (Python's SIGPIPE note): stdout is pointed
+    at os.devnull, so that nothing more is written to it, not even at exit."""
+    try:
+        code = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a descriptor (a test's)
+            pass
+        os.close(devnull)
+        return SIGPIPE_EXIT
+
+
+def _dispatch(args: list) -> int:
+    """Runs ``normgrad ARGS...``: the usage, the version, or the command's module."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

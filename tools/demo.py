@@ -8,7 +8,6 @@ outputs would have added (normgrad's hook hands arrays over instead).
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Optional, Sequence
 
@@ -22,6 +21,7 @@ from normgrad.ops import group_normalization_grad as gng
 from normgrad.ops import layer_normalization_grad as lng
 from normgrad.ops import rms_normalization_grad as rmsg
 from normgrad.ops import harness, python_kernels
+from normgrad.tools.cli import ArgumentParser, positive_int
 
 __all__ = ["main"]
 
@@ -178,11 +178,13 @@ def timing_rows(backends, shape, groups, repeats) -> list:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="normgrad demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", type=int, nargs="+", default=[32, 256, 56, 56], help="timing tensor shape")
-    parser.add_argument("--groups", type=int, default=32, help="GroupNorm groups for the timing case")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = ArgumentParser(prog="normgrad demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=positive_int, nargs="+", default=[32, 256, 56, 56], help="timing tensor shape")
+    parser.add_argument("--groups", type=positive_int, default=32, help="GroupNorm groups for the timing case")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args(argv)
+    if len(args.shape) < 2 or args.shape[1] % args.groups:
+        parser.error(f"--shape needs N and C, C divisible by --groups; got {args.shape}, {args.groups}")
 
     backends = available_backends()
     print(f"normgrad {normgrad.__version__}: backends {', '.join(backends)} (reference: NumPy float64)\n")

@@ -44,6 +44,10 @@ MODEL_TITLES = {
     "mixtral": "transformers MixtralForCausalLM (tiny config, 4 experts, top-2 router)",
     "qwen2_moe": "transformers Qwen2MoeForCausalLM (tiny config, 4 experts + shared expert)",
     "fnet": "transformers FNetModel (tiny config, torch.fft.fftn token mixing)",
+    "longformer": "transformers LongformerModel (tiny config, sliding-window attention by slice assignment)",
+    "swinv2": "transformers Swinv2Model (tiny config, shifted-window mask by slice assignment)",
+    "rwkv": "transformers RwkvModel (tiny config, time mixing writing out[:, t])",
+    "funnel": "transformers FunnelBaseModel (tiny config, pooling between blocks)",
 }
 
 

@@ -31,8 +31,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from normgrad.tools._train_step import (_STEP_ONLY, DEFAULT_BATCH_SIZE, HelpFormatter, _add_step_arguments,
-                                        _train_step_graph, check_arrays, load_arrays, parse_scheduler)
-from normgrad.tools.cli import ArgumentParser, positive_float, positive_int
+                                        _train_step_graph, check_arrays, load_arrays, parse_scheduler, session_options)
+from normgrad.tools.cli import (ArgumentParser, CommandError, apply_config, non_negative_int, positive_float,
+                                positive_int)
 
 __all__ = ["main", "load_digits", "accuracy", "load_arrays", "check_arrays", "parse_scheduler"]
 
@@ -98,14 +99,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="samples per optimizer step; a STEP exported with a fixed batch takes that batch, the "
                         f"remainder of each epoch left out (default: {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--lr", type=positive_float, default=argparse.SUPPRESS,
-                        help="learning rate; the demo's peak AdamW lr (cosine schedule), for STEP the step graph's "
-                        "own unless given (default: 0.003)")
-    parser.add_argument("--seed", type=int, default=0, help="the shuffling (and the demo's weights and data split)")
+                        help="learning rate (default: the step graph's; for the digits demo 0.003, the peak of its "
+                        "cosine schedule)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the shuffling (and the demo's weights and data split)")
     parser.add_argument("--out", default="normgrad-train", help="folder for the logs, plot and models")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="onnxruntime's intra-op threads (default: onnxruntime's, one per core)")
+    parser.add_argument("--config", metavar="FILE", help="the options from a .toml, .yaml or .json file: each flag by "
+                        "its name (batch-size = 64, betas = [0.9, 0.99], resume = true; step = the STEP graph); "
+                        "flags on the command line override it")
     _add_step_arguments(parser)
+    try:
+        apply_config(parser, argv)
+    except CommandError as error:
+        print(f"normgrad train: {error}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
+    for flag, folder in (("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)):
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):  # refused before training
+            print(f"normgrad train: {flag} {folder} is a file, not a folder", file=sys.stderr)
+            return 1
     if args.step is not None:
         return _train_step_graph(parser, args)
+    return _train_digits(parser, args)
+
+
+def _train_digits(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The digits demo: a small CNN on scikit-learn's digits, its step graph, a cosine schedule."""
     given = [flag for flag, default in _STEP_ONLY.items() if getattr(args, flag.lstrip("-").replace("-", "_")) != default]
     if given:
         parser.error(f"{given[0]} needs a STEP graph (the digits demo takes --epochs, --batch-size, --lr, --seed, --out)")
@@ -128,7 +148,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if steps_per_epoch < 1:
         parser.error(f"--batch-size {args.batch_size} exceeds the {len(labels)} training images")
     total = steps_per_epoch * args.epochs
-    trainer = train.Trainer(step_model, initial, lr=train.cosine(args.lr, total, warmup_steps=min(steps_per_epoch, total - 1)))
+    warmup = min(steps_per_epoch, total - 1)
+    trainer = train.Trainer(step_model, initial, lr=train.cosine(args.lr, total, warmup_steps=warmup),
+                            session_options=session_options(args.threads))
+    print(f"training the digits CNN with AdamW: lr {args.lr:g} (the peak of a cosine schedule after {warmup} warm-up "
+          f"steps), weight_decay {trainer.hyperparameters['weight_decay']:g}; batch size {args.batch_size}, "
+          f"{args.epochs} epochs", flush=True)
     try:
         from tqdm import tqdm
 

@@ -145,6 +145,8 @@ from normgrad.graphs.rules import (  # noqa: E402,F401
     reduce,
     resize,
     rotary,
+    scatter_elements,
+    scatter_nd,
     select,
     shape,
     slice,

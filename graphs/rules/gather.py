@@ -8,6 +8,9 @@ about 5 times faster than onnxruntime's ScatterElements; its function body is th
 ScatterElements form, which ``--inline`` and the portable form write instead).
 The indices get no gradient. A Gather from a small float table (at most ``ONE_HOT_ROWS``
 rows, axis 0) has its gradient as one GEMM of the indices' one-hot rows with dy instead.
+A Gather of a weight whose torch nn.Embedding sets ``padding_idx`` or ``scale_grad_by_freq``
+(metadata ``normgrad.embeddings`` of :func:`normgrad.torch.export`) first weighs dy's rows
+as torch's embedding backward does.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules import UnsupportedOperatorError, register
+from normgrad.graphs.torch_exports import EmbeddingGradient
 from normgrad.ops import DOMAIN, embedding_grad
 
 __all__ = ["ONE_HOT_ROWS", "gather_gradient", "gather_nd_gradient", "gather_elements_gradient"]
@@ -67,11 +71,43 @@ def gather_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
     rank = ctx.rank(data, node)
     axis = attr(node, "axis", 0) % rank
     flat = ctx.op("Reshape", _non_negative(ctx, node.input[1], data, axis), ctx.ints([-1]))
+    embedding = _embedding_of(ctx, data) if rank == 2 and axis == 0 else None
+    if embedding is not None:
+        dy = _embedding_lookup_dy(ctx, embedding, data, flat, dy)
     rows = (ctx.static_shape(data) or [None])[0]
     if rank == 2 and axis == 0 and rows is not None and rows <= ONE_HOT_ROWS \
             and ctx.elem_type(data) == onnx.TensorProto.FLOAT:
         return [_one_hot_product(ctx, data, rows, flat, dy)]
     return [_scatter_add_rows(ctx, data, rank, axis, flat, dy, ctx.elem_type(data))]
+
+
+def _embedding_of(ctx: GradientContext, data: str) -> Optional[EmbeddingGradient]:
+    """The nn.Embedding semantics of the weight ``data`` reads, through Identity and Cast
+    (a tied or bfloat16 weight), or None."""
+    while data not in ctx.embeddings:
+        producer = ctx.producer(data)
+        if producer is None or producer.op_type not in ("Identity", "Cast"):
+            return None
+        data = producer.input[0]
+    return ctx.embeddings[data]
+
+
+def _embedding_lookup_dy(ctx: GradientContext, embedding: EmbeddingGradient, data: str, flat: str, dy: str) -> str:
+    """dy of an nn.Embedding lookup as rows [N, dim] (N: the ``flat`` indices), as torch's
+    embedding backward weighs them: the rows reading ``padding_idx`` zero, and with
+    ``scale_grad_by_freq`` each row divided by how many of the indices name its row."""
+    dy = ctx.op("Reshape", dy, ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(data, start=1), axis=0))
+    if embedding.scale_grad_by_freq:
+        ones = ctx.op("Expand", ctx.scalar(1.0, data), ctx.shape_of(flat))
+        # integer counts below 2**24: exact in float32 whatever the order of the sum
+        counts = ctx.op("ScatterElements", _zeros(ctx, data, ctx.shape_of(data, end=1)), flat, ones, axis=0,
+                        reduction="add")
+        dy = ctx.op("Div", dy, ctx.op("Unsqueeze", ctx.op("Gather", counts, flat), ctx.ints([1])))
+    if embedding.padding_idx is not None:
+        padding = ctx.op("Constant", value=onh.from_array(np.asarray(embedding.padding_idx, np.int64)))
+        reads_padding = ctx.op("Unsqueeze", ctx.op("Equal", flat, padding), ctx.ints([1]))
+        dy = ctx.op("Where", reads_padding, ctx.scalar(0.0, data), dy)
+    return dy
 
 
 ONE_HOT_ROWS = 64

@@ -11,6 +11,8 @@ The public API:
 * :func:`library_path`: the compiled custom-op library.
 * :func:`prepare_for_python_kernels`: rewrite normgrad nodes so the Python kernels take them.
 * :func:`check_attributes`: every normgrad node's attributes against its operator.
+* :class:`TrainerError`, :class:`CheckpointError`, :class:`LoraError`: a user's mistake in
+  training (:mod:`normgrad.errors`).
 
 Training: :mod:`normgrad.graphs` (training and step graphs), :mod:`normgrad.train`
 (``Trainer``: step graphs run with their state in onnxruntime), :mod:`normgrad.checkpoint`.
@@ -18,6 +20,7 @@ Training: :mod:`normgrad.graphs` (training and step graphs), :mod:`normgrad.trai
 
 from __future__ import annotations
 
+from normgrad.errors import CheckpointError, LoraError, TrainerError
 from normgrad.ops import DOMAIN, OPSET_VERSION, NormgradInputError
 from normgrad._api import (
     NormgradSessionError,
@@ -30,10 +33,13 @@ from normgrad._api import (
 )
 
 __all__ = [
+    "CheckpointError",
     "DOMAIN",
     "OPSET_VERSION",
     "NormgradInputError",
     "NormgradSessionError",
+    "LoraError",
+    "TrainerError",
     "add_functions",
     "check_attributes",
     "inference_session",

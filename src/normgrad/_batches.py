@@ -1,8 +1,8 @@
 """The :class:`normgrad.train.Trainer`'s batches: what a step or an evaluation is given,
 checked against the step graph before anything runs.
 
-:class:`BatchFeeds`, a base of the Trainer, turns a batch (positional, by name, or one
-dict: :func:`_unpack_dict`) into the feeds of the step graph's data inputs, refusing
+:class:`BatchFeeds`, a part of the Trainer, turns a batch (positional, by name, or one
+dict: :func:`unpack_dict`) into the feeds of the step graph's data inputs, refusing
 unknown or missing inputs, dtypes of another kind, shapes the graph does not take (per
 micro-batch with accumulation), empty batches, disagreeing named dimensions and
 cross_entropy labels outside 0..C-1, and checks the forward outputs a step is asked for."""
@@ -14,12 +14,13 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from normgrad._session import TrainerError, _np_dtype
+from normgrad._step_graph import StepGraph, np_dtype
+from normgrad.errors import TrainerError
 
-__all__ = ["BatchFeeds"]
+__all__ = ["BatchFeeds", "unpack_dict"]
 
 
-def _unpack_dict(batch: Sequence, named: Mapping[str, object]) -> Tuple[Sequence, Dict[str, object]]:
+def unpack_dict(batch: Sequence, named: Mapping[str, object]) -> Tuple[Sequence, Dict[str, object]]:
     """A batch given as one dict ``{input name: array}`` -> the same inputs by name."""
     if len(batch) == 1 and isinstance(batch[0], Mapping):
         twice = sorted(set(batch[0]) & set(named))
@@ -30,9 +31,28 @@ def _unpack_dict(batch: Sequence, named: Mapping[str, object]) -> Tuple[Sequence
 
 
 class BatchFeeds:
-    def _batch(self, batch: Sequence, named: Mapping[str, object], whole: bool = False) -> Dict[str, np.ndarray]:
-        """The checked feeds of a batch; ``whole``: run at once (:meth:`evaluate`), not split
-        into ``accumulation`` micro-batches."""
+    """The checks of a step graph's batches.
+
+    Args:
+        graph: the step graph.
+        accumulation: micro-batches per optimizer step (each must have a shape the graph takes).
+        forward_outputs: the forward outputs a step can return.
+    """
+
+    def __init__(self, graph: StepGraph, accumulation: int, forward_outputs: Sequence[str]):
+        self.step_model, self.data_inputs, self.accumulation = graph.model, graph.data_inputs, accumulation
+        self.forward_outputs = forward_outputs
+        self._loss_metadata = graph.loss
+        self._classes = self._class_count()
+
+    def feeds(self, batch: Sequence, named: Mapping[str, object], whole: bool = False) -> Dict[str, np.ndarray]:
+        """The checked feeds of a batch (arrays in ``data_inputs`` order, and by name);
+        ``whole``: run at once (an evaluation), not split into ``accumulation`` micro-batches.
+
+        Raises:
+            TrainerError: a batch the step graph cannot take (names, dtypes, shapes, an empty
+                batch, cross_entropy labels outside 0..C-1 or the ignore_index).
+        """
         accumulation = 1 if whole else self.accumulation
         if len(batch) > len(self.data_inputs):
             raise TrainerError(f"step() takes {len(self.data_inputs)} arrays ({', '.join(self.data_inputs)}); "
@@ -49,7 +69,7 @@ class BatchFeeds:
         inputs = {i.name: i for i in self.step_model.graph.input}
         feeds = {}
         for name in self.data_inputs:
-            value, dtype = np.asarray(named[name]), _np_dtype(inputs[name])
+            value, dtype = np.asarray(named[name]), np_dtype(inputs[name])
             if value.dtype != dtype and value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
                 raise TrainerError(f"batch input {name!r} must be {dtype} (or the same kind); got {value.dtype}")
             feeds[name] = np.ascontiguousarray(value, dtype)
@@ -118,7 +138,12 @@ class BatchFeeds:
                 return dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
         return None
 
-    def _requested(self, outputs: Optional[Sequence[str]]) -> Dict[str, object]:
+    def requested(self, outputs: Optional[Sequence[str]]) -> Dict[str, object]:
+        """``{name: None}`` of the forward outputs a step is asked for (``outputs``: a name or names).
+
+        Raises:
+            TrainerError: a name that is not one of :attr:`forward_outputs`.
+        """
         names = [outputs] if isinstance(outputs, str) else list(outputs or [])
         for name in names:
             if name not in self.forward_outputs:

@@ -9,6 +9,7 @@ import :mod:`normgrad.train`; the communicator and collectives it uses are
 from __future__ import annotations
 
 import json
+import re
 from typing import Mapping
 
 import numpy as np
@@ -16,7 +17,7 @@ import onnx
 
 from normgrad import checkpoint as checkpoints
 from normgrad._session import _check_step_metadata, _load_step_graph
-from normgrad.mpi import _sequential, broadcast, comm, gather, init, initialized, rank, size
+from normgrad.mpi import CollectiveMismatchError, _sequential, broadcast, comm, gather, init, initialized, rank, size
 from normgrad.train import Trainer, TrainerError
 
 __all__ = ["DataParallelTrainer"]
@@ -91,10 +92,11 @@ class DataParallelTrainer(Trainer):
         super().load(_from_rank_0(path))
 
     def save(self, path) -> None:
-        _then_barrier(super().save, path)
+        _then_barrier(super().save, path, f"the end of a save after step {self.step_count}")
 
     def export_inference_model(self, path) -> None:
-        _then_barrier(super().export_inference_model, path)
+        _then_barrier(super().export_inference_model, path,
+                      f"the end of an inference model's export after step {self.step_count}")
 
     def step(self, *batch, **named) -> float:
         """:meth:`normgrad.train.Trainer.step` on this rank's batch.
@@ -105,8 +107,7 @@ class DataParallelTrainer(Trainer):
             CollectiveTimeoutError: a rank did not come to this step within :func:`timeout`.
         """
         values = list(batch) + [named[name] for name in sorted(named)]
-        sizes = gather([int(np.shape(v)[0]) if np.ndim(v) else None for v in values],
-                       f"step {self.step_count + 1}")
+        sizes = _gather([int(np.shape(v)[0]) if np.ndim(v) else None for v in values], f"step {self.step_count + 1}")
         if any(s != sizes[0] for s in sizes):
             shown = ", ".join(f"rank {r}: {s[0] if len(set(s)) == 1 else s}" for r, s in enumerate(sizes))
             raise TrainerError(f"the ranks pass batches of different sizes at step {self.step_count + 1} "
@@ -123,7 +124,7 @@ class DataParallelTrainer(Trainer):
         :func:`normgrad.metrics.evaluate` combines the ranks' validation shards into one
         record, so that every rank takes the same decisions (best checkpoint, early stop,
         ReduceLROnPlateau) from it."""
-        return gather(value, what)
+        return _gather(value, f"{what} after step {self.step_count}")
 
     def check_in_sync(self) -> None:
         """Raises TrainerError on every rank unless all ranks hold bitwise the same state
@@ -136,7 +137,7 @@ class DataParallelTrainer(Trainer):
                 continue
             digest.update(name.encode())
             digest.update(np.ascontiguousarray(value).tobytes())
-        digests = gather(digest.hexdigest(), "the state check after step 1")
+        digests = _gather(digest.hexdigest(), f"the state check after step {self.step_count}")
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         if differ:
             raise TrainerError(f"ranks {differ} hold other weights than rank 0 after a step: the gradients were "
@@ -170,7 +171,7 @@ def _check_same_everywhere(model: onnx.ModelProto, options) -> None:
     mine = {"step graph": hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()}
     for name in _COMPARED_OPTIONS:
         mine[name] = repr(_sampled(options.get(name)))
-    everyone = gather(mine, "DataParallelTrainer construction")
+    everyone = _gather(mine, "DataParallelTrainer construction")
     for key in mine:
         differ = [r for r, theirs in enumerate(everyone) if theirs[key] != everyone[0][key]]
         if differ:
@@ -189,20 +190,45 @@ def _from_rank_0(source):
             loaded = checkpoints.load(source)
         except checkpoints.CheckpointError as problem:
             error = str(problem)
-    error = comm().bcast(error, root=0)
+    error, metadata = _gather((error, loaded.metadata if loaded is not None else None),
+                              "the checkpoint read on rank 0")[0]
     if error is not None:
         raise TrainerError(f"{error} (read on rank 0)")
-    metadata = comm().bcast(loaded.metadata if loaded is not None else None, root=0)
     tensors = broadcast(loaded.tensors if loaded is not None else None)
     return checkpoints.Checkpoint(tensors=tensors, metadata=metadata)
 
-def _then_barrier(write, path) -> None:
+def _then_barrier(write, path, what: str) -> None:
+    """``write(path)`` on rank 0 (the Trainer's writers skip the others), then every rank
+    told of the outcome at the collective ``what`` (no path: it may differ by rank)."""
     error = None
     try:
         write(path)
     except Exception as problem:  # noqa: BLE001 - reported on every rank below
         error = f"{type(problem).__name__}: {problem}"
-    errors = gather(error, f"the end of writing {path}")
+    errors = _gather(error, what)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise TrainerError(f"writing {path} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+
+def _gather(value, what: str) -> list:
+    """:func:`normgrad.mpi.gather`, with ranks that came to different collectives reported
+    as the TrainerError a user can act on (on every rank: each sees every rank's label)."""
+    try:
+        return gather(value, what)
+    except CollectiveMismatchError as error:
+        raise TrainerError(_out_of_step(error.labels)) from None
+
+
+def _out_of_step(labels) -> str:
+    """Why the ranks came to different collectives, from what each came to."""
+    shown = ", ".join(f"rank {r} to {label}" for r, label in enumerate(labels))
+    steps = [int(label.split()[1]) - 1 for label in labels if re.fullmatch(r"step \d+", label)]
+    if not steps or len(steps) == len(labels):
+        return (f"the ranks are out of step: {shown}: every rank must make the same calls of the trainer "
+                "(steps, evaluations, saves) in the same order")
+    ended = [r for r, label in enumerate(labels) if not re.fullmatch(r"step \d+", label)]
+    return (f"the ranks' training batches ran out at different steps: {shown}: rank{'s' if len(ended) > 1 else ''} "
+            f"{', '.join(map(str, ended))} had no batch for step {max(steps) + 1} while the others did; every rank "
+            "needs as many batches per epoch (normgrad.mpi.shard splits each global batch evenly over the ranks)")
+

@@ -48,6 +48,13 @@ def write_bytes_atomic(path: PathLike, data: bytes) -> None:
     write_chunks_atomic(path, [data])
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and back: no call only reads it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def _temporary_pattern(name: str) -> "re.Pattern[str]":
     return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[A-Za-z0-9_]+\.tmp")
 
@@ -111,6 +118,7 @@ class StagedFile:
                                                   suffix=".tmp", dir=folder)
         digest = hashlib.sha256()
         try:
+            os.fchmod(handle, 0o666 & ~current_umask())  # mkstemp's 0600 -> open()'s mode, whatever path commits it
             with os.fdopen(handle, "wb") as file:
                 for chunk in chunks:
                     file.write(chunk)
@@ -123,12 +131,8 @@ class StagedFile:
         self.digest = digest.hexdigest()
 
     def commit(self) -> None:
-        if os.path.exists(self.path):
+        if os.path.exists(self.path):  # a replaced file keeps its mode, as open(path, "w") keeps it
             os.chmod(self.temporary, os.stat(self.path).st_mode & 0o7777)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self.temporary, 0o666 & ~umask)
         os.replace(self.temporary, self.path)
 
     def discard(self) -> None:
@@ -469,12 +473,13 @@ def replace_folder_files(folder: PathLike, contents: Mapping[str, bytes]) -> boo
     if existing is not None and any(not e.is_file(follow_symlinks=False) for e in existing):
         return False
     staged = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
-    try:
+    try:  # mkdtemp's 0700 -> the replaced folder's mode, or os.makedirs's for a new one
+        os.chmod(staged, os.stat(folder).st_mode & 0o7777 if existing is not None else 0o777 & ~current_umask())
         for entry in existing or []:
             if entry.name not in contents:
                 os.link(entry.path, os.path.join(staged, entry.name))
         for file_name, data in contents.items():
-            with open(os.path.join(staged, file_name), "wb") as file:
+            with open(os.path.join(staged, file_name), "wb") as file:  # open(): the umask's mode
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())

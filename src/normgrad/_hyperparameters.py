@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional
 import numpy as np
 import onnx
 
-from normgrad._session import TrainerError
+from normgrad.errors import TrainerError
 
 from normgrad.graphs.optimizers import HYPERPARAMETER_INPUTS as NAMES
 

@@ -1,30 +1,231 @@
-"""The Trainer's onnxruntime plumbing: loading a step graph, its sessions and the graph
-onnxruntime actually runs, external data, session config entries, and the gate that makes
-a step's state updates all-or-nothing."""
+"""The Trainer's sessions and its runs: :class:`TrainerSession` holds the onnxruntime
+sessions of a step graph (one, or its gradient graph and its optimizer graph) and runs a
+step, binding the state a :class:`normgrad._state.TrainerState` holds; the graph
+onnxruntime actually runs (what may be updated in place), the session options (external
+data, config entries, normgrad's kernels), and the gate that makes a step's state updates
+all-or-nothing (:func:`_gate_state_updates`)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
 
-from normgrad._files import (PathAliasError, PathLike, StagedFile, complete_interrupted_commits, eval_graph_path,
-                             refuse_aliases, refuse_irregular_file)
-from normgrad._external_data import ExternalDataError, external_data_extent, external_data_files, uses_external_data
+from normgrad._external_data import uses_external_data
+from normgrad._files import StagedFile
+from normgrad._step_graph import APPLIED, SPLIT_LOSS, StepGraph
+from normgrad.errors import TrainerError
 from normgrad.graphs import structure
 
+# the names _data_parallel and tools/_train_step import from here (and loop/logs TrainerError)
+from normgrad._step_graph import check_metadata as _check_step_metadata  # noqa: F401
+from normgrad._step_graph import load_graph as _load_step_graph  # noqa: F401
+from normgrad._step_graph import np_dtype as _np_dtype  # noqa: F401
 
-class TrainerError(ValueError):
-    """A step graph, checkpoint, batch or option the trainer cannot use."""
+__all__ = ["TrainerSession", "GraphSession", "prepare_session_options", "training_session_options",
+           "keep_bfloat16_initializers", "DISABLE_PREPACKING"]
 
 
-APPLIED = "normgrad.applied"
-"""Boolean output the trainer adds to the graphs it runs: whether the step's updates were
-written (the loss and every gradient finite) or every state tensor kept its value."""
+class TrainerSession:
+    """The onnxruntime sessions a Trainer runs, and its runs.
+
+    One session runs the step graph; when ``split`` (gradient accumulation, or a
+    data-parallel subclass reducing gradients), one runs its gradient graph per micro-batch
+    and one its optimizer graph. Outputs only the step graph's forward tail computes (a bias
+    Add the loss absorbed) would cost onnxruntime a pass each step: a third session has
+    them, made at the first step asking for one (its frozen initializers would otherwise be
+    held twice from the start). Each graph is gated (:func:`_gate_state_updates`): a step
+    whose loss or a gradient is not finite writes no update, and every update may be in
+    place.
+
+    Attributes:
+        accumulation: micro-batches per optimizer step.
+        split: whether a step runs the gradient graph, then the optimizer graph.
+        forward_outputs: the forward outputs a step can return.
+        in_place: the state tensors every session updates in place (one buffer each).
+        accumulators: ``{gradient accumulator: shape}`` of the gradient graph (split only).
+        hyperparameter_inputs: the inputs of the session the hyperparameters feed.
+        options, providers: what every session is made with.
+
+    Raises:
+        TrainerError: a corrupt ``normgrad.optimizer`` metadata (split).
+    """
+
+    def __init__(self, ort, graph: StepGraph, accumulation: int, split: bool, options, providers: List):
+        from normgrad.graphs import step_graph
+
+        self._ort, self._graph, self.accumulation, self.split = ort, graph, accumulation, split
+        self.options, self.providers = options, providers
+        try:
+            self.forward_outputs: List[str] = step_graph.forward_outputs(graph.model)
+        except ValueError:
+            self.forward_outputs = []
+        computed = {o for node in graph.model.graph.node for o in node.output}
+        self._tail_outputs = {o for o in self.forward_outputs if o not in computed}
+        everyday = [o for o in self.forward_outputs if o in computed]
+        self.step_part: Optional[GraphSession] = None
+        self.gradient: Optional[GraphSession] = None
+        self.accumulators: Dict[str, tuple] = {}
+        parts = self._split_sessions(everyday) if split else self._fused_session(everyday)
+        # one buffer for a tensor only if every part that updates it can do so in place
+        self.in_place = {name for name in graph.state
+                         if all(name in part.in_place for part in parts if name in part.state)}
+        self.tail_part: Optional[GraphSession] = None
+        if self._tail_model is not None:  # what the tail reads (the bias) is not updated in place
+            tail_inputs = {i.name for i in self._tail_model.graph.input}
+            tail_state = {name: out for name, out in self._tail_state.items() if name in tail_inputs}
+            self.in_place -= set(tail_state) - structure.in_place_updates(self._tail_model.graph, tail_state)
+        self.hyperparameter_inputs = self.step_part.inputs if not split else self._optimizer.inputs
+        self._loss = ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
+        self._applied = ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
+
+    def _gated(self, model: onnx.ModelProto, loss: str) -> onnx.ModelProto:
+        return _gate_state_updates(model, self._graph.state, [f"{p}_grad" for p in self._graph.parameters], loss)
+
+    def _fused_session(self, everyday: List[str]) -> List["GraphSession"]:
+        from normgrad.graphs import step_graph
+
+        model = self._graph.model
+        self.step_part = self.new_session(self._gated(step_graph.expose_forward_outputs(model, everyday), "loss"),
+                                       self._graph.state)
+        self._tail_model = (self._gated(step_graph.expose_forward_outputs(model, self.forward_outputs), "loss")
+                            if self._tail_outputs else None)
+        self._tail_state = self._graph.state
+        return [self.step_part]
+
+    def _split_sessions(self, everyday: List[str]) -> List["GraphSession"]:
+        from normgrad.graphs import optimizers, step_graph
+
+        graph = self._graph
+        try:
+            gradient_graph = step_graph.build_gradient_graph(graph.model)
+            gradient = step_graph.expose_forward_outputs(gradient_graph, everyday)
+            kind, hyper = optimizers.optimizer_options(graph.model)
+        except (ValueError, KeyError, TypeError) as error:
+            raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
+        shapes = {p: list(graph.expected[p][1]) for p in graph.parameters}
+        optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
+        grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
+        self.gradient = self.new_session(gradient, grad_state)
+        self._tail_model = step_graph.expose_forward_outputs(gradient_graph, self.forward_outputs) \
+            if self._tail_outputs else None
+        self._tail_state = grad_state
+        self._optimizer = self.new_session(self._gated(optimizer, SPLIT_LOSS), graph.state)
+        self.accumulators = {p + step_graph.ACCUMULATOR_SUFFIX: graph.expected[p][1] for p in graph.parameters}
+        return [self.gradient, self._optimizer]
+
+    def new_session(self, model: onnx.ModelProto, state: Mapping[str, str]) -> "GraphSession":
+        """A session of ``model`` with the trainer's options; ``state``: as :class:`GraphSession`'s."""
+        return GraphSession(self._ort, model, self.options, self.providers, state)
+
+    def _with_tail(self) -> "GraphSession":
+        """The step's (or, split, the gradients') session that also computes the forward tail's
+        outputs, built at the first step asking for one."""
+        if self.tail_part is None:
+            part = self.new_session(self._tail_model, self._tail_state)
+            unsafe = (self.in_place & set(part.state)) - part.in_place
+            if unsafe:  # the graph onnxruntime runs reads them after their update: not seen before it ran
+                raise TrainerError(f"internal error: the session computing {sorted(self._tail_outputs)} would read "
+                                   f"{sorted(unsafe)} after their in-place update; please report it")
+            self.tail_part = part
+        return self.tail_part
+
+    @property
+    def applied(self) -> bool:
+        """Whether the last step wrote its updates (its loss and every gradient finite)."""
+        return bool(self._applied.numpy())
+
+    def run(self, part: "GraphSession", state, feeds: Mapping[str, object], replace: Mapping[str, object] = {},
+            fetched: Optional[Dict[str, object]] = None) -> float:
+        """Runs ``part`` with ``feeds`` and the state tensors it reads bound from ``state``'s
+        current buffers (or ``replace``); the next values of the state it updates go into the
+        other buffers, which then become current. Returns the loss; sets each key of
+        ``fetched`` to that output's value (a NumPy array)."""
+        binding = part.binding
+        binding.clear_binding_outputs()  # outputs fetched by an earlier run are not fetched again
+        for name, value in feeds.items():
+            if isinstance(value, np.ndarray):
+                binding.bind_cpu_input(name, value)
+            else:
+                binding.bind_ortvalue_input(name, value)
+        for name in part.inputs:
+            if name in state and name not in feeds:
+                binding.bind_ortvalue_input(name, replace.get(name, state.value(name)))
+        for name, next_value in part.state.items():
+            binding.bind_ortvalue_output(next_value, state.next_buffer(name))
+        if "loss" in part.outputs:
+            binding.bind_ortvalue_output("loss", self._loss)
+        if APPLIED in part.outputs:
+            binding.bind_ortvalue_output(APPLIED, self._applied)
+        for name in fetched or {}:  # bound last: get_outputs() lists the outputs in binding order
+            binding.bind_output(name, "cpu")
+        part.session.run_with_iobinding(binding)
+        if fetched:
+            values = binding.get_outputs()[-len(fetched):]
+            fetched.update((name, np.array(value.numpy(), copy=True)) for name, value in zip(list(fetched), values))
+        state.swap(part.state)
+        return float(self._loss.numpy()) if "loss" in part.outputs else float("nan")
+
+    def step(self, state, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray], fetched: Dict[str, object],
+             reduce_gradients: Callable) -> float:
+        """One optimizer step's runs on checked ``feeds`` with the hyperparameters and step
+        ``scalars``; returns the loss (whether it was applied: :attr:`applied`).
+        ``reduce_gradients`` (split): the gradients -> those the optimizer applies."""
+        if not self.split:
+            part = self._with_tail() if self._tail_outputs & set(fetched) else self.step_part
+            return self.run(part, state, {**feeds, **scalars, **self._dropout_feeds(part, state.seed)}, fetched=fetched)
+        return self._split_step(state, feeds, scalars, fetched, reduce_gradients)
+
+    def _dropout_feeds(self, part: "GraphSession", seed: int, micro_batch: int = 0) -> Dict[str, np.ndarray]:
+        """The seed (and micro-batch index) inputs of a part with seeded Dropout."""
+        from normgrad.graphs import rewrites
+
+        feeds = {rewrites.DROPOUT_SEED_INPUT: np.array(seed, np.int64),
+                 rewrites.DROPOUT_MICRO_BATCH_INPUT: np.array(micro_batch, np.int64)}
+        return {name: value for name, value in feeds.items() if name in part.inputs}
+
+    def _split_step(self, state, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray], fetched,
+                    reduce_gradients: Callable) -> float:
+        """Gradient graph per micro-batch, then the optimizer graph; the gradient graph's own
+        state (running statistics) is restored when the step raises or is not applied."""
+        kept = {name: state.value(name).numpy().copy() for name in self.gradient.state if name not in state.zeros}
+        try:
+            loss = self._accumulate(state, feeds, scalars["step"], fetched)
+            gradients = {p: state.value(a) for p, a in zip(self._graph.parameters, self.accumulators)}
+            gradients = reduce_gradients(gradients)
+            self.run(self._optimizer, state, {**scalars, SPLIT_LOSS: np.array(loss, np.float32),
+                                              **{f"{p}_grad": gradients[p] for p in self._graph.parameters}})
+        except BaseException:
+            state.restore(kept)
+            raise
+        if not self.applied:
+            state.restore(kept)
+        return loss
+
+    def _accumulate(self, state, feeds: Dict[str, np.ndarray], step: np.ndarray,
+                    fetched: Optional[Dict[str, object]] = None) -> float:
+        k = self.accumulation
+        scale = np.array(1.0 / k, np.float32)
+        losses = []
+        parts: Dict[str, List[np.ndarray]] = {name: [] for name in fetched or {}}
+        gradient = self._with_tail() if self._tail_outputs & set(parts) else self.gradient
+        for i in range(k):
+            micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
+            dropout = self._dropout_feeds(gradient, state.seed, i)
+            if dropout:
+                micro.update(dropout, step=step)
+            fetched_micro = dict.fromkeys(parts)
+            losses.append(self.run(gradient, state, {**micro, "grad_scale": scale}, state.zeros if i == 0 else {},
+                                   fetched=fetched_micro))
+            for name, value in fetched_micro.items():
+                parts[name].append(value)
+        for name, values in parts.items():  # a scalar output gets one entry per micro-batch
+            fetched[name] = np.concatenate(values) if values[0].ndim else np.stack(values)
+        return float(np.mean(losses))
 
 
 def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradients: Sequence[str],
@@ -115,22 +316,25 @@ def training_session_options(ort):
 DISABLE_PREPACKING = "session.disable_prepacking"
 
 
-_SPLIT_LOSS = "normgrad.loss"
-"""Input of the trainer's optimizer graph: the step's mean loss, which gates its updates."""
+def prepare_session_options(options, graph: StepGraph, eval_model: Optional[onnx.ModelProto], kernels) -> None:
+    """Configures the sessions' ``options`` for the step graph and its evaluation graph: their
+    external data read from the step graph's folder, normgrad's kernels registered
+    (``kernels``: ``"auto"`` when the library is installed, ``"cpp"`` always, None never).
 
+    Raises:
+        FileNotFoundError: ``kernels="cpp"`` without the library.
+    """
+    if graph.uses_external_data() or (
+            eval_model is not None and any(uses_external_data(t) for t in eval_model.graph.initializer)):
+        _external_data_options(options, graph.external_data_folder)
+    if kernels is not None:
+        from normgrad._api import session_options
 
-def _load_step_graph(path: PathLike, what: str = "step graph") -> onnx.ModelProto:
-    """The graph at ``path``, after finishing an interrupted commit of its folder
-    (:func:`normgrad._files.complete_interrupted_commits`); its external data (a frozen base)
-    stays in its files, which the sessions read from the graph's folder."""
-    complete_interrupted_commits(os.path.dirname(os.path.abspath(os.fspath(path))))
-    try:
-        refuse_irregular_file(path, what)
-        return onnx.load(os.fspath(path), load_external_data=False)
-    except OSError as error:
-        raise TrainerError(f"cannot read the {what} {os.fspath(path)!r}: {error.strerror or error}") from None
-    except Exception as error:  # protobuf's DecodeError and what a cut file raises
-        raise TrainerError(f"{os.fspath(path)!r} is not an ONNX model (corrupt or truncated: {error})") from None
+        try:
+            session_options("cpp", options)
+        except FileNotFoundError:
+            if kernels == "cpp":
+                raise
 
 
 def _external_data_options(options, folder: str) -> None:
@@ -140,103 +344,6 @@ def _external_data_options(options, folder: str) -> None:
     a data file beside it instead of past protobuf's 2 GiB limit."""
     _set_config_entry(options, _EXTERNAL_FOLDER, folder)
     _set_config_entry(options, "session.optimized_model_external_initializers_file_name", "running.onnx.data")
-
-
-def _check_external_data(model: onnx.ModelProto, folder: str, what: str = "step graph") -> None:
-    """TrainerError naming the first external tensor of ``model`` whose data cannot be used
-    from ``folder`` (:func:`normgrad._external_data.external_data_extent`: a location outside it, a
-    missing file, one shorter than offset + length); onnxruntime would fail at session
-    creation with its own message. Every graph the Trainer loads goes through it."""
-    for tensor in model.graph.initializer:
-        if uses_external_data(tensor):
-            try:
-                external_data_extent(tensor, folder)
-            except ExternalDataError as error:
-                raise TrainerError(f"{what}: {error}") from None
-
-
-_METADATA_RULES = {
-    "normgrad.state": ("an object of names", lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, str) for k, x in v.items())),
-    "normgrad.parameters": ("a list of names", lambda v: _names(v)),
-    "normgrad.data_inputs": ("a list of names", lambda v: _names(v)),
-    "normgrad.forward_outputs": ("a list of names", lambda v: _names(v)),
-    "normgrad.running_statistics": ("a list of names", lambda v: _names(v)),
-    "normgrad.optimizer": ("an object", lambda v: isinstance(v, dict)),
-    "normgrad.loss": ("null or an object with string 'kind' and 'output'", lambda v: v is None or (
-        isinstance(v, dict) and isinstance(v.get("kind"), str) and isinstance(v.get("output"), str)
-        and isinstance(v.get("options") or {}, dict))),
-    "normgrad.dropout": ("null or an object with an int64 'seed' and an 'outputs' object", lambda v: v is None or (
-        isinstance(v, dict) and _int64(v.get("seed")) and isinstance(v.get("outputs", {}), dict))),
-    "normgrad.batch_norm": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)),
-    "normgrad.data_parallel": ("an object", lambda v: isinstance(v, dict)),
-    "normgrad.forward_tail": ("a string", lambda v: isinstance(v, str)),
-}
-
-
-def _names(value) -> bool:
-    return isinstance(value, list) and all(isinstance(name, str) for name in value)
-
-
-def _int64(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
-
-
-def _check_step_metadata(model: onnx.ModelProto, what: str = "step graph") -> None:
-    """TrainerError naming the first ``normgrad.*`` metadata entry of ``model`` that is not
-    JSON (every reader parses them all) or that breaks the rule of its key."""
-    for entry in model.metadata_props:
-        if not entry.key.startswith("normgrad."):
-            continue
-        try:
-            value = json.loads(entry.value)
-        except ValueError:
-            raise TrainerError(f"corrupt {what}: metadata {entry.key} is not JSON; got {entry.value[:80]!r}") from None
-        rule = _METADATA_RULES.get(entry.key)
-        if rule is not None and not rule[1](value):
-            raise TrainerError(f"corrupt {what}: metadata {entry.key} must be {rule[0]}; got {entry.value[:80]!r}")
-
-
-def _check_reserved_names(model: onnx.ModelProto) -> None:
-    """TrainerError naming a value of the step graph that has a name the trainer gives a value
-    of the graphs it runs (the step gate, the split optimizer's loss input, the gradient
-    graph's ``grad_scale`` and micro-batch index)."""
-    from normgrad.graphs import rewrites
-
-    graph = model.graph
-    given = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    names = given | {o.name for o in graph.output} | {name for node in graph.node for name in node.output}
-    reserved = {APPLIED, _SPLIT_LOSS, "normgrad.gate_total", "normgrad.gate_zero", "grad_scale"}
-    for name in sorted(names):
-        if name in reserved or name.endswith((".gate_sum", ".ungated")) or (
-                name == rewrites.DROPOUT_MICRO_BATCH_INPUT and name in given):
-            raise TrainerError(f"the step graph has a value named {name!r}, a name the trainer gives a value of the "
-                               "graphs it runs: rename it in the forward model and export again")
-
-
-def _files_read(model: onnx.ModelProto, path: Optional[PathLike], folder: str, what: str) -> list:
-    """``(description, path)`` of the graph file at ``path`` (if given by path) and of the
-    external-data files it reads: what the Trainer's writers must not replace."""
-    files = [(f"the trainer's {what}", path)] if path is not None else []
-    return files + [(f"a data file of the trainer's {what}", data) for data in external_data_files(model, folder)]
-
-
-def _exported_eval_graph(step_path: Optional[PathLike]) -> Optional[str]:
-    """``NAME.eval.onnx`` beside a step graph ``NAME.onnx`` read from a file, if it exists:
-    ``normgrad export --optimizer`` writes the two as one set."""
-    if step_path is None:
-        return None
-    beside = eval_graph_path(os.fspath(step_path))
-    return beside if os.path.isfile(beside) else None
-
-
-def _refuse_overwriting(outputs: Mapping[str, PathLike], read: Sequence) -> None:
-    """TrainerError when a write's outputs alias each other or a file in ``read``
-    (:func:`normgrad._files.refuse_aliases`)."""
-    try:
-        refuse_aliases(outputs, read)
-    except PathAliasError as error:
-        raise TrainerError(str(error)) from None
 
 
 def _config_entry(options, key: str) -> Optional[str]:
@@ -253,21 +360,7 @@ def _set_config_entry(options, key: str, value: str) -> None:
         options.add_session_config_entry(key, value)
 
 
-def _metadata_json(metadata: Mapping[str, str], key: str, kind: type):
-    try:
-        value = json.loads(metadata[key])
-    except ValueError:
-        value = None
-    if not isinstance(value, kind):
-        raise TrainerError(f"corrupt step graph: metadata {key} must be a JSON {kind.__name__}; got {metadata[key][:80]!r}")
-    return value
-
-
-def _np_dtype(info: onnx.ValueInfoProto) -> np.dtype:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
-
-
-class _Part:
+class GraphSession:
     """One onnxruntime session of the trainer and its reused IOBinding.
 
     ``state`` maps state inputs to the outputs holding their next value."""
@@ -308,7 +401,7 @@ def _session_and_running_graph(ort, model: onnx.ModelProto, options, providers):
 _DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 
 
-def _keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
+def keep_bfloat16_initializers(model: onnx.ModelProto, options) -> None:
     """Turns off two of onnxruntime's optimizers for a model with bfloat16 initializers (a
     frozen base, read through Casts to float32: rewrites.bfloat16_in_float32): constant
     folding, which would replace each by a float32 copy, twice its memory, and common

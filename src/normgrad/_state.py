@@ -1,190 +1,214 @@
-"""The :class:`normgrad.train.Trainer`'s state and the files written from it.
+"""The :class:`normgrad.train.Trainer`'s state and its checkpoints.
 
-:class:`TrainerState`, a base of the Trainer, holds the methods around the state tensors'
-``OrtValue`` buffers: the step count, the Dropout seed, :meth:`~TrainerState.state_dict`,
-checkpoints (:meth:`~TrainerState.save`, :meth:`~TrainerState.load`) and the models and
-adapters written from the trained state (:meth:`~TrainerState.export_inference_model`,
-:meth:`~TrainerState.save_adapter`, :meth:`~TrainerState.export_merged_model`), each
-refusing to overwrite a file the trainer reads. The buffers themselves are made and run
-by :class:`normgrad.train.Trainer`."""
+:class:`TrainerState` holds the state tensors (trainable weights, optimizer tensors,
+BatchNorm running statistics) in onnxruntime ``OrtValue`` buffers, two per tensor (the one
+a run reads and the one it writes, swapped after the run) or one for a tensor updated in
+place; the step count, the Dropout seed and the hyperparameters the next step uses; and
+their checkpoints (:meth:`~TrainerState.load`, :meth:`~TrainerState.save`). It refuses to
+write over a file the trainer reads (:meth:`~TrainerState.refuse_overwriting`, which the
+trainer's exports use too)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-from typing import Dict, Mapping, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._external_data import save_models_external
-from normgrad._files import PathLike
-from normgrad._hyperparameters import CHECKPOINT_METADATA, from_checkpoint
-from normgrad._session import TrainerError, _refuse_overwriting
+from normgrad._files import PathAliasError, PathLike, refuse_aliases
+from normgrad._hyperparameters import CHECKPOINT_METADATA, Hyperparameters, from_checkpoint
+from normgrad._step_graph import StepGraph
+from normgrad.errors import TrainerError
 
-__all__ = ["TrainerState", "STEP_METADATA", "SEED_METADATA"]
+__all__ = ["TrainerState", "STEP_METADATA", "SEED_METADATA", "initial_seed", "writing"]
 
 STEP_METADATA = "normgrad.step"
 """Checkpoint metadata key: the number of optimizer steps taken (the next step is this + 1)."""
 SEED_METADATA = "normgrad.dropout_seed"
 """Checkpoint metadata key: the Dropout seed (with the step count, what the next masks depend on)."""
 
+Source = Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint, Mapping[str, np.ndarray]]
+
 
 class TrainerState:
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken so far (the checkpoint's ``normgrad.step``)."""
-        return self._step
+    """The state tensors of a step graph in onnxruntime buffers, with the step count, the
+    Dropout seed and the hyperparameters, and their checkpoints.
 
-    def _ortvalue(self, array: np.ndarray):
+    Args:
+        ort: the onnxruntime module.
+        expected: ``{name: (dtype, shape)}`` of the state tensors (a checkpoint must match).
+        device: ``(device, device_id)`` where the buffers live.
+        in_place: the tensors with one buffer (every session updates them in place).
+        accumulators: ``{name: shape}`` of the gradient accumulators a split step binds
+            (float32, zero at each step's first micro-batch: :attr:`zeros`).
+        read_files: ``(description, path)`` of the files the trainer reads, which no write
+            may replace.
+        seed: the Dropout seed before a checkpoint gives one.
+        hyperparameters: the trainer's; a checkpoint restores and saves their values.
+
+    Attributes:
+        step: optimizer steps taken.
+        seed: the Dropout seed.
+        zeros: ``{accumulator: zero OrtValue}``.
+    """
+
+    def __init__(self, ort, expected: Mapping[str, Tuple[np.dtype, Tuple[int, ...]]], device: Tuple[str, int],
+                 in_place: set, accumulators: Mapping[str, Sequence[int]], read_files: List, seed: int,
+                 hyperparameters: Hyperparameters):
+        self._ort, self.expected, self._device, self.in_place = ort, expected, device, in_place
+        self.zeros = {name: self.ortvalue(np.zeros(shape, np.float32)) for name, shape in accumulators.items()}
+        self.read_files = read_files
+        self.checkpoint_files: List[Tuple[str, PathLike]] = []
+        self.seed = seed
+        self.hyperparameters = hyperparameters
+        self.step = 0
+        self._buffers: Dict[str, List] = {}
+        self._current: Dict[str, int] = {}
+
+    def ortvalue(self, array: np.ndarray):
+        """A copy of ``array`` in an OrtValue on the state's device."""
         device, device_id = self._device
         return self._ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), device, device_id)
 
-    def _set_state(self, source) -> None:
-        if isinstance(source, checkpoints.Checkpoint):
-            ckpt = source
-        elif isinstance(source, Mapping):
-            ckpt = checkpoints.Checkpoint(tensors={k: np.asarray(v) for k, v in source.items()}, metadata={})
-        else:
-            try:
-                ckpt = checkpoints.from_proto(source) if isinstance(source, onnx.ModelProto) else checkpoints.load(source)
-            except checkpoints.CheckpointError as error:
-                raise TrainerError(str(error)) from None
+    def __contains__(self, name: str) -> bool:
+        return name in self._buffers
+
+    def value(self, name: str):
+        """The OrtValue holding the current value of a state tensor (or accumulator)."""
+        return self._buffers[name][self._current[name]]
+
+    def next_buffer(self, name: str):
+        """The OrtValue a run writes the next value of ``name`` to (:meth:`value` for one
+        updated in place)."""
+        return self._buffers[name][1 - self._current[name]]
+
+    def swap(self, names) -> None:
+        """After a run that wrote ``names``: their next buffers become current."""
+        for name in names:
+            self._current[name] = 1 - self._current[name]
+
+    def restore(self, kept: Mapping[str, np.ndarray]) -> None:
+        """Writes ``{name: array}`` back into the current buffers."""
+        for name, value in kept.items():
+            self.value(name).update_inplace(value)
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """A copy of every state tensor (weights, optimizer state, running statistics)."""
+        return {name: self.value(name).numpy().copy() for name in self.expected}
+
+    def load(self, source: Source, broadcast: Callable[[Dict[str, np.ndarray]], Dict[str, np.ndarray]]) -> None:
+        """Replaces the state, the step count, the hyperparameters it saved and (if it holds
+        one) the Dropout seed with a checkpoint's: a path, its ``ModelProto``, a
+        :class:`normgrad.checkpoint.Checkpoint` or ``{name: array}``. ``broadcast`` gets the
+        checked arrays and returns those to use (a data-parallel trainer's rank 0's).
+
+        Raises:
+            TrainerError: an unreadable checkpoint; a tensor missing, extra, or of another
+                dtype or shape than the step graph's; a malformed step count or seed.
+        """
+        ckpt = _read(source)
         try:
-            checkpoints.check_matches(ckpt, self._expected)
+            checkpoints.check_matches(ckpt, self.expected)
         except checkpoints.CheckpointError as error:
             raise TrainerError(f"{error} (checked against the step graph's state)") from None
         step_text = ckpt.metadata.get(STEP_METADATA, "0")
         if not (step_text.isascii() and step_text.isdigit()):
             raise TrainerError(f"checkpoint metadata {STEP_METADATA} must be a step count, got {step_text!r}")
-        tensors = self.broadcast_state({name: ckpt.tensors[name] for name in self._expected})
+        tensors = broadcast({name: ckpt.tensors[name] for name in self.expected})
         self._buffers = {}
         for name, value in tensors.items():
-            first = self._ortvalue(value)
-            self._buffers[name] = [first, first if name in self._in_place else self._ortvalue(value)]
+            first = self.ortvalue(value)
+            self._buffers[name] = [first, first if name in self.in_place else self.ortvalue(value)]
         self._current = {name: 0 for name in tensors}
-        if self.split:
-            for accumulator, zeros in self._zeros.items():
-                self._buffers[accumulator] = [self._ortvalue(zeros.numpy()), self._ortvalue(zeros.numpy())]
-                self._current[accumulator] = 0
-        self._step = int(step_text)
+        for accumulator, zeros in self.zeros.items():
+            self._buffers[accumulator] = [self.ortvalue(zeros.numpy()), self.ortvalue(zeros.numpy())]
+            self._current[accumulator] = 0
+        self.step = int(step_text)
         self.hyperparameters.restore(from_checkpoint(ckpt.metadata))
-        seed_text = ckpt.metadata.get(SEED_METADATA)
-        if seed_text is not None:
-            try:
-                seed = int(seed_text)
-            except ValueError:
-                seed = None
-            if seed is None or not -2**63 <= seed < 2**63:
-                raise TrainerError(f"checkpoint metadata {SEED_METADATA} must be an integer in the int64 range, got "
-                                   f"{seed_text[:40]!r}")
-            self._seed = seed
+        seed = _checkpoint_seed(ckpt.metadata)
+        if seed is not None:
+            self.seed = seed
         if not isinstance(source, (checkpoints.Checkpoint, Mapping, onnx.ModelProto)):
-            self._checkpoint_files.append(("the trainer's checkpoint", source))
-
-    def _initial_seed(self, metadata: Mapping[str, str], seed) -> int:
-        """The step graph's default Dropout seed, after checking ``seed``."""
-        from normgrad.graphs import rewrites
-
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                                 or not -2**63 <= int(seed) < 2**63):
-            raise TrainerError(f"seed must be an integer in the int64 range, got {seed!r}")
-        dropout = json.loads(metadata.get(rewrites.METADATA_DROPOUT, "null"))
-        if seed is not None and dropout is None and any(
-                n.op_type == "Dropout" and n.domain in ("", "ai.onnx") for n in self.step_model.graph.node):
-            raise TrainerError("the step graph's Dropout nodes draw unseeded masks (it was exported before Dropout "
-                               "took a seed): export it again to train reproducibly with a seed")
-        return int(dropout["seed"]) if dropout else 0
-
-    @property
-    def seed(self) -> int:
-        """The Dropout seed (saved in checkpoints; see the ``seed`` argument)."""
-        return self._seed
-
-    def state_dict(self) -> Dict[str, np.ndarray]:
-        """A copy of every state tensor (weights, optimizer state, running statistics)."""
-        return {name: self._value(name).numpy().copy() for name in self._expected}
-
-    def _value(self, name: str):
-        return self._buffers[name][self._current[name]]
+            self.checkpoint_files.append(("the trainer's checkpoint", source))
 
     def save(self, path: PathLike) -> None:
-        """Writes the state and the step count to ``path`` atomically (a temporary file in the
-        same folder, then renamed; a crash leaves the previous file). Reloading it gives
-        bitwise the same state, and training on from it bitwise the same steps."""
-        if self.is_saving_rank:
-            _refuse_overwriting({"checkpoint": path}, self._read_files)
-            with _writing("checkpoint", path):
-                checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self._step), SEED_METADATA: str(self._seed),
-                                                           CHECKPOINT_METADATA: self.hyperparameters.saved()})
-            self._checkpoint_files.append(("a checkpoint the trainer saved", path))
+        """Writes the state, the step count, the seed and the hyperparameters to ``path``
+        atomically (a temporary file in the same folder, then renamed; a crash leaves the
+        previous file)."""
+        refuse_overwriting({"checkpoint": path}, self.read_files)
+        with writing("checkpoint", path):
+            checkpoints.save(path, self.state_dict(), {STEP_METADATA: str(self.step), SEED_METADATA: str(self.seed),
+                                                       CHECKPOINT_METADATA: self.hyperparameters.saved()})
+        self.checkpoint_files.append(("a checkpoint the trainer saved", path))
 
-    def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
-        """Replaces the state and step count (and the Dropout seed, if it holds one) with a checkpoint's.
-
-        Raises:
-            TrainerError: a tensor missing, extra, or of another dtype or shape than the step graph's.
-        """
-        self._set_state(path)
-
-    def inference_model(self) -> onnx.ModelProto:
-        """The forward model with the trained weights and running statistics as initializers,
-        BatchNormalization in inference mode and Dropout as Identity: any onnxruntime runs it."""
-        from normgrad.graphs.step_graph import build_inference_model
-
-        return build_inference_model(self.step_model, self.state_dict())
-
-    def export_inference_model(self, path: PathLike) -> None:
-        """Writes :meth:`inference_model` to ``path`` atomically (with a frozen base in external
-        data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
-        if self.is_saving_rank:
-            self._refuse_overwriting({"inference model": path})
-            with _writing("inference model", path):
-                self._save_model(self.inference_model(), path)
-
-    def save_adapter(self, directory: PathLike) -> None:
-        """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
-        ``adapter_config.json`` in ``directory`` (:func:`normgrad.lora.save_adapter`; the step
-        graph must come from a peft model exported with :func:`normgrad.torch.export`)."""
-        from normgrad import lora
-
-        if self.is_saving_rank:
-            self._refuse_overwriting({"adapter " + name: os.path.join(directory, name)
-                                      for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG)})
-            with _writing("adapter folder", directory):
-                lora.save_adapter(directory, self.step_model, self.state_dict())
-
-    def export_merged_model(self, path: PathLike) -> None:
-        """Writes the inference model with the trained LoRA adapters folded into their base
-        weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
-        external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
-        from normgrad import lora
-
-        if self.is_saving_rank:
-            self._refuse_overwriting({"merged model": path})
-            # the merged weights of an external base are computed one at a time as they are written
-            merged, merged_weights = lora.merged_model_streamed(self.step_model, self.state_dict(),
-                                                                self.external_data_folder)
-            with _writing("merged model", path):
-                save_models_external({path: merged}, self.external_data_folder, contents=merged_weights)
-
-    def _refuse_overwriting(self, outputs: Mapping[str, PathLike]) -> None:
-        """TrainerError when an export's target (or a data file it replaces) is a file the
+    def refuse_overwriting(self, outputs: Mapping[str, PathLike]) -> None:
+        """TrainerError when a write's target (or a data file it replaces) is a file the
         trainer reads (its step and evaluation graphs, their external data) or a checkpoint
         it loaded or saved."""
-        _refuse_overwriting(outputs, self._read_files + self._checkpoint_files)
+        refuse_overwriting(outputs, self.read_files + self.checkpoint_files)
 
-    def _save_model(self, model: onnx.ModelProto, path: PathLike) -> None:
-        """``model`` to ``path`` atomically; a model reading external data (a frozen base) or
-        past :data:`normgrad._external_data.INLINE_MODEL_BYTES` keeps its large tensors in
-        ``PATH.HASH.data`` beside it (one set: :func:`normgrad._files.commit_files`)."""
-        save_models_external({path: model}, self.external_data_folder)
+
+def _read(source: Source) -> checkpoints.Checkpoint:
+    if isinstance(source, checkpoints.Checkpoint):
+        return source
+    if isinstance(source, Mapping):
+        return checkpoints.Checkpoint(tensors={k: np.asarray(v) for k, v in source.items()}, metadata={})
+    try:
+        return checkpoints.from_proto(source) if isinstance(source, onnx.ModelProto) else checkpoints.load(source)
+    except checkpoints.CheckpointError as error:
+        raise TrainerError(str(error)) from None
+
+
+def _checkpoint_seed(metadata: Mapping[str, str]) -> Optional[int]:
+    """The Dropout seed a checkpoint holds (None: none)."""
+    seed_text = metadata.get(SEED_METADATA)
+    if seed_text is None:
+        return None
+    try:
+        seed = int(seed_text)
+    except ValueError:
+        seed = None
+    if seed is None or not -2**63 <= seed < 2**63:
+        raise TrainerError(f"checkpoint metadata {SEED_METADATA} must be an integer in the int64 range, got "
+                           f"{seed_text[:40]!r}")
+    return seed
+
+
+def initial_seed(graph: StepGraph, seed) -> int:
+    """The step graph's default Dropout seed, after checking ``seed`` (the Trainer's argument).
+
+    Raises:
+        TrainerError: a seed that is not an int64 integer, or one for a step graph whose
+            Dropout nodes take none.
+    """
+    from normgrad.graphs import rewrites
+
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or not -2**63 <= int(seed) < 2**63):
+        raise TrainerError(f"seed must be an integer in the int64 range, got {seed!r}")
+    dropout = json.loads(graph.metadata.get(rewrites.METADATA_DROPOUT, "null"))
+    if seed is not None and dropout is None and any(
+            n.op_type == "Dropout" and n.domain in ("", "ai.onnx") for n in graph.model.graph.node):
+        raise TrainerError("the step graph's Dropout nodes draw unseeded masks (it was exported before Dropout "
+                           "took a seed): export it again to train reproducibly with a seed")
+    return int(dropout["seed"]) if dropout else 0
+
+
+def refuse_overwriting(outputs: Mapping[str, PathLike], read: Sequence) -> None:
+    """TrainerError when a write's outputs alias each other or a file in ``read``
+    (:func:`normgrad._files.refuse_aliases`)."""
+    try:
+        refuse_aliases(outputs, read)
+    except PathAliasError as error:
+        raise TrainerError(str(error)) from None
 
 
 @contextlib.contextmanager
-def _writing(what: str, path: PathLike):
+def writing(what: str, path: PathLike):
     """An OSError while writing the trainer's ``what`` to ``path`` (a missing folder, a full
     disk, a folder in the file's place) raised again, of the same class, with a message naming
     ``path``, not the temporary file the write went through."""

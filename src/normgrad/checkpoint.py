@@ -30,6 +30,7 @@ from onnx import helper, numpy_helper
 
 from normgrad._files import PathLike, StagedFile, commit_files, complete_interrupted_commits, staging
 from normgrad._external_data import ExternalDataError, external_data_extent
+from normgrad.errors import CheckpointError
 from normgrad.ops._common import IR_VERSION
 
 __all__ = ["Checkpoint", "CheckpointError", "save", "stage", "load", "from_proto", "check_matches", "CHECKSUM_METADATA"]
@@ -40,10 +41,6 @@ CHECKSUM_METADATA = "normgrad.checksum"
 EXTERNAL_DATA_BYTES = 2**31 - 2**26
 """Tensor bytes above which :func:`save` writes external data (protobuf refuses messages of 2 GiB)."""
 _ALIGNMENT = 64
-
-
-class CheckpointError(ValueError):
-    """A file that is not a readable checkpoint, or one that does not match what is expected."""
 
 
 @dataclasses.dataclass

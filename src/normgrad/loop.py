@@ -97,7 +97,8 @@ class FitResult:
 
 class _Loop:
     """The running loop: what the callbacks see (``trainer``, ``epoch``, ``epochs``, ``batch``,
-    ``batches``, ``history``, ``evaluations``, ``columns``, ``should_stop``, ``at_epoch_end``)
+    ``batches``, ``history``, ``evaluations``, ``columns``, ``should_stop``, ``at_epoch_end``,
+    ``epoch_done``)
     and what a checkpoint's ``.json`` holds (:meth:`checkpoint_state`)."""
 
     def __init__(self, trainer, train, epochs: int, columns: List[str], callbacks: List[Callback], scheduler,
@@ -118,6 +119,7 @@ class _Loop:
         self.best: Optional[Dict[str, float]] = None
         self.should_stop = False
         self.at_epoch_end = False  # during the evaluation that ends an epoch
+        self.epoch_done = False  # during on_epoch_end: the epoch, its evaluation and its scheduler step done
 
     def records(self) -> List[Dict[str, float]]:
         """Step and evaluation records in the order they were made."""
@@ -127,7 +129,10 @@ class _Loop:
         """What a checkpoint's ``.json`` holds (the callbacks' ``on_save_checkpoint`` first)."""
         for callback in self.callbacks:
             callback.on_save_checkpoint(self)
-        return {"epoch": self.epoch, "batch": self.batch, "history": self.history, "evaluations": self.evaluations,
+        # written at an epoch's end, the run goes on with the next epoch
+        epoch, batch = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.batch)
+        return {"epoch": epoch, "batch": batch, "columns": self.columns, "history": self.history,
+                "evaluations": self.evaluations,
                 "since_evaluation": self.since_evaluation, "best": self.best,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "callbacks": {key: c.state_dict() for key, c in _keyed(self.callbacks).items() if c.state_dict()}}
@@ -161,15 +166,23 @@ class _Loop:
             raise TrainerError(f"the training batches yielded no batch in epoch {self.epoch}"
                                + (" (a generator runs out after one epoch: pass a list or a function of "
                                   "the epoch)" if self.epoch > 1 else ""))
+        every_rank = getattr(self.trainer, "from_every_rank", None)  # a data-parallel trainer's ranks
+        if every_rank is not None:  # all end the epoch here, or one whose batches ran out is named
+            every_rank(position, f"the end of epoch {self.epoch}")
         self.at_epoch_end = True
         try:
             record = (self.evaluations[-1] if self._evaluated() else self._evaluate())
         finally:
             self.at_epoch_end = False
-        for callback in self.callbacks:
-            callback.on_epoch_end(self, record)
+        # the epoch's scheduler step first: the epoch-end checkpoint holds the values the next step uses
         if self.scheduler is not None and not self.plateau and self.scheduler_interval == "epoch":
             self._step_scheduler()
+        self.epoch_done = True
+        try:
+            for callback in self.callbacks:
+                callback.on_epoch_end(self, record)
+        finally:
+            self.epoch_done = False
         self.epoch, self.batch = self.epoch + 1, 0
         return True
 
@@ -247,11 +260,14 @@ def fit(trainer, train: Union[Iterable, Callable[[int], Iterable]], *, epochs: i
             each optimizer step (``scheduler_interval="step"``, e.g. OneCycleLR) or after each
             epoch (``"epoch"``); a ReduceLROnPlateau gets ``step(monitor's value)`` after each
             evaluation.
-        monitor, mode: the evaluation value that picks the best checkpoint and that
+        monitor: the evaluation value that picks the best checkpoint and that
             ReduceLROnPlateau watches (default ``val_loss`` given ``evaluation``, else
-            ``train_loss``), lower (``"min"``) or higher (``"max"``) being better.
-        checkpoint_dir, keep_last, checkpoint_every: a :class:`ModelCheckpoint` (see the
-            module's description).
+            ``train_loss``).
+        mode: ``"min"`` (a lower ``monitor`` is better) or ``"max"`` (a higher one is).
+        checkpoint_dir: where a :class:`ModelCheckpoint` writes (see the module's description).
+        keep_last: how many of its latest checkpoints are kept.
+        checkpoint_every: a checkpoint every this many steps too (besides those after each
+            evaluation and at each epoch's end).
         resume: continue from the checkpoint written last in ``checkpoint_dir`` (or, without
             it, in the first ModelCheckpoint's ``dirpath``; from the start when it holds none).
         log_dir: writes ``metrics.csv``, TensorBoard events (when the tensorboard package
@@ -375,8 +391,13 @@ def _resume(loop: _Loop, path: str, scheduler, callbacks: Sequence[Callback]) ->
         loop.history, loop.evaluations = state["history"], state["evaluations"]
         loop.since_evaluation, loop.best = state["since_evaluation"], state["best"]
         saved_scheduler, saved_callbacks = state["scheduler"], state["callbacks"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        saved_columns = state.get("columns", loop.columns)  # written before the columns were: not checked
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise TrainerError(f"cannot resume from {path}: {error}") from None
+    if saved_columns != loop.columns:
+        raise TrainerError(f"cannot resume from {path}: its run logged {', '.join(map(str, saved_columns))}; this one "
+                           f"logs {', '.join(loop.columns)}: give fit the same evaluation batches and metrics "
+                           "(normgrad train: the same --eval and --metrics)")
     checkpoint = path[:-5] + ".ckpt"
     try:  # another model's folder says so first, before what the run was given
         saved_state = checkpoints.load(checkpoint)

@@ -26,6 +26,7 @@ from onnx import helper, numpy_helper
 
 from normgrad._files import PathLike, StagedFile, commit_files, replace_folder_files, staging
 from normgrad._external_data import check_model
+from normgrad.errors import LoraError
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
@@ -33,10 +34,6 @@ __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_mode
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-class LoraError(ValueError):
-    """A model without LoRA adapters, an adapter peft's format cannot hold, or a missing tensor."""
 
 
 def adapters(model: onnx.ModelProto) -> Dict[str, object]:

@@ -2,7 +2,7 @@
 
 A metric is a plain function ``f(outputs, labels) -> float`` of a forward output (e.g. the
 logits) and the labels of the whole validation set: :func:`accuracy`,
-:func:`top_k_accuracy`, :func:`perplexity`, or one's own. The class axis of ``outputs`` is
+:func:`top_k_accuracy`, :func:`f1_macro`, :func:`f1_micro`, :func:`perplexity`, or one's own. The class axis of ``outputs`` is
 axis 1 (ONNX's and torch's cross-entropy layout, ``[N, C]`` or ``[N, C, d1, ...]``) or the
 last axis (``[N, T, C]``, a language model's logits), whichever leaves the labels' shape;
 labels below 0 (torch's ``ignore_index`` -100) are left out.
@@ -14,9 +14,9 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 
 import numpy as np
 
-from normgrad._session import TrainerError
+from normgrad.errors import TrainerError
 
-__all__ = ["Metric", "accuracy", "top_k_accuracy", "perplexity", "evaluate", "named_batch"]
+__all__ = ["Metric", "accuracy", "top_k_accuracy", "f1_macro", "f1_micro", "perplexity", "evaluate", "named_batch"]
 
 Metric = Callable[[np.ndarray, np.ndarray], float]
 
@@ -57,6 +57,33 @@ def top_k_accuracy(k: int) -> Metric:
 
     top_k.__name__ = f"top{k}_accuracy"
     return top_k
+
+
+def _f1_counts(outputs: np.ndarray, labels: np.ndarray):
+    """Per class, of the classes that are a label or a prediction: true positives, false
+    positives, false negatives of the highest-scoring class."""
+    scores, labels = _scores(outputs, labels)
+    predicted = scores.argmax(axis=1)
+    classes = np.union1d(labels, predicted)
+    true_positives = np.array([np.sum((predicted == c) & (labels == c)) for c in classes], np.float64)
+    false_positives = np.array([np.sum((predicted == c) & (labels != c)) for c in classes], np.float64)
+    false_negatives = np.array([np.sum((predicted != c) & (labels == c)) for c in classes], np.float64)
+    return true_positives, false_positives, false_negatives
+
+
+def f1_macro(outputs: np.ndarray, labels: np.ndarray) -> float:
+    """The F1 score of each class (2 TP / (2 TP + FP + FN), of the highest-scoring class),
+    averaged over the classes that are a label or a prediction: scikit-learn's
+    ``f1_score(labels, predictions, average="macro")``."""
+    tp, fp, fn = _f1_counts(outputs, labels)
+    return float(np.mean(2 * tp / (2 * tp + fp + fn)))
+
+
+def f1_micro(outputs: np.ndarray, labels: np.ndarray) -> float:
+    """The F1 score of the counts summed over the classes: scikit-learn's ``f1_score(labels,
+    predictions, average="micro")`` (for one label per sample, the accuracy)."""
+    tp, fp, fn = (counts.sum() for counts in _f1_counts(outputs, labels))
+    return float(2 * tp / (2 * tp + fp + fn))
 
 
 def perplexity(outputs: np.ndarray, labels: np.ndarray) -> float:

@@ -65,6 +65,7 @@ __all__ = [
     "mpirun_command",
     "mpirun_environment",
     "CollectiveTimeoutError",
+    "CollectiveMismatchError",
     "TIMEOUT_SECONDS",
     "timeout",
     "gather",
@@ -87,6 +88,20 @@ default. ``init(timeout=)`` or the environment variable ``NORMGRAD_MPI_TIMEOUT``
 
 class CollectiveTimeoutError(RuntimeError):
     """Some ranks did not reach a collective of :mod:`normgrad.mpi` within the timeout."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks came to different collectives of :mod:`normgrad.mpi` (raised on every rank).
+
+    Attributes:
+        labels: what each rank came to, in rank order (the ``what`` of its :func:`gather`).
+    """
+
+    def __init__(self, labels):
+        self.labels = list(labels)
+        shown = ", ".join(f"rank {r}: {label}" for r, label in enumerate(self.labels))
+        super().__init__(f"normgrad.mpi: the ranks came to different collectives ({shown}): they run different code "
+                         "or different numbers of steps")
 
 
 class MPIUnavailableError(RuntimeError):
@@ -141,10 +156,13 @@ def timeout() -> float:
 def gather(value, what: str, seconds: Optional[float] = None) -> list:
     """Every rank's ``value`` (picklable, small), in rank order, waiting at most ``seconds``
     (default :func:`timeout`) for the others. Point-to-point messages on a private
-    communicator, so a rank that never comes is named. Without :func:`init`: ``[value]``.
+    communicator, so a rank that never comes is named. Each message carries ``what`` (the
+    same text on every rank at the same collective), so that a rank at another collective is
+    never read as this one. Without :func:`init`: ``[value]``.
 
     Raises:
         CollectiveTimeoutError: naming the ranks that had not reached ``what`` in time.
+        CollectiveMismatchError: (on every rank) some rank came to another collective.
     """
     global _gather_tag
     if _comm is None or size() == 1:
@@ -153,8 +171,8 @@ def gather(value, what: str, seconds: Optional[float] = None) -> list:
     me, ranks = rank(), size()
     _gather_tag = _gather_tag % 30000 + 1  # every rank calls gather in the same order: the same tag
     _pending_sends[:] = [request for request in _pending_sends if not request.Test()]
-    _pending_sends.extend(_gather_comm.isend(value, dest=r, tag=_gather_tag) for r in range(ranks) if r != me)
-    received = {me: value}
+    _pending_sends.extend(_gather_comm.isend((what, value), dest=r, tag=_gather_tag) for r in range(ranks) if r != me)
+    received = {me: (what, value)}
     deadline, pause = time.monotonic() + limit, 1e-4
     while len(received) < ranks:
         arrived = [r for r in range(ranks) if r not in received and _gather_comm.iprobe(source=r, tag=_gather_tag)]
@@ -171,7 +189,9 @@ def gather(value, what: str, seconds: Optional[float] = None) -> list:
         if not arrived:
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
-    return [received[r] for r in range(ranks)]
+    if any(received[r][0] != what for r in range(ranks)):
+        raise CollectiveMismatchError(received[r][0] for r in range(ranks))
+    return [received[r][1] for r in range(ranks)]
 
 
 def init(communicator=None, abort: bool = True, library: bool = True, timeout: Optional[float] = None):
@@ -298,12 +318,12 @@ def broadcast(arrays: Optional[Mapping[str, np.ndarray]], root: int = 0) -> Dict
     if is_root and arrays is None:
         raise ValueError("normgrad.mpi.broadcast: the root rank must pass the arrays")
     layout = None if arrays is None else [(name, np.asarray(v).dtype, np.asarray(v).shape) for name, v in arrays.items()]
-    root_layout = _comm.bcast(layout, root=root)
-    mismatch = layout is not None and [n for n, _, _ in layout] != [n for n, _, _ in root_layout]
-    if any(_comm.allgather(mismatch)):
-        names, root_names = {n for n, _, _ in layout or []}, {n for n, _, _ in root_layout}
-        example = sorted(names ^ root_names)[:3] or "a different order"
-        raise ValueError(f"normgrad.mpi.broadcast: the ranks pass other tensors than rank {root} (e.g. {example})")
+    layouts = gather(layout, f"a broadcast from rank {root}")
+    root_layout, root_names = layouts[root], [n for n, _, _ in layouts[root]]
+    differ = [r for r, theirs in enumerate(layouts) if theirs is not None and [n for n, _, _ in theirs] != root_names]
+    if differ:
+        example = sorted({n for n, _, _ in layouts[differ[0]]} ^ set(root_names))[:3] or "a different order"
+        raise ValueError(f"normgrad.mpi.broadcast: ranks {differ} pass other tensors than rank {root} (e.g. {example})")
     result = {}
     for name, dtype, shape in root_layout:
         buffer = np.array(arrays[name], order="C") if is_root else np.empty(shape, dtype)
@@ -385,59 +405,53 @@ def _abort(message: str, code: int = 1) -> None:
         _comm.Abort(code)
 
 
-_exit_statuses: list = []  # the status of the last SystemExit created (see _record_system_exits)
+_exit_status = None  # the status of the SystemExit that ended a script run by main()
 
 
-def _record_system_exits() -> None:
-    """Replaces ``builtins.SystemExit`` by a subclass recording each instance's status."""
-    import builtins
-
-    original = builtins.SystemExit
-    if getattr(original, "_normgrad_records_status", False):
-        return
-
-    class SystemExit(original):  # noqa: A001 - the name Python code raises and catches
-        _normgrad_records_status = True
-
-        def __init__(self, *args):
-            super().__init__(*args)
-            _exit_statuses[:] = [self.code]
-
-    SystemExit.__module__, SystemExit.__qualname__ = "builtins", "SystemExit"
-    builtins.SystemExit = SystemExit
+def _exit_code(status) -> int:
+    """The process exit status Python gives ``SystemExit(status)``."""
+    return status if isinstance(status, int) else 0 if status is None else 1
 
 
-def _main_module_frame():
-    """The frame running the ``__main__`` module (a script), or None."""
-    main = sys.modules.get("__main__")
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code.co_name == "<module>" and main is not None and frame.f_globals is vars(main):
-            return frame
-        frame = frame.f_back
-    return None
+def main(argv: Optional[list] = None) -> None:
+    """``python -m normgrad.mpi SCRIPT [ARG ...]`` (or ``-m MODULE [ARG ...]``) runs the script
+    as ``python SCRIPT`` would, as ``__main__``, and records the status of a ``SystemExit``
+    that ends it (``sys.exit(3)``, ``raise SystemExit(3)``) for :func:`abort_on_error`, as
+    ``python -m mpi4py`` does: Python hands an uncaught SystemExit to no hook."""
+    import os
+    import runpy
 
-
-def _returned(frame) -> bool:
-    """Whether a finished frame ended by returning (not by an exception)."""
-    import dis
-
-    return any(i.offset == frame.f_lasti and i.opname.startswith("RETURN") for i in dis.get_instructions(frame.f_code))
+    global _exit_status
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help") or (args[0] == "-m" and len(args) < 2):
+        sys.stderr.write("usage: python -m normgrad.mpi SCRIPT [ARG ...] | -m MODULE [ARG ...]\n")
+        raise SystemExit(0 if args[:1] in (["-h"], ["--help"]) else 2)
+    try:
+        if args[0] == "-m":
+            sys.argv = args[1:]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = args
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as ended:
+        _exit_status = ended.code
+        raise
 
 
 def abort_on_error() -> None:
     """Makes a rank that fails end the whole job within a bounded time, with a message
-    naming the rank, instead of the other ranks waiting forever in their next collective:
+    naming the rank, instead of the other ranks waiting forever in their next collective
+    (through ``sys.excepthook``, ``threading.excepthook`` and ``atexit``; nothing is replaced):
 
     * an uncaught exception (main thread or another thread): the traceback, then ``MPI_Abort``;
-    * ``sys.exit`` with a non-zero status: ``MPI_Abort`` with that status;
-    * ``raise SystemExit(status)`` ending the program with a non-zero status: ``MPI_Abort``
-      with that status, at exit (in a job of several ranks, ``SystemExit`` is replaced in
-      ``builtins`` by a subclass recording its status, since Python hands an uncaught
-      SystemExit to no hook);
-    * leaving the program in any other way while other ranks still run: the rank waits at exit
-      (in a non-blocking barrier) up to ``NORMGRAD_MPI_EXIT_WAIT`` seconds (default 120) for
-      the others, then aborts;
+    * a script run as ``python -m normgrad.mpi SCRIPT`` (:func:`main`) that ends with a
+      non-zero ``SystemExit`` (``sys.exit(3)``, ``raise SystemExit(3)``): ``MPI_Abort`` with
+      that status, at exit;
+    * leaving the program in any other way while other ranks still run (a script run as
+      ``python SCRIPT`` ending with a ``SystemExit`` among them: Python hands it to no hook):
+      the rank waits at exit (in a non-blocking barrier) up to ``NORMGRAD_MPI_EXIT_WAIT``
+      seconds (default 120) for the others, then aborts;
     * a rank killed by a signal is reported and ended by mpirun itself.
     """
     global _hook_installed
@@ -448,9 +462,6 @@ def abort_on_error() -> None:
     import os
 
     previous_hook = sys.excepthook
-    main_frame = _main_module_frame()
-    if size() > 1:
-        _record_system_exits()
 
     def report_and_abort(kind, value, tb) -> None:
         try:
@@ -459,19 +470,11 @@ def abort_on_error() -> None:
             _abort(f"raised {kind.__name__}: {value}")
             previous_hook(kind, value, tb)
 
-    def exit_and_abort(status=None):
-        if status not in (None, 0):
-            _abort(f"called sys.exit({status!r})", status if isinstance(status, int) else 1)
-        import builtins
-
-        raise builtins.SystemExit(status)  # the recording subclass, which `except SystemExit` catches
-
     def wait_for_the_others() -> None:
         if _exit_comm is None or size() == 1:
             return
-        status = _exit_statuses[-1] if _exit_statuses else None
-        if status not in (None, 0) and main_frame is not None and not _returned(main_frame):
-            _abort(f"raised SystemExit({status!r})", status if isinstance(status, int) else 1)
+        if _exit_code(_exit_status):
+            _abort(f"raised SystemExit({_exit_status!r})", _exit_code(_exit_status))
         wait = float(os.environ.get("NORMGRAD_MPI_EXIT_WAIT", EXIT_WAIT_SECONDS))
         try:
             request = _exit_comm.Ibarrier()
@@ -485,5 +488,10 @@ def abort_on_error() -> None:
 
     sys.excepthook = report_and_abort
     threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
-    sys.exit = exit_and_abort
     atexit.register(wait_for_the_others)
+
+
+if __name__ == "__main__":  # python -m normgrad.mpi SCRIPT: the imported module (the script's normgrad.mpi) runs it
+    from normgrad import mpi
+
+    mpi.main()

@@ -17,7 +17,7 @@ import numbers
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence
 
-from normgrad._session import TrainerError
+from normgrad.errors import TrainerError
 
 __all__ = ["Schedule", "constant", "linear_warmup", "cosine", "LRScheduler", "StepLR", "MultiStepLR", "ConstantLR",
            "LinearLR", "ExponentialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
@@ -88,6 +88,7 @@ class LRScheduler:
     value at epoch 0 (torch's initial step); :meth:`step` moves it to the next epoch's."""
 
     def __init__(self, trainer, *, hyperparameter: str = "lr"):
+        _check_hyperparameter_name(type(self).__name__, hyperparameter)
         self.trainer = trainer
         self.hyperparameter = hyperparameter
         values = _hyperparameters(trainer, hyperparameter)
@@ -151,7 +152,7 @@ class StepLR(LRScheduler):
     """torch's ``StepLR``: multiplied by ``gamma`` every ``step_size`` epochs."""
 
     def __init__(self, trainer, step_size: int, gamma: float = 0.1, **kwargs):
-        _check_positive_int("step_size", step_size)
+        _check_int("StepLR step_size", step_size)
         self.step_size, self.gamma = step_size, _check_number("StepLR gamma", gamma)
         super().__init__(trainer, **kwargs)
 
@@ -169,7 +170,7 @@ class MultiStepLR(LRScheduler):
     milestone given twice)."""
 
     def __init__(self, trainer, milestones: Sequence[int], gamma: float = 0.1, **kwargs):
-        self.milestones = sorted(int(m) for m in milestones)
+        self.milestones = sorted(_check_milestones(f"{type(self).__name__} milestones", milestones))
         self.gamma = _check_number(f"{type(self).__name__} gamma", gamma)
         super().__init__(trainer, **kwargs)
 
@@ -185,8 +186,10 @@ class ConstantLR(LRScheduler):
     """torch's ``ConstantLR``: multiplied by ``factor`` until epoch ``total_iters``."""
 
     def __init__(self, trainer, factor: float = 1.0 / 3, total_iters: int = 5, **kwargs):
-        if not 0 <= _check_number("ConstantLR factor", factor) <= 1:
-            raise TrainerError(f"ConstantLR factor must be between 0 and 1, got {factor!r}")
+        if not 0 < _check_number("ConstantLR factor", factor) <= 1:
+            raise TrainerError(f"ConstantLR factor must be in (0, 1] (at total_iters the lr is divided by it), "
+                               f"got {factor!r}")
+        _check_int("ConstantLR total_iters", total_iters)
         self.factor, self.total_iters = factor, total_iters
         super().__init__(trainer, **kwargs)
 
@@ -210,6 +213,7 @@ class LinearLR(LRScheduler):
             raise TrainerError(f"LinearLR start_factor must be in (0, 1], got {start_factor!r}")
         if not 0 <= _check_number("LinearLR end_factor", end_factor) <= 1:
             raise TrainerError(f"LinearLR end_factor must be in [0, 1], got {end_factor!r}")
+        _check_int("LinearLR total_iters", total_iters)
         self.start_factor, self.end_factor, self.total_iters = start_factor, end_factor, total_iters
         super().__init__(trainer, **kwargs)
 
@@ -246,7 +250,7 @@ class CosineAnnealingLR(LRScheduler):
     in torch's chainable form (which goes on past T_max, back up)."""
 
     def __init__(self, trainer, T_max: int, eta_min: float = 0.0, **kwargs):
-        _check_positive_int("T_max", T_max)
+        _check_int("CosineAnnealingLR T_max", T_max)
         self.T_max, self.eta_min = T_max, _check_number("CosineAnnealingLR eta_min", eta_min)
         super().__init__(trainer, **kwargs)
 
@@ -271,8 +275,8 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     epochs, each period ``T_mult`` times the last."""
 
     def __init__(self, trainer, T_0: int, T_mult: int = 1, eta_min: float = 0.0, **kwargs):
-        _check_positive_int("T_0", T_0)
-        _check_positive_int("T_mult", T_mult)
+        _check_int("CosineAnnealingWarmRestarts T_0", T_0)
+        _check_int("CosineAnnealingWarmRestarts T_mult", T_mult)
         self.T_0, self.T_i, self.T_mult = T_0, T_0, T_mult
         self.eta_min = _check_number("CosineAnnealingWarmRestarts eta_min", eta_min)
         self.T_cur = -1
@@ -311,10 +315,10 @@ class OneCycleLR(LRScheduler):
         if total_steps is None:
             if epochs is None or steps_per_epoch is None:
                 raise TrainerError("OneCycleLR needs total_steps, or epochs and steps_per_epoch")
-            _check_positive_int("epochs", epochs)
-            _check_positive_int("steps_per_epoch", steps_per_epoch)
+            _check_int("OneCycleLR epochs", epochs)
+            _check_int("OneCycleLR steps_per_epoch", steps_per_epoch)
             total_steps = epochs * steps_per_epoch
-        _check_positive_int("total_steps", total_steps)
+        _check_int("OneCycleLR total_steps", total_steps)
         for option, value in (("max_lr", max_lr), ("base_momentum", base_momentum), ("max_momentum", max_momentum)):
             _check_number(f"OneCycleLR {option}", value)
         for option, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
@@ -322,8 +326,9 @@ class OneCycleLR(LRScheduler):
                 raise TrainerError(f"OneCycleLR {option} must be > 0, got {value!r}")
         if not 0 <= _check_number("OneCycleLR pct_start", pct_start) <= 1:
             raise TrainerError(f"OneCycleLR pct_start must be between 0 and 1, got {pct_start!r}")
-        if anneal_strategy not in ("cos", "linear"):
-            raise TrainerError(f"OneCycleLR anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
+        _check_choice("OneCycleLR anneal_strategy", anneal_strategy, ("cos", "linear"))
+        _check_bool("OneCycleLR cycle_momentum", cycle_momentum)
+        _check_bool("OneCycleLR three_phase", three_phase)
         self.total_steps, self.anneal_strategy, self.cycle_momentum = total_steps, anneal_strategy, cycle_momentum
         name = kwargs.get("hyperparameter", "lr")
         self.values = {"initial": max_lr / div_factor, "max": float(max_lr),
@@ -335,6 +340,7 @@ class OneCycleLR(LRScheduler):
                         [total_steps - 1, "initial", "min", "max_momentum", "max_momentum"]] if three_phase else
                        [[up, "initial", "max", "max_momentum", "base_momentum"],
                         [total_steps - 1, "max", "min", "base_momentum", "max_momentum"]])
+        _check_phases(self.phases, total_steps, pct_start)
         values = _hyperparameters(trainer, name)
         self.momentum = None
         if cycle_momentum:
@@ -374,10 +380,13 @@ class SequentialLR(LRScheduler):
 
     def __init__(self, trainer, schedulers: Sequence[LRScheduler], milestones: Sequence[int]):
         _check_schedulers(self, trainer, schedulers)
+        milestones = _check_milestones("SequentialLR milestones", milestones)
         if len(milestones) != len(schedulers) - 1:
             raise TrainerError(f"SequentialLR takes one milestone fewer than schedulers; got {len(schedulers)} "
                                f"schedulers and {len(milestones)} milestones")
-        self.trainer, self._schedulers, self._milestones = trainer, list(schedulers), [int(m) for m in milestones]
+        if milestones != sorted(milestones):
+            raise TrainerError(f"SequentialLR milestones must be in increasing order, got {milestones!r}")
+        self.trainer, self._schedulers, self._milestones = trainer, list(schedulers), milestones
         self.hyperparameter = schedulers[0].hyperparameter
         self.last_epoch = 0
         self._set(self.hyperparameter, _INITIAL[trainer][self.hyperparameter])
@@ -439,10 +448,11 @@ class ReduceLROnPlateau(LRScheduler):
             _check_number(f"ReduceLROnPlateau {option}", value)
         if _check_number("ReduceLROnPlateau factor", factor) >= 1.0:
             raise TrainerError(f"ReduceLROnPlateau factor must be < 1, got {factor!r}")
-        if mode not in ("min", "max"):
-            raise TrainerError(f"ReduceLROnPlateau mode must be 'min' or 'max', got {mode!r}")
-        if threshold_mode not in ("rel", "abs"):
-            raise TrainerError(f"ReduceLROnPlateau threshold_mode must be 'rel' or 'abs', got {threshold_mode!r}")
+        _check_choice("ReduceLROnPlateau mode", mode, ("min", "max"))
+        _check_choice("ReduceLROnPlateau threshold_mode", threshold_mode, ("rel", "abs"))
+        _check_int("ReduceLROnPlateau patience", patience, minimum=0)
+        _check_int("ReduceLROnPlateau cooldown", cooldown, minimum=0)
+        _check_hyperparameter_name("ReduceLROnPlateau", hyperparameter)
         _hyperparameters(trainer, hyperparameter)
         self.trainer, self.hyperparameter = trainer, hyperparameter
         self.mode, self.factor, self.patience, self.threshold = mode, factor, patience, threshold
@@ -486,9 +496,49 @@ def _check_number(name: str, value, minimum: float = 0.0) -> float:
     return float(value)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TrainerError(f"{name} must be an integer >= 1, got {value!r}")
+def _check_int(name: str, value, minimum: int = 1) -> int:
+    """``value``, refused unless an integer >= ``minimum`` (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise TrainerError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TrainerError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise TrainerError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_hyperparameter_name(kind: str, name) -> None:
+    if not isinstance(name, str):
+        raise TrainerError(f"{kind} hyperparameter must be a name (a string), got {name!r}")
+
+
+def _check_milestones(name: str, milestones) -> List[int]:
+    """``milestones`` as a list, refused unless a list or tuple of integers >= 0."""
+    if not isinstance(milestones, (list, tuple)):
+        raise TrainerError(f"{name} must be a list of integers >= 0 (epochs), got {milestones!r}")
+    return [_check_int(f"{name}[{i}]", m, minimum=0) for i, m in enumerate(milestones)]
+
+
+def _check_phases(phases: Sequence[list], total_steps: int, pct_start: float) -> None:
+    """Refuses a OneCycleLR phase of no width that a step reaches (torch's divides by its
+    width): the first when pct_start * total_steps is 1, the last when it ends where the
+    one before does (pct_start 1; three_phase: 2 pct_start total_steps = total_steps + 1)."""
+    names = ["warm-up", "cool-down", "annealing"] if len(phases) == 3 else ["warm-up", "annealing"]
+    start = 0.0
+    for i, (end, *_) in enumerate(phases):
+        reached = i == 0 or i == len(phases) - 1  # a middle phase of no width is passed over
+        if end == start and reached:
+            raise TrainerError(f"OneCycleLR(total_steps={total_steps}, pct_start={pct_start!r}): its {names[i]} phase "
+                               f"has no steps (it starts and ends at step {end:g}); choose pct_start and total_steps "
+                               f"with pct_start * total_steps != 1" + (" and pct_start < 1" if len(phases) == 2 else
+                                                                        " and 2 * pct_start * total_steps != total_steps + 1"))
+        start = end
 
 
 def _check_schedulers(owner, trainer, schedulers: Sequence[LRScheduler]) -> None:

@@ -26,7 +26,8 @@ import onnx
 from normgrad import lora
 from normgrad._external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external
 from normgrad.graphs.tidy import tidy
-from normgrad.graphs.torch_exports import METADATA_PEFT, METADATA_TORCH_PARAMETERS, referenced_parameters
+from normgrad.graphs.torch_exports import (METADATA_EMBEDDINGS, METADATA_PEFT, METADATA_TORCH_PARAMETERS,
+                                          referenced_parameters)
 from normgrad.ops import IR_VERSION
 
 __all__ = ["export", "TorchExportError", "EXPORTERS", "OPSETS"]
@@ -98,8 +99,8 @@ def export(
             (``dynamo=True``, needs onnxscript).
         dynamic_axes: ``{input or output name: [axis, ...] or {axis: "dim name"}}``, e.g.
             ``{"x": {0: "batch", 2: "height", 3: "width"}}``; the other axes are static.
-        input_names, output_names: ONNX names of the inputs and outputs (default ``input_0``...,
-            ``output_0``...).
+        input_names: ONNX names of the inputs (default ``input_0``...).
+        output_names: ONNX names of the outputs (default ``output_0``...).
         opset: default-domain opset (torchscript 12-20, default 17; dynamo 18-21, default 18).
         external_data: write the frozen initializers (no ``requires_grad``; 1 KiB or more)
             to ``PATH.HASH.data`` beside the model (named by its content: the model and its data
@@ -113,12 +114,16 @@ def export(
         ``{initializer name: torch parameter name}`` for every parameter with
         ``requires_grad`` (buffers such as BatchNorm's running statistics are not in it);
         for a module holding a peft LoRA model, also ``normgrad.peft`` (its adapters, for
-        :func:`normgrad.lora.save_adapter` and :func:`normgrad.lora.merged_model`).
+        :func:`normgrad.lora.save_adapter` and :func:`normgrad.lora.merged_model`); for
+        trained nn.Embedding weights with ``padding_idx`` or ``scale_grad_by_freq``, also
+        ``normgrad.embeddings`` (torch's gradient semantics of their lookups, which the
+        exported Gather cannot carry: see :mod:`normgrad.graphs.torch_exports`).
 
     Raises:
         ImportError: torch (or, for dynamo, onnxscript) is not installed.
         TorchExportError: a bad argument, a parameter that did not become an initializer of
-            its own, or the exporter's own error.
+            its own, nn.Embedding modules sharing a weight with different ``padding_idx`` or
+            ``scale_grad_by_freq``, or the exporter's own error.
         OSError: ``path`` cannot be written (it is then unchanged).
     """
     torch = _import_torch()
@@ -137,18 +142,19 @@ def export(
 
     parameters = _trainable_parameters(module)
     frozen = (lambda name: name not in parameters) if external_data else (lambda name: False)
-    with _exportable_experts(module):
-        if exporter == "torchscript":
-            model, contents = _export_torchscript(torch, module, inputs, input_names, output_names, dynamic_axes, opset,
-                                                  frozen)
-        else:
-            model, contents = _export_dynamo(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
+    embeddings = _embedding_settings(torch, module)
+    export_module = _export_torchscript if exporter == "torchscript" else _export_dynamo
+    with _exportable_experts(module), _without_scale_grad_by_freq(torch, module):
+        model, contents = export_module(torch, module, inputs, input_names, output_names, dynamic_axes, opset, frozen)
     # onnxruntime warns at every session creation about each initializer no node reads
     # (e.g. transformers' position_ids buffer) and each constant CastLike (dynamo)
     tidy(model)
     recorded = {t.name: parameters[t.name] for t in model.graph.initializer if t.name in parameters}
     _check_parameters_kept(model, parameters, recorded, exporter)
     metadata = {**{p.key: p.value for p in model.metadata_props}, METADATA_TORCH_PARAMETERS: json.dumps(recorded)}
+    embeddings = _embedding_gradients(embeddings, parameters, recorded)
+    if embeddings:
+        metadata[METADATA_EMBEDDINGS] = json.dumps(embeddings, sort_keys=True)
     peft_adapters = lora.peft_metadata(module, {t.name for t in model.graph.initializer})
     if peft_adapters is not None:
         metadata[METADATA_PEFT] = peft_adapters
@@ -250,6 +256,57 @@ def _trainable_parameters(module) -> Dict[str, str]:
         if param.requires_grad:
             names[name] = first.setdefault(id(param), name)
     return names
+
+
+def _embedding_settings(torch, module) -> List[Tuple[str, Dict[str, Any]]]:
+    """(name, {"padding_idx", "scale_grad_by_freq"}) of every nn.Embedding in ``module``,
+    under each of its names."""
+    return [(name, {"padding_idx": embedding.padding_idx, "scale_grad_by_freq": bool(embedding.scale_grad_by_freq)})
+            for name, embedding in module.named_modules(remove_duplicate=False)
+            if isinstance(embedding, torch.nn.Embedding)]
+
+
+@contextlib.contextmanager
+def _without_scale_grad_by_freq(torch, module):
+    """nn.Embedding's scale_grad_by_freq off while exporting: it changes no forward value,
+    the TorchScript exporter refuses it in training mode, and the metadata carries it."""
+    scaled = [m for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.scale_grad_by_freq]
+    try:
+        for embedding in scaled:
+            embedding.scale_grad_by_freq = False
+        yield
+    finally:
+        for embedding in scaled:
+            embedding.scale_grad_by_freq = True
+
+
+def _embedding_gradients(embeddings: Sequence[Tuple[str, Dict[str, Any]]], parameters: Mapping[str, str],
+                         recorded: Mapping[str, str]) -> Dict[str, Dict[str, Any]]:
+    """``normgrad.embeddings``: {initializer: {"padding_idx", "scale_grad_by_freq"}} of each
+    trained weight of the nn.Embedding modules ``embeddings`` (:func:`_embedding_settings`)
+    that set either (the graph's Gather cannot say).
+
+    Raises:
+        TorchExportError: nn.Embedding modules sharing a weight differ in these settings
+            (the graph's lookups of the one weight cannot be told apart)."""
+    initializer_of = {name: initializer for initializer, name in recorded.items()}
+    found: Dict[str, Tuple[str, Dict[str, Any]]] = {}
+    for name, semantics in embeddings:
+        initializer = initializer_of.get(parameters.get(f"{name}.weight" if name else "weight"))
+        if initializer is None:  # frozen, or not read by the graph
+            continue
+        first, settings = found.setdefault(initializer, (name, semantics))
+        if settings != semantics:
+            raise TorchExportError(
+                f"nn.Embedding modules {first!r} ({_settings(settings)}) and {name!r} ({_settings(semantics)}) share "
+                "one weight: the exported lookups of that weight cannot be told apart, so their torch gradients cannot "
+                "be kept; give them the same padding_idx and scale_grad_by_freq")
+    return {initializer: settings for initializer, (_, settings) in found.items()
+            if settings["padding_idx"] is not None or settings["scale_grad_by_freq"]}
+
+
+def _settings(semantics: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in semantics.items())
 
 
 def _check_parameters_kept(model: onnx.ModelProto, parameters: Mapping[str, str], recorded: Mapping[str, str], exporter: str) -> None:

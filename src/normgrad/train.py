@@ -12,12 +12,13 @@ copies of the weights' size instead of 6.
 
 Learning-rate schedules are plain Python functions of the 1-based step
 (:mod:`normgrad.schedules`: :func:`constant`, :func:`linear_warmup`, :func:`cosine`); the
-onnxruntime plumbing (sessions, the graph onnxruntime runs, external data, the step gate) is
-in :mod:`normgrad._session`. The Trainer's methods live by concern: construction, stepping
-and the data-parallel hooks here; the state, checkpoints and exported files in
-:mod:`normgrad._state`; checking a batch in :mod:`normgrad._batches`; evaluation in
-:mod:`normgrad._evaluation` (each a base class of :class:`Trainer`); the hyperparameters in
-:mod:`normgrad._hyperparameters`; ``fit`` in :mod:`normgrad.loop`.
+Trainer is composed of parts it holds, each an object with a small interface: the step graph
+read and checked (:class:`normgrad._step_graph.StepGraph`); its sessions and their runs
+(:class:`normgrad._session.TrainerSession`: the graph onnxruntime runs, external data, the
+step gate); the checks of a batch (:class:`normgrad._batches.BatchFeeds`); the state, step
+count, seed and hyperparameters with their checkpoints (:class:`normgrad._state.TrainerState`,
+:class:`normgrad._hyperparameters.Hyperparameters`); evaluation
+(:class:`normgrad._evaluation.Evaluation`). ``fit`` is :func:`normgrad.loop.fit`.
 
 **Data-parallel wrappers.** Three methods are the hooks a data-parallel (e.g. MPI) subclass
 overrides, each a no-op here:
@@ -37,25 +38,22 @@ overrides, each a no-op here:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
 
 from normgrad import checkpoint as checkpoints
-from normgrad._batches import BatchFeeds, _unpack_dict
+from normgrad._batches import BatchFeeds, unpack_dict
 from normgrad._evaluation import EvalResult, Evaluation
-from normgrad._external_data import uses_external_data
+from normgrad._external_data import save_models_external
 from normgrad._files import PathLike
 from normgrad._hyperparameters import Hyperparameters, graph_defaults
-from normgrad._session import (APPLIED, _SPLIT_LOSS, TrainerError, _check_external_data, _check_reserved_names,
-                               _check_step_metadata, _exported_eval_graph, _external_data_options, _files_read,
-                               _gate_state_updates,
-                               _keep_bfloat16_initializers, _load_step_graph, _metadata_json, _np_dtype, _Part,
-                               training_session_options)
-from normgrad._state import SEED_METADATA, STEP_METADATA, TrainerState
+from normgrad._session import TrainerSession, keep_bfloat16_initializers, prepare_session_options, training_session_options
+from normgrad._state import SEED_METADATA, STEP_METADATA, TrainerState, initial_seed, writing
+from normgrad._step_graph import StepGraph, evaluation_graph_and_files
+from normgrad.errors import TrainerError
 from normgrad.schedules import Schedule, constant, cosine, linear_warmup
 
 __all__ = ["Trainer", "TrainerError", "StepResult", "EvalResult", "constant", "linear_warmup", "cosine",
@@ -85,7 +83,7 @@ class StepResult:
 
 
 
-class Trainer(TrainerState, BatchFeeds, Evaluation):
+class Trainer:
     """Trains with a step graph, keeping its state in onnxruntime.
 
     Args:
@@ -95,11 +93,17 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             :meth:`save` wrote), the checkpoint's ``ModelProto``, a
             :class:`normgrad.checkpoint.Checkpoint`, or ``{name: array}`` (the initial state
             ``build_step_graph`` returns).
-        lr, weight_decay, betas, eps, momentum, dampening, max_grad_norm: the optimizer's
-            hyperparameters, each a number or a schedule ``f(step) -> value`` of the 1-based
-            optimizer step (``betas``: a pair of them); None keeps the checkpoint's value, else
-            the step graph's (its export value; lr 1e-3 for a graph that stores none). Only those
-            the step graph takes (:attr:`hyperparameters`); set them between steps there.
+        lr: the learning rate. It and the optimizer's other hyperparameters below are each
+            a number or a schedule ``f(step) -> value`` of the 1-based optimizer step; None
+            keeps the checkpoint's value, else the step graph's (its export value; lr 1e-3 for
+            a graph that stores none). Only those the step graph takes
+            (:attr:`hyperparameters`); set them between steps there.
+        weight_decay: the weight decay.
+        betas: Adam's ``(beta1, beta2)``, a pair of numbers or schedules.
+        eps: Adam's epsilon.
+        momentum: SGD's momentum.
+        dampening: SGD's dampening.
+        max_grad_norm: the global gradient norm clipped to.
         accumulation: micro-batches per optimizer step: :meth:`step` splits its batch along
             axis 0 into this many equal parts and averages their gradients.
         providers: onnxruntime execution providers (default ``["CPUExecutionProvider"]``).
@@ -157,140 +161,34 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
     ):
         import onnxruntime
 
-        from normgrad.graphs import optimizers, step_graph, structure
-
-        self._ort = onnxruntime
-        self._eval_path = None if eval_model is None or isinstance(eval_model, onnx.ModelProto) else eval_model
-        model = step_model if isinstance(step_model, onnx.ModelProto) else _load_step_graph(step_model)
-        if external_data_folder is None and not isinstance(step_model, onnx.ModelProto):
-            external_data_folder = os.path.dirname(os.path.abspath(os.fspath(step_model)))
-        self.external_data_folder = os.path.abspath(os.fspath(external_data_folder or os.getcwd()))
-        _check_step_metadata(model)
-        _check_reserved_names(model)
-        metadata = {e.key: e.value for e in model.metadata_props}
-        missing = [k for k in ("normgrad.state", "normgrad.parameters", "normgrad.data_inputs", "normgrad.optimizer")
-                   if k not in metadata]
-        if missing:
-            raise TrainerError(f"not a step graph (metadata {missing[0]} missing): write one with "
-                               "`normgrad export --loss ... --optimizer ...` or normgrad.graphs.build_step_graph")
-        if not isinstance(accumulation, int) or accumulation < 1:
-            raise TrainerError(f"accumulation must be an integer >= 1, got {accumulation!r}")
-        if kernels not in ("auto", "cpp", None):
-            raise TrainerError(f"kernels must be 'auto', 'cpp' or None, got {kernels!r}")
-        if nonfinite not in ("raise", "skip"):
-            raise TrainerError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        self.nonfinite = nonfinite
-        self.skipped_steps = 0
-        self.accumulation = accumulation
-        self.step_model = model
-        self._state_map: Dict[str, str] = _metadata_json(metadata, "normgrad.state", dict)
-        self.parameters: List[str] = _metadata_json(metadata, "normgrad.parameters", list)
-        self.data_inputs: List[str] = _metadata_json(metadata, "normgrad.data_inputs", list)
-        self._loss_metadata = _metadata_json(metadata, "normgrad.loss", dict) if "normgrad.loss" in metadata else {}
-        inputs = {i.name: i for i in model.graph.input}
-        outputs = {o.name for o in model.graph.output}
-        for name, next_value in self._state_map.items():
-            if not isinstance(name, str) or name not in inputs or next_value not in outputs:
-                raise TrainerError(f"corrupt step graph: metadata normgrad.state names {name!r} -> {next_value!r}, "
-                                   "which is not one of its inputs and outputs")
-        for name in self.data_inputs + self.parameters:
-            if not isinstance(name, str) or name not in inputs:
-                raise TrainerError(f"corrupt step graph: its metadata names {name!r}, which is not one of its inputs")
-        self._classes = self._class_count()
-        self._expected = {name: (_np_dtype(inputs[name]), tuple(d.dim_value for d in inputs[name].type.tensor_type.shape.dim))
-                          for name in self._state_map}
-        self._device = (device, device_id)
-        providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
+        graph = StepGraph(step_model, external_data_folder)
+        _check_options(accumulation, kernels, nonfinite)
+        self.nonfinite, self.accumulation, self.skipped_steps = nonfinite, accumulation, 0
+        self.step_model, self.external_data_folder = graph.model, graph.external_data_folder
+        self.parameters, self.data_inputs = graph.parameters, graph.data_inputs
+        self._graph = graph
         options = session_options if session_options is not None else training_session_options(onnxruntime)
-        _keep_bfloat16_initializers(model, options)
-        step_path = None if isinstance(step_model, onnx.ModelProto) else step_model
-        self._read_files = _files_read(model, step_path, self.external_data_folder, "step graph")
-        exported_eval = _exported_eval_graph(step_path)
-        if exported_eval is not None:  # normgrad export's set: the evaluation graph beside the step graph
-            self._read_files.append(("the evaluation graph exported with the step graph", exported_eval))
-        self._checkpoint_files: List[Tuple[str, PathLike]] = []
-        if eval_model is not None and not isinstance(eval_model, onnx.ModelProto):
-            eval_model = _load_step_graph(eval_model, "evaluation graph")
-            self._read_files += _files_read(eval_model, self._eval_path, self.external_data_folder, "evaluation graph")
-        for graph, what in ((model, "step graph"), (eval_model, "evaluation graph")):
-            if graph is not None:
-                _check_step_metadata(graph, what)
-                _check_external_data(graph, self.external_data_folder, what)
-        if any(uses_external_data(t) for t in model.graph.initializer) or (
-                eval_model is not None and any(uses_external_data(t) for t in eval_model.graph.initializer)):
-            _external_data_options(options, self.external_data_folder)
-        if kernels is not None:
-            import normgrad
-
-            try:
-                normgrad.session_options("cpp", options)
-            except FileNotFoundError:
-                if kernels == "cpp":
-                    raise
+        keep_bfloat16_initializers(graph.model, options)
+        eval_model, read_files = evaluation_graph_and_files(graph, eval_model)
+        prepare_session_options(options, graph, eval_model, kernels)
         self.split = accumulation > 1 or type(self).reduce_gradients is not Trainer.reduce_gradients
-        try:
-            self.forward_outputs: List[str] = step_graph.forward_outputs(model)
-        except ValueError:
-            self.forward_outputs = []
-        self._session_arguments = (options, providers)
-        self._eval_source = eval_model
-        self._evaluation: Optional[_Part] = None
-        # outputs only the step graph's forward tail computes (a bias Add the loss absorbed) would
-        # cost onnxruntime a pass each step: a second session has them, built at the first step
-        # asking for one (its frozen initializers would otherwise be held twice from the start)
-        computed = {o for node in model.graph.node for o in node.output}
-        self._tail_outputs = {o for o in self.forward_outputs if o not in computed}
-        everyday = [o for o in self.forward_outputs if o in computed]
-        if self.split:
-            try:
-                gradient_graph = step_graph.build_gradient_graph(model)
-                gradient = step_graph.expose_forward_outputs(gradient_graph, everyday)
-                kind, hyper = optimizers.optimizer_options(model)
-            except (ValueError, KeyError, TypeError) as error:
-                raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
-            shapes = {p: list(self._expected[p][1]) for p in self.parameters}
-            optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
-            grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
-            self._gradient = _Part(onnxruntime, gradient, options, providers, grad_state)
-            tail_model = step_graph.expose_forward_outputs(gradient_graph, self.forward_outputs) \
-                if self._tail_outputs else None
-            self._tail_state = grad_state
-            gated = _gate_state_updates(optimizer, self._state_map, [f"{p}_grad" for p in self.parameters], _SPLIT_LOSS)
-            self._optimizer = _Part(onnxruntime, gated, options, providers, self._state_map)
-            self._accumulators = [p + step_graph.ACCUMULATOR_SUFFIX for p in self.parameters]
-            self._zeros = {a: self._ortvalue(np.zeros(self._expected[p][1], np.float32))
-                           for a, p in zip(self._accumulators, self.parameters)}
-            parts = [self._gradient, self._optimizer]
-        else:
-            def gated_step(exposed_outputs):
-                exposed = step_graph.expose_forward_outputs(model, exposed_outputs)
-                return _gate_state_updates(exposed, self._state_map, [f"{p}_grad" for p in self.parameters], "loss")
-
-            self._step_part = _Part(onnxruntime, gated_step(everyday), options, providers, self._state_map)
-            tail_model = gated_step(self.forward_outputs) if self._tail_outputs else None
-            self._tail_state = self._state_map
-            parts = [self._step_part]
-        # one buffer for a tensor only if every part that updates it can do so in place
-        self._in_place = {name for name in self._state_map
-                          if all(name in part.in_place for part in parts if name in part.state)}
-        self._tail_model = tail_model
-        self._tail_part: Optional[_Part] = None
-        if self._tail_model is not None:  # what the tail reads (the bias) is not updated in place
-            tail_inputs = {i.name for i in self._tail_model.graph.input}
-            tail_state = {name: out for name, out in self._tail_state.items() if name in tail_inputs}
-            self._in_place -= set(tail_state) - structure.in_place_updates(self._tail_model.graph, tail_state)
-        self._buffers: Dict[str, List] = {}
-        self._current: Dict[str, int] = {}
-        self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
-        self._applied = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
-        self._seed = self._initial_seed(metadata, seed)
-        self.hyperparameters = self._hyperparameters(model, self._step_part.inputs if not self.split
-                                                     else self._optimizer.inputs)
-        self._set_state(checkpoint)
+        providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
+        self._session = TrainerSession(onnxruntime, graph, accumulation, self.split, options, providers)
+        self.forward_outputs = self._session.forward_outputs
+        self._feeds = BatchFeeds(graph, accumulation, self.forward_outputs)
+        self._evaluation = Evaluation(graph, eval_model, self._session, self._feeds)
+        first_seed = initial_seed(graph, seed)
+        self.hyperparameters = _graph_hyperparameters(graph.model, lambda: self._state.step + 1)
+        self._state = TrainerState(onnxruntime, graph.expected, (device, device_id), self._session.in_place,
+                                   self._session.accumulators, read_files, first_seed, self.hyperparameters)
+        self._state.load(checkpoint, self.broadcast_state)
         if seed is not None:
-            self._seed = int(seed)
-        given = dict(lr=lr, weight_decay=weight_decay, eps=eps, momentum=momentum, dampening=dampening,
-                     max_grad_norm=max_grad_norm)
+            self._state.seed = int(seed)
+        self._set_hyperparameters(dict(lr=lr, weight_decay=weight_decay, eps=eps, momentum=momentum,
+                                       dampening=dampening, max_grad_norm=max_grad_norm), betas)
+
+    def _set_hyperparameters(self, given: Dict[str, object], betas) -> None:
+        """Sets the hyperparameters given to the constructor (None: kept)."""
         if betas is not None:
             if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                 raise TrainerError(f"betas must be a pair (beta1, beta2) of numbers or schedules; got {betas!r}")
@@ -299,30 +197,6 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
             if value is not None:
                 self.hyperparameters.set(name, value)
 
-    def _with_tail(self) -> _Part:
-        """The step's (or, split, the gradients') session that also computes the forward tail's
-        outputs, built at the first step asking for one."""
-        if self._tail_part is None:
-            part = _Part(self._ort, self._tail_model, *self._session_arguments, self._tail_state)
-            unsafe = (self._in_place & set(part.state)) - part.in_place
-            if unsafe:  # the graph onnxruntime runs reads them after their update: not seen before it ran
-                raise TrainerError(f"internal error: the session computing {sorted(self._tail_outputs)} would read "
-                                   f"{sorted(unsafe)} after their in-place update; please report it")
-            self._tail_part = part
-        return self._tail_part
-
-    def _hyperparameters(self, model: onnx.ModelProto, inputs) -> Hyperparameters:
-        """The step graph's hyperparameters at their defaults (:func:`graph_defaults`)."""
-        from normgrad.graphs import optimizers, step_graph
-
-        try:
-            kind, options = optimizers.optimizer_options(model)
-        except (ValueError, KeyError, TypeError) as error:
-            raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
-        structural = {name: options[name] for name in ("nesterov", "amsgrad") if name in options}
-        self._hyperparameter_inputs = inputs
-        return Hyperparameters(kind, graph_defaults(model), structural, lambda: self._step + 1)
-
     @property
     def schedule(self) -> Schedule:
         """The learning rate as a function of the 1-based step (``hyperparameters["lr"]``'s)."""
@@ -330,7 +204,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
 
     def lr(self, step: Optional[int] = None) -> float:
         """The learning rate of ``step`` (default: the next step)."""
-        return self.hyperparameters.value("lr", self._step + 1 if step is None else step)
+        return self.hyperparameters.value("lr", self._state.step + 1 if step is None else step)
 
     # -- hooks for data-parallel subclasses -------------------------------------------------
 
@@ -350,47 +224,7 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         gradients the optimizer applies. A data-parallel subclass averages them over ranks."""
         return gradients
 
-    def _dropout_feeds(self, part: "_Part", micro_batch: int = 0) -> Dict[str, np.ndarray]:
-        """The seed (and micro-batch index) inputs of a part with seeded Dropout."""
-        from normgrad.graphs import rewrites
-
-        feeds = {rewrites.DROPOUT_SEED_INPUT: np.array(self._seed, np.int64),
-                 rewrites.DROPOUT_MICRO_BATCH_INPUT: np.array(micro_batch, np.int64)}
-        return {name: value for name, value in feeds.items() if name in part.inputs}
-
-    # -- running ----------------------------------------------------------------------------
-
-    def _run(self, part: _Part, feeds: Mapping[str, object], replace: Mapping[str, object] = {},
-             fetched: Optional[Dict[str, object]] = None) -> float:
-        """Runs ``part`` with ``feeds`` and the trainer's state tensors it reads bound from the
-        current buffers (or ``replace``); the next values of the state it updates go into the
-        other buffers, which then become current. Returns the loss; sets each key of
-        ``fetched`` to that output's value (a NumPy array)."""
-        binding = part.binding
-        binding.clear_binding_outputs()  # outputs fetched by an earlier run are not fetched again
-        for name, value in feeds.items():
-            if isinstance(value, np.ndarray):
-                binding.bind_cpu_input(name, value)
-            else:
-                binding.bind_ortvalue_input(name, value)
-        for name in part.inputs:
-            if name in self._buffers and name not in feeds:
-                binding.bind_ortvalue_input(name, replace.get(name, self._value(name)))
-        for name, next_value in part.state.items():
-            binding.bind_ortvalue_output(next_value, self._buffers[name][1 - self._current[name]])
-        if "loss" in part.outputs:
-            binding.bind_ortvalue_output("loss", self._loss)
-        if APPLIED in part.outputs:
-            binding.bind_ortvalue_output(APPLIED, self._applied)
-        for name in fetched or {}:  # bound last: get_outputs() lists the outputs in binding order
-            binding.bind_output(name, "cpu")
-        part.session.run_with_iobinding(binding)
-        if fetched:
-            values = binding.get_outputs()[-len(fetched):]
-            fetched.update((name, np.array(value.numpy(), copy=True)) for name, value in zip(list(fetched), values))
-        for name in part.state:
-            self._current[name] = 1 - self._current[name]
-        return float(self._loss.numpy()) if "loss" in part.outputs else float("nan")
+    # -- stepping and evaluating ------------------------------------------------------------
 
     def step(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> Union[float, StepResult]:
         """One optimizer step on a batch: the step graph's data inputs positionally in
@@ -405,68 +239,23 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
                 rate that is not a finite number >= 0, or (``nonfinite="raise"``) a
                 non-finite loss or gradient. The state and step count are then unchanged,
                 as they are when onnxruntime raises during the step."""
-        batch, named = _unpack_dict(batch, named)
-        fetched = self._requested(outputs)
-        feeds = self._batch(batch, named)
-        step = self._step + 1
-        scalars = {**self.hyperparameters.feeds(step, self._hyperparameter_inputs), "step": np.array(step, np.float32)}
-        if not self.split:
-            part = self._with_tail() if self._tail_outputs & set(fetched) else self._step_part
-            loss = self._run(part, {**feeds, **scalars, **self._dropout_feeds(part)}, fetched=fetched)
-        else:
-            loss = self._split_step(feeds, scalars, fetched)
-        if not bool(self._applied.numpy()):
+        batch, named = unpack_dict(batch, named)
+        fetched = self._feeds.requested(outputs)
+        feeds = self._feeds.feeds(batch, named)
+        step = self._state.step + 1
+        scalars = {**self.hyperparameters.feeds(step, self._session.hyperparameter_inputs),
+                   "step": np.array(step, np.float32)}
+        loss = self._session.step(self._state, feeds, scalars, fetched, self.reduce_gradients)
+        if not self._session.applied:
             self.skipped_steps += 1
             if self.nonfinite == "raise":
                 raise TrainerError(f"step {step}: the loss ({loss}) or a gradient is not finite; the state is unchanged "
                                    "(Trainer(..., nonfinite='skip') skips such steps)")
         else:
-            self._step = step
+            self._state.step = step
         if outputs is None:
             return loss
-        return StepResult(loss=loss, outputs=fetched, step=self._step, lr=float(scalars["lr"]))
-
-    def _split_step(self, feeds: Dict[str, np.ndarray], scalars: Dict[str, np.ndarray], fetched=None) -> float:
-        """Gradient graph per micro-batch, then the optimizer graph; the gradient graph's own
-        state (running statistics) is restored when the step raises or is not applied."""
-        kept = {name: self._value(name).numpy().copy() for name in self._gradient.state if name not in self._zeros}
-        try:
-            loss = self._accumulate(feeds, scalars["step"], fetched)
-            gradients = {p: self._value(a) for p, a in zip(self.parameters, self._accumulators)}
-            gradients = self.reduce_gradients(gradients)
-            self._run(self._optimizer, {**scalars, _SPLIT_LOSS: np.array(loss, np.float32),
-                                        **{f"{p}_grad": gradients[p] for p in self.parameters}})
-        except BaseException:
-            self._restore(kept)
-            raise
-        if not bool(self._applied.numpy()):
-            self._restore(kept)
-        return loss
-
-    def _restore(self, kept: Mapping[str, np.ndarray]) -> None:
-        for name, value in kept.items():
-            self._value(name).update_inplace(value)
-
-    def _accumulate(self, feeds: Dict[str, np.ndarray], step: np.ndarray,
-                    fetched: Optional[Dict[str, object]] = None) -> float:
-        k = self.accumulation
-        scale = np.array(1.0 / k, np.float32)
-        losses = []
-        parts: Dict[str, List[np.ndarray]] = {name: [] for name in fetched or {}}
-        gradient = self._with_tail() if self._tail_outputs & set(parts) else self._gradient
-        for i in range(k):
-            micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
-            dropout = self._dropout_feeds(gradient, i)
-            if dropout:
-                micro.update(dropout, step=step)
-            fetched_micro = dict.fromkeys(parts)
-            losses.append(self._run(gradient, {**micro, "grad_scale": scale}, self._zeros if i == 0 else {},
-                                    fetched=fetched_micro))
-            for name, value in fetched_micro.items():
-                parts[name].append(value)
-        for name, values in parts.items():  # a scalar output gets one entry per micro-batch
-            fetched[name] = np.concatenate(values) if values[0].ndim else np.stack(values)
-        return float(np.mean(losses))
+        return StepResult(loss=loss, outputs=fetched, step=self._state.step, lr=float(scalars["lr"]))
 
     def steps(self, batches: Iterable, epochs: int = 1, outputs: Optional[Sequence[str]] = None) -> Iterator[StepResult]:
         """Takes one :meth:`step` per batch of ``batches``, ``epochs`` times over, yielding a
@@ -499,6 +288,16 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
                          if epoch > 1 else "")
                 raise TrainerError(f"batches yielded no batch in epoch {epoch}{again}")
 
+    def evaluate(self, *batch, outputs: Optional[Sequence[str]] = None, **named) -> EvalResult:
+        """The loss and forward outputs of a batch in eval mode (BatchNorm on its running
+        statistics, Dropout off, as torch's ``model.eval()``) with the current state, and no
+        update: no weight, optimizer tensor, running statistic or step count changes. The
+        batch is given as to :meth:`step` (labels included), whole (not split into
+        micro-batches). ``outputs``: the forward outputs to return (default: all that the
+        evaluation graph computes)."""
+        batch, named = unpack_dict(batch, named)
+        return self._evaluation.evaluate(self._state, batch, named, outputs)
+
     def fit(self, train, **options):
         """Epochs over ``train`` with evaluation, callbacks, early stopping, a scheduler,
         checkpoints, resume and logs: :func:`normgrad.loop.fit` (its arguments, its
@@ -506,3 +305,127 @@ class Trainer(TrainerState, BatchFeeds, Evaluation):
         from normgrad.loop import fit
 
         return fit(self, train, **options)
+
+    # -- the state, checkpoints and the files written from them -----------------------------
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken so far (the checkpoint's ``normgrad.step``)."""
+        return self._state.step
+
+    @property
+    def seed(self) -> int:
+        """The Dropout seed (saved in checkpoints; see the ``seed`` argument)."""
+        return self._state.seed
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """A copy of every state tensor (weights, optimizer state, running statistics)."""
+        return self._state.state_dict()
+
+    def save(self, path: PathLike) -> None:
+        """Writes the state and the step count to ``path`` atomically (a temporary file in the
+        same folder, then renamed; a crash leaves the previous file). Reloading it gives
+        bitwise the same state, and training on from it bitwise the same steps."""
+        if self.is_saving_rank:
+            self._state.save(path)
+
+    def load(self, path: Union[PathLike, onnx.ModelProto, checkpoints.Checkpoint]) -> None:
+        """Replaces the state and step count (and the Dropout seed, if it holds one) with a checkpoint's.
+
+        Raises:
+            TrainerError: a tensor missing, extra, or of another dtype or shape than the step graph's.
+        """
+        self._state.load(path, self.broadcast_state)
+
+    def inference_model(self) -> onnx.ModelProto:
+        """The forward model with the trained weights and running statistics as initializers,
+        BatchNormalization in inference mode and Dropout as Identity: any onnxruntime runs it."""
+        from normgrad.graphs.step_graph import build_inference_model
+
+        return build_inference_model(self.step_model, self.state_dict())
+
+    def export_inference_model(self, path: PathLike) -> None:
+        """Writes :meth:`inference_model` to ``path`` atomically (with a frozen base in external
+        data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
+        if self.is_saving_rank:
+            self._state.refuse_overwriting({"inference model": path})
+            with writing("inference model", path):
+                save_models_external({path: self.inference_model()}, self.external_data_folder)
+
+    def save_adapter(self, directory: PathLike) -> None:
+        """Writes the trained LoRA adapters as peft's ``adapter_model.safetensors`` +
+        ``adapter_config.json`` in ``directory`` (:func:`normgrad.lora.save_adapter`; the step
+        graph must come from a peft model exported with :func:`normgrad.torch.export`)."""
+        from normgrad import lora
+
+        if self.is_saving_rank:
+            self._state.refuse_overwriting({"adapter " + name: os.path.join(directory, name)
+                                            for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG)})
+            with writing("adapter folder", directory):
+                lora.save_adapter(directory, self.step_model, self.state_dict())
+
+    def export_merged_model(self, path: PathLike) -> None:
+        """Writes the inference model with the trained LoRA adapters folded into their base
+        weights (:func:`normgrad.lora.merged_model`) to ``path`` atomically (with a frozen base in
+        external data, or past 1 GiB of weights, its weights in ``PATH.HASH.data`` beside it)."""
+        from normgrad import lora
+
+        if self.is_saving_rank:
+            self._state.refuse_overwriting({"merged model": path})
+            # the merged weights of an external base are computed one at a time as they are written
+            merged, merged_weights = lora.merged_model_streamed(self.step_model, self.state_dict(),
+                                                                self.external_data_folder)
+            with writing("merged model", path):
+                save_models_external({path: merged}, self.external_data_folder, contents=merged_weights)
+
+    # -- what tests, normgrad.loop and normgrad.metrics read of the parts ---------------------
+
+    @property
+    def _loss_metadata(self) -> Dict[str, object]:
+        return self._graph.loss
+
+    @property
+    def _expected(self) -> Dict[str, Tuple[np.dtype, Tuple[int, ...]]]:
+        return self._graph.expected
+
+    @property
+    def _state_map(self) -> Dict[str, str]:
+        return self._graph.state
+
+    @property
+    def _in_place(self) -> set:
+        return self._session.in_place
+
+    @property
+    def _step_part(self):
+        return self._session.step_part
+
+    @property
+    def _gradient(self):
+        return self._session.gradient
+
+    @property
+    def _tail_part(self):
+        return self._session.tail_part
+
+
+def _check_options(accumulation, kernels, nonfinite) -> None:
+    if not isinstance(accumulation, int) or accumulation < 1:
+        raise TrainerError(f"accumulation must be an integer >= 1, got {accumulation!r}")
+    if kernels not in ("auto", "cpp", None):
+        raise TrainerError(f"kernels must be 'auto', 'cpp' or None, got {kernels!r}")
+    if nonfinite not in ("raise", "skip"):
+        raise TrainerError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+
+
+def _graph_hyperparameters(model: onnx.ModelProto, next_step) -> Hyperparameters:
+    """The step graph's hyperparameters at their defaults (:func:`graph_defaults`);
+    ``next_step()``: the step a schedule is evaluated at by default."""
+    from normgrad.graphs import optimizers
+
+    try:
+        kind, options = optimizers.optimizer_options(model)
+    except (ValueError, KeyError, TypeError) as error:
+        raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
+    structural = {name: options[name] for name in ("nesterov", "amsgrad") if name in options}
+    return Hyperparameters(kind, graph_defaults(model), structural, next_step)

@@ -135,8 +135,12 @@ class ModelCheckpoint(Callback):
     def on_evaluation_end(self, loop, record: Dict[str, float]) -> None:
         if self.monitor is not None and self.save_top_k != 0:
             self._consider(loop, record)
+        if self.save_last and not loop.at_epoch_end:  # an epoch's end writes in on_epoch_end
+            self._save_last(loop)
+
+    def on_epoch_end(self, loop, record: Dict[str, float]) -> None:
         epoch_due = self.every_n_epochs is not None and loop.epoch % self.every_n_epochs == 0
-        if self.save_last and (not loop.at_epoch_end or epoch_due or loop.should_stop):
+        if self.save_last and (epoch_due or loop.should_stop):
             self._save_last(loop)
 
     def state_dict(self) -> Dict[str, Any]:
