@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import assert_step_matches_inline, cpp_available, cpp_results_by_loop_and_threads
+from _helpers import assert_step_matches_inline, cpp_available, cpp_results_by_loop_and_threads
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.patterns import _declarative

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import _update_checks
-
-from conftest import cpp_available
 from normgrad.ops import NormgradInputError, adam_update, harness
+
+import _update_checks
+from _helpers import cpp_available
 
 HYPERPARAMETERS = {"one_minus_beta1": 0.1, "beta2": 0.999, "one_minus_beta2": 0.001, "epsilon": 1e-8}
 BACKENDS = ["functions", "python"] + (["cpp"] if cpp_available() else [])
@@ -158,3 +158,45 @@ def test_float64_evaluation_takes_the_scalar_inputs():
     for name, value in zip(adam_update.OUTPUTS, expected):
         assert got[name].dtype == np.float64
         np.testing.assert_allclose(got[name], value, rtol=1e-12, atol=0)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+BAD_SCALARS = [{"epsilon": NAN}, {"beta2": INF}, {"one_minus_beta1": -0.5}, {"one_minus_beta2": -INF}]
+"""Hyperparameters breaking AdamUpdate's rule (they are its inputs: no checker can see them)."""
+
+
+def _adam_inputs(value=1.0, **scalars):
+    inputs = {n: np.full([4] if n in adam_update.INPUTS[:4] else [], value, np.float32) for n in adam_update.INPUTS[:10]}
+    inputs.update({name: np.array(v, np.float32) for name, v in scalars.items()})
+    return inputs
+
+
+@pytest.mark.parametrize("scalars", BAD_SCALARS, ids=lambda d: next(iter(d)))
+@pytest.mark.parametrize("backend", ["reference", "functions", "python", "cpp"])
+def test_adam_update_skips_broken_hyperparameters_on_every_backend(scalars, backend):
+    """Issue 30 item 5: the kernels and the function body (Trainer(kernels=None)) all skip an
+    update whose hyperparameters break the rule: every output is its input, never NaN weights."""
+    from normgrad.ops import harness
+
+    if backend == "cpp" and not cpp_available():
+        pytest.skip("C++ library not built")
+    inputs = _adam_inputs(**scalars)
+    inputs["grad"] = np.arange(4, dtype=np.float32)
+    result = (dict(zip(adam_update.OUTPUTS, adam_update.reference(**inputs))) if backend == "reference"
+              else harness.run(backend, adam_update.OP_TYPE, inputs))
+    for output, state in zip(adam_update.OUTPUTS, ("param", "exp_avg", "exp_avg_sq")):
+        assert result[output].tobytes() == inputs[state].tobytes(), output
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ library not built")
+def test_adam_update_kernel_takes_valid_hyperparameters():
+    from normgrad.ops import harness
+
+    inputs = _adam_inputs(0.5, epsilon=0.0, beta2=0.0, one_minus_beta1=1.0)
+    got = harness.run("cpp", adam_update.OP_TYPE, inputs)
+    expected = adam_update.reference(**inputs)
+    assert not adam_update.skip_reason(inputs)
+    for name, truth in zip(adam_update.OUTPUTS, expected):
+        np.testing.assert_allclose(got[name], truth, rtol=1e-6)

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import cpp_available
+from _helpers import cpp_available
 from normgrad import mpi
 from normgrad.graphs import build_step_graph, build_training_graph, data_parallel, examples
 from normgrad.ops import NormgradInputError, all_reduce, harness

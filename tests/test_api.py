@@ -8,13 +8,15 @@ import sys
 import numpy as np
 import onnx
 import onnxruntime
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
 import normgrad
-from normgrad.ops import group_normalization_grad as gng
-from normgrad.ops import harness
+from normgrad.ops import DOMAIN, batch_norm_reduce_backward as bnr, group_normalization_grad as gng, harness
 from normgrad.tools import cli
+
+from _helpers import batch_norm_inputs
 
 
 def _gn_model():
@@ -122,6 +124,7 @@ def test_bench_names_the_cpu_from_its_first_processor(tmp_path):
     assert cpu_description(str(tmp_path / "absent")).endswith(f", {cores} cores")  # the platform's name alone
 
 
+@pytest.mark.slow
 def test_bench_train_quick_runs_and_agrees(capsys):
     """The output format of ``bench --train``, and the losses of the first two steps of
     every variant agreeing with cpp's (exit status 0); timings are not asserted."""
@@ -258,3 +261,70 @@ def test_session_options_register_once_per_options_object():
         ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     with pytest.raises(ValueError, match="already have normgrad's 'cpp' kernels"):
         normgrad.session_options("python", options)
+
+
+def _bnr_model(inputs, node_inputs, node_outputs, attributes):
+    """One BatchNormReduceBackward node exactly as given: no defaults written, omissions kept."""
+    node = helper.make_node(bnr.OP_TYPE, node_inputs, node_outputs, domain=DOMAIN, **attributes)
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(inputs[n].shape)) for n in node_inputs if n],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in node_outputs if n],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
+                             ir_version=normgrad.ops.IR_VERSION)
+
+
+BRIDGE_CASES = {
+    # attributes left to their defaults, weight omitted, trailing outputs omitted
+    "defaults": (["grad_out", "input", "mean", "invstd"], ["sum_dy", "sum_dy_xmu"], {}),
+    # a flag at 0 with its outputs omitted, the others named in the middle
+    "flag_off": (["grad_out", "input", "mean", "invstd", ""], ["", "", "grad_weight"], {"input_g": 0, "bias_g": 0}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BRIDGE_CASES))
+def test_python_backend_takes_nodes_relying_on_defaults_and_omissions(case):
+    node_inputs, node_outputs, attributes = BRIDGE_CASES[case]
+    inputs = batch_norm_inputs((2, 3, 5))
+    model = _bnr_model(inputs, node_inputs, node_outputs, attributes)
+    feeds = {n: inputs[n] for n in node_inputs if n}
+    with pytest.raises(Exception):  # what the bridge does with the node as written
+        ort.InferenceSession(model.SerializeToString(), normgrad.session_options("python"),
+                             providers=["CPUExecutionProvider"])
+    truth = bnr.reference(**feeds, **attributes)._asdict()
+    wanted = [n for n in node_outputs if n]
+    session = normgrad.inference_session(model, backend="python", providers=["CPUExecutionProvider"])
+    for name, value in zip(wanted, session.run(wanted, feeds)):
+        np.testing.assert_allclose(value, truth[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # the public helper, for users building their own sessions
+    prepared = normgrad.prepare_for_python_kernels(model)
+    own = ort.InferenceSession(prepared.SerializeToString(), normgrad.session_options("python"),
+                               providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(own.run(wanted, feeds), session.run(wanted, feeds))
+    assert [o.name for o in prepared.graph.output] == wanted
+    assert model.graph.node[0].output[:] == node_outputs  # the input model is not changed
+
+
+def test_python_rewrite_reaches_subgraphs():
+    """A node inside an If branch is rewritten too."""
+    inputs = {"x": np.random.default_rng(1).normal(size=(2, 4, 3)).astype(np.float32)}
+    stats = gng.reference  # the truth
+    gamma = np.ones((1, 4, 1), np.float32)
+    mean, rstd = np.zeros((2, 4), np.float32), np.ones((2, 4), np.float32)
+    consts = [helper.make_node("Constant", [], [n], value=onnx.numpy_helper.from_array(v))
+              for n, v in (("gamma", gamma), ("mean", mean), ("rstd", rstd))]
+    branch = helper.make_graph(
+        [helper.make_node(gng.OP_TYPE, ["x", "x", "gamma", "mean", "rstd"], ["dx"], domain=DOMAIN)], "then", [],
+        [helper.make_tensor_value_info("dx", onnx.TensorProto.FLOAT, None)],
+    )
+    cond = helper.make_node("Constant", [], ["cond"], value=onnx.numpy_helper.from_array(np.array(True)))
+    if_node = helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)
+    graph = helper.make_graph(consts + [cond, if_node], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4, 3])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
+                              ir_version=normgrad.ops.IR_VERSION)
+    session = normgrad.inference_session(model, backend="python", providers=["CPUExecutionProvider"])
+    expected = stats(inputs["x"], inputs["x"], gamma, mean, rstd).dx
+    np.testing.assert_allclose(session.run(["y"], inputs)[0], expected, rtol=1e-5, atol=1e-6)

@@ -11,11 +11,15 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from bad_inputs import CASES
+from onnx import helper
 
-from normgrad.ops import NormgradInputError
-from normgrad.ops import harness
+import normgrad
+from normgrad.ops import NormgradInputError, batch_norm_reduce_backward as bnr, harness
+
+from _helpers import batch_norm_inputs, cpp_available, run_in_tests_folder
+from bad_inputs import CASES
 
 HERE = pathlib.Path(__file__).parent
 
@@ -53,7 +57,7 @@ def test_python_kernels_survive_and_report():
 
 
 def test_cpp_kernels_reject_with_the_input_name():
-    from conftest import cpp_available
+    from _helpers import cpp_available
 
     if not cpp_available():
         pytest.skip("C++ library not built")
@@ -70,3 +74,101 @@ def test_function_bodies_fail_on_inconsistent_shapes(backend):
         if noticed:
             with pytest.raises(Exception):
                 harness.run(backend, op_type, inputs, static_shapes=False)
+
+
+needs_cpp = pytest.mark.skipif(not cpp_available(), reason="C++ library not built")
+
+
+BAD_ATTRIBUTES = [
+    ("float", helper.make_attribute("input_g", 0.0), "FLOAT"),
+    ("string", helper.make_attribute("input_g", "0"), "STRING"),
+    ("ints", helper.make_attribute("input_g", [0]), "INTS"),
+]
+
+
+def _with_attribute(attribute):
+    inputs = batch_norm_inputs((2, 3, 4))
+    model = harness.node_model(bnr.OP_TYPE, inputs, outputs=["grad_weight"], attributes={"input_g": 0})
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != attribute.name]
+    del node.attribute[:]
+    node.attribute.extend(kept + [attribute])
+    return model, inputs
+
+
+@pytest.mark.parametrize("case,attribute,type_name", BAD_ATTRIBUTES, ids=[c[0] for c in BAD_ATTRIBUTES])
+@pytest.mark.parametrize("backend", ["python", "cpp", "functions"])
+def test_wrongly_typed_attribute_is_named(case, attribute, type_name, backend):
+    if backend == "cpp" and not cpp_available():
+        pytest.skip("C++ library not built")
+    model, _ = _with_attribute(attribute)
+    with pytest.raises(normgrad.NormgradInputError, match=f"attribute 'input_g' must be of type INT; got {type_name}"):
+        normgrad.inference_session(model, backend=backend, providers=["CPUExecutionProvider"])
+
+
+def test_unknown_attribute_is_named():
+    model, _ = _with_attribute(helper.make_attribute("input_gg", 0))
+    with pytest.raises(normgrad.NormgradInputError, match="unknown attribute 'input_gg'"):
+        normgrad.inference_session(model, backend="cpp", providers=["CPUExecutionProvider"])
+    with pytest.raises(normgrad.NormgradInputError, match="unknown attribute 'input_gg'"):
+        normgrad.prepare_for_python_kernels(model)
+
+
+_CPP_ATTRIBUTE_SCRIPT = r"""
+import sys
+import onnxruntime as ort
+import normgrad
+import test_bad_input as t
+for case, attribute, type_name in t.BAD_ATTRIBUTES:
+    model, inputs = t._with_attribute(attribute)
+    try:
+        ort.InferenceSession(model.SerializeToString(), normgrad.session_options("cpp"),
+                             providers=["CPUExecutionProvider"])
+        print(case, "accepted")
+    except Exception as error:
+        print(case, "OK" if f"BatchNormReduceBackward: attribute 'input_g' must be of type INT; got {type_name}"
+              in str(error) else f"other error: {error}")
+"""
+
+
+@needs_cpp
+def test_cpp_kernels_reject_wrongly_typed_attributes():
+    """Registered by hand (no Python check in between), the kernel itself names the attribute."""
+    process = run_in_tests_folder(_CPP_ATTRIBUTE_SCRIPT)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert process.stdout.split() == [w for c, _, _ in BAD_ATTRIBUTES for w in (c, "OK")], process.stdout
+
+
+# ------------------------------------------------------------- non-finite inputs on every path
+
+
+_NON_FINITE_SCRIPT = r"""
+import json
+import numpy as np
+from normgrad.ops import harness, batch_norm_reduce_backward as bnr
+results = []
+for spatial in (5, 64, 67, 100, 4099):  # per-sample path, vector path with and without a tail
+    dy = np.full((2, 2, spatial), 0.5, np.float32)
+    inputs = {"grad_out": dy, "input": np.ones_like(dy), "mean": np.array([np.inf, -np.inf], np.float32),
+              "invstd": np.ones(2, np.float32)}
+    out = harness.run("cpp", bnr.OP_TYPE, inputs)
+    truth = bnr.reference(**{k: v.astype(np.float64) for k, v in inputs.items()})
+    for name in bnr.OUTPUTS:
+        results.append([spatial, name, out[name].tolist(), getattr(truth, name).tolist()])
+print(json.dumps(results))
+"""
+
+
+@needs_cpp
+@pytest.mark.parametrize("kernels", ["default", "generic"])
+def test_non_finite_mean_gives_the_ieee_result(kernels):
+    """mean = +-inf, dy > 0: sum_dy_xmu = -+inf on every row length, as the float64 reference."""
+    import json
+
+    env = {"NORMGRAD_KERNELS": "generic"} if kernels == "generic" else {}
+    process = run_in_tests_folder(_NON_FINITE_SCRIPT, env=env)
+    assert process.returncode == 0, process.stderr[-2000:]
+    for spatial, name, got, truth in json.loads(process.stdout):
+        assert got == truth, (spatial, name, got, truth)  # json writes inf as Infinity, NaN as NaN
+        if name == "sum_dy_xmu":
+            assert got == [-np.inf, np.inf]

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import assert_close
+from _helpers import assert_close
 from normgrad.ops import harness
 from normgrad.ops import NormgradInputError, batch_norm_elemt_backward as elemt, batch_norm_reduce_backward as reduce_op
 
@@ -137,7 +137,7 @@ def test_function_body_float16():
 
 def _masked_elemt_inputs(shape, seed=0):
     """Elemt inputs with relu_output, the sums those of the masked grad_out."""
-    from conftest import batch_norm_inputs, relu_masked_truth, with_relu_output
+    from _helpers import batch_norm_inputs, relu_masked_truth, with_relu_output
 
     inputs = with_relu_output(batch_norm_inputs(shape, seed=seed), seed=seed + 1)
     sums = reduce_op.reference(**inputs)

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import assert_close, batch_norm_inputs, relu_masked_truth, with_relu_output
+from _helpers import assert_close, batch_norm_inputs, relu_masked_truth, with_relu_output
 
 from normgrad.ops import batch_norm_reduce_backward as bnr
 from normgrad.ops import NormgradInputError, harness

@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -26,7 +26,7 @@ needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch, transforme
 if HAVE_TORCH:
     import peft
     import torch
-    from test_lora import FAMILIES, _torch_name
+    from _lora_models import FAMILIES, _torch_name
 
     import normgrad.torch
 else:
@@ -193,6 +193,7 @@ def _adamw(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_bfloat16_base_steps_match_torch(exported, level):

@@ -17,13 +17,14 @@ import onnxruntime as ort
 import onnx.numpy_helper as onh
 import pytest
 
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
+from _helpers import OPTIMIZATION_LEVELS as LEVELS
+from _helpers import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph, examples, losses
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import make_portable
 from normgrad.ops import DOMAIN, NormgradInputError, bias_softmax_cross_entropy, harness
-from test_softmax_cross_entropy import CASES, LEVELS, _case, _truth
-from test_softmax_cross_entropy import _compare as _compare_plain
+from _softmax_cross_entropy_cases import CASES, _case, _truth
+from _softmax_cross_entropy_cases import _compare as _compare_plain
 
 OP = bias_softmax_cross_entropy.OP_TYPE
 PLAIN = "SoftmaxCrossEntropy"

@@ -11,9 +11,12 @@ import sys
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from normgrad.ops import IR_VERSION
+
+pytestmark = pytest.mark.slow
 
 _ADDRESS_SPACE = 1536 * 2**20  # Python, onnx and the loaded model fit; the export does not
 

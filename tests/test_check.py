@@ -15,11 +15,15 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from normgrad import checkpoint
 from normgrad.graphs import TrainingGraph, build_training_graph, examples
-from normgrad.tools import check as check_tool
-from normgrad.tools import cli
+from normgrad.tools import check as check_tool, cli
+from normgrad.tools.export import main as export_main
+
+from _artifacts import two_layer_model_named
+from _graph_models import two_layer_model
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +148,80 @@ def test_check_gradients_runs_at_the_training_graphs_weights():
     np.testing.assert_array_equal(analytic(at_2w)["w"], analytic(fed_2w)["w"])
     # the same directions (same seed), other weights: the x gradient's values move
     assert np.all(np.abs(analytic(at_2w)["x"] - analytic(at_w)["x"]) > 1e-3 * np.abs(analytic(at_w)["x"]))
+
+
+def test_check_says_a_step_graph_or_checkpoint_is_not_a_training_graph(forward_path, tmp_path, capsys):
+    step = tmp_path / "s.onnx"
+    assert cli.main(["export", str(forward_path), "-o", str(step), "--loss", "mse", "--optimizer", "sgd"]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", str(step)]) == 1
+    assert "step graph" in capsys.readouterr().err
+    assert cli.main(["check", str(tmp_path / "s.ckpt")]) == 1
+    assert "checkpoint" in capsys.readouterr().err
+
+
+def _check(*arguments):
+    from normgrad.tools import cli
+
+    return cli.main(["check", *map(str, arguments)])
+
+
+def test_item16_check_refuses_an_input_beyond_memory_in_one_line(tmp_path, capsys):
+    from normgrad.graphs import build_training_graph
+
+    model = two_layer_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2**40
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 2**40
+    onnx.save(build_training_graph(model, loss="mse").model, tmp_path / "t.onnx")
+    assert _check(tmp_path / "t.onnx") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "input 'x'" in err and "memory" in err
+
+
+def test_item17_check_refuses_another_models_checkpoint(tmp_path, capsys):
+    onnx.save(two_layer_model(), tmp_path / "a.onnx")
+    onnx.save(two_layer_model_named(("w1", "v2")), tmp_path / "b.onnx")
+    for name in ("a", "b"):
+        assert export_main([str(tmp_path / f"{name}.onnx"), "-o", str(tmp_path / f"{name}_train.onnx"), "--loss",
+                            "mse"]) == 0
+    assert _check(tmp_path / "a_train.onnx") == 0
+    capsys.readouterr()
+    assert _check(tmp_path / "a_train.onnx", "--checkpoint", tmp_path / "b_train.ckpt") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'v2' is no input" in err
+    state = checkpoint.load(tmp_path / "a_train.ckpt").tensors
+    checkpoint.save(tmp_path / "partial.ckpt", {"w1": state["w1"]})
+    assert _check(tmp_path / "a_train.onnx", "--checkpoint", tmp_path / "partial.ckpt") == 1
+    assert "no tensor for weight 'w2'" in capsys.readouterr().err
+
+
+def test_item19_a_zero_size_weight_passes_the_gradient_check(tmp_path, capsys):
+    """y = Concat(x @ v, w) with w of shape [4, 0]: its gradient is empty, trivially right
+    (main reported FAIL rel.err nan and exit 1); v's is still checked."""
+    rng = np.random.default_rng(19)
+    v = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "v")
+    w = numpy_helper.from_array(np.zeros((4, 0), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "v"], ["h"]), helper.make_node("Concat", ["h", "w"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "empty_weight", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [v, w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, tmp_path / "m.onnx")
+    assert export_main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "t.onnx"), "--loss", "mse"]) == 0
+    assert _check(tmp_path / "t.onnx") == 0
+    out = capsys.readouterr().out
+    assert "OK   w_grad" in out and "OK   v_grad" in out and "nan" not in out
+    # a zero-size weight whose output is empty: the loss (a mean over no element) is NaN, so
+    # no finite difference means anything, but the empty gradients are still trivially right
+    w = numpy_helper.from_array(np.zeros((32, 0), np.float32), "w")
+    b = numpy_helper.from_array(np.zeros((0,), np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "empty_output", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 0])], [w, b])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), tmp_path / "e.onnx")
+    assert export_main([str(tmp_path / "e.onnx"), "-o", str(tmp_path / "e_train.onnx"), "--loss", "mse"]) == 0
+    _check(tmp_path / "e_train.onnx")
+    out = capsys.readouterr().out
+    assert "OK   w_grad" in out and "OK   b_grad" in out
 
 
 def _zero_size_weights_model(output_columns: int) -> onnx.ModelProto:

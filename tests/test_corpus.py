@@ -14,13 +14,14 @@ Paths, each against the stored float64-reference outputs with per-dtype toleranc
 ``*_inline`` cases have no normgrad node, so ``cpp``/``python`` would repeat ``functions``:
 skipped. bfloat16 travels through onnxruntime's Python API as float32 with casts inside the
 graph (``harness._bfloat16_via_float``; onnxruntime < 1.20 has no bfloat16 arrays).
+
+``normgrad corpus`` itself writes only into its own folder and removes only what it listed; a
+failed write (a full disk) leaves the old files.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -36,37 +37,11 @@ import normgrad
 from normgrad.ops import harness
 from normgrad.tools import corpus as corpus_tool
 
-from conftest import cpp_available
+from _helpers import cpp_available
+from _corpus_cases import CASES, CORPUS, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
-CORPUS = pathlib.Path(__file__).resolve().parents[1] / "graphs" / "corpus"
-MANIFEST = json.loads((CORPUS / "manifest.json").read_text()) if (CORPUS / "manifest.json").is_file() else {}
-CASES = sorted(MANIFEST)
 PATHS = ("cpp", "python", "functions", "evaluator")
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-
-# Largest error relative to max(1, max |expected|), by kind and dtype (normgrad.tools.corpus).
-TOLERANCE = corpus_tool.TOLERANCE
-
-def load_case(name: str):
-    """(model, inputs {name: array} in graph order, expected {name: array} in graph order)."""
-    folder = CORPUS / name
-    model = onnx.load(str(folder / "model.onnx"))
-
-    def tensors(prefix):
-        files = sorted((folder / corpus_tool.DATA_SET).glob(f"{prefix}_*.pb"), key=lambda p: int(p.stem.split("_")[1]))
-        result = {}
-        for path in files:
-            tensor = onnx.TensorProto()
-            tensor.ParseFromString(path.read_bytes())
-            result[tensor.name] = onh.to_array(tensor)
-        return result
-
-    return model, tensors("input"), tensors("output")
-
-
-def _has_bfloat16(model: onnx.ModelProto) -> bool:
-    values = list(model.graph.input) + list(model.graph.output)
-    return any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for v in values)
 
 
 def run_onnxruntime(model: onnx.ModelProto, inputs: dict, options: ort.SessionOptions) -> dict:
@@ -109,12 +84,6 @@ def run_path(path: str, model: onnx.ModelProto, inputs: dict) -> dict:
         model = normgrad.prepare_for_python_kernels(model)
     return run_onnxruntime(model, inputs, options)
 
-
-def assert_matches(actual: dict, expected: dict, tolerance: float, what: str) -> None:
-    assert list(actual) == list(expected), f"{what}: outputs {list(actual)} != {list(expected)}"
-    failures = [f"{name}: {difference}" for name, want in expected.items()
-                if (difference := corpus_tool.tensor_difference(actual[name], want, tolerance)) is not None]
-    assert not failures, f"{what}:\n" + "\n".join(failures)
 
 def test_corpus_present():
     assert CASES, f"no corpus in {CORPUS}: run `normgrad corpus`"
@@ -305,3 +274,102 @@ def test_a_corpus_generated_with_another_cpus_blas_is_current(fresh, tmp_path):
                           env=environment, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert corpus_tool.compare(tmp_path / "corpus", fresh) == []
+
+
+def _tiny_corpus(*cases):
+    from normgrad.tools import corpus as corpus_tool
+
+    files = {"README.md": b"readme " + ",".join(cases).encode()}
+    for case in cases:
+        files[f"{case}/model.onnx"] = case.encode()
+        files[f"{case}/test_data_set_0/input_0.pb"] = b"input of " + case.encode()
+    return corpus_tool.with_written_list(files)
+
+
+def test_corpus_refuses_a_foreign_folder(tmp_path, capsys):
+    from normgrad.tools import cli
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.onnx").write_bytes(b"user data")
+    (tmp_path / "README.md").write_text("my notes")
+    before = sorted((p.relative_to(tmp_path).as_posix(), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    assert cli.main(["corpus", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not empty" in err and "written-by-normgrad.json" in err
+    after = sorted((p.relative_to(tmp_path).as_posix(), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    assert after == before
+
+
+def test_corpus_removes_only_what_it_listed(tmp_path):
+    from normgrad.tools import corpus as corpus_tool
+
+    corpus_tool.write(tmp_path, _tiny_corpus("old_case", "kept_case"))
+    (tmp_path / "old_case" / "user_notes.txt").write_text("mine")
+    (tmp_path / "user_case").mkdir()
+    (tmp_path / "user_case" / "model.onnx").write_bytes(b"user model")
+    new = _tiny_corpus("kept_case")
+    corpus_tool.write(tmp_path, new)
+    assert not (tmp_path / "old_case" / "model.onnx").exists()
+    assert not (tmp_path / "old_case" / "test_data_set_0").exists()  # emptied by the removal
+    assert (tmp_path / "old_case" / "user_notes.txt").read_text() == "mine"
+    assert (tmp_path / "user_case" / "model.onnx").read_bytes() == b"user model"
+    assert not corpus_tool.compare(tmp_path, {**new, "old_case/user_notes.txt": b"mine", "user_case/model.onnx": b"user model"})
+
+
+def test_corpus_default_folder_is_under_the_current_directory(tmp_path, monkeypatch, capsys):
+    from normgrad.tools import cli
+    from normgrad.tools import corpus as corpus_tool
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        corpus_tool.main(["--help"])
+    assert "./normgrad-corpus in the current directory" in " ".join(capsys.readouterr().out.split())
+    assert cli.main(["corpus"]) == 0
+    assert (tmp_path / "normgrad-corpus" / corpus_tool.WRITTEN).is_file()
+    assert cli.main(["corpus", "--check"]) == 0
+
+
+# ------------------------------------------------------------- no clobbered files
+
+
+def _fail_fsync(monkeypatch):
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fail)
+
+
+def test_failed_corpus_write_keeps_the_old_files(tmp_path, monkeypatch, capsys):
+    from normgrad.tools import corpus as corpus_tool
+
+    corpus_tool.write(tmp_path, _tiny_corpus("a", "b"))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    _fail_fsync(monkeypatch)
+    with pytest.raises(OSError):
+        corpus_tool.write(tmp_path, _tiny_corpus("b"))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("command", ["export", "corpus"])
+def test_full_disk_leaves_the_old_output(tmp_path, monkeypatch, capsys, command):
+    from normgrad.graphs.examples import mlp
+    from normgrad.tools import cli
+
+    onnx.save(mlp(), tmp_path / "net.onnx")
+    if command == "export":
+        target = tmp_path / "train.onnx"
+        target.write_bytes(b"the good old training graph")
+        argv = ["export", str(tmp_path / "net.onnx"), "-o", str(target)]
+    else:
+        target = tmp_path / "corpus" / "README.md"
+        from normgrad.tools import corpus as corpus_tool
+
+        corpus_tool.write(tmp_path / "corpus", _tiny_corpus("a"))
+        argv = ["corpus", "--out", str(tmp_path / "corpus")]
+    old = target.read_bytes()
+    _fail_fsync(monkeypatch)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    assert target.read_bytes() == old
+    assert not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]

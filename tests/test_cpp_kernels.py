@@ -23,8 +23,8 @@ from onnx import helper
 
 import normgrad
 from normgrad.ops import DOMAIN, IR_VERSION, ONNX_OPSET, OPSET_VERSION
-from conftest import batch_norm_inputs as bn_inputs
-from conftest import relu_masked_truth, with_relu_output
+from _helpers import batch_norm_inputs as bn_inputs
+from _helpers import relu_masked_truth, with_relu_output
 from normgrad.ops import batch_norm_elemt_backward as bne
 from normgrad.ops import harness
 from normgrad.ops import batch_norm_reduce_backward as bnr
@@ -702,6 +702,7 @@ OUTPUT_NAMES = {"BatchNormReduceBackward": bnr.OUTPUTS, "BatchNormElemtBackward"
                 "GroupNormalizationGrad": gng.OUTPUTS, lng.OP_TYPE: lng.OUTPUTS, rmsg.OP_TYPE: rmsg.OUTPUTS}
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_rejected_without_crashing():
     """Each case in its own process (a crash is a failure, not the end of the run)."""
     processes = {

@@ -20,8 +20,8 @@ import normgrad
 from normgrad.graphs import build_training_graph, examples
 from normgrad.tools.check import random_feeds
 
-from conftest import cpp_available
-from test_corpus import CASES, MANIFEST, load_case
+from _helpers import cpp_available
+from _corpus_cases import CASES, MANIFEST, load_case
 
 THREADS = (1, 2, 3, 7)
 TRAINING_CASES = [name for name in CASES if MANIFEST[name]["kind"] == "training"]

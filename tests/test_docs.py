@@ -158,7 +158,16 @@ def _run(python: str, code: str, tmp_path, name: str, quiet: bool = True) -> Non
     assert not (quiet and logged), f"{name}: onnxruntime warned:\n" + "\n".join(logged[:10])
 
 
-@pytest.mark.parametrize("page,kind", CASES, ids=[f"{page}:{kind}" for page, kind in CASES])
+# Docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more).
+SLOW_PAGES = ("docs/reference/errors.md", "docs/how-to/fine-tuning.md", "docs/how-to/build-training-graph.md",
+              "docs/tutorials/train-a-cnn.md", "docs/tutorials/fine-tune-a-transformer.md",
+              "docs/tutorials/data-parallel-mpi.md")
+
+
+@pytest.mark.parametrize("page,kind", [
+    pytest.param(page, kind, id=f"{page}:{kind}",
+                 marks=[pytest.mark.slow] if kind == "page" and page in SLOW_PAGES else [])
+    for page, kind in CASES])
 def test_code_blocks_run(page, kind, tmp_path):
     code, requirements = scripts(os.path.join(ROOT, page))[kind]
     if kind.startswith("skip@"):

@@ -19,13 +19,13 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import bad_input_tests, cpp_available
+from _helpers import bad_input_tests, cpp_available
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.ops import DOMAIN, dropout_mask, harness
 from normgrad.ops import python_kernels
 from normgrad.train import Trainer
-from test_dropout_seed import LR, N, D, RATIOS, WORD, _feeds, _forward, _mask_names, _masks, _run_plain, _squares
+from _dropout_runs import LR, N, D, RATIOS, WORD, _feeds, _forward, _mask_names, _masks, _run_plain, _squares
 
 BACKENDS = ["reference", "evaluator", "functions", "python"] + (["cpp"] if cpp_available() else [])
 needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")

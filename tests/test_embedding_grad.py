@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import bad_input_tests, cpp_available
+from _helpers import bad_input_tests, cpp_available
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
 from normgrad.graphs.examples import model
 from normgrad.graphs.optimizers import hyperparameter_feeds

@@ -9,13 +9,17 @@ import onnx
 import onnx.helper as oh
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
+from normgrad import checkpoint
 from normgrad.graphs import TrainingGraph, build_training_graph
-from normgrad.tools import check as check_tool
-from normgrad.tools import export as export_tool
+from normgrad.ops import IR_VERSION
+from normgrad.tools import check as check_tool, cli, export as export_tool
+from normgrad.train import Trainer, TrainerError
 
-from _graph_models import group_norm_block, instance_norm_block, mlp, resnet_block
+from _artifacts import LABELS, X, export_sgd, killed_by_hook, two_layer_model_named
+from _graph_models import group_norm_block, instance_norm_block, mlp, resnet_block, two_layer_model
 
 TOLERANCE = 1e-4
 
@@ -431,3 +435,281 @@ def test_save_artifacts_refuses_aliases_and_missing_folders(tmp_path):
     with pytest.raises(FileNotFoundError, match="no folder"):
         save_artifacts(tmp_path / "missing" / "s.onnx", step, initial)
     assert not any(tmp_path.iterdir())
+
+
+def _capturing_model(op_type: str) -> onnx.ModelProto:
+    """y = F(x) + b, where F is an If/Loop/Scan whose body reads x from the outer scope only."""
+    TP = onnx.TensorProto
+    const = lambda name, value: helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(value))
+    if op_type == "If":
+        then = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["t"])], "then", [],
+                                 [helper.make_tensor_value_info("t", TP.FLOAT, [3])])
+        other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                                  [helper.make_tensor_value_info("e", TP.FLOAT, [3])])
+        nodes = [const("c", np.array(True)),
+                 helper.make_node("If", ["c"], ["u"], then_branch=then, else_branch=other, name="branch")]
+    elif op_type == "Loop":
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "x"], ["v_out"])],
+            "body",
+            [helper.make_tensor_value_info("i", TP.INT64, []), helper.make_tensor_value_info("cond_in", TP.BOOL, []),
+             helper.make_tensor_value_info("v_in", TP.FLOAT, [3])],
+            [helper.make_tensor_value_info("cond_out", TP.BOOL, []), helper.make_tensor_value_info("v_out", TP.FLOAT, [3])],
+        )
+        nodes = [const("trips", np.array(2, np.int64)), const("go", np.array(True)), const("v0", np.zeros(3, np.float32)),
+                 helper.make_node("Loop", ["trips", "go", "v0"], ["u"], body=body, name="branch")]
+    else:
+        body = helper.make_graph(
+            [helper.make_node("Add", ["s_in", "x"], ["s_out"]), helper.make_node("Identity", ["e_in"], ["e_out"])],
+            "body",
+            [helper.make_tensor_value_info("s_in", TP.FLOAT, [3]), helper.make_tensor_value_info("e_in", TP.FLOAT, [])],
+            [helper.make_tensor_value_info("s_out", TP.FLOAT, [3]), helper.make_tensor_value_info("e_out", TP.FLOAT, [])],
+        )
+        nodes = [const("s0", np.zeros(3, np.float32)), const("seq", np.arange(2, dtype=np.float32)),
+                 helper.make_node("Scan", ["s0", "seq"], ["u", "scanned"], body=body, num_scan_inputs=1, name="branch")]
+    nodes.append(helper.make_node("Add", ["u", "b"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [3])],
+                              initializer=[onnx.numpy_helper.from_array(np.ones(3, np.float32), "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=normgrad.ops.IR_VERSION)
+
+
+@pytest.mark.parametrize("op_type", ["If", "Loop", "Scan"])
+def test_gradient_through_captures_is_refused(op_type):
+    from normgrad.graphs import UnsupportedOperatorError, build_training_graph
+
+    with pytest.raises(UnsupportedOperatorError, match=f"operator {op_type} \\({op_type} node 'branch'\\)"):
+        build_training_graph(_capturing_model(op_type))
+
+
+def test_check_fails_a_graph_that_ignores_captures(monkeypatch):
+    """A training graph built as before (captures unseen: x_grad = 0) is called wrong by check."""
+    from normgrad.graphs import build_training_graph, builder
+    from normgrad.tools import check as check_tool
+
+    monkeypatch.setattr(builder, "subgraph_captures", lambda node: [])
+    wrong = build_training_graph(_capturing_model("If"))
+    checks = {c.wrt: c for c in check_tool.check_gradients(wrong, directions=2)}
+    assert checks["x"].analytic == [0.0, 0.0] and min(abs(n) for n in checks["x"].numeric) > 1e-3
+    assert checks["x"].error > 0.5  # FAIL
+    assert checks["b"].error < 1e-6
+
+
+# ------------------------------------------------------------- nothing to differentiate
+
+
+@pytest.mark.parametrize("op_type", ["ArgMax", "Shape"])
+def test_model_without_differentiable_output_is_refused(op_type, tmp_path, capsys):
+    from normgrad.graphs import build_training_graph
+    from normgrad.tools import cli
+
+    node = helper.make_node(op_type, ["x"], ["y"], **({"axis": 1} if op_type == "ArgMax" else {}))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=normgrad.ops.IR_VERSION)
+    with pytest.raises(ValueError, match="no output of the model is differentiable.*y \\(int64\\)"):
+        build_training_graph(model)
+    onnx.save(model, tmp_path / "m.onnx")
+    assert cli.main(["export", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "t.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no output of the model is differentiable" in err
+    assert not (tmp_path / "t.onnx").exists()
+
+
+def test_failed_export_keeps_the_trained_checkpoint(forward_path, tmp_path, capsys):
+    trained = tmp_path / "trained.ckpt"
+    checkpoint.save(trained, {"w1": np.full((5, 6), 7.0, np.float32)}, {"normgrad.step": "1000"})
+    before = trained.read_bytes()
+    code = cli.main(["export", str(forward_path), "-o", str(tmp_path / "missing" / "step.onnx"), "--loss", "mse",
+                             "--optimizer", "sgd", "--checkpoint", str(trained)])
+    assert code == 1
+    assert trained.read_bytes() == before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing" in err
+
+
+def test_export_refuses_one_path_for_graph_and_checkpoint(forward_path, tmp_path, capsys):
+    target = tmp_path / "X"
+    code = cli.main(["export", str(forward_path), "-o", str(target), "--loss", "mse", "--optimizer", "sgd",
+                             "--checkpoint", str(target)])
+    assert code == 2
+    assert not target.exists()
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_export_writes_neither_file_when_the_checkpoint_cannot_be_written(forward_path, tmp_path, monkeypatch):
+    output, ckpt = tmp_path / "step.onnx", tmp_path / "step.ckpt"
+    output.write_bytes(b"old graph")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "stage", full_disk)
+    code = cli.main(["export", str(forward_path), "-o", str(output), "--loss", "mse", "--optimizer", "sgd"])
+    assert code == 1
+    assert output.read_bytes() == b"old graph"
+    assert sorted(os.listdir(tmp_path)) == ["mlp.onnx", "step.onnx"]  # no temporary left
+
+
+def test_export_names_the_checkpoint_when_its_folder_is_missing(forward_path, tmp_path, capsys):
+    code = cli.main(["export", str(forward_path), "-o", str(tmp_path / "step.onnx"), "--loss", "mse", "--optimizer",
+                             "sgd", "--checkpoint", str(tmp_path / "nowhere" / "c.ckpt")])
+    err = capsys.readouterr().err
+    assert code == 1 and "checkpoint" in err and "nowhere" in err and "step.onnx" not in err
+    assert not (tmp_path / "step.onnx").exists()
+
+
+def _model_with_output(name):
+    nodes = [helper.make_node("Mul", ["x", "W"], ["h"]), helper.make_node("Identity", ["h"], [name])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
+
+
+@pytest.mark.parametrize("name, loss", [("W_grad", None), ("W_grad", "mse"), ("x_grad", "mse"), ("loss", "mse")])
+def test_a_forward_value_named_like_a_gradient_or_the_loss_is_refused(name, loss):
+    with pytest.raises(ValueError, match=f"already has a value named '{name}'"):
+        build_training_graph(_model_with_output(name), loss=loss)
+
+
+def test_cli_refuses_a_forward_output_named_loss(tmp_path, capsys):
+    onnx.save(_model_with_output("loss"), str(tmp_path / "m.onnx"))
+    code = cli.main(["export", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "s.onnx"), "--loss", "mse", "--optimizer", "sgd"])
+    err = capsys.readouterr().err
+    assert code == 1 and "'loss'" in err and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
+def test_gradient_outputs_are_the_gradients():
+    """The README's loop reads outputs[f"{name}_grad"]: the gradient, against float64 finite differences."""
+    training = build_training_graph(_model_with_output("y"), loss="mse")
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    labels = np.zeros((2, 3), np.float32)
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, training.feeds({"x": x, "labels": labels}))))
+    w = np.ones(3)
+    loss = lambda w: np.mean((x.astype(np.float64) * w) ** 2)  # noqa: E731
+    step = 1e-6
+    numeric = [(loss(w + step * e) - loss(w - step * e)) / (2 * step) for e in np.eye(3)]
+    np.testing.assert_allclose(got["W_grad"], numeric, rtol=1e-4)
+
+
+def _trained_checkpoint(step_path, ckpt_path):
+    trainer = Trainer(step_path, ckpt_path, lr=0.1, kernels=None)
+    for _ in range(3):
+        trainer.step(X, LABELS)
+    trainer.save(ckpt_path)
+    return ckpt_path.read_bytes()
+
+
+def test_item1_an_export_failing_at_its_graph_keeps_the_trained_checkpoint(tmp_path, capsys):
+    """-o names a folder: exit 1 naming it, and the trained t.ckpt is byte for byte the same
+    (main replaced it with fresh initial weights first)."""
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "t.onnx") == 0
+    trained = _trained_checkpoint(tmp_path / "t.onnx", tmp_path / "t.ckpt")
+    os.remove(tmp_path / "t.onnx")
+    (tmp_path / "t.onnx").mkdir()
+    capsys.readouterr()
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "t.onnx") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "t.onnx" in err and "folder" in err
+    assert (tmp_path / "t.ckpt").read_bytes() == trained
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3, 4])
+def test_item1_a_killed_export_leaves_the_old_set_or_the_new_one(tmp_path, kill_at):
+    """export --optimizer killed at each rename (journal, step graph, evaluation graph,
+    checkpoint): after normgrad's recovery (what the Trainer runs when it loads) the step
+    graph, evaluation graph and checkpoint are bytewise the old set (with the trained
+    checkpoint) or the new one (as an export into a fresh folder writes it)."""
+    onnx.save(two_layer_model(1.0), tmp_path / "forward.onnx")
+    onnx.save(two_layer_model(2.0), tmp_path / "forward2.onnx")
+    new_options = ("--momentum", "0.9")
+    (tmp_path / "fresh").mkdir()
+    assert export_sgd(tmp_path / "forward2.onnx", tmp_path / "fresh" / "t.onnx", *new_options) == 0
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "t.onnx") == 0
+    trained = _trained_checkpoint(tmp_path / "t.onnx", tmp_path / "t.ckpt")
+    names = ("t.onnx", "t.eval.onnx", "t.ckpt")
+    old = {name: (tmp_path / name).read_bytes() for name in names}
+    new = {name: (tmp_path / "fresh" / name).read_bytes() for name in names}
+    assert old["t.onnx"] != new["t.onnx"] and old["t.ckpt"] != new["t.ckpt"]
+    killed_by_hook("""
+        from normgrad.tools.export import main
+        main([sys.argv[3], "-o", sys.argv[4], "--loss", "mse", "--optimizer", "sgd", "--momentum", "0.9"])
+    """, "os.rename", kill_at, tmp_path / "forward2.onnx", tmp_path / "t.onnx")
+    trainer = Trainer(tmp_path / "t.onnx", tmp_path / "t.ckpt", lr=0.1, kernels=None)  # recovers first
+    files = {name: (tmp_path / name).read_bytes() for name in names}
+    assert files in (old, new)
+    assert trainer.step_count == (3 if files == old else 0)
+    assert files == (old if kill_at == 1 else new)  # the journal's rename is the commit point
+    assert not [n for n in os.listdir(tmp_path) if n.endswith("normgrad-commit")]
+    trainer.step(X, LABELS)
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "t.onnx") == 0  # the next write clears the leftovers
+    assert sorted(os.listdir(tmp_path)) == ["forward.onnx", "forward2.onnx", "fresh", "t.ckpt", "t.eval.onnx",
+                                            "t.onnx"]
+    assert trained != (tmp_path / "t.ckpt").read_bytes()
+
+
+def test_item4_export_refuses_the_checkpoint_over_its_evaluation_graph(tmp_path, capsys):
+    """--checkpoint s.eval.onnx is the evaluation graph export writes: exit 2, nothing written."""
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    code = export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx", "--checkpoint", str(tmp_path / "s.eval.onnx"))
+    assert code == 2
+    assert "evaluation graph" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["forward.onnx"]
+
+
+def test_item4_export_refuses_an_output_hard_linked_to_the_input(tmp_path, capsys):
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    os.link(tmp_path / "forward.onnx", tmp_path / "alias.onnx")
+    before = (tmp_path / "forward.onnx").read_bytes()
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "alias.onnx") == 2
+    assert "input model" in capsys.readouterr().err
+    assert (tmp_path / "forward.onnx").read_bytes() == before
+
+
+def test_item4_export_refuses_an_output_that_is_the_input_data_file(tmp_path, capsys):
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx", save_as_external_data=True, location="w.bin",
+              size_threshold=0)
+    before = (tmp_path / "w.bin").read_bytes()
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "w.bin") == 2
+    assert "data file of the input model" in capsys.readouterr().err
+    assert (tmp_path / "w.bin").read_bytes() == before
+
+
+def test_item8_a_weight_missing_from_training_graph_weights_is_refused():
+    from normgrad.graphs import build_step_graph, build_training_graph
+    from normgrad.graphs.builder import TrainingGraph
+
+    training = build_training_graph(two_layer_model(), loss="mse")
+    weights = dict(training.weights)
+    del weights["w1"]
+    with pytest.raises(ValueError, match="no value for the trainable weight 'w1'"):
+        build_step_graph(TrainingGraph(training.model, weights), "sgd")
+    weights = {**training.weights, "w1": np.ones((32, 31), np.float32)}
+    with pytest.raises(ValueError, match=r"weights\['w1'\] has shape \[32, 31\]; the training graph's input 'w1' is \[32, 32\]"):
+        build_step_graph(TrainingGraph(training.model, weights), "sgd")
+    step, state = build_step_graph(training, "sgd")  # the intact pair builds, with both weights trained
+    assert sorted(state) == ["w1", "w2"]
+
+
+@pytest.mark.parametrize("names, kind", [(("W1", "W1.exp_avg"), "adam"), (("W1", "W1.next"), "sgd"),
+                                         (("W1", "W1.momentum_buffer"), "sgd-momentum")])
+def test_item14_a_weight_named_like_an_optimizer_state_is_refused(names, kind):
+    from normgrad.graphs import build_step_graph, build_training_graph
+
+    options = {"momentum": 0.9} if kind == "sgd-momentum" else {}
+    training = build_training_graph(two_layer_model_named(names), loss="mse")
+    with pytest.raises(ValueError, match=f"value named '{names[1]}', the name the .* step gives a state tensor of "
+                                         "weight 'W1'"):
+        build_step_graph(training, kind.split("-")[0], **options)
+
+
+@pytest.mark.parametrize("name", ["grad_scale", "normgrad.applied", "normgrad.loss", "dropout_micro_batch"])
+def test_item14_a_weight_named_like_a_trainer_value_is_one_trainer_error(tmp_path, name):
+    onnx.save(two_layer_model_named(("w1", name)), tmp_path / "forward.onnx")
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
+    with pytest.raises(TrainerError, match=f"value named '{name}', a name the trainer gives"):
+        Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", kernels=None, accumulation=2)

@@ -6,7 +6,10 @@ model with every weight in it (and tidy's shape inference copied it twice more):
 (TorchScript) to 5 W (dynamo) over the built model.
 
 The exported model must still compute what the torch module does (onnxruntime against torch,
-float32, 1e-5 of the output's scale), and its data file hold exactly the frozen weights."""
+float32, 1e-5 of the output's scale), and its data file hold exactly the frozen weights.
+
+The training-graph builder at scale: one copy of the caller's model, fresh names found in a
+constant number of probes per node."""
 
 from __future__ import annotations
 
@@ -17,7 +20,12 @@ import sys
 import textwrap
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from normgrad.graphs import build_training_graph, context as graph_context
+from normgrad.ops import IR_VERSION
 
 pytest.importorskip("torch")
 
@@ -84,3 +92,53 @@ def test_export_of_a_frozen_base_holds_no_second_copy(exporter, tmp_path):
     (y,) = session.run(["y"], {"x": np.load(tmp_path / "x.npy")})
     expected = np.load(tmp_path / "expected.npy")
     np.testing.assert_allclose(y, expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+
+
+def _chain_of_unnamed_nodes(count):
+    nodes = [helper.make_node("Tanh", ["x" if i == 0 else f"v{i - 1}"], [f"v{i}"]) for i in range(count)]
+    nodes.append(helper.make_node("Mul", [f"v{count - 1}", "w"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
+
+
+def test_fresh_names_probe_a_constant_number_of_names_per_node(monkeypatch):
+    probes = {"count": 0}
+
+    class CountingSet(set):
+        def __contains__(self, item):
+            probes["count"] += 1
+            return set.__contains__(self, item)
+
+    original = graph_context.GradientContext.__init__
+
+    def counting_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._used = CountingSet(self._used)
+
+    monkeypatch.setattr(graph_context.GradientContext, "__init__", counting_init)
+    per_node = []
+    for count in (200, 800):
+        probes["count"] = 0
+        build_training_graph(_chain_of_unnamed_nodes(count), loss="mse")
+        per_node.append(probes["count"] / count)
+    assert per_node[1] < 1.2 * per_node[0], per_node  # quadratic probing: 4 times as many per node
+
+
+def test_training_graph_is_built_with_one_copy_of_the_model(monkeypatch):
+    """Each copy of a 10^6-node model costs gigabytes: the builder copies the caller's model
+    once (it must not change it) and nothing else (add_functions used to copy it again)."""
+    import copy
+
+    copies = []
+    real = copy.deepcopy
+
+    def counting(value, *args, **kwargs):
+        if isinstance(value, onnx.ModelProto):
+            copies.append(len(value.graph.node))
+        return real(value, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    build_training_graph(_chain_of_unnamed_nodes(50), loss="mse")
+    assert len(copies) == 1, copies

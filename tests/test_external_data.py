@@ -19,13 +19,14 @@ from onnx import numpy_helper
 
 import normgrad.util.external_data
 from normgrad.util.external_data import EXTERNAL_TENSOR_MIN_BYTES, save_models_external, uses_external_data
-from normgrad.tools.export import main as export_main
 from normgrad.train import Trainer, TrainerError
 
 from _graph_models import two_layer_model
+from _external_data_models import _torch, _write_step_graph
+
+pytestmark = pytest.mark.slow
 
 STEPS, LR = 3, 1e-3
-
 
 
 def _data_file(folder, model_name: str) -> str:
@@ -34,20 +35,6 @@ def _data_file(folder, model_name: str) -> str:
     names = [n for n in os.listdir(folder) if re.fullmatch(re.escape(model_name) + r"\.[0-9a-f]{16}\.data", n)]
     assert len(names) == 1, (model_name, sorted(os.listdir(folder)))
     return names[0]
-
-def _torch():
-    """torch, peft and test_lora's model helpers; the test skips without them."""
-    torch = pytest.importorskip("torch")
-    for name in ("transformers", "peft", "safetensors", "onnxscript"):
-        pytest.importorskip(name)
-    import test_lora
-
-    return torch, test_lora
-
-
-def _write_step_graph(source, output, *options):
-    options = options or ("--loss", "causal_lm", "--optimizer", "adamw")
-    assert export_main([str(source), "-o", str(output), *options]) == 0
 
 
 def _train(step_path, batch):
@@ -65,12 +52,12 @@ def _external(model: onnx.ModelProto):
 def exported(tmp_path_factory):
     """The peft model, its base state, the export with its base in external data, and the
     Trainer's losses and state on the same model exported with its base inline."""
-    torch, test_lora = _torch()
+    torch, lora_models = _torch()
     import normgrad.torch
 
     input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": input_ids.numpy(), "labels": input_ids.numpy()}
-    model, base_state = test_lora._peft_model("llama")
+    model, base_state = lora_models._peft_model("llama")
     folder = tmp_path_factory.mktemp("model")
     forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), folder / "forward.onnx", exporter="dynamo",
                                     input_names=["input_ids"], output_names=["logits"], external_data=True)
@@ -123,7 +110,7 @@ def test_adapter_and_merged_model(exported, tmp_path, monkeypatch):
     """save_adapter and export_merged_model of a step graph whose base is in external data,
     from another current folder: the merged model keeps its weights in merged.onnx.data and
     gives the logits of peft's merge_and_unload of the saved adapter within 1e-5."""
-    torch, test_lora = _torch()
+    torch, lora_models = _torch()
     import peft
 
     monkeypatch.chdir(tmp_path)
@@ -144,11 +131,11 @@ def test_adapter_and_merged_model(exported, tmp_path, monkeypatch):
     session = ort.InferenceSession(str(tmp_path / "merged" / "merged.onnx"), providers=["CPUExecutionProvider"])
     input_ids = exported["batch"]["input_ids"]
     logits = session.run(["logits"], {"input_ids": input_ids})[0]
-    tuned = peft.PeftModel.from_pretrained(test_lora._fresh_base("llama", exported["base_state"]), tmp_path / "adapter")
+    tuned = peft.PeftModel.from_pretrained(lora_models._fresh_base("llama", exported["base_state"]), tmp_path / "adapter")
     with torch.no_grad():
         expected = tuned.merge_and_unload()(input_ids=torch.from_numpy(input_ids), use_cache=False).logits.numpy()
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
-    base = test_lora._fresh_base("llama", exported["base_state"])
+    base = lora_models._fresh_base("llama", exported["base_state"])
     with torch.no_grad():
         untuned = base(input_ids=torch.from_numpy(input_ids), use_cache=False).logits.numpy()
     assert np.abs(expected - untuned).max() > 1e-4  # the adapters changed the logits

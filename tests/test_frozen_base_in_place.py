@@ -14,7 +14,7 @@ import pytest
 
 import normgrad
 
-import test_external_data as external
+import _external_data_models as external
 
 LEVELS = {
     "disable_all": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -26,11 +26,11 @@ LEVELS = {
 
 @pytest.fixture(scope="module")
 def step_path(tmp_path_factory):
-    torch, test_lora = external._torch()
+    torch, lora_models = external._torch()
     import normgrad.torch
 
     input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    model, _ = test_lora._peft_model("llama")
+    model, _ = lora_models._peft_model("llama")
     folder = tmp_path_factory.mktemp("model")
     normgrad.torch.export(normgrad.torch.causal_lm_logits(model), (input_ids,), folder / "forward.onnx",
                           exporter="dynamo", input_names=["input_ids"], output_names=["logits"], external_data=True)

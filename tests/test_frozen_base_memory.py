@@ -22,7 +22,7 @@ import pytest
 
 from normgrad.util.external_data import uses_external_data
 
-import test_external_data as external
+import _external_data_models as external
 
 GROWTH = """
 import json, os, sys

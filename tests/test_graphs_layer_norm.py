@@ -18,7 +18,7 @@ from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_train
 from normgrad.graphs.patterns import _declarative
 
 from _graph_models import model, run_training
-from test_graphs_patterns import _backward_ops, _check
+from _pattern_checks import _backward_ops, _check
 
 needs_onnxscript = pytest.mark.skipif(not _declarative.AVAILABLE, reason="onnxscript is not installed: no chain patterns")
 
@@ -231,7 +231,7 @@ def test_layer_norm_chain_with_a_broadcast_scale():
 
 
 def _unfused(forward: onnx.ModelProto) -> TrainingGraph:
-    from test_graphs_patterns import _unfused as unfused
+    from _pattern_checks import _unfused as unfused
 
     return unfused(forward)
 

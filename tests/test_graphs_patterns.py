@@ -3,7 +3,6 @@ TorchScript GroupNorm chain, its fused gradient, and the fallback to the per-nod
 
 from __future__ import annotations
 
-import collections
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -12,12 +11,10 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from normgrad.graphs import TrainingGraph, build_training_graph, patterns
-from normgrad.tools.check import check_gradients
+from normgrad.graphs import TrainingGraph, build_training_graph
 
 from _graph_models import model, run_training
-
-TOLERANCE = 1e-4
+from _pattern_checks import _backward_ops, _check, _unfused
 
 
 def torch_group_norm_block(
@@ -78,29 +75,6 @@ def torch_group_norm_block(
         oh.make_node("Add", pair("scaled", b), ["y"]),
     ]
     return model(nodes, {"x": shape}, ["y"], params, opset=opset)
-
-
-def _backward_ops(forward: onnx.ModelProto, training: TrainingGraph) -> collections.Counter:
-    """Op types of the nodes the exporter appended (the forward nodes come first)."""
-    return collections.Counter(n.op_type for n in training.model.graph.node[len(forward.graph.node):])
-
-
-def _check(training: TrainingGraph) -> None:
-    checks = check_gradients(training, directions=2)
-    assert checks, "no gradient outputs"
-    worst = max(checks, key=lambda c: c.error)
-    assert worst.error < TOLERANCE, worst
-
-
-def _unfused(forward: onnx.ModelProto, only=None, **kwargs) -> TrainingGraph:
-    """The training graph the per-node rules alone write (``only``: the names of the patterns
-    to leave out; all when None)."""
-    saved = list(patterns.registry._PATTERNS)
-    patterns.registry._PATTERNS[:] = [(name, matcher) for name, matcher in saved if only is not None and name not in only]
-    try:
-        return build_training_graph(forward, **kwargs)
-    finally:
-        patterns.registry._PATTERNS[:] = saved
 
 
 def _assert_fused(forward: onnx.ModelProto, training: TrainingGraph, norms: int = 1, affine: bool = True) -> List[str]:

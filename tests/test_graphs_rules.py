@@ -10,23 +10,9 @@ import onnx.helper as oh
 import pytest
 
 from normgrad.graphs import UnsupportedOperatorError, build_training_graph
-from normgrad.tools.check import check_gradients
 
 from _graph_models import batch_norm_parameters, model, run_training, weights
-
-TOLERANCE = 1e-4
-
-
-def _check(forward: onnx.ModelProto, tolerance: float = TOLERANCE, **kwargs) -> None:
-    training = build_training_graph(forward, **kwargs)
-    checks = check_gradients(training, directions=2)
-    assert checks, "no gradient outputs"
-    worst = max(checks, key=lambda c: c.error)
-    assert worst.error < tolerance, worst
-
-
-def _node(op_type, inputs, **attrs):
-    return oh.make_node(op_type, list(inputs), ["y"], **attrs)
+from _rule_checks import _check, _node
 
 
 UNARY = ["Relu", "Sigmoid", "Tanh", "Exp", "Neg", "Abs", "Softplus", "Identity"]

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 from normgrad.graphs import UnsupportedOperatorError  # noqa: E402
-from test_graphs_rules_spatial_torch import _compare, _Lambda  # noqa: E402
+from _torch_rule_checks import _compare, _Lambda  # noqa: E402
 
 ROWS = torch.tensor([3, 0, 3, 1])  # row 3 twice
 COLUMNS = torch.tensor([[2, 0, 4], [1, 1, 3], [0, 4, 2], [3, 2, 2], [4, 0, 1]])

@@ -17,7 +17,7 @@ from normgrad.graphs import TrainingGraph, UnsupportedOperatorError, build_train
 from normgrad.tools.check import _output_shapes, check_gradients
 
 from _graph_models import model, run_training, weights
-from test_graphs_rules import TOLERANCE, _check, _node
+from _rule_checks import TOLERANCE, _check, _node
 
 
 def _ints(**values):

@@ -15,8 +15,8 @@ from normgrad.graphs.patterns import _declarative
 from normgrad.graphs.rules import gather
 
 from _graph_models import model, weights
-from conftest import cpp_available
-from test_graphs_rules import _check, _node
+from _helpers import cpp_available
+from _rule_checks import _check, _node
 
 
 def _run(training: TrainingGraph, feeds, outputs):

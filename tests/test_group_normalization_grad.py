@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from _helpers import assert_close
 
 from normgrad.ops import group_normalization_grad as gng
 from normgrad.ops import harness

@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 import pytest
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -27,40 +29,10 @@ import normgrad.torch  # noqa: E402
 from normgrad import lora  # noqa: E402
 from normgrad.graphs import build_step_graph, build_training_graph  # noqa: E402
 from normgrad.train import Trainer  # noqa: E402
+from _lora_models import FAMILIES, _fresh_base, _llama, _peft_model, _torch_name
 
 STEPS, LR, WEIGHT_DECAY = 20, 1e-3, 0.01
 LEVELS = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "default": None}
-
-
-def _llama():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config), ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _gpt2():
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config), ["c_attn", "c_proj", "c_fc"]
-
-
-FAMILIES = {"llama": _llama, "gpt2": _gpt2}
-
-
-
-
-def _peft_model(family):
-    torch.manual_seed(0)
-    base, targets = FAMILIES[family]()
-    base_state = {k: v.clone() for k, v in base.state_dict().items()}
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=family == "gpt2")
-    return peft.get_peft_model(base, config), base_state
-
-
-def _fresh_base(family, base_state):
-    base, _ = FAMILIES[family]()
-    base.load_state_dict(base_state)
-    return base.eval()
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -102,11 +74,6 @@ def _torch_steps(model, input_ids, labels):
             if name in initial_adapters:
                 param.copy_(initial_adapters[name])
     return losses, trained
-
-
-def _torch_name(onnx_name: str) -> str:
-    assert onnx_name.startswith("model."), onnx_name
-    return onnx_name[len("model."):]
 
 
 def _train(exported, level):
@@ -195,7 +162,6 @@ def test_adapter_of_a_model_without_peft(tmp_path):
     with pytest.raises(lora.LoraError, match="no LoRA adapters"):
         trainer.export_merged_model(tmp_path / "merged.onnx")
     assert not os.path.exists(tmp_path / "adapter") and not os.path.exists(tmp_path / "merged.onnx")
-
 
 
 @pytest.fixture(scope="module")
@@ -311,9 +277,9 @@ def test_frozen_base_in_external_data(tmp_path, monkeypatch):
 _PEFT_METADATA_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-import test_lora
+import _lora_models
 from normgrad import lora
-model, _ = test_lora._peft_model("llama")
+model, _ = _lora_models._peft_model("llama")
 print(json.dumps(json.loads(lora.peft_metadata(model, set(model.state_dict())))["adapter_config"]))
 """
 

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import bad_input_tests, cpp_available, cpp_results_by_loop_and_threads
+from _helpers import bad_input_tests, cpp_available, cpp_results_by_loop_and_threads
 from normgrad.graphs import build_training_graph
 from normgrad.ops import harness, lstm_backward_factors, python_kernels
 

@@ -14,7 +14,7 @@ import onnx.helper as oh
 import pytest
 
 import normgrad
-from conftest import bad_input_tests, cpp_available
+from _helpers import bad_input_tests, cpp_available
 from normgrad.ops import harness, matrix_transpose, python_kernels
 
 BACKENDS = ["reference", "evaluator", "functions", "python"] + (["cpp"] if cpp_available() else [])

@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 import pytest
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 import _torch_models as zoo  # noqa: E402

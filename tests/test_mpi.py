@@ -13,8 +13,10 @@ import sys
 
 import pytest
 
-from conftest import cpp_available
 from normgrad import mpi
+
+from _artifacts import frozen_base_step
+from _helpers import cpp_available
 
 pytest.importorskip("mpi4py")
 WORKER = pathlib.Path(__file__).with_name("mpi_worker.py")
@@ -25,6 +27,7 @@ TIMEOUT = 1800  # a hang guard for any one job (they take seconds; several on a 
 RANKS = 2
 MPIRUN = mpi.mpirun_command(RANKS, forward=["NORMGRAD_MPI_EXIT_WAIT"])
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(MPIRUN is None, reason="mpirun not found"),
     pytest.mark.skipif(not cpp_available(), reason="the AllReduce kernel is in the C++ library"),
 ]
@@ -164,3 +167,38 @@ def test_bench_mpi_prints_both_rank_counts():
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s+[12]\s+\d+\s+\d+\s+[\d.]+ ms", line)]
     assert [row[:3] for row in rows] == [["1", "4", "2"], ["2", "2", "1"]], result.stdout
+
+
+DATA_PARALLEL = """
+import sys
+from normgrad import mpi
+from normgrad.util.external_data import uses_external_data
+from normgrad.train import TrainerError
+mpi.init(abort=False, library=False)
+try:
+    trainer = mpi.DataParallelTrainer(sys.argv[1], sys.argv[2], lr=0.1, kernels=None)
+except TrainerError as error:
+    print("TrainerError:", error)
+    sys.exit(3)
+print(sorted(t.name for t in trainer.step_model.graph.initializer if uses_external_data(t)))
+"""
+
+
+@pytest.mark.slow
+def test_item6_7_the_data_parallel_trainer_keeps_the_frozen_base_in_its_file(tmp_path):
+    """mpi.DataParallelTrainer loads the step graph as the Trainer does: the frozen base stays
+    external (no 2 GiB protobuf limit), and a missing base is one TrainerError naming it."""
+    pytest.importorskip("mpi4py")
+    from normgrad import mpi
+
+    mpirun = mpi.mpirun_command(1)
+    if mpirun is None:
+        pytest.skip("mpirun not found")
+    step, ckpt = frozen_base_step(tmp_path)
+    run = mpirun + [sys.executable, "-c", DATA_PARALLEL, str(step), str(ckpt)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, env=mpi.mpirun_environment())
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "['w1']", done.stderr[-2000:]
+    os.rename(tmp_path / "forward.onnx.data", tmp_path / "moved.data")
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, env=mpi.mpirun_environment())
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert "external data of tensor 'w1' is missing" in done.stdout and "forward.onnx.data" in done.stdout

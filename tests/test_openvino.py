@@ -25,10 +25,10 @@ from normgrad.graphs.optimizers import hyperparameter_feeds
 
 import _runtimes
 from _providers import OPENVINO_CPU, counted_nodes, max_relative_error, nodes_on_cpu, requires_openvino, run, session
-from conftest import cpp_available
-from test_corpus import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
+from _helpers import cpp_available
+from _corpus_cases import CASES, MANIFEST, TOLERANCE, _has_bfloat16, assert_matches, load_case
 
-pytestmark = requires_openvino
+pytestmark = [pytest.mark.slow, requires_openvino]
 
 # the 0-d loss: onnxruntime-openvino leaves reductions to a 0-d float tensor to the CPU provider
 LOSS_ON_CPU = {"ReduceMean"}

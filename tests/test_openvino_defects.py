@@ -30,7 +30,7 @@ from normgrad.ops import IR_VERSION
 
 from _providers import CPU, OPENVINO_CPU, first_line, max_relative_error, requires_openvino, run
 
-pytestmark = requires_openvino
+pytestmark = [pytest.mark.slow, requires_openvino]
 
 TOLERANCE = 1e-5
 FLOAT = onnx.TensorProto.FLOAT

@@ -1,10 +1,16 @@
-"""Optimizer graphs against torch.optim and clip_grad_norm_, 20 steps on fixed gradients."""
+"""Optimizer graphs against torch.optim and clip_grad_norm_, 20 steps on fixed gradients; the options
+torch.optim refuses refused alike by the Python API and `normgrad export` (one line, exit 2)."""
+
+import os
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
+from normgrad.graphs import examples
 from normgrad.graphs.optimizers import build_optimizer_graph, hyperparameter_feeds, next_name, optimizer_state_names
+from normgrad.tools import cli
 
 torch = pytest.importorskip("torch")
 
@@ -188,3 +194,111 @@ def test_frozen_weights_get_no_gradient_and_stay_bitwise(tmp_path):
     with pytest.raises(ValueError, match="'nope' matches no float initializer"):
         from normgrad.graphs.builder import frozen_parameters
         frozen_parameters(forward, ["nope"])
+
+
+NAN, INF = float("nan"), float("inf")
+
+# (kind, options): torch.optim refuses every one (ValueError, or TypeError for another optimizer's option)
+REFUSED_BY_TORCH = [
+    ("adam", {"eps": NAN}), ("adam", {"eps": -1e-8}), ("adamw", {"weight_decay": NAN}), ("adam", {"weight_decay": -0.1}),
+    ("adam", {"betas": (1.5, 0.999)}), ("adamw", {"betas": (0.9, 1.0)}), ("adam", {"betas": (NAN, 0.999)}),
+    ("adam", {"betas": (0.9, -0.1)}), ("sgd", {"momentum": -0.9}), ("sgd", {"weight_decay": -1.0}),
+    ("sgd", {"nesterov": True}), ("sgd", {"nesterov": True, "momentum": 0.9, "dampening": 0.1}),
+    ("sgd", {"betas": (0.5, 0.9)}), ("sgd", {"eps": 1e-6}), ("sgd", {"amsgrad": True}),
+    ("adam", {"momentum": 0.9}), ("adamw", {"nesterov": True}), ("adam", {"dampening": 0.1}),
+]
+# torch lets these through to NaN weights; refused here
+REFUSED_HERE_ONLY = [("sgd", {"momentum": NAN}), ("sgd", {"weight_decay": NAN}), ("sgd", {"dampening": NAN}),
+                     ("adam", {"eps": INF})]
+ACCEPTED = [("adam", {"eps": 0.0}), ("sgd", {"momentum": 0.9, "nesterov": True}), ("adamw", {"weight_decay": 0.0}),
+            ("adam", {"betas": (0.0, 0.0)})]
+
+
+def _torch_error(kind, options):
+    torch = pytest.importorskip("torch")
+    constructor = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    try:
+        constructor([torch.nn.Parameter(torch.zeros(2))], **{"lr": 0.1, **options})
+    except (ValueError, TypeError) as error:
+        return type(error)
+    return None
+
+
+@pytest.mark.parametrize("kind, options", REFUSED_BY_TORCH + ACCEPTED)
+def test_python_api_refuses_what_torch_refuses(kind, options):
+    expected = _torch_error(kind, options)
+    if expected is None:
+        build_optimizer_graph({"w": [2]}, kind, **options)
+    else:
+        with pytest.raises(expected) as raised:
+            build_optimizer_graph({"w": [2]}, kind, **options)
+        assert list(options)[0] in str(raised.value) or "nesterov" in str(raised.value)
+
+
+@pytest.mark.parametrize("kind, options", REFUSED_HERE_ONLY)
+def test_python_api_refuses_non_finite_values_torch_lets_through(kind, options):
+    with pytest.raises(ValueError, match=list(options)[0]):
+        build_optimizer_graph({"w": [2]}, kind, **options)
+
+
+def test_negative_lr_is_refused_as_torch_does():
+    from normgrad.graphs.optimizers import check_hyperparameters
+
+    assert _torch_error("sgd", {"lr": -0.1}) is ValueError
+    with pytest.raises(ValueError, match="lr"):
+        check_hyperparameters("sgd", lr=-0.1)
+    with pytest.raises(ValueError, match="lr"):
+        check_hyperparameters("adam", lr=NAN)
+
+
+def _cli_argument(name, value):
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag]
+    if isinstance(value, tuple):
+        return [flag] + [repr(v) for v in value]
+    return [flag, repr(value)]
+
+
+@pytest.fixture(scope="module")
+def forward_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("forward") / "mlp.onnx"
+    onnx.save(examples.mlp(), str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind, options", [case for case in REFUSED_BY_TORCH + REFUSED_HERE_ONLY
+                                           if not (case[0] == "sgd" and case[1].get("nesterov") and len(case[1]) == 1)])
+def test_cli_refuses_nonsense_options_in_one_line_exit_2(kind, options, forward_path, tmp_path, capsys):
+    arguments = [a for name, value in options.items() for a in _cli_argument(name, value)]
+    output = tmp_path / "step.onnx"
+    code = cli.main(["export", str(forward_path), "-o", str(output), "--loss", "mse", "--optimizer", kind] + arguments)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and list(options)[-1].replace("_", "-") in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_refuses_nesterov_without_momentum(forward_path, tmp_path, capsys):
+    code = cli.main(["export", str(forward_path), "-o", str(tmp_path / "s.onnx"), "--loss", "mse", "--optimizer", "sgd",
+                             "--nesterov"])
+    assert code == 2 and "nesterov" in capsys.readouterr().err
+
+
+def test_cli_refuses_optimizer_options_without_optimizer(forward_path, tmp_path, capsys):
+    code = cli.main(["export", str(forward_path), "-o", str(tmp_path / "t.onnx"), "--momentum", "0.9"])
+    assert code == 2 and "--optimizer" in capsys.readouterr().err
+
+
+def test_cli_accepts_eps_zero_as_torch_does(forward_path, tmp_path):
+    assert _torch_error("adam", {"eps": 0.0}) is None
+    assert cli.main(["export", str(forward_path), "-o", str(tmp_path / "s.onnx"), "--loss", "mse", "--optimizer", "adam",
+                             "--eps", "0"]) == 0
+
+
+def test_freezing_everything_with_an_optimizer_is_a_usage_error(forward_path, tmp_path, capsys):
+    code = cli.main(["export", str(forward_path), "-o", str(tmp_path / "s.onnx"), "--loss", "mse", "--optimizer", "sgd",
+                     "--freeze", "*"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--freeze" in err and "build_optimizer_graph" not in err
+    assert os.listdir(tmp_path) == []

@@ -20,7 +20,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import bad_input_tests, cpp_available
+from _helpers import bad_input_tests, cpp_available
 from normgrad.graphs import build_training_graph, context
 from normgrad.graphs.examples import model
 from normgrad.ops import harness, outer_product_sum, python_kernels

@@ -21,7 +21,7 @@ from normgrad.tools import export as export_tool
 from normgrad.graphs.optimizers import hyperparameter_feeds
 
 from _providers import CPU, run
-from test_corpus import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
+from _corpus_cases import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
 
 TRAINING_CASES = [c for c in CASES if MANIFEST[c]["kind"] == "training"]
 

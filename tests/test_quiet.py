@@ -93,6 +93,7 @@ def test_graphs_normgrad_writes_load_without_warnings(tmp_path):
     assert sections[""] == [] and sections["normgrad"] == [], "\n".join(sections["normgrad"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript", "transformers")),
                     reason="needs torch, onnxscript and transformers")
 def test_dynamo_export_of_a_transformer_is_quiet(tmp_path):

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
+from _helpers import assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import make_portable
@@ -395,7 +395,7 @@ def test_llama_block_exports_use_the_operator_bitwise(exporter, monkeypatch):
     block's output, every gradient) is the bits of the graph without the rewrite."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_models_transformers_rules import _export, _LlamaBlock
+    from _transformer_blocks import _export, _LlamaBlock
 
     torch.manual_seed(0)
     module = _LlamaBlock().train()

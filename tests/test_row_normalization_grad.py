@@ -6,7 +6,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_close
+from _helpers import assert_close
 
 from normgrad.ops import harness
 from normgrad.ops import layer_normalization_grad as lng

@@ -30,8 +30,8 @@ import pytest
 
 import normgrad
 
-from conftest import cpp_available
-from test_corpus import assert_matches, load_case
+from _helpers import cpp_available
+from _corpus_cases import assert_matches, load_case
 
 OLDEST_ORT = (1, 19, 2)
 OLDEST_ORT_API = 19  # onnxruntime 1.19.x serves C API versions 1..19
@@ -216,7 +216,7 @@ def test_library_loads_in_this_runtime():
 _SUBPROCESS = r"""
 import sys, onnxruntime, normgrad
 sys.path.insert(0, sys.argv[1])
-from test_corpus import load_case, assert_matches
+from _corpus_cases import load_case, assert_matches
 model, inputs, expected = load_case("train_unet_block")
 session = normgrad.inference_session(model, "cpp", providers=["CPUExecutionProvider"])
 assert_matches(dict(zip(expected, session.run(list(expected), inputs))), expected, 1e-4, "old runtime")

@@ -31,7 +31,9 @@ from normgrad.graphs.optimizers import hyperparameter_feeds
 
 import _runtimes
 from _providers import max_relative_error
-from test_corpus import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
+from _corpus_cases import CASES, MANIFEST, TOLERANCE, assert_matches, load_case
+
+pytestmark = pytest.mark.slow
 
 FORMS = ("stored", "inlined")
 
@@ -231,7 +233,7 @@ def _recurrent_params():
 def test_recurrent_training_graph(runtime, name, inline):
     """Every output (Y, Y_h, Y_c and every gradient) of a recurrent node's training graph,
     default form and --inline, against onnxruntime's CPU provider."""
-    from test_graphs_rules_recurrent import _case
+    from _recurrent_cases import _case
 
     kind, options = RECURRENT_NODES[name]
     forward, values, outputs = _case(kind, **options)

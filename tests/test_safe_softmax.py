@@ -19,13 +19,13 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from conftest import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
+from _helpers import (assert_step_matches_inline, cpp_available, cpp_error, cpp_results_by_loop_and_threads,
                       step_outputs)
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.ops import DOMAIN, NormgradInputError, bias_safe_softmax, harness, safe_softmax, softmax_grad
-from test_softmax_grad import _attention, _ops
+from _attention_graphs import _attention, _ops
 
 OP = safe_softmax.OP_TYPE
 BIAS_OP = bias_safe_softmax.OP_TYPE

@@ -206,7 +206,7 @@ def test_scheduler_drives_a_trainer_as_torch_drives_its_optimizer():
     scheduler.step()): bitwise the run of a Trainer given torch's learning rates as a
     schedule function; a Trainer whose lr is a function refuses a scheduler."""
     from normgrad.train import Trainer
-    from test_trainer_trust import _mse_batch, _options, _step
+    from _trainer_graphs import _mse_batch, _options, _step
 
     step_graph, initial = _step("mse", "adamw")
     parameter = torch.nn.Parameter(torch.zeros(1))
@@ -236,7 +236,7 @@ def test_onecycle_cycles_a_trainers_beta1_or_momentum(optimizer):
     """OneCycleLR on a real Trainer moves lr and beta1 (momentum) as torch's moves its
     optimizer's: bitwise the run of a Trainer given torch's values as schedule functions."""
     from normgrad.train import Trainer
-    from test_trainer_trust import _mse_batch, _options, _step
+    from _trainer_graphs import _mse_batch, _options, _step
 
     options = {"momentum": 0.9} if optimizer == "sgd" else {}
     step_graph, initial = _step("mse", optimizer, **options)

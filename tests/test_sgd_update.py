@@ -10,7 +10,7 @@ import pytest
 
 import _update_checks
 
-from conftest import cpp_available
+from _helpers import cpp_available
 from normgrad.ops import NormgradInputError, gated_update, harness, sgd_update
 
 BACKENDS = ["functions", "python"] + (["cpp"] if cpp_available() else [])

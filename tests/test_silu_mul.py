@@ -15,13 +15,13 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
+from _helpers import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.graphs.portable import as_exported, make_portable
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.graphs.step_graph import build_eval_graph, build_inference_model
 from normgrad.ops import DOMAIN, NormgradInputError, harness, silu_mul
-from test_swiglu_grad import _forward, _within_ulps
+from _swiglu_reference import _forward, _within_ulps
 
 OP = silu_mul.OP_TYPE
 KERNELS = ["python"] + (["cpp"] if cpp_available() else [])

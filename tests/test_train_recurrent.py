@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from normgrad.train import cosine
-from test_train import STEPS, _assert_close, _batches, _step_graph, _torch_steps, _train
+from _train_runs import STEPS, _assert_close, _batches, _step_graph, _torch_steps, _train
 
 
 def _lstm_classifier(torch):

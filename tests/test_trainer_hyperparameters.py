@@ -11,7 +11,7 @@ import pytest
 from normgrad.graphs import build_step_graph, build_training_graph
 from normgrad.train import Trainer, TrainerError
 from normgrad.graphs.optimizers import hyperparameter_feeds
-from test_trainer_trust import _linear_tanh_linear, _mse_batch, _options, _step
+from _trainer_graphs import _linear_tanh_linear, _mse_batch, _options, _step
 
 
 def _states_equal(a, b):
@@ -227,7 +227,7 @@ def test_step_graph_fed_nan_epsilon_keeps_every_weight(backend):
     import onnxruntime as ort
 
     import normgrad
-    from conftest import cpp_available
+    from _helpers import cpp_available
 
     if backend == "cpp" and not cpp_available():
         pytest.skip("needs the C++ library")

@@ -13,53 +13,19 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import normgrad
-from conftest import cpp_available
+from normgrad import checkpoint
 from normgrad.graphs import build_step_graph, build_training_graph
+from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.ops import IR_VERSION
 from normgrad.train import Trainer, TrainerError
-from normgrad.graphs.optimizers import hyperparameter_feeds
+
+from _artifacts import LABELS, X, export_sgd, frozen_base_step
+from _graph_models import two_layer_model
+from _helpers import cpp_available
+from _trainer_graphs import _linear_tanh_linear, _mse_batch, _options, _step
 
 LEVELS = [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
           ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, ort.GraphOptimizationLevel.ORT_ENABLE_ALL]
-
-
-def _linear_tanh_linear(batch="batch"):
-    """Linear(8, 16) - tanh - Linear(16, 5) on x [N, 3, 8] as torch exports a Linear on a 3-D
-    input: MatMul(x, Transpose(W)) + b; output y [N, 3, 5] (for cross_entropy: 3 classes,
-    labels [N, 5])."""
-    rng = np.random.default_rng(0)
-    weights = {"a.weight": rng.standard_normal((16, 8)) * 0.4, "a.bias": rng.standard_normal(16) * 0.1,
-               "b.weight": rng.standard_normal((5, 16)) * 0.4, "b.bias": rng.standard_normal(5) * 0.1}
-    nodes = []
-    for layer, source, target in (("a", "x", "h"), ("b", "t", "y")):
-        nodes += [helper.make_node("Transpose", [f"{layer}.weight"], [f"{layer}.wt"], perm=[1, 0]),
-                  helper.make_node("MatMul", [source, f"{layer}.wt"], [f"{layer}.mm"]),
-                  helper.make_node("Add", [f"{layer}.mm", f"{layer}.bias"], [target])]
-        if layer == "a":
-            nodes.append(helper.make_node("Tanh", ["h"], ["t"]))
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3, 5])],
-                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = IR_VERSION
-    return model
-
-
-def _step(loss="mse", kind="sgd", loss_options=None, **options):
-    training = build_training_graph(_linear_tanh_linear(), loss=loss, loss_options=loss_options)
-    return build_step_graph(training, kind, **options)
-
-
-def _options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = level
-    return options
-
-
-def _mse_batch(seed=1, n=4):
-    rng = np.random.default_rng(seed)
-    return {"x": rng.standard_normal((n, 3, 8)).astype(np.float32),
-            "labels": rng.standard_normal((n, 3, 5)).astype(np.float32)}
 
 
 def _session_step(step, state, batch, lr, number, level):
@@ -396,3 +362,77 @@ def test_the_graph_onnxruntime_runs_has_no_where_gate_and_updates_in_place(setup
     assert all(APPLIED in producers[next_name].input for next_name in state.values())
     gate_where = [n.name for n in running.graph.node if n.op_type == "Where" and APPLIED in n.input]
     assert not gate_where
+
+
+def test_item10_eval_model_external_data_outside_its_folder_is_refused(tmp_path):
+    step, ckpt = frozen_base_step(tmp_path / "run" if (tmp_path / "run").mkdir() is None else None)
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 4096)
+    evaluation = onnx.load(tmp_path / "run" / "step.eval.onnx", load_external_data=False)
+    for tensor in evaluation.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../secret.bin"
+    onnx.save(evaluation, tmp_path / "run" / "bad.eval.onnx")
+    with pytest.raises(TrainerError, match=r"evaluation graph: .*'\.\./secret\.bin' is not a plain relative path"):
+        Trainer(step, ckpt, kernels=None, eval_model=tmp_path / "run" / "bad.eval.onnx")
+
+
+def test_item11_a_cut_short_frozen_base_is_one_trainer_error(tmp_path, capfd):
+    step, ckpt = frozen_base_step(tmp_path)
+    data = tmp_path / "forward.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(TrainerError, match=r"forward\.onnx\.data holds 1000 bytes; tensor 'w1' needs .*cut short"):
+        Trainer(step, ckpt, kernels=None)
+    assert capfd.readouterr().err == ""  # no onnxruntime log
+
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("normgrad.dropout", '{"seed": "abc"}', "int64 'seed'"),
+    ("normgrad.loss", '{"kind": "mse"}', "string 'kind' and 'output'"),
+    ("normgrad.forward_outputs", "5", "a list of names"),
+    ("normgrad.parameters", "[1, 2]", "a list of names"),
+    ("normgrad.state", "{not json", "not JSON"),
+])
+def test_item12_malformed_step_graph_metadata_is_one_trainer_error(tmp_path, key, value, rule):
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
+    model = onnx.load(tmp_path / "s.onnx")
+    helper.set_model_props(model, {**{e.key: e.value for e in model.metadata_props}, key: value})
+    with pytest.raises(TrainerError, match=f"corrupt step graph: metadata {key} .*{rule}"):
+        Trainer(model, tmp_path / "s.ckpt", kernels=None)
+    with pytest.raises(TrainerError, match=f"corrupt evaluation graph: metadata {key}"):
+        onnx.save(model, tmp_path / "bad.eval.onnx")
+        Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", kernels=None, eval_model=tmp_path / "bad.eval.onnx")
+
+
+@pytest.mark.parametrize("lr", [True, "0.1", float("nan"), -1.0])
+def test_item13_a_learning_rate_that_is_no_number_is_refused_at_construction(tmp_path, lr):
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
+    with pytest.raises(TrainerError, match=r"lr.*a learning rate must be a finite number >= 0"):
+        Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", lr=lr, kernels=None)
+
+
+def test_item13_lr_none_is_the_step_graphs_own_learning_rate(tmp_path):
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
+    default = Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", lr=None, kernels=None)
+    stored = default.hyperparameters["lr"]
+    explicit = Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", lr=stored, kernels=None)
+    assert default.step(X, LABELS) == explicit.step(X, LABELS)
+    for name, value in default.state_dict().items():
+        np.testing.assert_array_equal(value, explicit.state_dict()[name], err_msg=name)
+
+
+@pytest.mark.parametrize("seed", [str(2**63), str(-2**63 - 1), "1e3"])
+def test_item15_a_checkpoint_seed_outside_int64_is_refused(tmp_path, seed):
+    onnx.save(two_layer_model(), tmp_path / "forward.onnx")
+    assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
+    state = checkpoint.load(tmp_path / "s.ckpt").tensors
+    checkpoint.save(tmp_path / "bad.ckpt", state, {"normgrad.dropout_seed": seed})
+    with pytest.raises(TrainerError, match="normgrad.dropout_seed must be an integer in the int64 range"):
+        Trainer(tmp_path / "s.onnx", tmp_path / "bad.ckpt", kernels=None)
+    trainer = Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", kernels=None)
+    with pytest.raises(TrainerError, match="int64 range"):
+        trainer.load(tmp_path / "bad.ckpt")
+    trainer.step(X, LABELS)  # the process and the trainer go on

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import cpp_available
+from _helpers import cpp_available
 from normgrad.ops import adam_update, harness, sgd_update
 
 HERE = pathlib.Path(__file__).parent

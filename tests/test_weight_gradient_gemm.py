@@ -88,16 +88,16 @@ def test_products_of_one_input_sum_their_dx_inside_the_gemms(tmp_path, level):
 # -- tiny transformers: against the batched forms, every optimization level -----------------
 
 STEPS = 10
-LEVELS = ["disable_all", "basic", "extended", "all"]  # test_trainer_matrix.LEVELS
+LEVELS = ["disable_all", "basic", "extended", "all"]  # _matrix_models.LEVELS
 
 
 def _matrix():
-    """test_trainer_matrix (its tiny transformers and step helpers); skips without torch."""
+    """_matrix_models (the trainer matrix's tiny transformers and step helpers); skips without torch."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import test_trainer_matrix
+    import _matrix_models
 
-    return test_trainer_matrix
+    return _matrix_models
 
 
 def _batched_forms(monkeypatch):
