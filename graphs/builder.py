@@ -19,6 +19,7 @@ import onnx.shape_inference
 
 from normgrad.ops.api import add_functions_in_place
 from normgrad.util.external_data import check_model
+import normgrad.graphs.adapters as adapters
 import normgrad.graphs.data_parallel as data_parallel_rules
 import normgrad.graphs.losses as losses
 import normgrad.graphs.patterns as patterns
@@ -355,7 +356,12 @@ def frozen_parameters(
 
 def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
     """With metadata from :func:`normgrad.torch.export`: every float initializer that is no
-    torch parameter (buffers, constants), to be frozen."""
+    torch parameter (buffers, constants), to be frozen. With LoRA adapters from
+    :func:`normgrad.graphs.adapters.add_adapters`: every float initializer but the adapters."""
+    lora = adapters.lora_layers(model)
+    if lora is not None:
+        trained = {name for layer in lora["layers"] for name in (layer.A, layer.B)}
+        return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in trained}
     parameters = torch_exports.torch_parameters(model)
     if parameters is None:
         return set()
@@ -525,6 +531,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
                          "with data_parallel or sync_batch_norm")
     if sync_batch_norm:
         batch_norm_all_reduce = batch_norm_all_reduce or data_parallel_rules.all_reduce
+    lora = next((p.value for p in model.metadata_props if p.key == adapters.METADATA_LORA), None)
     forward = _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss_options)
     del model  # the prepared copy in ``forward`` is the one assembled
     ctx, float_outputs = forward.ctx, forward.float_outputs
@@ -555,6 +562,8 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         metadata[METADATA_INLINE] = "true"
     if peft_adapters is not None:  # which trained tensors are LoRA adapters, for normgrad.lora
         metadata[torch_exports.METADATA_PEFT] = peft_adapters
+    if lora is not None:  # the adapters of normgrad.graphs.adapters, for normgrad.lora
+        metadata[adapters.METADATA_LORA] = lora
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     rewrites.cast_stored_weights_per_reader(result)
