@@ -140,6 +140,27 @@ def test_matmul_nbits_wired_from_its_k_and_n():
     np.testing.assert_allclose(_session(adapted).run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_dropout_in_training_only():
+    """--lora-dropout: training-mode Dropout on the adapter's input changes the training loss;
+    the inference model computes base + x A^T B^T * alpha/r without it (float64 NumPy)."""
+    from normgrad.train import Trainer
+
+    adapted = lora.add_adapters(_matmul_model(), ["*"], RANK, ALPHA, dropout=0.5)
+    (layer,) = lora.lora_layers(adapted)["layers"]
+    step, initial = build_step_graph(build_training_graph(adapted, loss="mse"), "sgd")
+    rng = np.random.default_rng(5)
+    initial[layer.B] = rng.standard_normal((16, RANK)).astype(np.float32)
+    x, labels = rng.standard_normal((2, 32)).astype(np.float32), np.zeros((2, 16), np.float32)
+    weights = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in adapted.graph.initializer}
+    expected = x @ weights["proj.weight"] + x @ weights[layer.A].T @ initial[layer.B].T.astype(np.float64) * (ALPHA / RANK)
+    trainer = Trainer(step, initial, lr=1e-3)
+    inference = trainer.inference_model()
+    assert not [n for n in inference.graph.node if n.op_type == "Dropout"]
+    np.testing.assert_allclose(_session(inference).run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+    loss = trainer.step(x=x, labels=labels)
+    assert abs(loss - float(np.mean(expected ** 2))) > 1e-3 * float(np.mean(expected ** 2))
+
+
 def test_shared_weight_gets_one_adapter_per_node():
     model = _matmul_model()
     model.graph.node.append(helper.make_node("MatMul", ["x", "proj.weight"], ["z"], name="again"))
@@ -332,3 +353,45 @@ def test_cli_lora_flags_need_rank_and_targets(mlp, tmp_path, capsys):
         with pytest.raises(SystemExit) as caught:
             export.main([mlp["path"], "-o", str(tmp_path / "s.onnx"), "--loss", "mse", *argv])
         assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpt2_lora_gradients_match_torch_and_peft(tmp_path):
+    """A tiny GPT-2 exported without adapters, adapters added by glob to its Conv1D layers
+    (Gemm over [in, out] weights): with peft's A and B copied in (fan_in_fan_out), the
+    causal-LM loss and every adapter's gradient within 1e-4 of its scale of torch + peft in
+    float64; with B = 0 the base model's loss."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    from _lora_models import _fresh_base, _peft_model
+    from _torch_models import run_training_graph
+    import normgrad.torch
+
+    twin, base_state = _peft_model("gpt2")
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in twin.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    input_ids = torch.randint(0, 64, (2, 8), generator=generator)
+    base = _fresh_base("gpt2", base_state)
+    forward = normgrad.torch.export(normgrad.torch.causal_lm_logits(base), (input_ids,), tmp_path / "gpt2.onnx",
+                                    exporter="dynamo", input_names=["input_ids"], output_names=["logits"])
+    adapted = lora.add_adapters(forward, ["*c_attn.weight", "*c_proj.weight", "*c_fc.weight"], 4, 8)
+    training = build_training_graph(adapted, loss="causal_lm")
+    feeds = {"input_ids": input_ids.numpy(), "labels": input_ids.numpy()}
+    initial_loss = run_training_graph(training, feeds)["loss"]
+    assert initial_loss == run_training_graph(build_training_graph(forward, loss="causal_lm"), feeds)["loss"]
+    adapters = {"model." + name.replace("base_model.model.", "").replace(".default", ""): p.detach().numpy().copy()
+                for name, p in twin.named_parameters() if "lora_" in name}
+    assert set(adapters) == set(training.weights)
+    outputs = run_training_graph(training._replace(weights=adapters), feeds)
+    twin = copy.deepcopy(twin).double()
+    truth = twin(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    truth.backward()
+    np.testing.assert_allclose(outputs["loss"], truth.item(), rtol=1e-5)
+    for name, param in twin.named_parameters():
+        if "lora_" in name:
+            expected = param.grad.numpy()
+            got = outputs["model." + name.replace("base_model.model.", "").replace(".default", "") + "_grad"]
+            assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max(), name
