@@ -161,6 +161,67 @@ def test_dropout_in_training_only():
     assert abs(loss - float(np.mean(expected ** 2))) > 1e-3 * float(np.mean(expected ** 2))
 
 
+def _dequantized(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
+    """The float weight [K, N] a MatMulNBits node multiplies by: onnxruntime's product of the identity."""
+    k = next(a.i for a in node.attribute if a.name == "K")
+    n = next(a.i for a in node.attribute if a.name == "N")
+    alone = onnx.NodeProto()
+    alone.CopyFrom(node)
+    alone.input[0] = "eye"
+    del alone.output[:]
+    alone.output.append("w")
+    graph = helper.make_graph([alone], "dequantized", [helper.make_tensor_value_info("eye", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("w", TensorProto.FLOAT, [k, n])],
+                              [t for t in model.graph.initializer if t.name in node.input[1:]])
+    single = helper.make_model(graph, opset_imports=list(model.opset_import))
+    single.ir_version = model.ir_version
+    return _session(single).run(None, {"eye": np.eye(k, dtype=np.float32)})[0]
+
+
+def test_matmul_nbits_adapter_gradients_match_torch():
+    """Two MatMulNBits layers with adapters (the first one's gradient passes through the
+    second's packed weight): the loss and adapter gradients within 1e-4 of their scale of
+    torch float64 on the dequantized weights. Needs the MatMulNBits gradient rule."""
+    from normgrad.graphs.rules.registry import supported_op_types
+
+    if "com.microsoft.MatMulNBits" not in supported_op_types():
+        pytest.skip("no MatMulNBits gradient rule in this normgrad")
+    torch = pytest.importorskip("torch")
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from _torch_models import run_training_graph
+
+    rng = np.random.default_rng(7)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "l1.weight"], ["h"], name="l1"), helper.make_node("Tanh", ["h"], ["a"]),
+         helper.make_node("MatMul", ["a", "l2.weight"], ["y"], name="l2")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
+        [numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32) / 6, "l1.weight"),
+         numpy_helper.from_array(rng.standard_normal((32, 16)).astype(np.float32) / 6, "l2.weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    quantizer = MatMulNBitsQuantizer(model, block_size=16, is_symmetric=True)
+    quantizer.process()
+    quantized = quantizer.model.model
+    weights = [_dequantized(quantized, n) for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    training = build_training_graph(lora.add_adapters(quantized, ["*"], RANK, ALPHA), loss="mse")
+    adapters = {name: rng.standard_normal(value.shape).astype(np.float32) * 0.3 for name, value in training.weights.items()}
+    x, labels = rng.standard_normal((2, 32)).astype(np.float32), rng.standard_normal((2, 16)).astype(np.float32)
+    outputs = run_training_graph(training._replace(weights=adapters), {"x": x, "labels": labels})
+    layers = lora.lora_layers(training.model)["layers"]
+    params = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True) for name, value in adapters.items()}
+    value = torch.tensor(x, dtype=torch.float64)
+    for i, (layer, weight) in enumerate(zip(layers, weights)):
+        value = value @ torch.tensor(weight, dtype=torch.float64) + value @ params[layer.A].T @ params[layer.B].T * (ALPHA / RANK)
+        value = torch.tanh(value) if i == 0 else value
+    loss = torch.nn.functional.mse_loss(value, torch.tensor(labels, dtype=torch.float64))
+    loss.backward()
+    np.testing.assert_allclose(outputs["loss"], loss.item(), rtol=1e-5)
+    for name, param in params.items():
+        expected = param.grad.numpy()
+        assert np.abs(outputs[f"{name}_grad"] - expected).max() <= 1e-4 * np.abs(expected).max(), name
+
+
 def test_shared_weight_gets_one_adapter_per_node():
     model = _matmul_model()
     model.graph.node.append(helper.make_node("MatMul", ["x", "proj.weight"], ["z"], name="again"))
