@@ -48,6 +48,9 @@ class AdaptedLayer(NamedTuple):
     in_features: int
     out_features: int
     scaling: float
+    dtype: int = onnx.TensorProto.FLOAT
+    """The layer's activation type (its weight's, a MatMulNBits's scales'): another than
+    float32 is cast to float32 for the adapter and the adapter's output back."""
 
 
 def lora_layers(model: onnx.ModelProto) -> Optional[Dict[str, object]]:
@@ -171,8 +174,9 @@ def _layers(graph: onnx.GraphProto, nodes: List[onnx.NodeProto], rank: int, scal
                                 f"{_describe(node)}")
             taken.add(name)
         fan_in, fan_out = _features(node, initializers[weight], transposed)
+        typed = initializers.get(node.input[2] if node.op_type == "MatMulNBits" else weight)
         layers.append(AdaptedLayer(node.name, node.op_type, node.output[0], weight, a_name, b_name, fan_in, fan_out,
-                                   scaling))
+                                   scaling, typed.data_type if typed is not None else onnx.TensorProto.FLOAT))
     return layers
 
 
@@ -180,7 +184,8 @@ def wire_adapter(graph: onnx.GraphProto, layer: AdaptedLayer, dropout: float = 0
     """Writes one adapter's nodes into ``graph`` right after its base node (found by
     ``layer.output``): the base node's output is renamed and ``layer.output`` becomes
     base + (dropout(x) @ A^T @ B^T) * scaling, A and B read by name (initializers or inputs
-    the caller adds). Training-mode Dropout on x when ``dropout`` > 0.
+    the caller adds), in float32 (a layer of another type: x cast to float32, the sum's
+    term cast back). Training-mode Dropout on x when ``dropout`` > 0.
 
     Raises:
         LoraError: no node of ``layer.op_type`` computes ``layer.output`` (a model other than
@@ -196,6 +201,10 @@ def wire_adapter(graph: onnx.GraphProto, layer: AdaptedLayer, dropout: float = 0
     base.output[0] = f"{prefix}.base_output"
     x = base.input[0]
     nodes = []
+    cast = layer.dtype != onnx.TensorProto.FLOAT
+    if cast:
+        nodes.append(helper.make_node("Cast", [x], [f"{prefix}.input"], name=f"{prefix}.Cast", to=onnx.TensorProto.FLOAT))
+        x = f"{prefix}.input"
     if dropout > 0:
         nodes += [helper.make_node("Constant", [], [f"{prefix}.dropout_ratio"], name=f"{prefix}.dropout_ratio",
                                    value=numpy_helper.from_array(np.array(dropout, np.float32))),
@@ -212,8 +221,11 @@ def wire_adapter(graph: onnx.GraphProto, layer: AdaptedLayer, dropout: float = 0
         helper.make_node("Constant", [], [f"{prefix}.scaling"], name=f"{prefix}.scaling",
                          value=numpy_helper.from_array(np.array(layer.scaling, np.float32))),
         helper.make_node("Mul", [f"{prefix}.up", f"{prefix}.scaling"], [f"{prefix}.delta"], name=f"{prefix}.Mul"),
-        helper.make_node("Add", [base.output[0], f"{prefix}.delta"], [layer.output], name=f"{prefix}.Add"),
     ]
+    if cast:
+        nodes.append(helper.make_node("Cast", [f"{prefix}.delta"], [f"{prefix}.delta_cast"], name=f"{prefix}.Cast_back",
+                                      to=layer.dtype))
+    nodes.append(helper.make_node("Add", [base.output[0], nodes[-1].output[0]], [layer.output], name=f"{prefix}.Add"))
     for offset, node in enumerate(nodes, start=1):
         graph.node.insert(index + offset, node)
 

@@ -222,6 +222,35 @@ def test_matmul_nbits_adapter_gradients_match_torch():
         assert np.abs(outputs[f"{name}_grad"] - expected).max() <= 1e-4 * np.abs(expected).max(), name
 
 
+def test_float16_layer_gets_a_float32_adapter():
+    """A float16 MatMul: the adapter computes in float32 (x cast in, its term cast back), the
+    adapters stay float32; the output against float64 NumPy within float16 rounding, and the
+    adapter's gradients against float64 within 1e-2 of their scale."""
+    from _torch_models import run_training_graph
+
+    model = _matmul_model()
+    weight = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float16)
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "proj.weight"))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    training = build_training_graph(lora.add_adapters(model, ["*"], RANK, ALPHA), loss="mse")
+    (layer,) = lora.lora_layers(training.model)["layers"]
+    assert layer.dtype == TensorProto.FLOAT16 and training.weights[layer.A].dtype == np.float32
+    rng = np.random.default_rng(3)
+    adapters = {layer.A: training.weights[layer.A], layer.B: rng.standard_normal((16, RANK)).astype(np.float32)}
+    x, labels = rng.standard_normal((2, 32)).astype(np.float16), np.zeros((2, 16), np.float16)
+    outputs = run_training_graph(training._replace(weights=adapters), {"x": x, "labels": labels})
+    x64, down, up = x.astype(np.float64), adapters[layer.A].astype(np.float64), adapters[layer.B].astype(np.float64)
+    hidden = x64 @ down.T
+    y = x64 @ weight.astype(np.float64) + hidden @ up.T * (ALPHA / RANK)
+    np.testing.assert_allclose(outputs["y"].astype(np.float64), y, rtol=1e-2, atol=2e-2 * np.abs(y).max())
+    dy = 2 * y / y.size  # d mean(y^2) / dy
+    grads = {layer.B: (dy.T @ hidden) * (ALPHA / RANK), layer.A: ((dy @ up) * (ALPHA / RANK)).T @ x64}
+    for name, expected in grads.items():
+        assert outputs[f"{name}_grad"].dtype == np.float32
+        assert np.abs(outputs[f"{name}_grad"] - expected).max() <= 1e-2 * np.abs(expected).max(), name
+
+
 def test_shared_weight_gets_one_adapter_per_node():
     model = _matmul_model()
     model.graph.node.append(helper.make_node("MatMul", ["x", "proj.weight"], ["z"], name="again"))
