@@ -253,6 +253,7 @@ def add_adapters(model: onnx.ModelProto, targets: Union[str, Sequence[str]], ran
     keys = {p.key for p in model.metadata_props}
     if METADATA_LORA in keys or "normgrad.peft" in keys:
         raise LoraError("the model already has LoRA adapters: add adapters to the base model")
+    _ensure_opset(model, 12 if dropout > 0 else 1)
     adapted = onnx.ModelProto()
     adapted.CopyFrom(model)
     graph = adapted.graph
@@ -267,7 +268,6 @@ def add_adapters(model: onnx.ModelProto, targets: Union[str, Sequence[str]], ran
     info = {"rank": int(rank), "alpha": float(alpha), "dropout": float(dropout), "seed": int(seed),
             "layers": [layer._asdict() for layer in layers]}
     helper.set_model_props(adapted, {**{p.key: p.value for p in model.metadata_props}, METADATA_LORA: json.dumps(info)})
-    _ensure_opset(adapted, 12 if dropout > 0 else 1)
     return adapted
 
 

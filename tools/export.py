@@ -265,6 +265,11 @@ def _summary(args, artifacts, written) -> str:
     data = sorted({os.path.join(folder, entry.value) for t in written.graph.initializer if uses_external_data(t)
                    for entry in t.external_data if entry.key == "location"})
     frozen = f"; frozen weights in {', '.join(data)}" if data else ""
+    if args.lora_rank is not None:
+        from normgrad.graphs.adapters import lora_layers
+
+        count = len(lora_layers(written)["layers"])
+        frozen += f"; LoRA adapters of rank {args.lora_rank} on {count} layer{'s' * (count != 1)} (only they train)"
     if args.optimizer:
         return (f"wrote {args.output}: {len(written.graph.node)} nodes, {args.optimizer} step; initial state in "
                 f"{artifacts.checkpoint}; evaluation graph in {artifacts.eval_graph}{frozen}")
