@@ -252,6 +252,16 @@ def test_float16_layer_gets_a_float32_adapter():
         assert np.abs(outputs[f"{name}_grad"] - expected).max() <= 1e-2 * np.abs(expected).max(), name
 
 
+def test_adapter_files_need_onnxruntime_1_20(tmp_path, monkeypatch):
+    """An onnxruntime without the adapter format (before 1.20): one line, nothing written."""
+    step, initial = build_step_graph(build_training_graph(lora.add_adapters(_matmul_model(), ["*"], RANK, ALPHA),
+                                                          loss="mse"), "sgd")
+    monkeypatch.delattr(ort, "AdapterFormat")
+    with pytest.raises(LoraError, match=r"has no adapter format .*needs? onnxruntime 1.20 or newer"):
+        lora.save_onnx_adapter(tmp_path / "a.onnx_adapter", step, initial)
+    assert os.listdir(tmp_path) == []
+
+
 def test_shared_weight_gets_one_adapter_per_node():
     model = _matmul_model()
     model.graph.node.append(helper.make_node("MatMul", ["x", "proj.weight"], ["z"], name="again"))

@@ -320,6 +320,16 @@ def _onnx_adapters(step_model: onnx.ModelProto) -> Dict[str, object]:
     return info
 
 
+def _adapter_format():
+    """``onnxruntime.AdapterFormat`` (onnxruntime 1.20 and newer)."""
+    import onnxruntime
+
+    if not hasattr(onnxruntime, "AdapterFormat"):
+        raise LoraError(f"onnxruntime {onnxruntime.__version__} has no adapter format (AdapterFormat, LoraAdapter): "
+                        "adapter files need onnxruntime 1.20 or newer")
+    return onnxruntime.AdapterFormat
+
+
 def _adapter_shapes(info: Mapping[str, object]) -> Dict[str, List[int]]:
     """{adapter tensor: its shape} of ``normgrad.lora`` metadata."""
     rank = info["rank"]
@@ -337,8 +347,8 @@ def save_onnx_adapter(path: PathLike, step_model: onnx.ModelProto, tensors: Mapp
     :func:`adapter_model`.
 
     Raises:
-        LoraError: ``step_model`` has no such adapters, or ``tensors`` lacks one or gives it
-            in another shape.
+        LoraError: ``step_model`` has no such adapters, ``tensors`` lacks one or gives it in
+            another shape, or onnxruntime is older than 1.20 (no adapter format).
         OSError: the file cannot be written.
     """
     import tempfile
@@ -347,6 +357,7 @@ def save_onnx_adapter(path: PathLike, step_model: onnx.ModelProto, tensors: Mapp
 
     from normgrad.util.files import write_bytes_atomic
 
+    adapter = _adapter_format()()
     parameters = {}
     for name, shape in _adapter_shapes(_onnx_adapters(step_model)).items():
         if name not in tensors:
@@ -355,7 +366,6 @@ def save_onnx_adapter(path: PathLike, step_model: onnx.ModelProto, tensors: Mapp
         if list(value.shape) != shape:
             raise LoraError(f"adapter {name!r} has shape {list(value.shape)}; the step graph's is {shape}")
         parameters[name] = onnxruntime.OrtValue.ortvalue_from_numpy(value)
-    adapter = onnxruntime.AdapterFormat()
     adapter.set_adapter_version(1)
     adapter.set_model_version(1)
     adapter.set_parameters(parameters)
@@ -409,10 +419,9 @@ def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:
     Raises:
         LoraError: the file is not an adapter file, or it was made for another model.
     """
-    import onnxruntime
-
+    adapter_format = _adapter_format()
     try:
-        parameters = onnxruntime.AdapterFormat.read_adapter(os.fspath(path)).get_parameters()
+        parameters = adapter_format.read_adapter(os.fspath(path)).get_parameters()
     except Exception as error:  # onnxruntime raises its own error types for a file it cannot read
         raise LoraError(f"{path} is not an onnxruntime adapter file ({str(error).splitlines()[0]})") from None
     inputs = {i.name: [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
