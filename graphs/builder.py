@@ -354,7 +354,7 @@ def frozen_parameters(
     return frozen
 
 
-def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
+def _frozen_by_metadata(model: onnx.ModelProto) -> Set[str]:
     """With metadata from :func:`normgrad.torch.export`: every float initializer that is no
     torch parameter (buffers, constants), to be frozen. With LoRA adapters from
     :func:`normgrad.graphs.adapters.add_adapters`: every float initializer but the adapters."""
@@ -584,7 +584,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     context whose nodes the backward pass emits."""
     check_graph_structure(model.graph)
     torch_exports.check_forward_model(model)
-    frozen = set(frozen) | _not_torch_parameters(model)
+    frozen = set(frozen) | _frozen_by_metadata(model)
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again

@@ -338,12 +338,12 @@ def _frozen_weights(forward, freeze, trainable, lora: bool = False) -> set:
     every one that is no torch parameter with requires_grad; with ``lora`` every one, the
     adapters being new) of 1 KiB or more. No graph builder reads their values; every other
     tensor is loaded."""
-    from normgrad.graphs.builder import _not_torch_parameters, frozen_parameters
+    from normgrad.graphs.builder import _frozen_by_metadata, frozen_parameters
 
     import numpy as np
     from onnx.helper import tensor_dtype_to_np_dtype
 
-    frozen = frozen_parameters(forward, freeze, trainable) | _not_torch_parameters(forward)
+    frozen = frozen_parameters(forward, freeze, trainable) | _frozen_by_metadata(forward)
     if lora:
         frozen = {t.name for t in forward.graph.initializer}
     return {t.name for t in forward.graph.initializer if t.name in frozen and
