@@ -126,22 +126,36 @@ def _check_options(targets: Sequence[str], rank: int, alpha: float, dropout: flo
 
 
 def _targets(graph: onnx.GraphProto, globs: Sequence[str]) -> List[onnx.NodeProto]:
-    """The layers whose node name or weight name matches a glob, in graph order."""
+    """The layers whose node name or weight name matches a glob and whose weight is a stored
+    matrix (an initializer), in graph order. A layer whose weight is computed (attention's
+    activation products) is passed over, so ``*`` means every layer that can take an
+    adapter; a glob that matches only such layers, or nothing, is refused by name."""
     initializers = {t.name: t for t in graph.initializer}
     producers = _producers(graph)
     candidates = [n for n in graph.node if n.domain in _ADAPTED.get(n.op_type, ()) and len(n.input) > 1]
     if not candidates:
         raise LoraError("the model has no MatMul, Gemm or MatMulNBits node: there is no layer to add a LoRA adapter to")
-    names = {}
+    names, stored = {}, set()
     for node in candidates:
         weight, _ = _weight(node, initializers, producers)
         names[id(node)] = [name for name in (node.name, node.input[1], weight) if name]
-    unmatched = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for node in candidates for n in names[id(node)])]
+        if weight is not None:
+            stored.add(id(node))
+
+    def matching(glob):
+        return [node for node in candidates if any(fnmatch.fnmatchcase(n, glob) for n in names[id(node)])]
+
+    unmatched = [g for g in globs if not matching(g)]
     if unmatched:
-        few = [names[id(node)][-1] for node in candidates[:_FEW]]
+        few = [names[id(node)][-1] for node in candidates if id(node) in stored][:_FEW]
         raise LoraError(f"LoRA targets {unmatched} match no MatMul, Gemm or MatMulNBits node or weight name of the "
-                        f"model (some are: {', '.join(few)}{', ...' if len(candidates) > _FEW else ''})")
-    return [node for node in candidates if any(fnmatch.fnmatchcase(n, g) for n in names[id(node)] for g in globs)]
+                        f"model (some are: {', '.join(few)}{', ...' if len(stored) > _FEW else ''})")
+    for glob in globs:
+        if not any(id(node) in stored for node in matching(glob)):
+            node = matching(glob)[0]
+            raise LoraError(f"LoRA target {glob!r} matches only layers whose weight is not an initializer, e.g. "
+                            f"{_describe(node)} reading {node.input[1]!r} (a LoRA target's weight is a stored matrix)")
+    return [node for node in candidates if id(node) in stored and any(node in matching(g) for g in globs)]
 
 
 def _adapter_names(weight: str) -> "tuple[str, str]":
@@ -156,11 +170,7 @@ def _layers(graph: onnx.GraphProto, nodes: List[onnx.NodeProto], rank: int, scal
     producers = _producers(graph)
     weights = []
     for node in nodes:
-        weight, transposed = _weight(node, initializers, producers)
-        if weight is None:
-            raise LoraError(f"{_describe(node)} matches the LoRA targets, but its weight {node.input[1]!r} is not an "
-                            "initializer (a LoRA target's weight is a stored matrix): narrow the targets")
-        weights.append((weight, transposed))
+        weights.append(_weight(node, initializers, producers))
     shared = {w for w, _ in weights if sum(1 for v, _ in weights if v == w) > 1}
     taken = set(initializers) | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     layers = []

@@ -74,8 +74,25 @@ def test_alpha_and_dropout_checked(options, rule):
 
 
 def test_target_whose_weight_is_no_initializer_is_refused():
-    with pytest.raises(LoraError, match=r"MatMul node 'proj'.*weight 'proj.weight' is not an initializer"):
+    with pytest.raises(LoraError, match=r"LoRA target 'proj' matches only layers whose weight is not an initializer, "
+                                        r"e.g. MatMul node 'proj' reading 'proj.weight'"):
         lora.add_adapters(_matmul_model(weight_is_input=True), ["proj"], RANK, ALPHA)
+
+
+def test_star_adapts_the_layers_with_stored_weights_only():
+    """``*`` passes over a MatMul of two activations (attention's scores): only the layer
+    with a stored weight gets an adapter, and the model computes what it did (B = 0)."""
+    model = _matmul_model()
+    scores = helper.make_node("MatMul", ["y", "y_t"], ["scores"], name="scores")
+    model.graph.node.extend([helper.make_node("Transpose", ["y"], ["y_t"], name="t"), scores])
+    model.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, [2, 2]))
+    adapted = lora.add_adapters(model, ["*"], RANK, ALPHA)
+    assert sorted(t.name for t in adapted.graph.initializer if ".lora_" in t.name) == ["proj.lora_A.weight",
+                                                                                       "proj.lora_B.weight"]
+    x = np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})  # noqa: E731
+    for before, after in zip(run(model), run(adapted)):
+        np.testing.assert_array_equal(before, after)
 
 
 def test_adapters_twice_are_refused():
