@@ -89,7 +89,8 @@ def _prepare(model: onnx.ModelProto, frozen: Set[str]) -> Tuple[onnx.ModelProto,
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     trainable = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
-    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable))
+    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable),
+                                      infer_shapes=_infer_shapes)
     for rewrite in rewrites.PASSES:
         rewrite.apply(model, context)
     model = _infer_shapes(model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, FrozenSet, Optional
+from typing import Callable, Dict, FrozenSet, Optional
 
 import numpy as np
 import onnx
@@ -31,10 +31,13 @@ class RewriteContext:
         opset: the model's default-domain opset (the opset pass raises it).
         trainable: the float initializers that get a gradient: no pass fuses one away as a
             fixed operand (its gradient would be lost).
+        infer_shapes: the model with its inferred types (the builder's also gives the output
+            types of the com.microsoft ops whose rules know them).
     """
 
     opset: int
     trainable: FrozenSet[str] = frozenset()
+    infer_shapes: Callable[[onnx.ModelProto], onnx.ModelProto] = onnx.shape_inference.infer_shapes
 
 
 def unique_name(graph: onnx.GraphProto, hint: str) -> str:
@@ -103,13 +106,14 @@ def expand_contrib_nodes(model: onnx.ModelProto, context: RewriteContext, op_typ
     """Replaces, in place, each main-graph ``com.microsoft`` node of one of ``op_types`` by the
     standard-ONNX nodes ``expand(writer, node, types)`` emits through ``writer`` (a
     :class:`~normgrad.ops.node_writer.NodeWriter` of the model's opset, scoped to the node;
-    ``types``: {value: TypeProto} from onnx shape inference, which knows no ``com.microsoft``
-    schema: it runs again, after an expansion, for a node reading a value of unknown shape) writing the
+    ``types``: {value: TypeProto} from ``context.infer_shapes``; onnx's knows no
+    ``com.microsoft`` schema: it runs again, after an expansion, for a node reading a value of
+    unknown shape) writing the
     node's outputs under their names; returns how many."""
     count, types, writer, stale = 0, {}, None, False
     for node in [n for n in model.graph.node if n.domain == CONTRIB_DOMAIN and n.op_type in op_types]:
         if writer is None or (stale and any(name and value_dims(types, name) is None for name in node.input)):
-            inferred = onnx.shape_inference.infer_shapes(model).graph
+            inferred = context.infer_shapes(model).graph
             types = {i.name: i.type for i in list(inferred.input) + list(inferred.value_info) + list(inferred.output)}
             types.update((t.name, oh.make_tensor_type_proto(t.data_type, list(t.dims))) for t in inferred.initializer)
             writer, stale = NodeWriter(inferred, context.opset), False

@@ -15,24 +15,17 @@ from typing import List, Optional
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import UnsupportedOperatorError, attr, describe
-from normgrad.graphs.rewrites._graph import (CONTRIB_DOMAIN, RewriteContext, axis_length, expand_contrib_nodes,
-                                             int64_scalar, value_dims)
+from normgrad.graphs.rewrites._graph import (RewriteContext, axis_length, expand_contrib_nodes, int64_scalar,
+                                             value_dims)
 from normgrad.ops.node_writer import NodeWriter
 
 __all__ = ["attentions", "apply", "MASK_FILTER_VALUE"]
 
 MASK_FILTER_VALUE = -10000.0
 """The bias onnxruntime adds to a masked key's score unless ``mask_filter_value`` says otherwise."""
-
-_MASK_OUTPUTS = {("EmbedLayerNormalization", 1): oh.make_tensor_type_proto(onnx.TensorProto.INT32, ["batch"])}
-"""(com.microsoft op type, output index): the type of outputs that feed a mask, which onnx's
-shape inference (no com.microsoft schema) cannot give: EmbedLayerNormalization's mask_index
-holds key lengths [B]."""
-
 
 def _refuse(node: onnx.NodeProto, what: str) -> None:
     raise UnsupportedOperatorError(
@@ -190,12 +183,6 @@ def attentions(model: onnx.ModelProto, context: RewriteContext) -> int:
     Raises:
         UnsupportedOperatorError: a node in a form it does not cover (past state, rotary, ...).
     """
-    declared = {info.name for info in model.graph.value_info}
-    for node in model.graph.node:
-        for index, name in enumerate(node.output):
-            type_proto = _MASK_OUTPUTS.get((node.op_type, index)) if node.domain == CONTRIB_DOMAIN else None
-            if name and type_proto is not None and name not in declared:
-                model.graph.value_info.append(oh.make_value_info(name, type_proto))
     return expand_contrib_nodes(model, context, tuple(_EXPANSIONS),
                                 lambda w, node, types: _EXPANSIONS[node.op_type](w, node, types))
 
