@@ -194,6 +194,8 @@ _ROTARY_CASES = {
     "partial rotary dim": dict(shape=(2, 5, 24), position_ids=_POSITIONS, half=2, heads=3, rotary_embedding_dim=4),
     "partial, interleaved": dict(shape=(2, 5, 24), position_ids=_POSITIONS, half=2, heads=3, rotary_embedding_dim=4,
                                  interleaved=1),
+    "scale, which onnxruntime's kernel does not apply": dict(shape=(2, 5, 24), position_ids=_POSITIONS, half=4,
+                                                             heads=3, scale=2.0),
 }
 
 

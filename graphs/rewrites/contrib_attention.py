@@ -27,6 +27,7 @@ __all__ = ["attentions", "apply", "MASK_FILTER_VALUE"]
 MASK_FILTER_VALUE = -10000.0
 """The bias onnxruntime adds to a masked key's score unless ``mask_filter_value`` says otherwise."""
 
+
 def _refuse(node: onnx.NodeProto, what: str) -> None:
     raise UnsupportedOperatorError(
         f"{describe(node)} (domain com.microsoft): {what}; normgrad differentiates it in training form only "

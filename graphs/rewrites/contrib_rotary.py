@@ -5,7 +5,8 @@ rotary_embedding_dim channels rotated by the cos/sin caches' rows at the positio
 through. The halves form is the exporters' ``x cos + Concat(-x2, x1) sin``, which
 :mod:`~normgrad.graphs.rewrites.rotate_half` then fuses into ``normgrad:RotateHalfEmbedding``.
 The caches are constants, as they are to the kernel: a cache initializer nothing else reads
-becomes a Constant node (no gradient, not trained). Packed batching is refused by name.
+becomes a Constant node (no gradient, not trained). ``scale`` is not applied (onnxruntime's
+kernel does not apply it either). Packed batching is refused by name.
 """
 
 from __future__ import annotations
