@@ -16,6 +16,7 @@ import onnx.numpy_helper as onh
 import onnx.shape_inference
 
 from normgrad.graphs.context import constant_node_value
+from normgrad.graphs.rules.registry import CONTRIB_DOMAIN
 from normgrad.ops import DOMAIN, _common
 from normgrad.ops.node_writer import NodeWriter
 
@@ -99,17 +100,13 @@ def replace_chains(model: onnx.ModelProto, replaced: Dict[int, list], constants:
     return sum(1 for new in replaced.values() if new)
 
 
-CONTRIB_DOMAIN = "com.microsoft"
-
-
 def expand_contrib_nodes(model: onnx.ModelProto, context: RewriteContext, op_types, expand) -> int:
     """Replaces, in place, each main-graph ``com.microsoft`` node of one of ``op_types`` by the
     standard-ONNX nodes ``expand(writer, node, types)`` emits through ``writer`` (a
     :class:`~normgrad.ops.node_writer.NodeWriter` of the model's opset, scoped to the node;
-    ``types``: {value: TypeProto} from ``context.infer_shapes``; onnx's knows no
-    ``com.microsoft`` schema: it runs again, after an expansion, for a node reading a value of
-    unknown shape) writing the
-    node's outputs under their names; returns how many."""
+    ``types``: {value: TypeProto} from ``context.infer_shapes``, run again after an expansion
+    for a node reading a value of unknown shape, since onnx's knows no ``com.microsoft``
+    schema) writing the node's outputs under their names; returns how many."""
     count, types, writer, stale = 0, {}, None, False
     for node in [n for n in model.graph.node if n.domain == CONTRIB_DOMAIN and n.op_type in op_types]:
         if writer is None or (stale and any(name and value_dims(types, name) is None for name in node.input)):
