@@ -282,6 +282,18 @@ def _describe_output(info: onnx.ValueInfoProto) -> str:
     return f"{info.name} ({onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else 'not a tensor'})"
 
 
+def _rule_typed_outputs(graph: onnx.GraphProto, known: Set[str]) -> List[onnx.ValueInfoProto]:
+    """The inferred types of the outputs of the ops only whose rules give them (not in
+    ``known``): kept in the training graph, as onnx's inference cannot find them again in it or
+    in the step and evaluation graphs cut from it."""
+    names = set()
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is not None and rule.output_types is not None:
+            names.update(name for name in node.output if name and name not in known)
+    return [info for info in list(graph.value_info) + list(graph.output) if info.name in names and _has_shape(info.type)]
+
+
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
     info = onnx.ValueInfoProto(name=name)
     info.type.CopyFrom(type_proto)
@@ -594,6 +606,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
+    original_value_info += _rule_typed_outputs(graph, {v.name for v in original_value_info})
     running_statistics = _name_running_outputs(graph)
     batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
     stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}

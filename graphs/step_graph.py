@@ -258,7 +258,8 @@ def _infer_output_types(model: onnx.ModelProto) -> None:
     if not untyped:
         return
     inferred_graph = onnx.shape_inference.infer_shapes(model).graph
-    inferred = {o.name: o for o in list(inferred_graph.value_info) + list(inferred_graph.output) if o.HasField("type")}
+    # an output onnx cannot type (an onnxruntime op's) comes back with an empty type: its value_info's is kept
+    inferred = {o.name: o for o in list(inferred_graph.value_info) + list(inferred_graph.output) if o.type.WhichOneof("value")}
     for output in untyped:
         if output.name in inferred:
             output.CopyFrom(inferred[output.name])

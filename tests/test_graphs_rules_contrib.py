@@ -347,12 +347,15 @@ def _tiny_transformer(model_type: str):
 
 
 def _adamw_losses(model: onnx.ModelProto, frozen, batches) -> List[float]:
+    """The losses of 3 AdamW steps, then the evaluation graph's (``normgrad export --optimizer``
+    writes it: its outputs are typed though onnx cannot type the fused ops' outputs)."""
     from normgrad.graphs import build_step_graph
+    from normgrad.graphs.step_graph import build_eval_graph
     from normgrad.train import Trainer
 
     step, initial = build_step_graph(build_training_graph(model, loss="mse", frozen=frozen), "adamw")
-    trainer = Trainer(step, initial, lr=1e-2)
-    return [float(trainer.step(**batch)) for batch in batches]
+    trainer = Trainer(step, initial, lr=1e-2, eval_model=build_eval_graph(step))
+    return [float(trainer.step(**batch)) for batch in batches] + [trainer.evaluate(**batches[0]).loss]
 
 
 @pytest.mark.slow
@@ -389,13 +392,19 @@ def test_fused_by_onnxruntime_optimizer_trains_as_unfused(tmp_path, model_type, 
     fused = optimize_model(str(path), model_type=model_type, num_heads=2, hidden_size=32, opt_level=opt_level,
                            use_gpu=False).model
     assert {n.op_type for n in fused.graph.node if n.domain == MS} == fused_ops
-    del fused.metadata_props[:]  # the optimizer keeps normgrad's list of parameters, some of which it folded away
+    # the optimizer keeps normgrad's metadata: its list of parameters names some it folded away (dropped here);
+    # its nn.Embedding semantics (BERT's padding_idx 0: that row gets no gradient) still hold
+    kept = [p for p in fused.metadata_props if p.key != torch_exports.METADATA_TORCH_PARAMETERS]
+    del fused.metadata_props[:]
+    fused.metadata_props.extend(kept)
     parameters = set(torch_exports.torch_parameters(unfused))
     shared = parameters & {t.name for t in fused.graph.initializer}
     assert len(shared) >= 6
     rng = np.random.default_rng(0)
     batches = [{"input_ids": rng.integers(0, 50, (2, 5)).astype(np.int64),
                 "labels": rng.standard_normal((2, 5, 32)).astype(np.float32)} for _ in range(3)]
+    for batch in batches:
+        batch["input_ids"][0, 0] = 0  # BERT's padding row
     expected = _adamw_losses(unfused, parameters - shared, batches)
     losses = _adamw_losses(fused, {t.name for t in fused.graph.initializer} - shared, batches)
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=0)
