@@ -136,6 +136,7 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 for output, type_proto in zip(node.output, rule.output_types(node, types.get)):
                     if output and type_proto is not None and output not in patched and not _has_shape(types.get(output)):
                         model.graph.value_info.append(_value_info(output, type_proto))
+                        types[output] = type_proto  # read by the next such op in this pass
                         patched.add(output)
                         added = True
         if not added:

@@ -200,6 +200,27 @@ def test_simplified_layer_normalization(shape, axis, inv_std_var):
     np.testing.assert_allclose(_run(_model([fused], feeds, ["y"]), feeds)["y"], expected["y"], atol=1e-5)
 
 
+def test_step_and_eval_graphs_type_what_an_onnxruntime_op_computes():
+    """onnx's inference cannot type a com.microsoft op's output; the rules' output types carry
+    it into the training graph, so the evaluation graph's outputs are typed (its checker refuses
+    an untyped output)."""
+    from normgrad.graphs import build_step_graph
+    from normgrad.graphs.step_graph import build_eval_graph
+
+    feeds = _floats(0, x=(2, 3, 5), skip=(2, 3, 5))
+    gamma = onh.from_array(np.linspace(0.5, 1.5, 5).astype(np.float32), "gamma")
+    nodes = [oh.make_node("SkipLayerNormalization", ["x", "skip", "gamma"], ["n"], domain=MS),
+             oh.make_node("FastGelu", ["n"], ["y"], domain=MS)]
+    model = _model(nodes, feeds, ["y"])
+    model.graph.initializer.append(gamma)
+    training = build_training_graph(model, loss="mse")
+    assert {v.name for v in training.model.graph.value_info} >= {"n", "y"}
+    step, _ = build_step_graph(training, "adamw")
+    (output,) = [o for o in build_eval_graph(step).graph.output if o.name == "y"]
+    assert output.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in output.type.tensor_type.shape.dim] == [2, 3, 5]
+
+
 def test_gradient_into_a_statistics_output_is_refused_in_one_line():
     feeds = _floats(0, x=(2, 4), skip=(2, 4), gamma=(4,))
     fused = oh.make_node("SkipLayerNormalization", ["x", "skip", "gamma"], ["y", "mean"], domain=MS)
