@@ -155,6 +155,23 @@ def test_skip_layer_normalization(skip_shape, beta, bias, sum_used):
     np.testing.assert_allclose(_run(_model([fused], feeds, outputs), feeds)["y"], expected["y"], atol=1e-5)
 
 
+def test_skip_layer_normalization_float16():
+    """A float16 model (statistics in float32): its gradients are the float32 unfused graph's
+    on the same values, to float16 rounding."""
+    feeds = {k: v.astype(np.float16) for k, v in _floats(3, x=(2, 3, 8), skip=(2, 3, 8), gamma=(8,), beta=(8,)).items()}
+    seeds = {"y_grad": np.random.default_rng(4).standard_normal((2, 3, 8)).astype(np.float16)}
+    fused = oh.make_node("SkipLayerNormalization", ["x", "skip", "gamma", "beta"], ["y"], domain=MS, epsilon=1e-5)
+    unfused = _sum_nodes(["x", "skip"], "s") + [oh.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], epsilon=1e-5)]
+    grads = _gradients(_model([fused], feeds, ["y"]), feeds, seeds)
+    as32 = {k: v.astype(np.float32) for k, v in {**feeds, **seeds}.items()}
+    expected = _gradients(_model(unfused, {k: as32[k] for k in feeds}, ["y"]), {k: as32[k] for k in feeds},
+                          {"y_grad": as32["y_grad"]})
+    for name, grad in grads.items():
+        assert grad.dtype == np.float16
+        scale = float(np.abs(expected[name]).max())
+        np.testing.assert_allclose(grad.astype(np.float32), expected[name], rtol=0, atol=4e-3 * scale, err_msg=name)
+
+
 def test_skip_layer_normalization_default_epsilon_is_onnxruntimes():
     """Rows of tiny variance: the gradient uses the schema's 1e-12 as onnxruntime's forward does."""
     feeds = {"x": (np.arange(16, dtype=np.float32).reshape(2, 8) * 1e-3), "skip": np.zeros((2, 8), np.float32),
