@@ -90,7 +90,8 @@ def _prepare(model: onnx.ModelProto, frozen: Set[str]) -> Tuple[onnx.ModelProto,
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     trainable = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
-    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable))
+    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable),
+                                      infer_shapes=_infer_shapes)
     for rewrite in rewrites.PASSES:
         rewrite.apply(model, context)
     model = _infer_shapes(model)
@@ -109,7 +110,8 @@ _SHAPE_PRESERVING = ("BatchNormalization", "GroupNormalization", "InstanceNormal
 def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnx shape inference, plus the output shape of the normalization ops that onnx leaves
     unknown in some versions (BatchNormalization in training mode, GroupNormalization):
-    the shape of their input."""
+    the shape of their input; and the output types of the ops onnx does not know whose rule
+    gives them (onnxruntime's ``com.microsoft`` ops: :attr:`Rule.output_types`)."""
     patched: Set[str] = set()
     while True:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
@@ -117,6 +119,8 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         for info in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             if info.name not in types or _has_shape(info.type):
                 types[info.name] = info.type
+        for init in model.graph.initializer:
+            types.setdefault(init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)))
         added = False
         for node in inferred.graph.node:
             output = node.output[0]
@@ -129,6 +133,14 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 model.graph.value_info.append(_value_info(output, types[node.input[0]]))
                 patched.add(output)
                 added = True
+            rule = lookup(node)
+            if rule is not None and rule.output_types is not None:
+                for output, type_proto in zip(node.output, rule.output_types(node, types.get)):
+                    if output and type_proto is not None and output not in patched and not _has_shape(types.get(output)):
+                        model.graph.value_info.append(_value_info(output, type_proto))
+                        types[output] = type_proto  # read by the next such op in this pass
+                        patched.add(output)
+                        added = True
         if not added:
             return inferred
 
@@ -271,6 +283,18 @@ def _describe_output(info: onnx.ValueInfoProto) -> str:
     """'name (type)' of a graph output, for error messages."""
     elem_type = info.type.tensor_type.elem_type if info.type.HasField("tensor_type") else 0
     return f"{info.name} ({onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else 'not a tensor'})"
+
+
+def _rule_typed_outputs(graph: onnx.GraphProto, known: Set[str]) -> List[onnx.ValueInfoProto]:
+    """The inferred types of the outputs of the ops only whose rules give them (not in
+    ``known``): kept in the training graph, as onnx's inference cannot find them again in it or
+    in the step and evaluation graphs cut from it."""
+    names = set()
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is not None and rule.output_types is not None:
+            names.update(name for name in node.output if name and name not in known)
+    return [info for info in list(graph.value_info) + list(graph.output) if info.name in names and _has_shape(info.type)]
 
 
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
@@ -593,6 +617,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
+    original_value_info += _rule_typed_outputs(graph, {v.name for v in original_value_info})
     running_statistics = _name_running_outputs(graph)
     batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
     stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}

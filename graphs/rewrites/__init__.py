@@ -15,9 +15,9 @@ Dropout drawn from a seed, on step graphs), :mod:`~normgrad.graphs.rewrites.weig
 
 from __future__ import annotations
 
-from normgrad.graphs.rewrites import (bfloat16, embedding_bag_loops, gated_silu, gelu_order, gelu_slopes,
-                                      integer_constants, opset, recurrent_layout, rotate_half, safe_softmax, sequences,
-                                      tiling_slices, transposed_weights)
+from normgrad.graphs.rewrites import (bfloat16, contrib_attention, contrib_rotary, embedding_bag_loops, gated_silu,
+                                      gelu_order, gelu_slopes, integer_constants, opset, recurrent_layout, rotate_half,
+                                      safe_softmax, sequences, tiling_slices, transposed_weights)
 from normgrad.graphs.rewrites._graph import RewriteContext
 from normgrad.graphs.rewrites.bfloat16 import bfloat16_in_float32, bfloat16_values
 from normgrad.graphs.rewrites.dropout_seed import (DROPOUT_MICRO_BATCH_INPUT, DROPOUT_SEED_INPUT, METADATA_DROPOUT,
@@ -44,9 +44,11 @@ __all__ = ["PASSES", "FUSIONS", "RewriteContext", "GROUP_NORM_PER_CHANNEL_OPSET"
            "cast_stored_weights_per_reader", "gelu_erf_fusable_order", "tiling_slices_as_split", "safe_softmaxes",
            "silu_products", "gelu_erf_slopes", "rotate_half_embeddings"]
 
-PASSES = (bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset)
-"""The passes on the forward model, in order (the opset pass last: the others write ops it
-may convert, and the rules' minimum opsets are read from the rewritten graph)."""
+PASSES = (bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset,
+          contrib_attention, contrib_rotary)
+"""The passes on the forward model, in order (the opset pass after those that write ops it
+may convert, and the rules' minimum opsets are read from the rewritten graph; the
+com.microsoft expansions after it, written for the opset it sets)."""
 
 FUSIONS = (transposed_weights, tiling_slices, safe_softmax, gated_silu, gelu_slopes, rotate_half)
 """The passes that need inferred types, in order (rotate_half after tiling_slices, which makes
