@@ -40,6 +40,7 @@ from normgrad.graphs.rules import (  # noqa: F401
     layer_norm,
     loss,
     matmul,
+    matmul_nbits,
     non_differentiable,
     pad,
     pool,
