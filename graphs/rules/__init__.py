@@ -37,6 +37,7 @@ from normgrad.graphs.rules import (  # noqa: F401
     gather,
     gemm,
     group_norm,
+    group_query_attention,
     layer_norm,
     loss,
     matmul,
