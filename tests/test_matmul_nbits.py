@@ -90,3 +90,16 @@ def test_other_bit_widths_are_refused_by_name():
             attribute.i = 2
     with pytest.raises(UnsupportedOperatorError, match="bits=2"):
         build_training_graph(model)
+
+
+def test_onnxruntime_keeps_no_float_copy_of_the_weight(tmp_path):
+    """The dequantization reads a run-time value: onnxruntime's constant folding cannot turn
+    it into a float32 initializer of the whole weight (kept for the session's lifetime)."""
+    model, _, _ = matmul_nbits_model((4, 64), 40, 4, 16)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(build_training_graph(model).model.SerializeToString(), options,
+                         providers=["CPUExecutionProvider"])
+    optimized = onnx.load(options.optimized_model_filepath)
+    sizes = [int(np.prod(t.dims)) for t in optimized.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    assert max(sizes) < 40 * 64 // 2, sizes
