@@ -108,7 +108,8 @@ _SHAPE_PRESERVING = ("BatchNormalization", "GroupNormalization", "InstanceNormal
 def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnx shape inference, plus the output shape of the normalization ops that onnx leaves
     unknown in some versions (BatchNormalization in training mode, GroupNormalization):
-    the shape of their input."""
+    the shape of their input; and the output types of the ops onnx does not know whose rule
+    gives them (onnxruntime's ``com.microsoft`` ops: :attr:`Rule.output_types`)."""
     patched: Set[str] = set()
     while True:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
@@ -116,6 +117,8 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         for info in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             if info.name not in types or _has_shape(info.type):
                 types[info.name] = info.type
+        for init in model.graph.initializer:
+            types.setdefault(init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)))
         added = False
         for node in inferred.graph.node:
             output = node.output[0]
@@ -128,6 +131,13 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 model.graph.value_info.append(_value_info(output, types[node.input[0]]))
                 patched.add(output)
                 added = True
+            rule = lookup(node)
+            if rule is not None and rule.output_types is not None:
+                for output, type_proto in zip(node.output, rule.output_types(node, types.get)):
+                    if output and type_proto is not None and output not in patched and not _has_shape(types.get(output)):
+                        model.graph.value_info.append(_value_info(output, type_proto))
+                        patched.add(output)
+                        added = True
         if not added:
             return inferred
 
