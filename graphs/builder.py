@@ -589,7 +589,10 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
-    original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
+    # a Constant's type is its value's (onnxruntime-genai's builder declares its [1] constants as scalars)
+    constants = {node.output[0] for node in model.graph.node if node.op_type == "Constant" and node.domain in ("", "ai.onnx")}
+    original_value_info = [v for v in model.graph.value_info
+                           if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16 and v.name not in constants]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
     embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)

@@ -20,6 +20,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, UnsupportedOperatorError, attr, describe
+from normgrad.graphs.rules._contrib import TypeOf, input_type, with_last_dim
 from normgrad.graphs.rules.registry import register
 
 __all__ = ["group_query_attention_gradient"]
@@ -29,7 +30,20 @@ _COS, _SIN = 7, 8
 _UNCOVERED_INPUTS = {9: "position_ids", 10: "attention_bias", 11: "head_sink"}
 
 
-@register("GroupQueryAttention", inputs=(_QUERY, _KEY, _VALUE), outputs=(0,), contrib=True)
+def _output_types(node: onnx.NodeProto, type_of: TypeOf) -> List[Optional[onnx.TypeProto]]:
+    """The output: the query's type with its last dim num_heads * head_size (present: unknown)."""
+    query = input_type(node, type_of, _QUERY)
+    dims = query.tensor_type.shape.dim if query is not None and query.tensor_type.HasField("shape") else []
+    if not dims or not dims[-1].HasField("dim_value"):
+        return [None] * len(node.output)
+    heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
+    packed = len(node.input) <= _KEY or not node.input[_KEY]
+    width = dims[-1].dim_value * heads // (heads + 2 * kv_heads) if packed else dims[-1].dim_value
+    return [with_last_dim(query, width)] + [None] * (len(node.output) - 1)
+
+
+@register("GroupQueryAttention", inputs=(_QUERY, _KEY, _VALUE), outputs=(0,), contrib=True,
+          output_types=_output_types)
 def group_query_attention_gradient(ctx: GradientContext, node: onnx.NodeProto,
                                    grads: List[Optional[str]]) -> List[Optional[str]]:
     """dQ, dK, dV (or the packed QKV's gradient) of the attention output's gradient."""

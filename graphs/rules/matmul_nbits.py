@@ -23,6 +23,7 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, UnsupportedOperatorError, attr, describe
+from normgrad.graphs.rules._contrib import TypeOf, input_type, with_last_dim
 from normgrad.graphs.rules.registry import register
 
 __all__ = ["matmul_nbits_gradient", "input_gradient"]
@@ -30,7 +31,12 @@ __all__ = ["matmul_nbits_gradient", "input_gradient"]
 _A, _B, _SCALES, _ZERO_POINTS, _G_IDX, _BIAS = range(6)
 
 
-@register("MatMulNBits", inputs=(_A, _BIAS), contrib=True)
+def _output_types(node: onnx.NodeProto, type_of: TypeOf) -> List[Optional[onnx.TypeProto]]:
+    """Y: A's type with its last dim N."""
+    return [with_last_dim(input_type(node, type_of, _A), attr(node, "N", 0))]
+
+
+@register("MatMulNBits", inputs=(_A, _BIAS), contrib=True, output_types=_output_types)
 def matmul_nbits_gradient(ctx: GradientContext, node: onnx.NodeProto,
                           grads: List[Optional[str]]) -> List[Optional[str]]:
     """dA = dY @ dequant(B) (B frozen); dbias = dY summed over A's leading axes."""
