@@ -276,6 +276,20 @@ def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str
     return grads
 
 
+def _nothing_differentiable(graph: onnx.GraphProto, frozen: Set[str]) -> str:
+    """Why no output of ``graph`` is differentiable, in one line."""
+    if not any(_is_float(i.type) for i in graph.input) and not any(
+            t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen for t in graph.initializer):
+        quantized = sorted({n.op_type for n in graph.node if n.op_type in _QUANTIZED_WEIGHT_OPS})
+        why = f" (the quantized weights of {', '.join(quantized)} are never trained: add LoRA adapters)" if quantized else ""
+        return f"no trainable tensor: the model has no float input and no float initializer that is not frozen{why}"
+    return ("no output of the model is differentiable: none is a float tensor that depends on a float input "
+            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})")
+
+
+_QUANTIZED_WEIGHT_OPS = ("MatMulNBits",)
+
+
 def _describe_output(info: onnx.ValueInfoProto) -> str:
     """'name (type)' of a graph output, for error messages."""
     elem_type = info.type.tensor_type.elem_type if info.type.HasField("tensor_type") else 0
@@ -607,10 +621,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
             output.type.CopyFrom(types.type_of(output.name))
     float_outputs = [o for o in graph.output if _is_float(o.type) and o.name in active]
     if not float_outputs:
-        raise ValueError(
-            "no output of the model is differentiable: none is a float tensor that depends on a float input "
-            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})"
-        )
+        raise ValueError(_nothing_differentiable(graph, frozen))
     if loss_output is not None:
         if loss is not None:
             raise ValueError("give either a loss or a loss output, not both")
