@@ -331,3 +331,72 @@ def test_embed_layer_normalization(segments, positions, sum_used, vocabulary):
 
     expected = _check(_model([fused], feeds, outputs), _model(unfused, feeds, outputs), reference, feeds)
     np.testing.assert_allclose(_run(_model([fused], feeds, outputs), feeds)["y"], expected["y"], atol=1e-5)
+
+
+# ------------------------------------------------------------------- fused by onnxruntime's optimizer
+def _tiny_transformer(model_type: str):
+    transformers = pytest.importorskip("transformers")
+    if model_type == "bert":
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                         vocab_size=50, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        return transformers.BertModel(config, add_pooling_layer=False)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    return transformers.GPT2Model(config)
+
+
+def _adamw_losses(model: onnx.ModelProto, frozen, batches) -> List[float]:
+    from normgrad.graphs import build_step_graph
+    from normgrad.train import Trainer
+
+    step, initial = build_step_graph(build_training_graph(model, loss="mse", frozen=frozen), "adamw")
+    trainer = Trainer(step, initial, lr=1e-2)
+    return [float(trainer.step(**batch)) for batch in batches]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, opt_level, fused_ops", [
+    ("bert", 2, {"SkipLayerNormalization", "BiasGelu"}),
+    ("gpt2", 1, {"SkipLayerNormalization", "FastGelu"}),
+])
+def test_fused_by_onnxruntime_optimizer_trains_as_unfused(tmp_path, model_type, opt_level, fused_ops):
+    """A tiny BertModel / GPT2Model exported by normgrad.torch.export, fused by
+    ``optimize_model(model_type=..., opt_level=..., use_gpu=False)``: its AdamW losses over 3
+    steps are the unfused export's (1e-5). The optimizer folds some weights into new constants
+    (transposed weights, the token-type and position rows read, the attention scale and mask), so
+    both train the torch parameters they hold by name and freeze the rest. (BERT at opt_level 1
+    writes Gelu, whose result onnxruntime 1.32 itself refuses to load: "Attempt to replace the
+    existing tensor".)"""
+    torch = pytest.importorskip("torch")
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from normgrad.graphs import torch_exports
+    from normgrad.torch import export
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids)[0]
+
+    torch.manual_seed(0)
+    path = tmp_path / "unfused.onnx"
+    unfused = export(LastHiddenState(_tiny_transformer(model_type)).train(), (torch.zeros(2, 5, dtype=torch.int64),), path,
+                     input_names=["input_ids"], output_names=["hidden"])
+    fused = optimize_model(str(path), model_type=model_type, num_heads=2, hidden_size=32, opt_level=opt_level,
+                           use_gpu=False).model
+    assert {n.op_type for n in fused.graph.node if n.domain == MS} == fused_ops
+    del fused.metadata_props[:]  # the optimizer keeps normgrad's list of parameters, some of which it folded away
+    parameters = set(torch_exports.torch_parameters(unfused))
+    shared = parameters & {t.name for t in fused.graph.initializer}
+    assert len(shared) >= 6
+    rng = np.random.default_rng(0)
+    batches = [{"input_ids": rng.integers(0, 50, (2, 5)).astype(np.int64),
+                "labels": rng.standard_normal((2, 5, 32)).astype(np.float32)} for _ in range(3)]
+    expected = _adamw_losses(unfused, parameters - shared, batches)
+    losses = _adamw_losses(fused, {t.name for t in fused.graph.initializer} - shared, batches)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=0)
+    assert expected[2] < expected[0]
