@@ -103,3 +103,49 @@ def gqa_reference(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]):
     y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
     y.backward(torch.tensor(feeds["y_grad"], dtype=torch.float64))
     return {"y": y.detach().numpy(), **{f"{n}_grad": t.grad.numpy() for n, t in tensors.items()}}
+
+
+def unfused_model(batch: int, seq: int, num_heads: int, kv_num_heads: int, head_size: int, rotary: bool):
+    """The same attention as :func:`gqa_model` (separate Q, K, V; full non-interleaved rotary
+    when ``rotary``) in standard ONNX ops: Reshape, Transpose, Expand (K/V heads repeated),
+    rotate-half Split/Neg/Concat, MatMul, a constant causal mask, Softmax."""
+    groups, half = num_heads // kv_num_heads, head_size // 2
+    cos, sin = rotary_caches(2 * seq, head_size)
+    inits = [onh.from_array(np.concatenate([cos[:seq], cos[:seq]], -1)[None, None], "cos"),
+             onh.from_array(np.concatenate([sin[:seq], sin[:seq]], -1)[None, None], "sin"),
+             onh.from_array(np.triu(np.full((seq, seq), -np.inf, np.float32), 1), "mask"),
+             onh.from_array(np.asarray(head_size ** -0.5, np.float32), "scale"),
+             onh.from_array(np.asarray([batch, seq, num_heads, head_size], np.int64), "q_shape"),
+             onh.from_array(np.asarray([batch, seq, kv_num_heads, head_size], np.int64), "kv_shape"),
+             onh.from_array(np.asarray([batch, kv_num_heads, groups, seq, head_size], np.int64), "expanded"),
+             onh.from_array(np.asarray([batch, num_heads, seq, head_size], np.int64), "heads"),
+             onh.from_array(np.asarray([batch, seq, num_heads * head_size], np.int64), "out_shape"),
+             onh.from_array(np.asarray([half, half], np.int64), "halves"),
+             onh.from_array(np.asarray([2], np.int64), "axis2")]
+    nodes = [oh.make_node("Reshape", ["query", "q_shape"], ["q4"]),
+             oh.make_node("Transpose", ["q4"], ["q0"], perm=[0, 2, 1, 3])]
+    for name in ("key", "value"):
+        nodes += [oh.make_node("Reshape", [name, "kv_shape"], [f"{name}4"]),
+                  oh.make_node("Transpose", [f"{name}4"], [f"{name}t"], perm=[0, 2, 1, 3]),
+                  oh.make_node("Unsqueeze", [f"{name}t", "axis2"], [f"{name}u"]),
+                  oh.make_node("Expand", [f"{name}u", "expanded"], [f"{name}e"]),
+                  oh.make_node("Reshape", [f"{name}e", "heads"], [f"{name}0"])]
+    for name in ("q", "key"):
+        if rotary:
+            nodes += [oh.make_node("Split", [f"{name}0", "halves"], [f"{name}_x1", f"{name}_x2"], axis=-1),
+                      oh.make_node("Neg", [f"{name}_x2"], [f"{name}_neg"]),
+                      oh.make_node("Concat", [f"{name}_neg", f"{name}_x1"], [f"{name}_rot"], axis=-1),
+                      oh.make_node("Mul", [f"{name}0", "cos"], [f"{name}_c"]),
+                      oh.make_node("Mul", [f"{name}_rot", "sin"], [f"{name}_s"]),
+                      oh.make_node("Add", [f"{name}_c", f"{name}_s"], [f"{name}1"])]
+        else:
+            nodes.append(oh.make_node("Identity", [f"{name}0"], [f"{name}1"]))
+    nodes += [oh.make_node("Transpose", ["key1"], ["kT"], perm=[0, 1, 3, 2]),
+              oh.make_node("MatMul", ["q1", "kT"], ["raw"]), oh.make_node("Mul", ["raw", "scale"], ["scaled"]),
+              oh.make_node("Add", ["scaled", "mask"], ["scores"]), oh.make_node("Softmax", ["scores"], ["p"], axis=-1),
+              oh.make_node("MatMul", ["p", "value0"], ["o"]), oh.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+              oh.make_node("Reshape", ["ot", "out_shape"], ["y"])]
+    widths = {"query": num_heads * head_size, "key": kv_num_heads * head_size, "value": kv_num_heads * head_size}
+    graph = oh.make_graph(nodes, "unfused", [oh.make_tensor_value_info(n, FLOAT, (batch, seq, w)) for n, w in widths.items()],
+                          [oh.make_tensor_value_info("y", FLOAT, (batch, seq, num_heads * head_size))], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=IR_VERSION)

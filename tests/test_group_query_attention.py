@@ -12,7 +12,7 @@ import pytest
 from normgrad.graphs import build_training_graph
 from normgrad.graphs.context import UnsupportedOperatorError
 
-from _group_query_attention import gqa_model, gqa_reference
+from _group_query_attention import gqa_model, gqa_reference, unfused_model
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -50,6 +50,18 @@ def test_matches_torch_autograd_of_the_unfused_attention(name):
     outputs = _run(training.model, {**feeds, **training.weights, "y_grad": dy})
     for input_name in feeds:
         np.testing.assert_allclose(outputs[f"{input_name}_grad"], expected[f"{input_name}_grad"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_matches_the_unfused_standard_onnx_attention(rotary):
+    model, feeds = _case(rotary_dim=32 if rotary else None)
+    unfused = unfused_model(2, 6, 4, 2, 32, rotary)
+    dy = np.random.default_rng(7).standard_normal((2, 6, 128)).astype(np.float32)
+    fused_outputs = _run(build_training_graph(model).model, {**feeds, "y_grad": dy})
+    frozen = {"cos", "sin", "mask", "scale"}
+    unfused_outputs = _run(build_training_graph(unfused, frozen=frozen).model, {**feeds, "y_grad": dy})
+    for name in ("y", "query_grad", "key_grad", "value_grad"):
+        np.testing.assert_allclose(fused_outputs[name], unfused_outputs[name], rtol=1e-4, atol=1e-5)
 
 
 def test_directional_finite_difference():
