@@ -69,9 +69,10 @@ def _rotate(x, cos, sin, interleaved: bool):
     return torch.cat((rotated, rest), dim=-1)
 
 
-def gqa_reference(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]):
+def gqa_reference(model: onnx.ModelProto, feeds: Dict[str, np.ndarray], window_extra: int = 0):
     """The node's output and its input gradients under seed ``feeds["y_grad"]``, in torch
-    float64 (autograd): {"y": ..., "query_grad": ..., ...}."""
+    float64 (autograd): {"y": ..., "query_grad": ..., ...}. A local window of
+    ``local_window_size`` keys (onnxruntime 1.32's), + ``window_extra`` (older kernels: 1)."""
     import torch
 
     node = model.graph.node[0]
@@ -98,7 +99,7 @@ def gqa_reference(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]):
     rows, cols = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     allowed = cols <= rows
     if attrs.get("local_window_size", -1) >= 0:
-        allowed &= cols > rows - attrs["local_window_size"]  # onnxruntime 1.32's window
+        allowed &= cols > rows - attrs["local_window_size"] - window_extra
     scores = scores.masked_fill(~allowed, float("-inf"))
     y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
     y.backward(torch.tensor(feeds["y_grad"], dtype=torch.float64))

@@ -7,8 +7,12 @@ The forward node stays (onnxruntime's kernel); the backward recomputes the atten
 probabilities from the node's inputs in standard ops (the memory of one layer's [B, heads, S,
 S] scores, as the forward's own) and differentiates them by hand. The rotary embedding is
 y = x * C + perm(x) * S with perm an involution (swap the halves, or the pairs when
-interleaved), so its transpose is dx = dy * C + perm(dy * S). The window is
-onnxruntime's (1.32): a query at i sees the keys j with i - local_window_size < j <= i.
+interleaved), so its transpose is dx = dy * C + perm(dy * S).
+
+onnxruntime's versions differ in the local window: 1.32's query at i sees the keys j with
+i - local_window_size < j <= i, older CPU kernels one key more (i - local_window_size <= j).
+The backward asks the runtime that runs it: a GroupQueryAttention node on constants
+(onnxruntime folds it at load) tells whether the oldest key of a window-size + 1 prefix is seen.
 """
 
 from __future__ import annotations
@@ -144,9 +148,28 @@ def _probabilities(ctx: GradientContext, node: onnx.NodeProto, q: str, k: str,
     allowed = ctx.op("Not", ctx.op("Greater", cols, rows))
     window = attr(node, "local_window_size", -1)
     if window > 0:
-        allowed = ctx.op("And", allowed, ctx.op("Greater", cols, ctx.op("Sub", rows, _int(ctx, window))))
+        first = ctx.op("Sub", rows, ctx.op("Add", _int(ctx, window), _window_extra(ctx, window)))
+        allowed = ctx.op("And", allowed, ctx.op("Greater", cols, first))
     lowest = ctx.scalar(float(np.finfo(np.float32).min), like)
     return ctx.op("Softmax", ctx.op("Where", allowed, scores, lowest), axis=-1), tanh
+
+
+def _window_extra(ctx: GradientContext, window: int) -> str:
+    """1 (int64) where the runtime's GroupQueryAttention with ``local_window_size=window`` lets
+    a query see window + 1 keys, 0 where window: the last query of window + 1 positions,
+    attending evenly (zero queries and keys), reads a value only the first key holds."""
+    length = window + 1
+    zeros = np.zeros((1, length, 8), np.float32)
+    values = zeros.copy()
+    values[0, 0, 0] = 1.0
+    inputs = [ctx.op("Constant", value=onh.from_array(x)) for x in (zeros, zeros, values)]
+    inputs += ["", "", ctx.op("Constant", value=onh.from_array(np.asarray([length - 1], np.int32))),
+               ctx.op("Constant", value=onh.from_array(np.asarray([length], np.int32)))]
+    output = ctx.op("GroupQueryAttention", *inputs, domain="com.microsoft", num_heads=1, kv_num_heads=1,
+                    local_window_size=window, outputs=3)[0]
+    seen = ctx.op("Slice", output, ctx.ints([0, length - 1, 0]), ctx.ints([1, length, 1]))
+    zero = ctx.op("Constant", value=onh.from_array(np.asarray(0.0, np.float32)))
+    return ctx.op("Cast", ctx.op("Greater", ctx.op("Reshape", seen, ctx.ints([])), zero), to=onnx.TensorProto.INT64)
 
 
 def _int(ctx: GradientContext, value: int) -> str:
