@@ -9,7 +9,7 @@ packed like B when uint8, 2^(bits-1) when absent, a float when given as one.
 
 Memory, measured (4 bits, 32000 x 768, block 32, dY of 512 tokens, one thread, peak RSS of
 the run over its feeds): the whole weight dequantized per node, +255 MiB; one product per
-position in the byte (what this rule writes: [N, K/2] at a time), +73 MiB; the float32
+position in the byte (what this rule writes: [N, K/2] at a time), +58 MiB; the float32
 MatMul of the unfused model, +166 MiB (its stored weight). onnxruntime frees each layer's
 dequantized halves after their products.
 """
@@ -94,21 +94,23 @@ def input_gradient(ctx: GradientContext, node: onnx.NodeProto, dy: str) -> str:
 
 def _parts(ctx: GradientContext, packed: str, bits: int, runtime: str) -> List[str]:
     """The ``bits``-bit values of bytes ``packed`` (uint8), low bits first, one tensor per
-    position in the byte. The bytes first pass through a Max with a zero computed from
-    run-time value ``runtime``: onnxruntime would otherwise constant-fold the dequantization
+    position in the byte. The bytes are first shifted by a zero computed from run-time value
+    ``runtime`` (BitShift has uint8 kernels in every onnxruntime from 1.19.2 on): onnxruntime
+    would otherwise constant-fold the dequantization
     of the (initializer) weight, keeping every layer's float weight alive for the session."""
     first = ctx.op("Slice", runtime, ctx.ints([0, 0]), ctx.ints([1, 1]))
     zero = ctx.op("Cast", ctx.op("Less", first, first), to=onnx.TensorProto.UINT8)
-    return _unpacked_bytes(ctx, ctx.op("Max", packed, zero), bits)
+    return _unpacked_bytes(ctx, ctx.op("BitShift", packed, zero, direction="RIGHT"), bits)
 
 
 def _unpacked_bytes(ctx: GradientContext, packed: str, bits: int) -> List[str]:
-    """The ``bits``-bit values of uint8 ``packed``, low bits first, one tensor per position in the byte."""
+    """The ``bits``-bit values of uint8 ``packed``, low bits first, one tensor per position in
+    the byte (shifts only: onnxruntime's BitShift has a uint8 kernel since opset 11)."""
     if bits == 8:
         return [packed]
     four = ctx.op("Constant", value=onh.from_array(np.asarray(4, np.uint8)))
-    high = ctx.op("BitShift", packed, four, direction="RIGHT")
-    return [ctx.op("Sub", packed, ctx.op("BitShift", high, four, direction="LEFT")), high]
+    low = ctx.op("BitShift", ctx.op("BitShift", packed, four, direction="LEFT"), four, direction="RIGHT")
+    return [low, ctx.op("BitShift", packed, four, direction="RIGHT")]
 
 
 def _zero_points(ctx: GradientContext, node: onnx.NodeProto, bits: int, n: int, blocks: int, like: str) -> str:
