@@ -41,7 +41,7 @@ def _output_types(node: onnx.NodeProto, type_of: TypeOf) -> List[Optional[onnx.T
     if not dims or not dims[-1].HasField("dim_value"):
         return [None] * len(node.output)
     heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
-    packed = len(node.input) <= _KEY or not node.input[_KEY]
+    packed = _packed(node)
     width = dims[-1].dim_value * heads // (heads + 2 * kv_heads) if packed else dims[-1].dim_value
     return [with_last_dim(query, width)] + [None] * (len(node.output) - 1)
 
@@ -53,7 +53,7 @@ def group_query_attention_gradient(ctx: GradientContext, node: onnx.NodeProto,
     """dQ, dK, dV (or the packed QKV's gradient) of the attention output's gradient."""
     heads, kv_heads, head_size = _check(ctx, node)
     groups = heads // kv_heads
-    packed = len(node.input) <= _KEY or not node.input[_KEY]
+    packed = _packed(node)
     q, k, v = (ctx.op("Split", node.input[_QUERY], ctx.ints([heads * head_size, kv_heads * head_size,
                                                               kv_heads * head_size]), axis=-1, outputs=3)
                if packed else node.input[_QUERY:_VALUE + 1])
@@ -113,11 +113,16 @@ def _check(ctx: GradientContext, node: onnx.NodeProto) -> Tuple[int, int, int]:
     heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
     shape = ctx.shape(node.input[_QUERY])
     width = shape[-1] if shape else None
-    packed = len(node.input) <= _KEY or not node.input[_KEY]
+    packed = _packed(node)
     if not isinstance(width, int) or not heads or not kv_heads or heads % kv_heads:
         raise UnsupportedOperatorError(f"{describe(node)}: the query's last dimension is unknown or the heads "
                                        f"({heads}, {kv_heads} KV) do not group")
     return heads, kv_heads, width // (heads + 2 * kv_heads if packed else heads)
+
+
+def _packed(node: onnx.NodeProto) -> bool:
+    """Whether the query input holds Q, K and V (no key input)."""
+    return len(node.input) <= _KEY or not node.input[_KEY]
 
 
 def _empty(ctx: GradientContext, name: str) -> bool:
