@@ -136,6 +136,7 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 for output, type_proto in zip(node.output, rule.output_types(node, types.get)):
                     if output and type_proto is not None and output not in patched and not _has_shape(types.get(output)):
                         model.graph.value_info.append(_value_info(output, type_proto))
+                        types[output] = type_proto  # read by the next such op in this pass
                         patched.add(output)
                         added = True
         if not added:
@@ -294,6 +295,18 @@ def _describe_output(info: onnx.ValueInfoProto) -> str:
     """'name (type)' of a graph output, for error messages."""
     elem_type = info.type.tensor_type.elem_type if info.type.HasField("tensor_type") else 0
     return f"{info.name} ({onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else 'not a tensor'})"
+
+
+def _rule_typed_outputs(graph: onnx.GraphProto, known: Set[str]) -> List[onnx.ValueInfoProto]:
+    """The inferred types of the outputs of the ops only whose rules give them (not in
+    ``known``): kept in the training graph, as onnx's inference cannot find them again in it or
+    in the step and evaluation graphs cut from it."""
+    names = set()
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is not None and rule.output_types is not None:
+            names.update(name for name in node.output if name and name not in known)
+    return [info for info in list(graph.value_info) + list(graph.output) if info.name in names and _has_shape(info.type)]
 
 
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
@@ -611,6 +624,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
+    original_value_info += _rule_typed_outputs(graph, {v.name for v in original_value_info})
     running_statistics = _name_running_outputs(graph)
     batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
     stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}

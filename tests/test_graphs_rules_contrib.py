@@ -155,6 +155,23 @@ def test_skip_layer_normalization(skip_shape, beta, bias, sum_used):
     np.testing.assert_allclose(_run(_model([fused], feeds, outputs), feeds)["y"], expected["y"], atol=1e-5)
 
 
+def test_skip_layer_normalization_float16():
+    """A float16 model (statistics in float32): its gradients are the float32 unfused graph's
+    on the same values, to float16 rounding."""
+    feeds = {k: v.astype(np.float16) for k, v in _floats(3, x=(2, 3, 8), skip=(2, 3, 8), gamma=(8,), beta=(8,)).items()}
+    seeds = {"y_grad": np.random.default_rng(4).standard_normal((2, 3, 8)).astype(np.float16)}
+    fused = oh.make_node("SkipLayerNormalization", ["x", "skip", "gamma", "beta"], ["y"], domain=MS, epsilon=1e-5)
+    unfused = _sum_nodes(["x", "skip"], "s") + [oh.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], epsilon=1e-5)]
+    grads = _gradients(_model([fused], feeds, ["y"]), feeds, seeds)
+    as32 = {k: v.astype(np.float32) for k, v in {**feeds, **seeds}.items()}
+    expected = _gradients(_model(unfused, {k: as32[k] for k in feeds}, ["y"]), {k: as32[k] for k in feeds},
+                          {"y_grad": as32["y_grad"]})
+    for name, grad in grads.items():
+        assert grad.dtype == np.float16
+        scale = float(np.abs(expected[name]).max())
+        np.testing.assert_allclose(grad.astype(np.float32), expected[name], rtol=0, atol=4e-3 * scale, err_msg=name)
+
+
 def test_skip_layer_normalization_default_epsilon_is_onnxruntimes():
     """Rows of tiny variance: the gradient uses the schema's 1e-12 as onnxruntime's forward does."""
     feeds = {"x": (np.arange(16, dtype=np.float32).reshape(2, 8) * 1e-3), "skip": np.zeros((2, 8), np.float32),
@@ -198,6 +215,27 @@ def test_simplified_layer_normalization(shape, axis, inv_std_var):
     reference = lambda f: {"y": _rms_norm(f["x"], f["gamma"], epsilon, axis)}  # noqa: E731
     expected = _check(_model([fused], feeds, ["y"]), _model(unfused, feeds, ["y"]), reference, feeds)
     np.testing.assert_allclose(_run(_model([fused], feeds, ["y"]), feeds)["y"], expected["y"], atol=1e-5)
+
+
+def test_step_and_eval_graphs_type_what_an_onnxruntime_op_computes():
+    """onnx's inference cannot type a com.microsoft op's output; the rules' output types carry
+    it into the training graph, so the evaluation graph's outputs are typed (its checker refuses
+    an untyped output)."""
+    from normgrad.graphs import build_step_graph
+    from normgrad.graphs.step_graph import build_eval_graph
+
+    feeds = _floats(0, x=(2, 3, 5), skip=(2, 3, 5))
+    gamma = onh.from_array(np.linspace(0.5, 1.5, 5).astype(np.float32), "gamma")
+    nodes = [oh.make_node("SkipLayerNormalization", ["x", "skip", "gamma"], ["n"], domain=MS),
+             oh.make_node("FastGelu", ["n"], ["y"], domain=MS)]
+    model = _model(nodes, feeds, ["y"])
+    model.graph.initializer.append(gamma)
+    training = build_training_graph(model, loss="mse")
+    assert {v.name for v in training.model.graph.value_info} >= {"n", "y"}
+    step, _ = build_step_graph(training, "adamw")
+    (output,) = [o for o in build_eval_graph(step).graph.output if o.name == "y"]
+    assert output.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in output.type.tensor_type.shape.dim] == [2, 3, 5]
 
 
 def test_gradient_into_a_statistics_output_is_refused_in_one_line():
@@ -347,12 +385,15 @@ def _tiny_transformer(model_type: str):
 
 
 def _adamw_losses(model: onnx.ModelProto, frozen, batches) -> List[float]:
+    """The losses of 3 AdamW steps, then the evaluation graph's (``normgrad export --optimizer``
+    writes it: its outputs are typed though onnx cannot type the fused ops' outputs)."""
     from normgrad.graphs import build_step_graph
+    from normgrad.graphs.step_graph import build_eval_graph
     from normgrad.train import Trainer
 
     step, initial = build_step_graph(build_training_graph(model, loss="mse", frozen=frozen), "adamw")
-    trainer = Trainer(step, initial, lr=1e-2)
-    return [float(trainer.step(**batch)) for batch in batches]
+    trainer = Trainer(step, initial, lr=1e-2, eval_model=build_eval_graph(step))
+    return [float(trainer.step(**batch)) for batch in batches] + [trainer.evaluate(**batches[0]).loss]
 
 
 @pytest.mark.slow
@@ -389,13 +430,19 @@ def test_fused_by_onnxruntime_optimizer_trains_as_unfused(tmp_path, model_type, 
     fused = optimize_model(str(path), model_type=model_type, num_heads=2, hidden_size=32, opt_level=opt_level,
                            use_gpu=False).model
     assert {n.op_type for n in fused.graph.node if n.domain == MS} == fused_ops
-    del fused.metadata_props[:]  # the optimizer keeps normgrad's list of parameters, some of which it folded away
+    # the optimizer keeps normgrad's metadata: its list of parameters names some it folded away (dropped here);
+    # its nn.Embedding semantics (BERT's padding_idx 0: that row gets no gradient) still hold
+    kept = [p for p in fused.metadata_props if p.key != torch_exports.METADATA_TORCH_PARAMETERS]
+    del fused.metadata_props[:]
+    fused.metadata_props.extend(kept)
     parameters = set(torch_exports.torch_parameters(unfused))
     shared = parameters & {t.name for t in fused.graph.initializer}
     assert len(shared) >= 6
     rng = np.random.default_rng(0)
     batches = [{"input_ids": rng.integers(0, 50, (2, 5)).astype(np.int64),
                 "labels": rng.standard_normal((2, 5, 32)).astype(np.float32)} for _ in range(3)]
+    for batch in batches:
+        batch["input_ids"][0, 0] = 0  # BERT's padding row
     expected = _adamw_losses(unfused, parameters - shared, batches)
     losses = _adamw_losses(fused, {t.name for t in fused.graph.initializer} - shared, batches)
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=0)

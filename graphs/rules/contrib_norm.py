@@ -12,8 +12,9 @@
   default domain (as the genai builder writes it): RMSNormalization's rule.
 
 The backward reads s from the forward's sum output (added where the model omits it) and
-recomputes the row statistics from it in float32: onnxruntime's CPU kernel of the
-simplified op writes zeros as its mean output, and older versions none.
+recomputes the row statistics from it in float32 rather than reading the kernels' statistics
+outputs, which it would then depend on (onnxruntime 1.32's CPU kernel of the simplified op
+writes zeros as its mean).
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ def _optional(node: onnx.NodeProto, index: Optional[int]) -> Optional[str]:
     return node.input[index] if index is not None and len(node.input) > index and node.input[index] else None
 
 
-def _skip_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]], simplified: bool):
-    """dinput, dskip, dgamma, dbeta (None for the simplified op) and dbias of a Skip*LayerNormalization."""
+def _skip_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]],
+                   simplified: bool) -> List[Optional[str]]:
+    """The gradient of each input of a Skip(Simplified)LayerNormalization."""
     if any(grads[1:_SUM_OUTPUT]):
         raise UnsupportedOperatorError(
             f"{describe(node)}: a gradient flows into its mean or inv_std_var output; only the output's and the "
             "input_skip_bias_sum's are supported")
     x, skip, gamma = node.input[_INPUT], node.input[_SKIP], node.input[_GAMMA]
-    beta, bias = (None, _optional(node, 3)) if simplified else (_optional(node, 3), _optional(node, 4))
+    beta_index, bias_index = (None, 3) if simplified else (3, 4)
+    beta, bias = _optional(node, beta_index), _optional(node, bias_index)
     total = ctx.same_type(ctx.ensure_output(node, _SUM_OUTPUT, "input_skip_bias_sum"), x)
-    parts = [g for g in (grads[_SUM_OUTPUT] if len(grads) > _SUM_OUTPUT else None,) if g]
-    dgamma = dbeta = None
+    result: List[Optional[str]] = [None] * len(node.input)
+    parts = [grads[_SUM_OUTPUT]] if len(grads) > _SUM_OUTPUT and grads[_SUM_OUTPUT] else []
     if grads[0]:
         epsilon = attr(node, "epsilon", EPSILON)
         axes = [ctx.rank(x, node) - 1]
@@ -68,19 +71,23 @@ def _skip_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optio
         else:
             stats = [(value, None) for value in statistics(ctx, as_float32(ctx, total, total), axes, epsilon, keepdims=True)]
         op_type = "RMSNormalizationGrad" if simplified else "LayerNormalizationGrad"
-        ds, dgamma, dbeta = row_norm_gradient(ctx, op_type, grads[0], node.output[0], total, gamma, stats, -1, beta)
+        ds, result[_GAMMA], dbeta = row_norm_gradient(ctx, op_type, grads[0], node.output[0], total, gamma, stats, -1, beta)
+        if beta is not None:
+            result[beta_index] = dbeta
         parts.insert(0, ds)
     ds = ctx.sum_all(parts)
-    result = [ds if ctx.needs_grad(x) else None, ctx.sum_to(ds, total, skip) if ctx.needs_grad(skip) else None, dgamma]
-    return result, dbeta, ctx.sum_to(ds, total, bias) if bias and ctx.needs_grad(bias) else None
+    result[_INPUT] = ds if ctx.needs_grad(x) else None  # s has the input's shape
+    for index, name in ((_SKIP, skip), (bias_index, bias)):
+        if name and ctx.needs_grad(name):
+            result[index] = ctx.sum_to(ds, total, name)
+    return result
 
 
 @register("SkipLayerNormalization", inputs=(0, 1, 2, 3, 4), outputs=None, contrib=True, output_types=_skip_output_types)
 def skip_layer_norm_gradient(ctx: GradientContext, node: onnx.NodeProto,
                              grads: List[Optional[str]]) -> List[Optional[str]]:
     """Gradients of input, skip, gamma, beta and bias."""
-    result, dbeta, dbias = _skip_gradient(ctx, node, grads, simplified=False)
-    return (result + [dbeta, dbias])[: len(node.input)]
+    return _skip_gradient(ctx, node, grads, simplified=False)
 
 
 @register("SkipSimplifiedLayerNormalization", inputs=(0, 1, 2, 3), outputs=None, contrib=True,
@@ -88,8 +95,7 @@ def skip_layer_norm_gradient(ctx: GradientContext, node: onnx.NodeProto,
 def skip_simplified_layer_norm_gradient(ctx: GradientContext, node: onnx.NodeProto,
                                         grads: List[Optional[str]]) -> List[Optional[str]]:
     """Gradients of input, skip, gamma and bias."""
-    result, _, dbias = _skip_gradient(ctx, node, grads, simplified=True)
-    return (result + [dbias])[: len(node.input)]
+    return _skip_gradient(ctx, node, grads, simplified=True)
 
 
 def _simplified_output_types(node: onnx.NodeProto, type_of: TypeOf) -> List[Optional[onnx.TypeProto]]:
