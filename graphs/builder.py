@@ -279,6 +279,20 @@ def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str
     return grads
 
 
+def _nothing_differentiable(graph: onnx.GraphProto, frozen: Set[str]) -> str:
+    """Why no output of ``graph`` is differentiable, in one line."""
+    if not any(_is_float(i.type) for i in graph.input) and not any(
+            t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen for t in graph.initializer):
+        quantized = sorted({n.op_type for n in graph.node if n.op_type in _QUANTIZED_WEIGHT_OPS})
+        why = f" (the quantized weights of {', '.join(quantized)} are never trained: add LoRA adapters)" if quantized else ""
+        return f"no trainable tensor: the model has no float input and no float initializer that is not frozen{why}"
+    return ("no output of the model is differentiable: none is a float tensor that depends on a float input "
+            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})")
+
+
+_QUANTIZED_WEIGHT_OPS = ("MatMulNBits",)
+
+
 def _describe_output(info: onnx.ValueInfoProto) -> str:
     """'name (type)' of a graph output, for error messages."""
     elem_type = info.type.tensor_type.elem_type if info.type.HasField("tensor_type") else 0
@@ -612,7 +626,10 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
-    original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
+    # a Constant's type is its value's (onnxruntime-genai's builder declares its [1] constants as scalars)
+    constants = {node.output[0] for node in model.graph.node if node.op_type == "Constant" and node.domain in ("", "ai.onnx")}
+    original_value_info = [v for v in model.graph.value_info
+                           if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16 and v.name not in constants]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
     embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
@@ -628,10 +645,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
             output.type.CopyFrom(types.type_of(output.name))
     float_outputs = [o for o in graph.output if _is_float(o.type) and o.name in active]
     if not float_outputs:
-        raise ValueError(
-            "no output of the model is differentiable: none is a float tensor that depends on a float input "
-            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})"
-        )
+        raise ValueError(_nothing_differentiable(graph, frozen))
     if loss_output is not None:
         if loss is not None:
             raise ValueError("give either a loss or a loss output, not both")

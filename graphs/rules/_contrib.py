@@ -7,7 +7,7 @@ from typing import Callable, List, Optional
 
 import onnx
 
-__all__ = ["TypeOf", "input_type", "rows_type", "like_input"]
+__all__ = ["TypeOf", "input_type", "rows_type", "like_input", "with_last_dim"]
 
 TypeOf = Callable[[str], Optional[onnx.TypeProto]]
 
@@ -40,3 +40,15 @@ def like_input(index: int = 0) -> Callable[[onnx.NodeProto, TypeOf], List[Option
         return [input_type(node, type_of, index)] * len(node.output)
 
     return output_types
+
+
+def with_last_dim(type_proto: Optional[onnx.TypeProto], size: int) -> Optional[onnx.TypeProto]:
+    """``type_proto`` with its last dim ``size`` (None when its rank is unknown or 0)."""
+    if type_proto is None or not type_proto.tensor_type.HasField("shape") or not type_proto.tensor_type.shape.dim:
+        return None
+    result = onnx.TypeProto()
+    result.CopyFrom(type_proto)
+    last = result.tensor_type.shape.dim[-1]
+    last.Clear()
+    last.dim_value = size
+    return result
