@@ -55,6 +55,23 @@ def _assert_matches_onnxruntime(model: onnx.ModelProto, feeds: Dict[str, np.ndar
         np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-6)
 
 
+_BATCH_BIAS = "does not broadcast an attention_bias of batch 1 over the batch (batch 0 alone is right)"
+_ORT_1_19_DIFFERS = {
+    ("Attention", "attention_bias, scale, mask_filter_value"): _BATCH_BIAS,
+    ("MultiHeadAttention", "attention_bias"): _BATCH_BIAS,
+    ("MultiHeadAttention", "key lengths"): "computes other values with a key_padding_mask of key lengths [B]",
+    ("MultiHeadAttention", "key padding mask"): "computes other values with a key_padding_mask [B, T] (even a row of ones)",
+}
+"""(op, case): how onnxruntime 1.19's CPU kernels (measured on 1.19.2) compute other values than
+the expansion, which follows 1.32's (docs/reference/gradient-rules.md; 1.20 added the broadcast)."""
+
+
+def _skip_where_the_kernel_differs(op_type: str, case: str) -> None:
+    version = tuple(int(part) for part in ort.__version__.split(".")[:2])
+    if (op_type, case) in _ORT_1_19_DIFFERS and version < (1, 20):
+        pytest.skip(f"onnxruntime {ort.__version__}'s {op_type} {_ORT_1_19_DIFFERS[op_type, case]}")
+
+
 def _assert_finite_differences(model: onnx.ModelProto, feeds: Dict[str, np.ndarray], wrt) -> None:
     training = build_training_graph(model)
     checks = check_gradients(training, feeds={**random_feeds(training.model, 0), **feeds}, directions=2)
@@ -101,9 +118,10 @@ _ATTENTION_CASES = {
 @pytest.mark.parametrize("case", list(_ATTENTION_CASES))
 def test_attention_matches_onnxruntime_and_finite_differences(case):
     model, feeds = _attention(**_ATTENTION_CASES[case])
-    _assert_matches_onnxruntime(model, feeds)
     wrt = ["x", "w", "b"] + (["attention_bias"] if "attention_bias" in feeds else [])
     _assert_finite_differences(model, feeds, wrt)
+    _skip_where_the_kernel_differs("Attention", case)
+    _assert_matches_onnxruntime(model, feeds)
 
 
 def test_attention_gradients_match_torch_autograd():
@@ -166,9 +184,10 @@ _MHA_CASES = {
 @pytest.mark.parametrize("case", list(_MHA_CASES))
 def test_multi_head_attention_matches_onnxruntime_and_finite_differences(case):
     model, feeds = _multi_head_attention(**_MHA_CASES[case])
-    _assert_matches_onnxruntime(model, feeds)
     wrt = [n for n, v in feeds.items() if v.dtype == np.float32] + (["bias"] if _MHA_CASES[case].get("bias") else [])
     _assert_finite_differences(model, feeds, wrt)
+    _skip_where_the_kernel_differs("MultiHeadAttention", case)
+    _assert_matches_onnxruntime(model, feeds)
 
 
 # ------------------------------------------------------------------- RotaryEmbedding
