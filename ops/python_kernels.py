@@ -37,6 +37,7 @@ from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 from onnxruntime_extensions import _ocos
 
 from normgrad.ops import DOMAIN, OPERATORS, NormgradInputError
+from normgrad.ops._common import has_python_kernel
 
 __all__ = ["library_path", "errors", "last_kernel_seconds"]
 
@@ -138,6 +139,7 @@ _KERNEL_IDS = {
                for name, default in module.ATTRIBUTES.items()},
     )(_make_kernel(module))._id: _output_dtypes(module)
     for module in OPERATORS.values()
+    if has_python_kernel(module)
 }
 """{kernel id: its outputs' dtypes}."""
 PyCustomOpDef.install_hooker(_invoke)
