@@ -10,7 +10,8 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
-import pytest
+
+from _helpers import old_runtime_python
 
 from normgrad.graphs import build_training_graph, rewrites
 
@@ -94,9 +95,7 @@ def _run_plain(runtime, model, feeds, folder, threads=1, level="ORT_ENABLE_ALL")
     """Outputs of a plain onnxruntime session (no normgrad kernels: the function bodies)."""
     python = sys.executable
     if runtime == "old":
-        python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
-        if not python:
-            pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
+        python = old_runtime_python()
     tag = f"{runtime}_{threads}_{level}"
     paths = [os.path.join(folder, f"{tag}.{ext}") for ext in ("onnx", "feeds.npz", "out.npz")]
     onnx.save(model, paths[0])

@@ -195,3 +195,12 @@ def run_in_tests_folder(code: str, *args: str, env=None, timeout: float = 900):
 
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, **(env or {})), cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
+def old_runtime_python() -> str:
+    """The Python of the oldest supported onnxruntime (``NORMGRAD_OLD_ORT_PYTHON``, normgrad
+    installed there); the test is skipped when it is not set."""
+    python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
+    if not python:
+        pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
+    return python

@@ -54,7 +54,7 @@ def available(runtime: str) -> bool:
 
 def requires(runtime: str):
     return pytest.mark.skipif(not available(runtime), reason=f"{_PACKAGES[runtime]} is not installed "
-                                                              "(.ci/run installs it; see docs/runtimes.md)")
+                                                              "(.ci/run installs it; see docs/reference/runtimes.md)")
 
 
 def _elem_types(model: onnx.ModelProto):
@@ -63,7 +63,7 @@ def _elem_types(model: onnx.ModelProto):
 
 
 def lacks(runtime: str, model: onnx.ModelProto) -> Optional[str]:
-    """What ``runtime`` lacks to run ``model``, measured (docs/runtimes.md), or None."""
+    """What ``runtime`` lacks to run ``model``, measured (docs/reference/runtimes.md), or None."""
     if runtime in ("openvino", "openvino-ep") and any(_reads_outer_scope(n) for n in model.graph.node
                                                       if n.op_type == "Scan"):
         return "Scan bodies that read outer-scope values (OpenVINO: 'Number of Scan node inputs ... is less than " \
@@ -247,6 +247,6 @@ def record(runtime: str, row: str, outcome: str) -> None:
         runtime_table.save_results(results)
         return
     recorded = results.get(runtime, {}).get(row)
-    again = "record with NORMGRAD_RECORD_RUNTIMES=1 and run python -m normgrad.tools.runtime_table docs/runtimes.md"
+    again = "record with NORMGRAD_RECORD_RUNTIMES=1 and run python -m normgrad.tools.runtime_table docs/reference/runtimes.md"
     assert recorded is not None, f"{runtime}, {row}: not in graphs/runtime_support.json ({again})"
     assert outcome == recorded, f"{runtime}, {row}: recorded {recorded!r}, now {outcome!r} ({again})"

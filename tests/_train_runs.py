@@ -7,7 +7,8 @@ import subprocess
 
 import numpy as np
 import onnx
-import pytest
+
+from _helpers import old_runtime_python
 
 from normgrad import checkpoint
 
@@ -24,9 +25,7 @@ def _train(runtime, step_path, start, batches, out, accumulation=1):
     if runtime == "current":
         _train_runner.run(*args[:4], accumulation)
     else:
-        python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
-        if not python:
-            pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
+        python = old_runtime_python()
         process = subprocess.run([python, _train_runner.__file__] + args, capture_output=True, text=True, timeout=3600)
         assert process.returncode == 0, process.stderr[-3000:]
     state = checkpoint.load(os.path.join(out, "final.ckpt"))

@@ -166,7 +166,7 @@ def _check(*arguments):
     return cli.main(["check", *map(str, arguments)])
 
 
-def test_item16_check_refuses_an_input_beyond_memory_in_one_line(tmp_path, capsys):
+def test_check_refuses_an_input_beyond_memory_in_one_line(tmp_path, capsys):
     from normgrad.graphs import build_training_graph
 
     model = two_layer_model()
@@ -178,7 +178,7 @@ def test_item16_check_refuses_an_input_beyond_memory_in_one_line(tmp_path, capsy
     assert err.count("\n") == 1 and "input 'x'" in err and "memory" in err
 
 
-def test_item17_check_refuses_another_models_checkpoint(tmp_path, capsys):
+def test_check_refuses_another_models_checkpoint(tmp_path, capsys):
     onnx.save(two_layer_model(), tmp_path / "a.onnx")
     onnx.save(two_layer_model_named(("w1", "v2")), tmp_path / "b.onnx")
     for name in ("a", "b"):
@@ -195,7 +195,7 @@ def test_item17_check_refuses_another_models_checkpoint(tmp_path, capsys):
     assert "no tensor for weight 'w2'" in capsys.readouterr().err
 
 
-def test_item19_a_zero_size_weight_passes_the_gradient_check(tmp_path, capsys):
+def test_a_zero_size_weight_passes_the_gradient_check(tmp_path, capsys):
     """y = Concat(x @ v, w) with w of shape [4, 0]: its gradient is empty, trivially right
     (main reported FAIL rel.err nan and exit 1); v's is still checked."""
     rng = np.random.default_rng(19)

@@ -19,7 +19,7 @@ import onnxruntime as ort
 import pytest
 
 import normgrad
-from _helpers import bad_input_tests, cpp_available
+from _helpers import bad_input_tests, cpp_available, old_runtime_python
 from normgrad.graphs import build_step_graph, build_training_graph, rewrites
 from normgrad.graphs.optimizers import hyperparameter_feeds
 from normgrad.ops import DOMAIN, dropout_mask, harness
@@ -82,9 +82,7 @@ def test_cpp_loops_agree_at_every_thread_count(tmp_path, kernels):
     and the library loaded by the oldest supported onnxruntime (NORMGRAD_OLD_ORT_PYTHON)."""
     python = sys.executable
     if kernels.endswith("1.19.2"):
-        python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
-        if not python:
-            pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
+        python = old_runtime_python()
     env = {name: value for name, value in os.environ.items() if name != "NORMGRAD_KERNELS"}
     if kernels == "generic":
         env["NORMGRAD_KERNELS"] = "generic"

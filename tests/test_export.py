@@ -603,7 +603,7 @@ def _trained_checkpoint(step_path, ckpt_path):
     return ckpt_path.read_bytes()
 
 
-def test_item1_an_export_failing_at_its_graph_keeps_the_trained_checkpoint(tmp_path, capsys):
+def test_an_export_failing_at_its_graph_keeps_the_trained_checkpoint(tmp_path, capsys):
     """-o names a folder: exit 1 naming it, and the trained t.ckpt is byte for byte the same
     (main replaced it with fresh initial weights first)."""
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
@@ -619,7 +619,7 @@ def test_item1_an_export_failing_at_its_graph_keeps_the_trained_checkpoint(tmp_p
 
 
 @pytest.mark.parametrize("kill_at", [1, 2, 3, 4])
-def test_item1_a_killed_export_leaves_the_old_set_or_the_new_one(tmp_path, kill_at):
+def test_a_killed_export_leaves_the_old_set_or_the_new_one(tmp_path, kill_at):
     """export --optimizer killed at each rename (journal, step graph, evaluation graph,
     checkpoint): after normgrad's recovery (what the Trainer runs when it loads) the step
     graph, evaluation graph and checkpoint are bytewise the old set (with the trained
@@ -652,7 +652,7 @@ def test_item1_a_killed_export_leaves_the_old_set_or_the_new_one(tmp_path, kill_
     assert trained != (tmp_path / "t.ckpt").read_bytes()
 
 
-def test_item4_export_refuses_the_checkpoint_over_its_evaluation_graph(tmp_path, capsys):
+def test_export_refuses_the_checkpoint_over_its_evaluation_graph(tmp_path, capsys):
     """--checkpoint s.eval.onnx is the evaluation graph export writes: exit 2, nothing written."""
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     code = export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx", "--checkpoint", str(tmp_path / "s.eval.onnx"))
@@ -661,7 +661,7 @@ def test_item4_export_refuses_the_checkpoint_over_its_evaluation_graph(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["forward.onnx"]
 
 
-def test_item4_export_refuses_an_output_hard_linked_to_the_input(tmp_path, capsys):
+def test_export_refuses_an_output_hard_linked_to_the_input(tmp_path, capsys):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     os.link(tmp_path / "forward.onnx", tmp_path / "alias.onnx")
     before = (tmp_path / "forward.onnx").read_bytes()
@@ -670,7 +670,7 @@ def test_item4_export_refuses_an_output_hard_linked_to_the_input(tmp_path, capsy
     assert (tmp_path / "forward.onnx").read_bytes() == before
 
 
-def test_item4_export_refuses_an_output_that_is_the_input_data_file(tmp_path, capsys):
+def test_export_refuses_an_output_that_is_the_input_data_file(tmp_path, capsys):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx", save_as_external_data=True, location="w.bin",
               size_threshold=0)
     before = (tmp_path / "w.bin").read_bytes()
@@ -679,7 +679,7 @@ def test_item4_export_refuses_an_output_that_is_the_input_data_file(tmp_path, ca
     assert (tmp_path / "w.bin").read_bytes() == before
 
 
-def test_item8_a_weight_missing_from_training_graph_weights_is_refused():
+def test_a_weight_missing_from_training_graph_weights_is_refused():
     from normgrad.graphs import build_step_graph, build_training_graph
     from normgrad.graphs.builder import TrainingGraph
 
@@ -697,7 +697,7 @@ def test_item8_a_weight_missing_from_training_graph_weights_is_refused():
 
 @pytest.mark.parametrize("names, kind", [(("W1", "W1.exp_avg"), "adam"), (("W1", "W1.next"), "sgd"),
                                          (("W1", "W1.momentum_buffer"), "sgd-momentum")])
-def test_item14_a_weight_named_like_an_optimizer_state_is_refused(names, kind):
+def test_a_weight_named_like_an_optimizer_state_is_refused(names, kind):
     from normgrad.graphs import build_step_graph, build_training_graph
 
     options = {"momentum": 0.9} if kind == "sgd-momentum" else {}
@@ -708,7 +708,7 @@ def test_item14_a_weight_named_like_an_optimizer_state_is_refused(names, kind):
 
 
 @pytest.mark.parametrize("name", ["grad_scale", "normgrad.applied", "normgrad.loss", "dropout_micro_batch"])
-def test_item14_a_weight_named_like_a_trainer_value_is_one_trainer_error(tmp_path, name):
+def test_a_weight_named_like_a_trainer_value_is_one_trainer_error(tmp_path, name):
     onnx.save(two_layer_model_named(("w1", name)), tmp_path / "forward.onnx")
     assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
     with pytest.raises(TrainerError, match=f"value named '{name}', a name the trainer gives"):

@@ -120,7 +120,7 @@ save_models_external({sys.argv[3]: onnx.load(sys.argv[4])})
 
 
 @pytest.mark.parametrize("kill", [("os.rename", 1), ("os.rename", 2), ("os.remove", 1)])
-def test_item3_a_killed_model_save_leaves_the_old_model_or_the_new_one(tmp_path, monkeypatch, kill):
+def test_a_killed_model_save_leaves_the_old_model_or_the_new_one(tmp_path, monkeypatch, kill):
     """The data file goes under a new content-addressed name, the model's rename commits, the
     old data file is removed after: a kill before the model's rename leaves the old model
     reading its own old data (it computed 33 off before); after it, the new model."""
@@ -146,7 +146,7 @@ def _only_data(folder) -> str:
     return names[0]
 
 
-def test_item2_export_over_the_forward_model_whose_data_the_step_graph_reads_is_refused(tmp_path):
+def test_export_over_the_forward_model_whose_data_the_step_graph_reads_is_refused(tmp_path):
     """The step graph from export --freeze reads its frozen base from forward.onnx.data:
     exporting the inference (or merged) model to forward.onnx is refused, and the step graph
     computes what it did (main silently rewrote the base: 38.69 instead of 58.27)."""
@@ -164,7 +164,7 @@ def test_item2_export_over_the_forward_model_whose_data_the_step_graph_reads_is_
     assert Trainer(step, ckpt, lr=0.1, kernels=None).evaluate(X, LABELS).loss == expected
 
 
-def test_item18_save_and_export_never_overwrite_the_trainers_own_files(tmp_path):
+def test_save_and_export_never_overwrite_the_trainers_own_files(tmp_path):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
     trainer = Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", lr=0.1, kernels=None)
@@ -214,7 +214,7 @@ lora.save_adapter(sys.argv[3], model, {"fc.lora_A.weight": np.full((2, 4), alpha
 
 
 @pytest.mark.parametrize("kill", [("os.link", 1), ("ctypes.dlsym", 1), ("shutil.rmtree", 1), ("os.remove", 2)])
-def test_item9_a_killed_save_adapter_leaves_the_old_pair_or_the_new_one(tmp_path, kill):
+def test_a_killed_save_adapter_leaves_the_old_pair_or_the_new_one(tmp_path, kill):
     """Run A (lora_alpha 4) saved, run B (16) killed at each step of its write: the folder as
     any reader (peft) finds it, with no recovery by normgrad, holds the weights and
     adapter_config.json both of run A or both of run B (a weight's value is its run's
@@ -241,7 +241,7 @@ def test_item9_a_killed_save_adapter_leaves_the_old_pair_or_the_new_one(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["adapter", "b.onnx"]  # the killed writer's copy removed
 
 
-def test_item9_an_adapter_folder_with_a_subfolder_commits_through_the_journal(tmp_path):
+def test_an_adapter_folder_with_a_subfolder_commits_through_the_journal(tmp_path):
     """A folder the exchange cannot copy (a subfolder in it), or reached through a link: the
     pair is committed with the journal instead, and reads back as written."""
     pytest.importorskip("safetensors")

@@ -185,7 +185,7 @@ print(sorted(t.name for t in trainer.step_model.graph.initializer if uses_extern
 
 
 @pytest.mark.slow
-def test_item6_7_the_data_parallel_trainer_keeps_the_frozen_base_in_its_file(tmp_path):
+def test_the_data_parallel_trainer_keeps_the_frozen_base_in_its_file(tmp_path):
     """mpi.DataParallelTrainer loads the step graph as the Trainer does: the frozen base stays
     external (no 2 GiB protobuf limit), and a missing base is one TrainerError naming it."""
     pytest.importorskip("mpi4py")

@@ -1,4 +1,4 @@
-"""docs/runtimes.md's runtime table is what graphs/runtime_support.json (recorded by the
+"""docs/reference/runtimes.md's runtime table is what graphs/runtime_support.json (recorded by the
 runtime tests) renders to."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pathlib
 
 from normgrad.tools import runtime_table
 
-PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "runtimes.md"
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reference" / "runtimes.md"
 
 
 def test_runtime_table_is_current():
     text = PAGE.read_text()
-    assert runtime_table.update_page(text) == text, "stale: run python -m normgrad.tools.runtime_table docs/runtimes.md"
+    assert runtime_table.update_page(text) == text, "stale: run python -m normgrad.tools.runtime_table docs/reference/runtimes.md"
 
 
 def test_every_recorded_row_is_in_a_group():

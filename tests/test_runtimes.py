@@ -10,7 +10,7 @@ momentum and of AdamW, against the same 5 steps run by onnxruntime's CPU provide
 A model a runtime lacks something for (:func:`_runtimes.lacks`) must fail there: an explicit
 xfail naming what it lacks; if it runs, the test fails (update ``lacks``). Every outcome is
 checked against ``graphs/runtime_support.json`` and, with ``NORMGRAD_RECORD_RUNTIMES=1``,
-recorded there; ``normgrad.tools.runtime_table`` renders docs/runtimes.md from it.
+recorded there; ``normgrad.tools.runtime_table`` renders docs/reference/runtimes.md from it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import numpy as np
 import onnx
 import pytest
 
+from _helpers import old_runtime_python
+
 from normgrad.graphs import build_step_graph, build_training_graph, examples, optimizers, step_graph
 from normgrad.train import EvalResult, StepResult, Trainer, TrainerError
 
@@ -30,9 +32,7 @@ def _run(runtime, step_path, start, batches, out, accumulation=1):
     if runtime == "current":
         _features_runner.run(*args)
     else:
-        python = os.environ.get("NORMGRAD_OLD_ORT_PYTHON")
-        if not python:
-            pytest.skip("set NORMGRAD_OLD_ORT_PYTHON to a Python with onnxruntime 1.19.2 and normgrad installed")
+        python = old_runtime_python()
         process = subprocess.run([python, _features_runner.__file__] + args, capture_output=True, text=True, timeout=3600)
         assert process.returncode == 0, process.stderr[-3000:]
         assert process.stdout.split()[-1] == "1.19.2", process.stdout

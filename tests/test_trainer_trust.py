@@ -364,7 +364,7 @@ def test_the_graph_onnxruntime_runs_has_no_where_gate_and_updates_in_place(setup
     assert not gate_where
 
 
-def test_item10_eval_model_external_data_outside_its_folder_is_refused(tmp_path):
+def test_eval_model_external_data_outside_its_folder_is_refused(tmp_path):
     step, ckpt = frozen_base_step(tmp_path / "run" if (tmp_path / "run").mkdir() is None else None)
     (tmp_path / "secret.bin").write_bytes(b"\0" * 4096)
     evaluation = onnx.load(tmp_path / "run" / "step.eval.onnx", load_external_data=False)
@@ -377,7 +377,7 @@ def test_item10_eval_model_external_data_outside_its_folder_is_refused(tmp_path)
         Trainer(step, ckpt, kernels=None, eval_model=tmp_path / "run" / "bad.eval.onnx")
 
 
-def test_item11_a_cut_short_frozen_base_is_one_trainer_error(tmp_path, capfd):
+def test_a_cut_short_frozen_base_is_one_trainer_error(tmp_path, capfd):
     step, ckpt = frozen_base_step(tmp_path)
     data = tmp_path / "forward.onnx.data"
     data.write_bytes(data.read_bytes()[:1000])
@@ -393,7 +393,7 @@ def test_item11_a_cut_short_frozen_base_is_one_trainer_error(tmp_path, capfd):
     ("normgrad.parameters", "[1, 2]", "a list of names"),
     ("normgrad.state", "{not json", "not JSON"),
 ])
-def test_item12_malformed_step_graph_metadata_is_one_trainer_error(tmp_path, key, value, rule):
+def test_malformed_step_graph_metadata_is_one_trainer_error(tmp_path, key, value, rule):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
     model = onnx.load(tmp_path / "s.onnx")
@@ -406,14 +406,14 @@ def test_item12_malformed_step_graph_metadata_is_one_trainer_error(tmp_path, key
 
 
 @pytest.mark.parametrize("lr", [True, "0.1", float("nan"), -1.0])
-def test_item13_a_learning_rate_that_is_no_number_is_refused_at_construction(tmp_path, lr):
+def test_a_learning_rate_that_is_no_number_is_refused_at_construction(tmp_path, lr):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
     with pytest.raises(TrainerError, match=r"lr.*a learning rate must be a finite number >= 0"):
         Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", lr=lr, kernels=None)
 
 
-def test_item13_lr_none_is_the_step_graphs_own_learning_rate(tmp_path):
+def test_lr_none_is_the_step_graphs_own_learning_rate(tmp_path):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
     default = Trainer(tmp_path / "s.onnx", tmp_path / "s.ckpt", lr=None, kernels=None)
@@ -425,7 +425,7 @@ def test_item13_lr_none_is_the_step_graphs_own_learning_rate(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [str(2**63), str(-2**63 - 1), "1e3"])
-def test_item15_a_checkpoint_seed_outside_int64_is_refused(tmp_path, seed):
+def test_a_checkpoint_seed_outside_int64_is_refused(tmp_path, seed):
     onnx.save(two_layer_model(), tmp_path / "forward.onnx")
     assert export_sgd(tmp_path / "forward.onnx", tmp_path / "s.onnx") == 0
     state = checkpoint.load(tmp_path / "s.ckpt").tensors

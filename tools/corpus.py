@@ -77,7 +77,7 @@ TOLERANCE = {
     ("training", "float32"): 1e-4,
 }
 """Largest error relative to max(1, max |expected|), by the case's kind and the data's dtype
-(docs/reference/runtimes-and-corpus.md): what a runtime's outputs must meet, and how far a
+(docs/reference/corpus.md): what a runtime's outputs must meet, and how far a
 regenerated tensor may be from the stored one. float32 training graphs chain several
 convolutions and normalizations: a little looser."""
 

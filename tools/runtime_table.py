@@ -1,5 +1,5 @@
-"""``python -m normgrad.tools.runtime_table docs/runtimes.md [--check]``: render the table
-runtime x graph form of docs/runtimes.md from what the runtime tests measured.
+"""``python -m normgrad.tools.runtime_table docs/reference/runtimes.md [--check]``: render the table
+runtime x graph form of docs/reference/runtimes.md from what the runtime tests measured.
 
 ``tests/test_runtimes.py`` (and ``tests/test_openvino.py`` for the onnxruntime-openvino EP)
 check each outcome against ``graphs/runtime_support.json`` and, with
@@ -121,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from normgrad.tools.cli import update_page_command
 
     return update_page_command(argv, "python -m normgrad.tools.runtime_table", __doc__.split("\n\n")[0],
-                               "the Markdown page with the markers (docs/runtimes.md)", "runtime table", update_page)
+                               "the Markdown page with the markers (docs/reference/runtimes.md)", "runtime table", update_page)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 from normgrad.errors import CheckpointError, LoraError, TrainerError
 from normgrad.ops import DOMAIN, OPSET_VERSION, NormgradInputError
 from normgrad.util.version import __version__
+from normgrad.ops import api
 from normgrad.ops.api import (
     NormgradSessionError,
     add_functions,
@@ -33,21 +34,8 @@ from normgrad.ops.api import (
     session_options,
 )
 
-__all__ = [
-    "CheckpointError",
-    "DOMAIN",
-    "OPSET_VERSION",
-    "NormgradInputError",
-    "NormgradSessionError",
-    "LoraError",
-    "TrainerError",
-    "add_functions",
-    "check_attributes",
-    "inference_session",
-    "library_path",
-    "prepare_for_python_kernels",
-    "session_options",
-]
+__all__ = ["CheckpointError", "DOMAIN", "OPSET_VERSION", "NormgradInputError", "LoraError", "TrainerError",
+           *api.__all__]
 
 _SUBMODULES = ("checkpoint", "graphs", "mpi", "ops", "tools", "torch", "train")
 

@@ -34,6 +34,7 @@ are exported from here.
 
 from __future__ import annotations
 
+from normgrad.mpi import communicator
 from normgrad.mpi.communicator import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -63,35 +64,7 @@ from normgrad.mpi.communicator import (
 )
 from normgrad.mpi.data_parallel import DataParallelTrainer
 
-__all__ = [
-    "MPIUnavailableError",
-    "available",
-    "init",
-    "initialized",
-    "comm",
-    "rank",
-    "size",
-    "configure_library",
-    "session_options",
-    "broadcast",
-    "shard",
-    "allreduce_array",
-    "abort_on_error",
-    "barrier",
-    "mpirun_command",
-    "mpirun_environment",
-    "CollectiveTimeoutError",
-    "CollectiveMismatchError",
-    "TIMEOUT_SECONDS",
-    "timeout",
-    "gather",
-    "launched_ranks",
-    "LAUNCHER_SIZE_VARIABLES",
-    "trainer",
-    "DataParallelTrainer",
-    "configured_size",
-    "EXIT_WAIT_SECONDS",
-]
+__all__ = [*communicator.__all__, "configured_size", "EXIT_WAIT_SECONDS", "trainer", "DataParallelTrainer"]
 
 
 def trainer(step_model, checkpoint, **options):
