@@ -209,10 +209,25 @@ def test_other_grouped_convs_keep_the_graph_form(case):
     assert OP not in ops and ops["ConvTranspose"] == 1
 
 
-def test_inline_form_is_standard_onnx():
-    inlined = build_training_graph(_conv_forward(6, 6, 6), inline=True).model
-    assert not any(n.domain == DOMAIN for n in inlined.graph.node)
-    assert {"ConvTranspose", "Conv"} <= set(_ops(inlined.graph))
+@pytest.mark.parametrize("form", ["inline", "portable"])
+def test_inline_and_portable_forms_are_standard_onnx_with_the_same_gradients(form):
+    """``--inline`` and ``--portable`` write the function body: no normgrad node, the
+    ConvTranspose and Conv of the graph form, dx and dW as the operator's."""
+    from normgrad.graphs.portable import make_portable
+
+    training = build_training_graph(_conv_forward(6, 6, 6))
+    rewritten = (build_training_graph(_conv_forward(6, 6, 6), inline=True).model if form == "inline"
+                 else make_portable(training.model)[0])
+    assert not any(n.domain == DOMAIN for n in rewritten.graph.node)
+    assert {"ConvTranspose", "Conv"} <= set(_ops(rewritten.graph))
+    rng = np.random.default_rng(4)
+    feeds = {**training.weights, "x": rng.standard_normal((2, 6, 9, 9)).astype(np.float32),
+             "y_grad": rng.standard_normal((2, 6, 5, 5)).astype(np.float32)}
+    expected = depthwise_conv_grad.reference(feeds["x"].astype(np.float64), feeds["W"].astype(np.float64),
+                                             feeds["y_grad"].astype(np.float64), 6, [2, 2], [1, 1, 1, 1], [1, 1])
+    outputs = harness.run_model(rewritten, feeds, "functions")
+    np.testing.assert_allclose(outputs["x_grad"], expected.dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outputs["W_grad"], expected.dw, rtol=1e-5, atol=1e-5)
 
 
 # -- a MobileNet-style block against torch autograd ---------------------------------------------
