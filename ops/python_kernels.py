@@ -21,8 +21,11 @@ What still cannot work through this bridge: float16/bfloat16 (the kernels declar
 for every float input, so onnxruntime rejects such a model when the session is created) and omitted
 optional inputs or outputs (the bridge declares every input and output required, so
 onnxruntime rejects such a node when the session is created). Both fail at session
-creation with onnxruntime's own error, never mid-run. A scalar output (SoftmaxCrossEntropy's
-loss) comes out of the bridge with shape [1]; ``normgrad.prepare_for_python_kernels`` reshapes it.
+creation with onnxruntime's own error, never mid-run. Nor can it hand a kernel an INTS
+attribute: an operator with one (DepthwiseConvGrad's geometry) has no Python kernel, and
+``normgrad.prepare_for_python_kernels`` gives the model its function body instead. A scalar
+output (SoftmaxCrossEntropy's loss) comes out of the bridge with shape [1];
+``normgrad.prepare_for_python_kernels`` reshapes it.
 """
 
 from __future__ import annotations

@@ -62,9 +62,9 @@ import onnx
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
-from normgrad.ops import DOMAIN, depthwise_conv_grad
 from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules._window import Window, transposed_window, window_of
+from normgrad.ops import DOMAIN, depthwise_conv_grad
 
 __all__ = ["conv_gradient", "conv_transpose_gradient", "input_gradient", "weight_gradient"]
 
