@@ -58,6 +58,7 @@ def _token_ids(rng, low=1, length=6):
 FAMILIES: Dict[str, Family] = {
     "resnet18": Family(lambda: zoo.ResNet(width=8), _image(64)),
     "mobilenet_v3_small": Family(lambda: zoo.MobileNetV3(width_mult=0.5), _image(64)),
+    "shufflenet_v2": Family(lambda: zoo.ShuffleNetV2(channels=(8, 16, 32, 64, 64)), _image(64)),
     "efficientnet_b0": Family(lambda: zoo.EfficientNet(width_mult=0.25, max_layers=1), _image(64)),
     "densenet121": Family(lambda: zoo.DenseNet(growth=8, blocks=(2, 2, 2, 2), init_features=16), _image(64)),
     "convnext_tiny": Family(lambda: zoo.ConvNeXt(dims=(8, 16, 32, 64), depths=(1, 1, 2, 1)), _image(64)),

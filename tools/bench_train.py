@@ -85,8 +85,17 @@ MODELS: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], int]] = {
     "resnet18": ((16, 3, 112, 112), (4, 3, 64, 64), 1000),
     "unet_block": ((8, 128, 32, 32), (2, 16, 8, 8), 10),
     "mbconv_block": ((16, 40, 28, 28), (2, 8, 8, 8), 10),
+    "mobilenet_v2": ((16, 3, 128, 128), (4, 3, 64, 64), 1000),
+    "mobilenet_v3_small": ((16, 3, 128, 128), (4, 3, 64, 64), 1000),
+    "shufflenet_v2_x0_5": ((32, 3, 128, 128), (4, 3, 64, 64), 1000),
+    "efficientnet_b0": ((16, 3, 128, 128), (4, 3, 64, 64), 1000),
+    "convnext": ((16, 3, 128, 128), (4, 3, 64, 64), 1000),
     "lstm": ((32, 128, 64), (4, 16, 8), 10),
 }
+CNNS = ("mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x0_5", "efficientnet_b0", "convnext")
+"""torchvision's architectures (``normgrad.tools._torch_cnns``) at full width; ``convnext`` is a
+ConvNeXt of dims 48-384 and depths 2, 2, 6, 2 (convnext_tiny's blocks at a quarter of its FLOPs).
+``--quick`` shrinks each to a quarter of its width (a single block per stage where it can)."""
 
 
 # name: (transformers family, LoRA)
@@ -222,6 +231,8 @@ def torch_model(name: str, quick: bool):
             return self.fc(self.lstm(x)[0][:, -1])
 
     shape, quick_shape, classes = MODELS[name]
+    if name in CNNS:
+        return _seeded_norms(_cnn(name, quick, classes))
     c = (quick_shape if quick else shape)[1]
     if name == "lstm":
         return LSTMClassifier((quick_shape if quick else shape)[2], 16 if quick else 256, classes).train()
@@ -239,7 +250,45 @@ def torch_model(name: str, quick: bool):
         model = nn.Sequential(UNet(c, 4 if quick else 32), Head(c, classes))
     else:
         model = nn.Sequential(MBConv(c), Head(c, classes))
-    # BatchNorm's and GroupNorm's default weight 1 / bias 0 would make every scale equal.
+    return _seeded_norms(model)
+
+
+def _cnn(name: str, quick: bool, classes: int):
+    """One of :data:`CNNS`, built by ``normgrad.tools._torch_cnns`` (torch seeded by the caller),
+    without its classifier's Dropout: torch's masks and onnxruntime's differ, and the bench
+    compares their losses."""
+    from torch import nn
+
+    model = _cnn_with_dropout(name, quick, classes)
+    for module in list(model.modules()):
+        for child_name, child in module.named_children():
+            if isinstance(child, nn.Dropout):
+                setattr(module, child_name, nn.Identity())
+    return model
+
+
+def _cnn_with_dropout(name: str, quick: bool, classes: int):
+    from normgrad.tools import _torch_cnns as zoo
+
+    width = 0.25 if quick else 1.0
+    if name == "mobilenet_v2":
+        return zoo.MobileNetV2(width_mult=width, num_classes=classes)
+    if name == "mobilenet_v3_small":
+        return zoo.MobileNetV3(width_mult=width, num_classes=classes)
+    if name == "shufflenet_v2_x0_5":
+        return zoo.ShuffleNetV2(0.5, classes, channels=(8, 16, 32, 64, 64) if quick else None)
+    if name == "efficientnet_b0":
+        return zoo.EfficientNet(width_mult=width, max_layers=1 if quick else None, num_classes=classes)
+    dims, depths = ((8, 16, 32, 64), (1, 1, 1, 1)) if quick else ((48, 96, 192, 384), (2, 2, 6, 2))
+    return zoo.ConvNeXt(dims=dims, depths=depths, num_classes=classes)
+
+
+def _seeded_norms(model):
+    """``model`` in training mode, its BatchNorm and GroupNorm affine parameters drawn: their
+    default weight 1 and bias 0 would make every scale equal."""
+    import torch
+    from torch import nn
+
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):

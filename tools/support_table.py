@@ -27,6 +27,7 @@ EXPORTER_COLUMNS = (("torchscript", "TorchScript exporter"), ("dynamo", "dynamo 
 MODEL_TITLES = {
     "resnet18": "ResNet-18 (torchvision structure, width 8)",
     "mobilenet_v3_small": "MobileNetV3-small (width 0.5)",
+    "shufflenet_v2": "ShuffleNetV2 structure (channels 8-64, channel split and shuffle)",
     "efficientnet_b0": "EfficientNet-B0 (width 0.25, 1 block per stage)",
     "densenet121": "DenseNet-121 structure (growth 8, 2 layers per block)",
     "convnext_tiny": "ConvNeXt-tiny structure (dims 8-64, depths 1,1,2,1)",
