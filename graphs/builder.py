@@ -19,6 +19,7 @@ import onnx.shape_inference
 
 from normgrad.ops.api import add_functions_in_place
 from normgrad.util.external_data import check_model
+import normgrad.graphs.adapters as adapters
 import normgrad.graphs.data_parallel as data_parallel_rules
 import normgrad.graphs.losses as losses
 import normgrad.graphs.patterns as patterns
@@ -89,7 +90,8 @@ def _prepare(model: onnx.ModelProto, frozen: Set[str]) -> Tuple[onnx.ModelProto,
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     trainable = {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen}
-    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable))
+    context = rewrites.RewriteContext(opset=_default_opset(model), trainable=frozenset(trainable),
+                                      infer_shapes=_infer_shapes)
     for rewrite in rewrites.PASSES:
         rewrite.apply(model, context)
     model = _infer_shapes(model)
@@ -108,7 +110,8 @@ _SHAPE_PRESERVING = ("BatchNormalization", "GroupNormalization", "InstanceNormal
 def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnx shape inference, plus the output shape of the normalization ops that onnx leaves
     unknown in some versions (BatchNormalization in training mode, GroupNormalization):
-    the shape of their input."""
+    the shape of their input; and the output types of the ops onnx does not know whose rule
+    gives them (onnxruntime's ``com.microsoft`` ops: :attr:`Rule.output_types`)."""
     patched: Set[str] = set()
     while True:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
@@ -116,6 +119,8 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         for info in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             if info.name not in types or _has_shape(info.type):
                 types[info.name] = info.type
+        for init in model.graph.initializer:
+            types.setdefault(init.name, oh.make_tensor_type_proto(init.data_type, list(init.dims)))
         added = False
         for node in inferred.graph.node:
             output = node.output[0]
@@ -128,6 +133,14 @@ def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 model.graph.value_info.append(_value_info(output, types[node.input[0]]))
                 patched.add(output)
                 added = True
+            rule = lookup(node)
+            if rule is not None and rule.output_types is not None:
+                for output, type_proto in zip(node.output, rule.output_types(node, types.get)):
+                    if output and type_proto is not None and output not in patched and not _has_shape(types.get(output)):
+                        model.graph.value_info.append(_value_info(output, type_proto))
+                        types[output] = type_proto  # read by the next such op in this pass
+                        patched.add(output)
+                        added = True
         if not added:
             return inferred
 
@@ -266,10 +279,36 @@ def _backward(graph: onnx.GraphProto, ctx: GradientContext, seeds: Dict[str, str
     return grads
 
 
+def _nothing_differentiable(graph: onnx.GraphProto, frozen: Set[str]) -> str:
+    """Why no output of ``graph`` is differentiable, in one line."""
+    if not any(_is_float(i.type) for i in graph.input) and not any(
+            t.data_type in FLOAT_ELEM_TYPES and t.name not in frozen for t in graph.initializer):
+        quantized = sorted({n.op_type for n in graph.node if n.op_type in _QUANTIZED_WEIGHT_OPS})
+        why = f" (the quantized weights of {', '.join(quantized)} are never trained: add LoRA adapters)" if quantized else ""
+        return f"no trainable tensor: the model has no float input and no float initializer that is not frozen{why}"
+    return ("no output of the model is differentiable: none is a float tensor that depends on a float input "
+            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})")
+
+
+_QUANTIZED_WEIGHT_OPS = ("MatMulNBits",)
+
+
 def _describe_output(info: onnx.ValueInfoProto) -> str:
     """'name (type)' of a graph output, for error messages."""
     elem_type = info.type.tensor_type.elem_type if info.type.HasField("tensor_type") else 0
     return f"{info.name} ({onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else 'not a tensor'})"
+
+
+def _rule_typed_outputs(graph: onnx.GraphProto, known: Set[str]) -> List[onnx.ValueInfoProto]:
+    """The inferred types of the outputs of the ops only whose rules give them (not in
+    ``known``): kept in the training graph, as onnx's inference cannot find them again in it or
+    in the step and evaluation graphs cut from it."""
+    names = set()
+    for node in graph.node:
+        rule = lookup(node)
+        if rule is not None and rule.output_types is not None:
+            names.update(name for name in node.output if name and name not in known)
+    return [info for info in list(graph.value_info) + list(graph.output) if info.name in names and _has_shape(info.type)]
 
 
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
@@ -353,9 +392,14 @@ def frozen_parameters(
     return frozen
 
 
-def _not_torch_parameters(model: onnx.ModelProto) -> Set[str]:
+def _frozen_by_metadata(model: onnx.ModelProto) -> Set[str]:
     """With metadata from :func:`normgrad.torch.export`: every float initializer that is no
-    torch parameter (buffers, constants), to be frozen."""
+    torch parameter (buffers, constants), to be frozen. With LoRA adapters from
+    :func:`normgrad.graphs.adapters.add_adapters`: every float initializer but the adapters."""
+    lora = adapters.lora_layers(model)
+    if lora is not None:
+        trained = {name for layer in lora["layers"] for name in (layer.A, layer.B)}
+        return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in trained}
     parameters = torch_exports.torch_parameters(model)
     if parameters is None:
         return set()
@@ -525,6 +569,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
                          "with data_parallel or sync_batch_norm")
     if sync_batch_norm:
         batch_norm_all_reduce = batch_norm_all_reduce or data_parallel_rules.all_reduce
+    lora = next((p.value for p in model.metadata_props if p.key == adapters.METADATA_LORA), None)
     forward = _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss_options)
     del model  # the prepared copy in ``forward`` is the one assembled
     ctx, float_outputs = forward.ctx, forward.float_outputs
@@ -555,6 +600,8 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
         metadata[METADATA_INLINE] = "true"
     if peft_adapters is not None:  # which trained tensors are LoRA adapters, for normgrad.lora
         metadata[torch_exports.METADATA_PEFT] = peft_adapters
+    if lora is not None:  # the adapters of normgrad.graphs.adapters, for normgrad.lora
+        metadata[adapters.METADATA_LORA] = lora
     oh.set_model_props(result, metadata)
     result.ir_version = IR_VERSION
     rewrites.cast_stored_weights_per_reader(result)
@@ -575,15 +622,19 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
     context whose nodes the backward pass emits."""
     check_graph_structure(model.graph)
     torch_exports.check_forward_model(model)
-    frozen = set(frozen) | _not_torch_parameters(model)
+    frozen = set(frozen) | _frozen_by_metadata(model)
     folded_constants = torch_exports.torchscript_folded_constants(model)
     merged_initializers = torch_exports.torchscript_merged_initializers(model)
     # bfloat16 values may become float32 (rewrites.bfloat16_in_float32): their types are inferred again
-    original_value_info = [v for v in model.graph.value_info if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16]
+    # a Constant's type is its value's (onnxruntime-genai's builder declares its [1] constants as scalars)
+    constants = {node.output[0] for node in model.graph.node if node.op_type == "Constant" and node.domain in ("", "ai.onnx")}
+    original_value_info = [v for v in model.graph.value_info
+                           if v.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16 and v.name not in constants]
     peft_adapters = next((p.value for p in model.metadata_props if p.key == torch_exports.METADATA_PEFT), None)
     embeddings = torch_exports.embedding_gradients(model)
     model, opset = _prepare(model, frozen)
     graph = model.graph
+    original_value_info += _rule_typed_outputs(graph, {v.name for v in original_value_info})
     running_statistics = _name_running_outputs(graph)
     batch_statistics = batch_norm.make_batch_statistics_explicit(graph, opset, batch_norm_all_reduce)
     stopped = {name for stats in batch_statistics.values() for name in stats.running_outputs}
@@ -594,10 +645,7 @@ def _differentiate(model, frozen, batch_norm_all_reduce, loss, loss_output, loss
             output.type.CopyFrom(types.type_of(output.name))
     float_outputs = [o for o in graph.output if _is_float(o.type) and o.name in active]
     if not float_outputs:
-        raise ValueError(
-            "no output of the model is differentiable: none is a float tensor that depends on a float input "
-            f"or initializer (outputs: {', '.join(_describe_output(o) for o in graph.output) or 'none'})"
-        )
+        raise ValueError(_nothing_differentiable(graph, frozen))
     if loss_output is not None:
         if loss is not None:
             raise ValueError("give either a loss or a loss output, not both")

@@ -105,6 +105,14 @@ class GradientContext(NodeWriter):
             self.declared.append(oh.make_value_info(name, type_proto))
         return name
 
+    def same_type(self, name: str, like: str) -> str:
+        """Records that value ``name`` (e.g. a forward output a rule added) has the type and
+        shape of forward value ``like``, for the rules' own reading; returns ``name``."""
+        type_proto = self.type_of(like)
+        if type_proto is not None:
+            self._types[name] = type_proto
+        return name
+
     def weight_gradient(self, p: str, q: str, dims: Optional[Sequence[Optional[int]]], like: str,
                         alpha: float = 1.0) -> str:
         """alpha P^T Q for 2-D P [t, m] and Q [t, n] (``dims`` = (t, m, n), None where unknown;

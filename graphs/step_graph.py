@@ -210,7 +210,7 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     inputs = [i for i in step.graph.input if i.name in read and i.name not in state]
     trained = [numpy_helper.from_array(np.asarray(tensors[n]), n) for n in sorted(state & read)]
     model = _sub_model(step, step.graph.name.split("_training")[0] or "model", nodes, inputs,
-                       [onnx.ValueInfoProto(name=o) for o in outputs], {}, trained, check=False)
+                       _output_infos(step, outputs), {}, trained, check=False)
     _infer_output_types(model)
     check_model(model)
     return model
@@ -250,6 +250,13 @@ def _eval_mode_nodes(step: onnx.ModelProto) -> List[onnx.NodeProto]:
             node = helper.make_node("Identity", [dropout_inputs[node.output[0]]], node.output[:1], name=node.name)
         nodes.append(node)
     return nodes
+
+
+def _output_infos(step: onnx.ModelProto, names: Sequence[str]) -> List[onnx.ValueInfoProto]:
+    """The value infos of ``names`` as ``step`` types them (onnx infers no type for an output
+    of a com.microsoft op), an untyped one where it does not (:func:`_infer_output_types`)."""
+    typed = {v.name: v for v in list(step.graph.value_info) + list(step.graph.output) if v.HasField("type")}
+    return [copy.deepcopy(typed[n]) if n in typed else onnx.ValueInfoProto(name=n) for n in names]
 
 
 def _infer_output_types(model: onnx.ModelProto) -> None:
@@ -336,8 +343,8 @@ def build_eval_graph(step: onnx.ModelProto) -> onnx.ModelProto:
     state = [i.name for i in inputs if i.name in meta["normgrad.state"]]
     properties = {key: json.dumps(meta[key]) for key in ("normgrad.loss", "normgrad.data_inputs") if key in meta}
     properties["normgrad.eval_state"] = json.dumps(state)
-    model = _sub_model(step, f"{step.graph.name}_eval", nodes, inputs,
-                       [onnx.ValueInfoProto(name=o) for o in outputs], properties, check=False)
+    model = _sub_model(step, f"{step.graph.name}_eval", nodes, inputs, _output_infos(step, outputs), properties,
+                       check=False)
     _infer_output_types(model)
     tidy(model)
     check_model(model)
@@ -462,7 +469,8 @@ def build_step_graph(
         inputs,
         outputs,
         initializer=[t for t in graph.initializer if t.name not in state_inputs] + list(optimizer.graph.initializer),
-        value_info=list(graph.value_info),
+        # the forward outputs' types too (onnx infers none for an output of a com.microsoft op)
+        value_info=list(graph.value_info) + [o for o in graph.output if o.name not in {x.name for x in outputs}],
     )
     dropout_outputs = rewrites.seed_dropout(step, "step", dropout_seed)
     model = helper.make_model(step, opset_imports=list(training.opset_import), producer_name="normgrad")

@@ -17,6 +17,7 @@ import numpy as np
 import normgrad.loop as loop
 from normgrad.util.files import beside_step_graph, eval_graph_path
 from normgrad._session import TrainerError
+from normgrad.errors import LoraError
 from normgrad.tools.cli import CommandError, one_line, positive_int
 
 DEFAULT_BATCH_SIZE = 32
@@ -345,7 +346,8 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
             progress=not args.no_progress)
         inference = os.path.join(args.out, "inference.onnx")
         trainer.export_inference_model(inference)
-    except (CommandError, TrainerError) as error:
+        inference = ", ".join([inference, *_export_onnx_adapter(trainer, args.step, folder)])
+    except (CommandError, TrainerError, LoraError) as error:
         print(f"normgrad train: {one_line(error)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # stdout's reader has gone: normgrad.tools.cli ends quietly
@@ -355,6 +357,36 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
         return 1
     _report(result, trainer, args, folder, inference, validation is not None)
     return 0
+
+
+ONNX_ADAPTER, ADAPTER_MODEL = "adapter.onnx_adapter", "adapter_model.onnx"
+"""The files ``normgrad train`` writes in the checkpoint folder for a step graph with adapters
+of ``normgrad export --lora-*``."""
+
+
+def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
+    """For a step graph with adapters of ``normgrad export --lora-*``: the trained adapters
+    in onnxruntime's format and the deployable model (the base model the step graph was
+    exported from, adapters as inputs) in ``folder``; the paths written."""
+    from normgrad.graphs.adapters import lora_layers
+
+    info = lora_layers(trainer.step_model)
+    if info is None or not trainer.is_saving_rank:
+        return []
+    import normgrad.lora as lora
+    from normgrad.util.files import save_model_atomic
+
+    os.makedirs(folder, exist_ok=True)
+    written = [lora.save_onnx_adapter(os.path.join(folder, ONNX_ADAPTER), trainer.step_model, trainer.state_dict())]
+    base = info.get("base_model")
+    base = base and os.path.join(os.path.dirname(os.path.abspath(step_path)), base)
+    if not base or not os.path.isfile(base):
+        where = f"{base} is not there" if base else "the step graph does not name it"
+        print(f"normgrad train: warning: {ADAPTER_MODEL} not written: the base model the adapters were added to is "
+              f"needed ({where}; normgrad.lora.adapter_model(step, BASE) makes it)", file=sys.stderr)
+        return written
+    save_model_atomic(lora.adapter_model(trainer.step_model, base), os.path.join(folder, ADAPTER_MODEL))
+    return written + [os.path.join(folder, ADAPTER_MODEL)]
 
 
 def _report(result, trainer, args: argparse.Namespace, folder: str, inference: str, evaluated: bool) -> None:

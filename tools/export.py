@@ -1,9 +1,11 @@
 """``normgrad export IN.onnx -o OUT.onnx [--loss KIND | --loss-output NAME] [--inline] [--portable] [--optimizer sgd|adam|adamw ...]
-[--no-weight-decay GLOB ...] [--data-parallel] [--sync-batch-norm]``:
+[--no-weight-decay GLOB ...] [--data-parallel] [--sync-batch-norm] [--lora-rank R --lora-targets GLOB ...]``:
 write the training graph (forward + gradients) of a forward model, or with ``--optimizer``
 its step graph (gradients + one optimizer step) and the evaluation graph (``NAME.eval.onnx``:
 loss and outputs in eval mode, no update); trainable weights are pure graph inputs, their
-initial values (and the optimizer's state) in a checkpoint beside the graph."""
+initial values (and the optimizer's state) in a checkpoint beside the graph. With ``--lora-*``,
+LoRA adapters are added to the chosen layers first (:func:`normgrad.lora.add_adapters`) and
+only they train."""
 
 from __future__ import annotations
 
@@ -56,6 +58,15 @@ def _parser():
                           help="training-mode BatchNorm statistics and backward sums over the global batch")
     parallel.add_argument("--bucket-mb", type=float, default=None,
                           help="with --data-parallel: largest gradient all-reduce, MiB (default 25)")
+    adapters = parser.add_argument_group("LoRA adapters on any model (only the adapters train; see normgrad.lora)")
+    adapters.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                          help="add a LoRA adapter of rank R beside each MatMul, Gemm or MatMulNBits --lora-targets names")
+    adapters.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                          help="the adapters' scaling is A / R (default 8, as peft)")
+    adapters.add_argument("--lora-targets", action="append", default=[], metavar="GLOB",
+                          help="the layers to adapt: fnmatch globs of node or weight names (repeatable; '*': all)")
+    adapters.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                          help="dropout on each adapter's input, in training only (default 0)")
     step = parser.add_argument_group("step graph (weights as inputs, initial state in a checkpoint)")
     step.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="append one torch.optim step (needs --loss or --loss-output)")
     step.add_argument("--checkpoint", help="where to write the initial weights (and, with --optimizer, optimizer "
@@ -137,6 +148,12 @@ def _check_usage(parser, args) -> None:
         parser.error("--bucket-mb needs --data-parallel")
     if args.no_weight_decay and not args.optimizer:
         parser.error("--no-weight-decay needs --optimizer")
+    lora_given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
+                                           ("--lora-dropout", args.lora_dropout)) if value not in (None, [])]
+    if lora_given and args.lora_rank is None:
+        parser.error(f"{lora_given[0]} needs --lora-rank")
+    if args.lora_rank is not None and not args.lora_targets:
+        parser.error("--lora-rank needs --lora-targets GLOB (the layers to adapt; '*' for all)")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         parser.error(f"--bucket-mb must be a positive number; got {args.bucket_mb}")
 
@@ -154,9 +171,11 @@ def _build(args, optimizer_options: dict, loss_options: dict, input_files: list)
     def keep_external(model):  # sees the model before its external data is read
         input_files.extend(("a data file of the input model", path)
                            for path in external_data_files(model, os.path.dirname(os.path.abspath(args.model))))
-        return _frozen_weights(model, args.freeze, args.trainable)
+        return _frozen_weights(model, args.freeze, args.trainable, lora=args.lora_rank is not None)
 
     forward = load_model(args.model, keep_external=keep_external)
+    if args.lora_rank is not None:
+        forward = _with_adapters(forward, args)
     _refuse_beyond_memory(args.model, forward)
     frozen = frozen_parameters(forward, args.freeze, args.trainable)
     bucket_bytes = int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else DEFAULT_BUCKET_BYTES
@@ -246,6 +265,11 @@ def _summary(args, artifacts, written) -> str:
     data = sorted({os.path.join(folder, entry.value) for t in written.graph.initializer if uses_external_data(t)
                    for entry in t.external_data if entry.key == "location"})
     frozen = f"; frozen weights in {', '.join(data)}" if data else ""
+    if args.lora_rank is not None:
+        from normgrad.graphs.adapters import lora_layers
+
+        count = len(lora_layers(written)["layers"])
+        frozen += f"; LoRA adapters of rank {args.lora_rank} on {count} layer{'s' * (count != 1)} (only they train)"
     if args.optimizer:
         return (f"wrote {args.output}: {len(written.graph.node)} nodes, {args.optimizer} step; initial state in "
                 f"{artifacts.checkpoint}; evaluation graph in {artifacts.eval_graph}{frozen}")
@@ -290,17 +314,38 @@ def _refuse_beyond_memory(path: str, forward) -> None:
                            "nothing was written")
 
 
-def _frozen_weights(forward, freeze, trainable) -> set:
+def _with_adapters(forward, args):
+    """``forward`` with the LoRA adapters of ``--lora-*``, its ``normgrad.lora`` metadata
+    naming the input model by its path from the output's folder (``normgrad train`` writes
+    the deployable model from it: :func:`normgrad.lora.adapter_model`)."""
+    import json
+
+    from normgrad.graphs.adapters import METADATA_LORA, add_adapters
+    from onnx import helper
+
+    adapted = add_adapters(forward, args.lora_targets, args.lora_rank,
+                           8.0 if args.lora_alpha is None else args.lora_alpha, args.lora_dropout or 0.0)
+    metadata = {p.key: p.value for p in adapted.metadata_props}
+    info = json.loads(metadata[METADATA_LORA])
+    info["base_model"] = os.path.relpath(os.path.abspath(args.model), os.path.dirname(os.path.abspath(args.output)))
+    helper.set_model_props(adapted, {**metadata, METADATA_LORA: json.dumps(info)})
+    return adapted
+
+
+def _frozen_weights(forward, freeze, trainable, lora: bool = False) -> set:
     """The initializers whose data may stay in the input's external data files: the frozen
     float weights (``--freeze``/``--trainable``, and with normgrad.torch.export's metadata
-    every one that is no torch parameter with requires_grad) of 1 KiB or more. No graph
-    builder reads their values; every other tensor is loaded."""
-    from normgrad.graphs.builder import _not_torch_parameters, frozen_parameters
+    every one that is no torch parameter with requires_grad; with ``lora`` every one, the
+    adapters being new) of 1 KiB or more. No graph builder reads their values; every other
+    tensor is loaded."""
+    from normgrad.graphs.builder import _frozen_by_metadata, frozen_parameters
 
     import numpy as np
     from onnx.helper import tensor_dtype_to_np_dtype
 
-    frozen = frozen_parameters(forward, freeze, trainable) | _not_torch_parameters(forward)
+    frozen = frozen_parameters(forward, freeze, trainable) | _frozen_by_metadata(forward)
+    if lora:
+        frozen = {t.name for t in forward.graph.initializer}
     return {t.name for t in forward.graph.initializer if t.name in frozen and
             np.prod(t.dims) * tensor_dtype_to_np_dtype(t.data_type).itemsize >= EXTERNAL_TENSOR_MIN_BYTES}
 

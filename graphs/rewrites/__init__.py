@@ -15,9 +15,9 @@ Dropout drawn from a seed, on step graphs), :mod:`~normgrad.graphs.rewrites.weig
 
 from __future__ import annotations
 
-from normgrad.graphs.rewrites import (bfloat16, embedding_bag_loops, gated_silu, gelu_order, gelu_slopes,
-                                      integer_constants, opset, recurrent_layout, rotate_half, safe_softmax, sequences,
-                                      tiling_slices, transposed_weights)
+from normgrad.graphs.rewrites import (bfloat16, contrib_attention, contrib_rotary, embedding_bag_loops, gated_silu,
+                                      gelu_order, gelu_slopes, integer_constants, kv_cache, opset, recurrent_layout,
+                                      rotate_half, safe_softmax, sequences, tiling_slices, transposed_weights)
 from normgrad.graphs.rewrites._graph import RewriteContext
 from normgrad.graphs.rewrites.bfloat16 import bfloat16_in_float32, bfloat16_values
 from normgrad.graphs.rewrites.dropout_seed import (DROPOUT_MICRO_BATCH_INPUT, DROPOUT_SEED_INPUT, METADATA_DROPOUT,
@@ -27,6 +27,7 @@ from normgrad.graphs.rewrites.expand import expand_operator
 from normgrad.graphs.rewrites.gelu_order import gelu_erf_fusable_order
 from normgrad.graphs.rewrites.gelu_slopes import gelu_erf_slopes
 from normgrad.graphs.rewrites.integer_constants import fold_integer_constants
+from normgrad.graphs.rewrites.kv_cache import drop_kv_cache
 from normgrad.graphs.rewrites.opset import GROUP_NORM_PER_CHANNEL_OPSET, MIN_OPSET, convert_opset
 from normgrad.graphs.rewrites.recurrent_layout import recurrent_layout_0
 from normgrad.graphs.rewrites.rotate_half import rotate_half_embeddings
@@ -42,11 +43,14 @@ __all__ = ["PASSES", "FUSIONS", "RewriteContext", "GROUP_NORM_PER_CHANNEL_OPSET"
            "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
            "rewrite_sequences", "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products",
            "cast_stored_weights_per_reader", "gelu_erf_fusable_order", "tiling_slices_as_split", "safe_softmaxes",
-           "silu_products", "gelu_erf_slopes", "rotate_half_embeddings"]
+           "silu_products", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache"]
 
-PASSES = (bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset)
-"""The passes on the forward model, in order (the opset pass last: the others write ops it
-may convert, and the rules' minimum opsets are read from the rewritten graph)."""
+PASSES = (kv_cache, bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset,
+          contrib_attention, contrib_rotary)
+"""The passes on the forward model, in order (kv_cache first: the data inputs the others see;
+the opset pass after those that write ops it may convert, and the rules' minimum opsets are
+read from the rewritten graph; the com.microsoft expansions after it, written for the opset it
+sets)."""
 
 FUSIONS = (transposed_weights, tiling_slices, safe_softmax, gated_silu, gelu_slopes, rotate_half)
 """The passes that need inferred types, in order (rotate_half after tiling_slices, which makes

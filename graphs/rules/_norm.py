@@ -14,7 +14,7 @@ import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext
 
-__all__ = ["as_float32", "float32_scalar", "statistics"]
+__all__ = ["as_float32", "float32_scalar", "statistics", "inv_rms"]
 
 
 def as_float32(ctx: GradientContext, name: str, like: str) -> str:
@@ -29,11 +29,20 @@ def float32_scalar(ctx: GradientContext, value: float) -> str:
     return ctx.op("Constant", value=onh.from_array(np.asarray(value, np.float32)))
 
 
-def statistics(ctx: GradientContext, view: str, axes: Sequence[int], epsilon: float) -> Tuple[str, str]:
-    """The biased mean and 1 / sqrt(var + epsilon) of float32 ``view`` over ``axes`` (dropped)."""
+def statistics(ctx: GradientContext, view: str, axes: Sequence[int], epsilon: float,
+               keepdims: bool = False) -> Tuple[str, str]:
+    """The biased mean and 1 / sqrt(var + epsilon) of float32 ``view`` over ``axes`` (dropped
+    unless ``keepdims``)."""
     mean_kept = ctx.reduce("ReduceMean", view, axes, keepdims=True)
     centred = ctx.op("Sub", view, mean_kept)
-    var = ctx.reduce("ReduceMean", ctx.op("Mul", centred, centred), axes, keepdims=False)
-    mean = ctx.op("Squeeze", mean_kept, ctx.ints(axes))
+    var = ctx.reduce("ReduceMean", ctx.op("Mul", centred, centred), axes, keepdims=keepdims)
+    mean = mean_kept if keepdims else ctx.op("Squeeze", mean_kept, ctx.ints(axes))
     rstd = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", var, float32_scalar(ctx, epsilon))))
     return mean, rstd
+
+
+def inv_rms(ctx: GradientContext, x: str, axes: Sequence[int], epsilon: float) -> str:
+    """1 / sqrt(mean(x²) + epsilon) over ``axes`` (kept) of forward value ``x``, in float32."""
+    x32 = as_float32(ctx, x, x)
+    mean_square = ctx.reduce("ReduceMean", ctx.op("Mul", x32, x32), axes, keepdims=True)
+    return ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", mean_square, float32_scalar(ctx, epsilon))))

@@ -50,12 +50,15 @@ def _one_minus(ctx: GradientContext, value: str, like: str) -> str:
     return ctx.op("Sub", ctx.scalar(1.0, like), value)
 
 
-def activation_gradient(ctx: GradientContext, activation: str, dy: str, x: str, known=None) -> str:
+def activation_gradient(ctx: GradientContext, activation: str, dy: str, x: str, known=None,
+                        like: Optional[str] = None) -> str:
     """dx of an activation of :mod:`normgrad.ops.activation_grad`: its operator (one pass) for
-    a float32 x, else the standard-op form (``known``: the forward values it reads)."""
-    if ctx.elem_type(x) == onnx.TensorProto.FLOAT:
+    a float32 x, else the standard-op form (``known``: the forward values it reads; ``like``:
+    a forward value of x's element type, when x is a backward value)."""
+    like = like or x
+    if ctx.elem_type(like) == onnx.TensorProto.FLOAT:
         return ctx.op(activation_grad.ACTIVATIONS[activation], dy, x, domain=DOMAIN)
-    return activation_grad.standard_form(activation, ctx.op, lambda value: ctx.scalar(value, x), dy, x, known)
+    return activation_grad.standard_form(activation, ctx.op, lambda value: ctx.scalar(value, like), dy, x, known)
 
 
 def _gelu(ctx: GradientContext, node: onnx.NodeProto, x: str, y: str, dy: str) -> str:

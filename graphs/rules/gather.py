@@ -26,7 +26,7 @@ from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.torch_exports import EmbeddingGradient
 from normgrad.ops import DOMAIN, embedding_grad
 
-__all__ = ["ONE_HOT_ROWS", "gather_gradient", "gather_nd_gradient", "gather_elements_gradient"]
+__all__ = ["ONE_HOT_ROWS", "gather_gradient", "table_gradient", "gather_nd_gradient", "gather_elements_gradient"]
 
 
 def _non_negative(ctx: GradientContext, indices: str, data: str, axis: int) -> str:
@@ -71,14 +71,22 @@ def gather_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Opti
     rank = ctx.rank(data, node)
     axis = attr(node, "axis", 0) % rank
     flat = ctx.op("Reshape", _non_negative(ctx, node.input[1], data, axis), ctx.ints([-1]))
-    embedding = _embedding_of(ctx, data) if rank == 2 and axis == 0 else None
+    if rank != 2 or axis != 0:
+        return [_scatter_add_rows(ctx, data, rank, axis, flat, dy, ctx.elem_type(data))]
+    embedding = _embedding_of(ctx, data)
     if embedding is not None:
         dy = _embedding_lookup_dy(ctx, embedding, data, flat, dy)
-    rows = (ctx.static_shape(data) or [None])[0]
-    if rank == 2 and axis == 0 and rows is not None and rows <= ONE_HOT_ROWS \
-            and ctx.elem_type(data) == onnx.TensorProto.FLOAT:
-        return [_one_hot_product(ctx, data, rows, flat, dy)]
-    return [_scatter_add_rows(ctx, data, rank, axis, flat, dy, ctx.elem_type(data))]
+    return [table_gradient(ctx, data, flat, dy)]
+
+
+def table_gradient(ctx: GradientContext, table: str, flat: str, dy: str) -> str:
+    """The gradient of 2-D ``table`` whose rows at the 1-D non-negative int64 indices ``flat``
+    were read, given those rows' gradients ``dy`` (any shape with the rows' dim last): one GEMM
+    of the indices' one-hot rows for a small float32 table, else a scatter-add."""
+    rows = (ctx.static_shape(table) or [None])[0]
+    if rows is not None and rows <= ONE_HOT_ROWS and ctx.elem_type(table) == onnx.TensorProto.FLOAT:
+        return _one_hot_product(ctx, table, rows, flat, dy)
+    return _scatter_add_rows(ctx, table, 2, 0, flat, dy, ctx.elem_type(table))
 
 
 def _embedding_of(ctx: GradientContext, data: str) -> Optional[EmbeddingGradient]:

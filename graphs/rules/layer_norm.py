@@ -24,7 +24,7 @@ import onnx
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
-from normgrad.graphs.rules._norm import float32_scalar
+from normgrad.graphs.rules._norm import float32_scalar, inv_rms
 from normgrad.ops import DOMAIN
 
 __all__ = ["NATIVE_TYPES", "row_norm_gradient", "layer_norm_gradient", "rms_norm_gradient"]
@@ -131,12 +131,13 @@ def layer_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[
 @register("RMSNormalization", inputs=(0, 1))
 def rms_norm_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
     """Gradients of X and scale; 1 / sqrt(mean(x²) + epsilon) recomputed in float32."""
+    if any(grads[1:]):
+        raise UnsupportedOperatorError(
+            f"{describe(node)}: a gradient flows into its InvStdDev output; only Y's gradient is supported"
+        )
     x, scale = node.input[:2]
     rank = ctx.rank(x, node)
     axis = attr(node, "axis", -1) % rank
-    x32 = _to_type(ctx, x, ctx.elem_type(x), onnx.TensorProto.FLOAT)
-    mean_square = ctx.reduce("ReduceMean", ctx.op("Mul", x32, x32), list(range(axis, rank)), keepdims=True)
-    shifted = ctx.op("Add", mean_square, float32_scalar(ctx, attr(node, "epsilon", 1e-5)))
-    inv_rms = ctx.op("Reciprocal", ctx.op("Sqrt", shifted))
-    dx, dscale, _ = row_norm_gradient(ctx, "RMSNormalizationGrad", grads[0], x, x, scale, [(inv_rms, None)], axis)
+    stats = [(inv_rms(ctx, x, list(range(axis, rank)), attr(node, "epsilon", 1e-5)), None)]
+    dx, dscale, _ = row_norm_gradient(ctx, "RMSNormalizationGrad", grads[0], x, x, scale, stats, axis)
     return [dx, dscale]

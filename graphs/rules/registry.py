@@ -14,6 +14,7 @@ from normgrad.ops import DOMAIN
 __all__ = ["Rule", "register", "lookup", "supported_op_types", "UnsupportedOperatorError"]
 
 GradientFn = Callable[..., Sequence[Optional[str]]]
+OutputTypesFn = Callable[[onnx.NodeProto, Callable[[str], Optional[onnx.TypeProto]]], Sequence[Optional[onnx.TypeProto]]]
 IndexSpec = Union[Tuple[int, ...], Callable[..., Tuple[int, ...]], None]
 
 
@@ -28,6 +29,10 @@ class Rule:
             ``(ctx, node) -> tuple`` when it depends on the node.
         outputs: indices of the outputs whose gradient the rule reads; None for all.
         min_opset: the lowest default-domain opset the emitted backward nodes need.
+        output_types: for an op onnx's shape inference does not know (onnxruntime's own),
+            ``output_types(node, type_of) -> [TypeProto or None per output]`` from its inputs'
+            types (``type_of(name)``: a TypeProto or None), which the builder writes so that the
+            rules after it see shapes.
     """
 
     op_type: str
@@ -35,6 +40,7 @@ class Rule:
     inputs: IndexSpec = (0,)
     outputs: Optional[Tuple[int, ...]] = None
     min_opset: int = 15
+    output_types: Optional[OutputTypesFn] = None
 
     def differentiable_inputs(self, ctx, node: onnx.NodeProto) -> Tuple[int, ...]:
         """The indices of ``node``'s inputs a gradient can flow to."""
@@ -64,7 +70,7 @@ _CONTRIB_RULES: Dict[str, Rule] = {}
 
 
 def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: int = 15, normgrad_domain: bool = False,
-             contrib: bool = False):
+             contrib: bool = False, output_types: Optional[OutputTypesFn] = None):
     """Decorator registering ``gradient`` as the rule of each of ``op_types``.
 
     Args:
@@ -73,6 +79,7 @@ def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: 
         inputs: differentiable inputs (see :class:`Rule`).
         outputs: outputs whose gradient the rule reads (see :class:`Rule`).
         min_opset: lowest opset the backward nodes need.
+        output_types: the op's output types from its inputs' (see :class:`Rule`).
     """
     rules = _NORMGRAD_RULES if normgrad_domain else _CONTRIB_RULES if contrib else _RULES
 
@@ -80,7 +87,7 @@ def register(*op_types: str, inputs: IndexSpec = (0,), outputs=None, min_opset: 
         for op_type in op_types:
             if op_type in rules:
                 raise ValueError(f"two gradient rules for {op_type}")
-            rules[op_type] = Rule(op_type, gradient, inputs, outputs, min_opset)
+            rules[op_type] = Rule(op_type, gradient, inputs, outputs, min_opset, output_types)
         return gradient
 
     return decorate

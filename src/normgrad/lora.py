@@ -12,6 +12,17 @@ training and step graphs: for each adapted layer the initializers of its ``lora_
 * :func:`merged_model` is the inference model with every adapter folded into its base
   weight (W + scaling * B @ A, transposed for ``fan_in_fan_out`` layers, as peft's
   ``merge_and_unload``) and no adapter nodes left.
+
+Adapters added to any ONNX model by :func:`add_adapters` (``normgrad export --lora-*``) are
+listed in the ``normgrad.lora`` metadata instead; from a step graph holding them and its
+trained state:
+
+* :func:`save_onnx_adapter` writes them in onnxruntime's adapter format
+  (``onnxruntime.AdapterFormat``);
+* :func:`adapter_model` is the original model with each adapter's A and B as graph inputs
+  (zeros by default), which onnxruntime runs with ``onnxruntime.LoraAdapter`` +
+  ``RunOptions.add_active_adapter``, and unchanged with no adapter active;
+* :func:`check_onnx_adapter` refuses an adapter file made for another model in one line.
 """
 
 from __future__ import annotations
@@ -27,10 +38,12 @@ from onnx import helper, numpy_helper
 from normgrad.util.files import PathLike, StagedFile, commit_files, replace_folder_files, staging
 from normgrad.util.external_data import check_model
 from normgrad.errors import LoraError
+from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, wire_adapter
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
-           "ADAPTER_WEIGHTS", "ADAPTER_CONFIG"]
+           "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "add_adapters", "save_onnx_adapter", "adapter_model",
+           "check_onnx_adapter"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -297,3 +310,124 @@ def _canonical_adapter_config(text: str) -> str:
         if isinstance(config.get(key), list) and all(isinstance(item, str) for item in config[key]):
             config[key] = sorted(config[key])
     return json.dumps(config, indent=2, sort_keys=True)
+
+
+def _onnx_adapters(step_model: onnx.ModelProto) -> Dict[str, object]:
+    info = lora_layers(step_model)
+    if info is None:
+        raise LoraError("the model has no LoRA adapters of normgrad.lora.add_adapters (no normgrad.lora metadata): "
+                        "export the base model with --lora-rank/--lora-alpha/--lora-targets")
+    return info
+
+
+def _adapter_format():
+    """``onnxruntime.AdapterFormat`` (onnxruntime 1.20 and newer)."""
+    import onnxruntime
+
+    if not hasattr(onnxruntime, "AdapterFormat"):
+        raise LoraError(f"onnxruntime {onnxruntime.__version__} has no adapter format (AdapterFormat, LoraAdapter): "
+                        "adapter files need onnxruntime 1.20 or newer")
+    return onnxruntime.AdapterFormat
+
+
+def _adapter_shapes(info: Mapping[str, object]) -> Dict[str, List[int]]:
+    """{adapter tensor: its shape} of ``normgrad.lora`` metadata."""
+    rank = info["rank"]
+    shapes = {}
+    for layer in info["layers"]:
+        shapes[layer.A], shapes[layer.B] = [rank, layer.in_features], [layer.out_features, rank]
+    return shapes
+
+
+def save_onnx_adapter(path: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> str:
+    """Writes the trained adapters in ``tensors`` (a trainer's :meth:`~normgrad.Trainer.state_dict`)
+    of a step graph built from :func:`add_adapters`'s model to ``path`` in onnxruntime's adapter
+    format (``onnxruntime.AdapterFormat``, adapter and model version 1), atomically (a
+    temporary file renamed); returns ``path``. The parameters are named as the inputs of
+    :func:`adapter_model`.
+
+    Raises:
+        LoraError: ``step_model`` has no such adapters, ``tensors`` lacks one or gives it in
+            another shape, or onnxruntime is older than 1.20 (no adapter format).
+        OSError: the file cannot be written.
+    """
+    import tempfile
+
+    import onnxruntime
+
+    from normgrad.util.files import write_bytes_atomic
+
+    adapter = _adapter_format()()
+    parameters = {}
+    for name, shape in _adapter_shapes(_onnx_adapters(step_model)).items():
+        if name not in tensors:
+            raise LoraError(f"no trained value for adapter {name!r}")
+        value = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        if list(value.shape) != shape:
+            raise LoraError(f"adapter {name!r} has shape {list(value.shape)}; the step graph's is {shape}")
+        parameters[name] = onnxruntime.OrtValue.ortvalue_from_numpy(value)
+    adapter.set_adapter_version(1)
+    adapter.set_model_version(1)
+    adapter.set_parameters(parameters)
+    with tempfile.TemporaryDirectory() as folder:  # onnxruntime writes to a path only
+        written = os.path.join(folder, "adapter.onnx_adapter")
+        adapter.export_adapter(written)
+        with open(written, "rb") as file:
+            data = file.read()
+    write_bytes_atomic(path, data)
+    return os.fspath(path)
+
+
+def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onnx.ModelProto:
+    """The model at ``base_model_path`` (the one :func:`add_adapters` adapted; every node,
+    initializer, input and output as it was, external data read) with each adapter of
+    ``step_model`` wired in as in training (no dropout), its A and B graph inputs named as
+    in :func:`save_onnx_adapter`'s file, each also an initializer of zeros: onnxruntime runs
+    it as the base model with no adapter active, and with the trained adapters through
+    ``onnxruntime.LoraAdapter`` + ``RunOptions.add_active_adapter``.
+
+    Raises:
+        LoraError: ``step_model`` has no such adapters, or ``base_model_path`` is another
+            model (a base layer or weight missing, or of another shape).
+    """
+    info = _onnx_adapters(step_model)
+    model = onnx.load(os.fspath(base_model_path))
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    for layer in info["layers"]:
+        weight = initializers.get(layer.weight)
+        if weight is None or (layer.op_type != "MatMulNBits" and
+                              sorted(weight.dims) != sorted([layer.in_features, layer.out_features])):
+            raise LoraError(f"{base_model_path}: no weight {layer.weight!r} of shape [{layer.in_features}, "
+                            f"{layer.out_features}] (either order), the base of LoRA adapter {layer.A!r}: the step "
+                            "graph was made from another model")
+        wire_adapter(graph, layer)
+    for name, shape in _adapter_shapes(info).items():
+        graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+        graph.initializer.append(numpy_helper.from_array(np.zeros(shape, np.float32), name))
+    helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                   METADATA_LORA: next(p.value for p in step_model.metadata_props
+                                                       if p.key == METADATA_LORA)})
+    check_model(model)
+    return model
+
+
+def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:
+    """Checks that the adapter file at ``path`` (:func:`save_onnx_adapter`) fits ``model``
+    (:func:`adapter_model`): each of its parameters an input of the model, of the same shape.
+
+    Raises:
+        LoraError: the file is not an adapter file, or it was made for another model.
+    """
+    adapter_format = _adapter_format()
+    try:
+        parameters = adapter_format.read_adapter(os.fspath(path)).get_parameters()
+    except Exception as error:  # onnxruntime raises its own error types for a file it cannot read
+        raise LoraError(f"{path} is not an onnxruntime adapter file ({str(error).splitlines()[0]})") from None
+    inputs = {i.name: [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
+              for i in model.graph.input}
+    for name, value in sorted(parameters.items()):
+        if inputs.get(name) != list(value.shape()):
+            has = f"its input {name!r} is {inputs[name]}" if name in inputs else f"it has no input {name!r}"
+            raise LoraError(f"{path} holds adapter {name!r} of shape {list(value.shape())}, but {has}: the adapter "
+                            "file was made for another model")

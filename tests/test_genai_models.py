@@ -1,0 +1,112 @@
+"""onnxruntime-genai's int4 Llama trains: its KV cache dropped (input_ids, attention_mask and
+labels are the data), MatMulNBits / GroupQueryAttention / SimplifiedLayerNormalization
+differentiated; the step-0 loss is onnxruntime's inference loss, the gradients a directional
+finite difference's, and ``normgrad export`` + ``normgrad train`` run it."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from normgrad.graphs import build_training_graph
+from normgrad.tools import cli
+
+from _genai_models import VOCABULARY, build_tiny_llama, causal_lm_loss
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("transformers")
+ort = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def genai_llama(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("genai_llama"))
+
+
+def _batch(seed=0, batch=2, length=12):
+    ids = np.random.default_rng(seed).integers(0, VOCABULARY, (batch, length)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, -3:] = 0  # right padding, as onnxruntime-genai pads a prompt batch
+    labels = np.where(mask == 1, ids, -100)
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def _inference_loss(model_path, model, data, labels):
+    """The loss of onnxruntime running the model as genai does: an empty past, the logits."""
+    session = ort.InferenceSession(model.SerializeToString() if model is not None else str(model_path),
+                                   providers=["CPUExecutionProvider"])
+    feeds = dict(data)
+    for info in session.get_inputs():
+        if info.name.startswith("past_key_values."):
+            feeds[info.name] = np.zeros((labels.shape[0], 2, 0, 16), np.float32)
+    return causal_lm_loss(session.run(["logits"], feeds)[0], labels)
+
+
+def test_step_zero_loss_is_onnxruntimes_and_the_cache_is_gone(genai_llama):
+    model = onnx.load(genai_llama)
+    training = build_training_graph(model, loss="causal_lm")
+    data_inputs = [i.name for i in training.model.graph.input if i.name not in training.weights]
+    assert data_inputs == ["input_ids", "attention_mask", "labels"]
+    assert not any(o.name.startswith("present.") for o in training.model.graph.output)
+    assert not any(name.startswith(("cos_cache", "sin_cache")) or "Q4" in name for name in training.weights)
+    data, labels = _batch()
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    loss = session.run(["loss"], {**data, "labels": labels, **training.weights})[0]
+    assert float(loss) == pytest.approx(_inference_loss(genai_llama, None, data, labels), rel=1e-5, abs=1e-5)
+
+
+def test_gradients_match_a_directional_finite_difference(genai_llama):
+    """With onnxruntime's float MatMulNBits (accuracy_level 0: the default level 4 rounds the
+    activations to int8, which a finite difference would see as steps)."""
+    model = onnx.load(genai_llama)
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
+                attribute.i = 0
+    training = build_training_graph(model, loss="causal_lm")
+    data, labels = _batch(1)
+    session = ort.InferenceSession(training.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    outputs = dict(zip(names, session.run(None, {**data, "labels": labels, **training.weights})))
+    rng = np.random.default_rng(2)
+    directions = {n: rng.standard_normal(w.shape) * np.sqrt(np.mean(w.astype(np.float64) ** 2))
+                  for n, w in training.weights.items()}
+    h = 1e-3
+
+    def loss(sign):
+        shifted = onnx.ModelProto.FromString(model.SerializeToString())
+        for tensor in shifted.graph.initializer:
+            if tensor.name in directions:
+                value = training.weights[tensor.name] + sign * h * directions[tensor.name]
+                tensor.CopyFrom(onnx.numpy_helper.from_array(value.astype(np.float32), tensor.name))
+        return _inference_loss(None, shifted, data, labels)
+
+    slope = (loss(1) - loss(-1)) / (2 * h)
+    predicted = sum(float((outputs[f"{n}_grad"].astype(np.float64) * d).sum()) for n, d in directions.items())
+    assert slope == pytest.approx(predicted, rel=2e-3)
+
+
+def test_export_and_train_from_the_command_line(genai_llama, tmp_path, capsys):
+    step = tmp_path / "step.onnx"
+    assert cli.main(["export", os.fspath(genai_llama), "-o", os.fspath(step), "--loss", "causal_lm",
+                     "--optimizer", "adamw"]) == 0
+    data, labels = _batch(3, batch=4)
+    np.savez(tmp_path / "tokens.npz", **data, labels=labels)
+    assert cli.main(["train", os.fspath(step), "--data", os.fspath(tmp_path / "tokens.npz"), "--epochs", "3",
+                     "--batch-size", "2", "--out", os.fspath(tmp_path / "run"), "--no-progress", "--lr", "0.01"]) == 0
+    with open(tmp_path / "run" / "metrics.csv") as metrics:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(metrics) if row["train_loss"]]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+
+
+def test_nothing_to_train_is_one_line(genai_llama, tmp_path, capsys):
+    assert cli.main(["export", os.fspath(genai_llama), "-o", os.fspath(tmp_path / "step.onnx"), "--loss", "causal_lm",
+                     "--optimizer", "adamw", "--freeze", "*"]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "no trainable tensor" in error and "MatMulNBits" in error, error
+    assert not os.listdir(tmp_path)

@@ -1,0 +1,105 @@
+"""com.microsoft MatMulNBits (onnxruntime's block-quantized MatMul): the packed weight is frozen,
+dA = dY @ dequant(B) and dbias against float64 NumPy on an independently dequantized weight,
+onnxruntime's forward against the same weight, and the unfused model (a MatMul on that weight)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+
+from normgrad.graphs import build_training_graph
+from normgrad.graphs.context import UnsupportedOperatorError
+
+from _quantized_models import matmul_nbits_model
+
+ort = pytest.importorskip("onnxruntime")
+
+CASES = [(bits, block_size, zero_points, k) for bits in (4, 8) for block_size in (16, 32, 64, 128, 256)
+         for zero_points in (None, "uint8", "float") for k in (48, 100) if not (bits == 8 and zero_points == "float")]
+"""(bits, block_size, zero points, K); onnxruntime's CPU kernel refuses 8 bits with float zero points."""
+
+
+def _run(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def _gradients(model, a, dy, weights=None):
+    training = build_training_graph(model)
+    return _run(training.model, {"a": a, "y_grad": dy, **training.weights, **(weights or {})}), training
+
+
+@pytest.mark.parametrize("bits,block_size,zero_points,k", CASES)
+def test_input_gradient_is_dy_times_the_dequantized_weight(bits, block_size, zero_points, k):
+    model, weight, _ = matmul_nbits_model((2, 3, k), 24, bits, block_size, zero_points)
+    rng = np.random.default_rng(1)
+    a, dy = rng.standard_normal((2, 3, k)).astype(np.float32), rng.standard_normal((2, 3, 24)).astype(np.float32)
+    forward = _run(model, {"a": a})["y"]
+    np.testing.assert_allclose(forward, a.astype(np.float64) @ weight.T, rtol=1e-5, atol=1e-5)
+    outputs, training = _gradients(model, a, dy)
+    assert set(training.weights) == set(), "the packed weight, scales and zero points are frozen"
+    np.testing.assert_allclose(outputs["a_grad"], dy.astype(np.float64) @ weight, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_the_unfused_matmul_and_a_finite_difference():
+    model, weight, extra = matmul_nbits_model((4, 64), 40, 4, 32, "uint8", bias=True)
+    rng = np.random.default_rng(2)
+    a, dy = rng.standard_normal((4, 64)).astype(np.float32), rng.standard_normal((4, 40)).astype(np.float32)
+    outputs, training = _gradients(model, a, dy)
+    assert set(training.weights) == {"bias"}
+    unfused = oh.make_graph(
+        [oh.make_node("MatMul", ["a", "w"], ["p"]), oh.make_node("Add", ["p", "bias"], ["y"])], "unfused",
+        [oh.make_tensor_value_info("a", onnx.TensorProto.FLOAT, (4, 64))],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, (4, 40))],
+        [onh.from_array(weight.T.astype(np.float32), "w"), onh.from_array(extra["bias"], "bias")])
+    expected, _ = _gradients(oh.make_model(unfused, opset_imports=[oh.make_opsetid("", 17)], ir_version=model.ir_version),
+                             a, dy, {"w": weight.T.astype(np.float32)})
+    np.testing.assert_allclose(outputs["a_grad"], expected["a_grad"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outputs["bias_grad"], dy.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+    direction, h = rng.standard_normal(a.shape), 1e-2  # float64 central difference of <dy, y(a)>
+    loss = lambda x: float((dy.astype(np.float64) * _run(model, {"a": x.astype(np.float32)})["y"]).sum())
+    slope = (loss(a + h * direction) - loss(a - h * direction)) / (2 * h)
+    assert slope == pytest.approx(float((outputs["a_grad"] * direction).sum()), rel=1e-3)
+
+
+def test_g_idx_groups():
+    model, weight, _ = matmul_nbits_model((3, 64), 8, 4, 16, "float")
+    g_idx = np.random.default_rng(3).permutation(np.repeat(np.arange(4), 16)).astype(np.int32)
+    # the same weight, with column k read through group g_idx[k]: scales/zp per (n, g_idx[k])
+    scales = onh.to_array(next(t for t in model.graph.initializer if t.name == "w_scales")).reshape(8, 4)
+    zp = onh.to_array(next(t for t in model.graph.initializer if t.name == "w_zp")).reshape(8, 4)
+    q = weight / np.repeat(scales, 16, axis=1) + np.repeat(zp, 16, axis=1)
+    regrouped = (q - zp[:, g_idx]) * scales[:, g_idx].astype(np.float64)
+    model.graph.initializer.append(onh.from_array(g_idx, "g_idx"))
+    node = model.graph.node[0]
+    node.input.append("g_idx")
+    rng = np.random.default_rng(4)
+    a, dy = rng.standard_normal((3, 64)).astype(np.float32), rng.standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(model, {"a": a})["y"], a @ regrouped.T, rtol=1e-4, atol=1e-4)
+    outputs, _ = _gradients(model, a, dy)
+    np.testing.assert_allclose(outputs["a_grad"], dy.astype(np.float64) @ regrouped, rtol=1e-4, atol=1e-4)
+
+
+def test_other_bit_widths_are_refused_by_name():
+    model, _, _ = matmul_nbits_model((3, 64), 8, 4, 16)
+    for attribute in model.graph.node[0].attribute:
+        if attribute.name == "bits":
+            attribute.i = 2
+    with pytest.raises(UnsupportedOperatorError, match="bits=2"):
+        build_training_graph(model)
+
+
+def test_onnxruntime_keeps_no_float_copy_of_the_weight(tmp_path):
+    """The dequantization reads a run-time value: onnxruntime's constant folding cannot turn
+    it into a float32 initializer of the whole weight (kept for the session's lifetime)."""
+    model, _, _ = matmul_nbits_model((4, 64), 40, 4, 16)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(build_training_graph(model).model.SerializeToString(), options,
+                         providers=["CPUExecutionProvider"])
+    optimized = onnx.load(options.optimized_model_filepath)
+    sizes = [int(np.prod(t.dims)) for t in optimized.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    assert max(sizes) < 40 * 64 // 2, sizes
