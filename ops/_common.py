@@ -72,6 +72,35 @@ def as_float_array(op: str, name: str, value) -> np.ndarray:
     return array
 
 
+def float32_or_float64_arrays(op: str, dims: dict, values) -> dict:
+    """``values`` as {input name: array}: each float32 or float64, of the rank of its entry in
+    ``dims`` ({name: "[T, M]"}, in input order) and of the first input's type.
+
+    Raises:
+        NormgradInputError: naming the first input that breaks a rule and the rule.
+    """
+    arrays = {name: np.asarray(value) for name, value in zip(dims, values)}
+    first = next(iter(arrays))
+    for name, array in arrays.items():
+        if array.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise NormgradInputError(f"{op}: input '{name}' must be float32 or float64; got {array.dtype}")
+        if array.ndim != dims[name].count(",") + 1:
+            raise NormgradInputError(f"{op}: input '{name}' must have rank {dims[name].count(',') + 1} ({dims[name]}); "
+                                     f"got shape {list(array.shape)}")
+    for name, array in arrays.items():
+        if array.dtype != arrays[first].dtype:
+            raise NormgradInputError(f"{op}: input '{name}' must have {first}'s type {arrays[first].dtype}; "
+                                     f"got {array.dtype}")
+    return arrays
+
+
+def has_python_kernel(module) -> bool:
+    """Whether the onnxruntime-extensions bridge serves operator ``module``: it reads INT,
+    FLOAT and STRING attributes only, so an operator with INTS attributes (DepthwiseConvGrad's
+    geometry) runs as its function body beside the Python kernels."""
+    return all(isinstance(default, (int, float)) for default in module.ATTRIBUTES.values())
+
+
 def check_rank(op: str, name: str, array: np.ndarray, low: int, high: int) -> None:
     """Raises unless ``low <= array.ndim <= high``."""
     if not low <= array.ndim <= high:

@@ -222,7 +222,8 @@ def add_functions_in_place(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-_ATTRIBUTE_TYPES = {int: onnx.AttributeProto.INT, float: onnx.AttributeProto.FLOAT, str: onnx.AttributeProto.STRING}
+_ATTRIBUTE_TYPES = {int: onnx.AttributeProto.INT, float: onnx.AttributeProto.FLOAT, str: onnx.AttributeProto.STRING,
+                    list: onnx.AttributeProto.INTS}
 
 
 def _subgraph_node_lists(nodes):
@@ -298,7 +299,8 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
       reads; a flag attribute (``OUTPUT_FLAGS``) that is 0 while every output it enables is
       omitted is set to 1, so the placeholders get values. The outputs the node names keep
       their values;
-    * a scalar output, which the bridge hands over with shape [1], is reshaped back to [].
+    * a scalar output, which the bridge hands over with shape [1], is reshaped back to [];
+    * an operator the bridge cannot serve (:func:`_common.has_python_kernel`) gets its function body.
 
     ``normgrad.inference_session(..., backend="python")`` applies it; call it yourself when
     you register ``session_options("python")`` on a session of your own.
@@ -330,6 +332,10 @@ def prepare_for_python_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
 
     for nodes in [model.graph.node] + [function.node for function in model.functions]:
         rewrite(nodes)
+    present = {(f.domain, f.name) for f in model.functions}
+    for op_type in sorted({n.op_type for nodes in _node_lists(model) for n in _normgrad_nodes(nodes)}):
+        if not _common.has_python_kernel(OPERATORS[op_type]) and (DOMAIN, op_type) not in present:
+            model.functions.append(OPERATORS[op_type].function_body(_default_opset(model)))
     return model
 
 

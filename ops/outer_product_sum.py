@@ -41,7 +41,6 @@ ATTRIBUTES: dict = {}
 OUTPUT_SHAPE_FROM = {"y": ("a", None)}
 """(The Python kernel's output when it rejects its input: NaN shaped like a.)"""
 _OPERAND_DIMS = {"a": "[T, M]", "b": "[T, N]"}
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Result(NamedTuple):
@@ -56,16 +55,7 @@ def validate(a, b) -> dict:
     Raises:
         NormgradInputError: naming the offending input and the rule it broke.
     """
-    arrays = {"a": np.asarray(a), "b": np.asarray(b)}
-    for name, array in arrays.items():
-        if array.dtype not in _DTYPES:
-            raise NormgradInputError(f"{OP_TYPE}: input '{name}' must be float32 or float64; got {array.dtype}")
-        if array.ndim != 2:
-            raise NormgradInputError(f"{OP_TYPE}: input '{name}' must have rank 2 ({_OPERAND_DIMS[name]}); "
-                                     f"got shape {list(array.shape)}")
-    if arrays["b"].dtype != arrays["a"].dtype:
-        raise NormgradInputError(f"{OP_TYPE}: input 'b' must have a's type {arrays['a'].dtype}; "
-                                 f"got {arrays['b'].dtype}")
+    arrays = _common.float32_or_float64_arrays(OP_TYPE, _OPERAND_DIMS, (a, b))
     if arrays["a"].shape[0] != arrays["b"].shape[0]:
         raise NormgradInputError(f"{OP_TYPE}: inputs 'a' [T, M] and 'b' [T, N] must have the same number of rows T; "
                                  f"got shapes {list(arrays['a'].shape)} and {list(arrays['b'].shape)}")

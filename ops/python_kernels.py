@@ -21,8 +21,11 @@ What still cannot work through this bridge: float16/bfloat16 (the kernels declar
 for every float input, so onnxruntime rejects such a model when the session is created) and omitted
 optional inputs or outputs (the bridge declares every input and output required, so
 onnxruntime rejects such a node when the session is created). Both fail at session
-creation with onnxruntime's own error, never mid-run. A scalar output (SoftmaxCrossEntropy's
-loss) comes out of the bridge with shape [1]; ``normgrad.prepare_for_python_kernels`` reshapes it.
+creation with onnxruntime's own error, never mid-run. Nor can it hand a kernel an INTS
+attribute: an operator with one (DepthwiseConvGrad's geometry) has no Python kernel, and
+``normgrad.prepare_for_python_kernels`` gives the model its function body instead. A scalar
+output (SoftmaxCrossEntropy's loss) comes out of the bridge with shape [1];
+``normgrad.prepare_for_python_kernels`` reshapes it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 from onnxruntime_extensions import _ocos
 
 from normgrad.ops import DOMAIN, OPERATORS, NormgradInputError
+from normgrad.ops._common import has_python_kernel
 
 __all__ = ["library_path", "errors", "last_kernel_seconds"]
 
@@ -138,6 +142,7 @@ _KERNEL_IDS = {
                for name, default in module.ATTRIBUTES.items()},
     )(_make_kernel(module))._id: _output_dtypes(module)
     for module in OPERATORS.values()
+    if has_python_kernel(module)
 }
 """{kernel id: its outputs' dtypes}."""
 PyCustomOpDef.install_hooker(_invoke)

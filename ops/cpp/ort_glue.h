@@ -105,6 +105,9 @@ inline int64_t attribute_int(const OrtKernelInfo* info, const char* name, int64_
 }
 // Reads a FLOAT attribute the same way: `fallback` when unset, an error for another type.
 float attribute_float(const OrtKernelInfo* info, const char* op, const char* name, float fallback);
+// Reads an INTS attribute the same way.
+std::vector<int64_t> attribute_ints(const OrtKernelInfo* info, const char* op, const char* name,
+                                    std::vector<int64_t> fallback);
 
 // Runs fn(i) for i in [0, total) on the session's intra-op thread pool, or inline when
 // the whole job (`elements` elements) is too small to pay for waking threads. The caller's

@@ -180,6 +180,19 @@ float attribute_float(const OrtKernelInfo* info, const char* op, const char* nam
   return read_attribute(info, op, name, fallback, g_api->KernelInfoGetAttribute_float, "FLOAT");
 }
 
+std::vector<int64_t> attribute_ints(const OrtKernelInfo* info, const char* op, const char* name,
+                                    std::vector<int64_t> fallback) {
+  size_t size = 0;
+  if (succeeded(g_api->KernelInfoGetAttributeArray_int64(info, name, nullptr, &size))) {
+    std::vector<int64_t> values(size);
+    if (size > 0) check(g_api->KernelInfoGetAttributeArray_int64(info, name, values.data(), &size));
+    return values;
+  }
+  const std::string type = attribute_type(info, name);
+  if (type.empty()) return fallback;
+  fail_attribute_type(info, op, name, "INTS", type);
+}
+
 NodeArgs::NodeArgs(const OrtKernelInfo* info, int num_inputs, int num_outputs) {
   size_t count = 0;
   check(g_api->KernelInfo_GetInputCount(info, &count));
@@ -308,7 +321,7 @@ std::vector<OpVariant*>* build_ops() {
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
                                 &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kEmbeddingGrad,
-                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kSiLUGrad, &kGeluGrad,
+                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kDepthwiseConvGrad, &kSiLUGrad, &kGeluGrad,
                                 &kGeluTanhGrad, &kSwiGLUGrad, &kSoftmaxGrad, &kSafeSoftmax, &kBiasSafeSoftmax,
                                 &kBiasSoftmaxCrossEntropy, &kSiLUMul, &kGeluWithSlope, &kRotateHalfEmbedding,
                                 &kLSTMBackwardFactors}) {

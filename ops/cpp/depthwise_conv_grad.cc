@@ -1,0 +1,134 @@
+// DepthwiseConvGrad (ops/depthwise_conv_grad.py): dx and dw of a 2-D depthwise Conv. The
+// channels go to the intra-op threads, each whole (all samples: its dw sums over them in
+// order), so the bits do not depend on the thread count (depthwise_conv_grad.h).
+#include <string>
+#include <vector>
+
+#include "depthwise_conv_grad.h"
+#include "ops.h"
+#include "update_math.h"
+
+namespace normgrad {
+namespace {
+
+constexpr const char* kOp = "DepthwiseConvGrad";
+
+std::vector<int64_t> geometry_attribute(const OrtKernelInfo* info, const char* name, size_t length, int64_t low) {
+  const std::vector<int64_t> values = attribute_ints(info, kOp, name, std::vector<int64_t>(length, low));
+  bool valid = values.size() == length;
+  for (int64_t v : values) valid = valid && v >= low;
+  if (!valid) {
+    fail(std::string(kOp) + ": attribute '" + name + "' must be " + std::to_string(length) + " integers >= " +
+         std::to_string(low) + "; got " + shape_str(values));
+  }
+  return values;
+}
+
+// Conv's output size along one axis; < 1 where the padded input does not hold the dilated kernel.
+int64_t output_size(int64_t size, int64_t kernel, int64_t stride, int64_t head, int64_t tail, int64_t dilation) {
+  const int64_t room = size + head + tail - (kernel - 1) * dilation - 1;
+  return room < 0 ? 0 : room / stride + 1;
+}
+
+struct DepthwiseConvGrad final : KernelBase {
+  int64_t group;
+  std::vector<int64_t> strides, pads, dilations;
+
+  explicit DepthwiseConvGrad(const OrtKernelInfo* info)
+      : group(attribute_int(info, kOp, "group", 1)),
+        strides(geometry_attribute(info, "strides", 2, 1)),
+        pads(geometry_attribute(info, "pads", 4, 0)),
+        dilations(geometry_attribute(info, "dilations", 2, 1)) {}
+  const char* name() const override { return kOp; }
+
+  DepthwiseGeometry check(const Input& x, const Input& w, const Input& dy) const {
+    const Input* inputs[] = {&x, &w, &dy};
+    const char* names[] = {"x", "w", "dy"};
+    const char* dims[] = {"[N, C, H, W]", "[C, 1, kh, kw]", "[N, C, Ho, Wo]"};
+    for (size_t i = 0; i < 3; ++i) {
+      const Input& in = *inputs[i];
+      if (in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE) {
+        fail(std::string(kOp) + ": input '" + names[i] + "' must be float32 or float64; got " + dtype_name(in.onnx_type));
+      }
+      if (in.shape.size() != 4) {
+        fail(std::string(kOp) + ": input '" + names[i] + "' must have rank 4 (" + dims[i] + "); got shape " +
+             shape_str(in.shape));
+      }
+      if (in.onnx_type != x.onnx_type) {
+        fail(std::string(kOp) + ": input '" + names[i] + "' must have x's type " + dtype_name(x.onnx_type) + "; got " +
+             dtype_name(in.onnx_type));
+      }
+    }
+    const int64_t c = x.shape[1];
+    if (w.shape[0] != c || w.shape[1] != 1) {
+      fail(std::string(kOp) + ": input 'w' must be [C, 1, kh, kw] with x's C = " + std::to_string(c) + "; got shape " +
+           shape_str(w.shape));
+    }
+    if (group != c) {
+      fail(std::string(kOp) + ": attribute 'group' must equal x's channels " + std::to_string(c) + "; got " +
+           std::to_string(group));
+    }
+    const int64_t ho = output_size(x.shape[2], w.shape[2], strides[0], pads[0], pads[2], dilations[0]);
+    const int64_t wo = output_size(x.shape[3], w.shape[3], strides[1], pads[1], pads[3], dilations[1]);
+    if (ho < 1 || wo < 1 || w.shape[2] < 1 || w.shape[3] < 1) {
+      fail(std::string(kOp) + ": the padded input " +
+           shape_str({x.shape[2] + pads[0] + pads[2], x.shape[3] + pads[1] + pads[3]}) +
+           " must hold the dilated kernel of 'w' " + shape_str(w.shape));
+    }
+    const std::vector<int64_t> expected = {x.shape[0], c, ho, wo};
+    if (dy.shape != expected) {
+      fail(std::string(kOp) + ": input 'dy' must have the Conv's output shape " + shape_str(expected) + "; got " +
+           shape_str(dy.shape));
+    }
+    auto u = [](int64_t v) { return static_cast<size_t>(v); };
+    return {u(x.shape[0]), u(c), u(x.shape[2]), u(x.shape[3]), u(w.shape[2]), u(w.shape[3]), u(ho), u(wo),
+            u(strides[0]), u(strides[1]), u(pads[0]), u(pads[1]), u(dilations[0]), u(dilations[1])};
+  }
+
+  void compute(OrtKernelContext* ctx) override {
+    const Input x = get_input_any_type(ctx, 0, kOp, "x");
+    const Input w = get_input_any_type(ctx, 1, kOp, "w");
+    const Input dy = get_input_any_type(ctx, 2, kOp, "dy");
+    const DepthwiseGeometry g = check(x, w, dy);
+    void* dx = get_output(ctx, 0, x.shape);
+    void* dw = get_output(ctx, 1, w.shape);
+    if (x.size == 0) {  // no samples (or no channels): dw sums nothing
+      if (w.onnx_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        std::fill(static_cast<float*>(dw), static_cast<float*>(dw) + w.size, 0.0f);
+      } else {
+        std::fill(static_cast<double*>(dw), static_cast<double*>(dw) + w.size, 0.0);
+      }
+      return;
+    }
+    const size_t work = x.size * g.kh * g.kw;
+    if (x.onnx_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE) {
+      auto run = [&](size_t c) {
+        depthwise_channel<double, ScalarRows<double>>(g, static_cast<const double*>(x.data),
+                                                      static_cast<const double*>(w.data),
+                                                      static_cast<const double*>(dy.data), static_cast<double*>(dx),
+                                                      static_cast<double*>(dw), c);
+      };
+      parallel_for(ctx, g.c, run, work);
+      return;
+    }
+    const bool avx2 = update_avx2();
+    auto run = [&](size_t c) {
+      const float *xf = static_cast<const float*>(x.data), *wf = static_cast<const float*>(w.data),
+                  *dyf = static_cast<const float*>(dy.data);
+      if (avx2) {
+        depthwise_channel_avx2(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
+      } else {
+        depthwise_channel<float, ScalarRows<float>>(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
+      }
+    };
+    parallel_for(ctx, g.c, run, work);
+  }
+};
+
+}  // namespace
+
+extern const OpDescriptor kDepthwiseConvGrad = {
+    kOp, 3, 2, "TTT", "000", "TT", "00", 'd', 0, &create_kernel<DepthwiseConvGrad>,
+};
+
+}  // namespace normgrad

@@ -1,0 +1,281 @@
+"""DepthwiseConvGrad: every backend (the C++ kernel, the function body on onnxruntime beside
+the Python kernels and alone, onnx's ReferenceEvaluator) against the float64 reference, which
+float64 finite differences of a direct convolution check; the C++ kernel's bits on every path
+and thread count; bad inputs named; the Conv rule writes it for depthwise convs only, and a
+MobileNet-style block's gradients match torch autograd with and without the kernels."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+
+from _helpers import bad_input_tests, cpp_available, cpp_results_by_loop_and_threads
+from normgrad.graphs import build_training_graph
+from normgrad.graphs.examples import model
+from normgrad.ops import DOMAIN, depthwise_conv_grad, harness
+
+OP = depthwise_conv_grad.OP_TYPE
+needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
+
+CASES = {  # name: (x shape [N, C, H, W], kernel, strides, pads [t, l, b, r], dilations)
+    "3x3 same": ((2, 5, 7, 9), 3, [1, 1], [1, 1, 1, 1], [1, 1]),
+    "3x3 rows past the lanes": ((2, 13, 6, 37), 3, [1, 1], [1, 1, 1, 1], [1, 1]),
+    "1x1 maps": ((2, 17, 1, 1), 3, [1, 1], [1, 1, 1, 1], [1, 1]),
+    "batch 1, stride 2, odd sizes": ((1, 9, 11, 21), 3, [2, 2], [1, 1, 1, 1], [1, 1]),
+    "stride 2, no end pad": ((3, 6, 12, 19), 3, [2, 2], [0, 1, 0, 0], [1, 1]),
+    "dilation 2, uneven pads": ((2, 3, 10, 23), 3, [1, 1], [2, 0, 1, 3], [2, 2]),
+    "dilation 2, stride 2": ((1, 4, 13, 17), 3, [2, 1], [2, 2, 2, 2], [2, 2]),
+    "5x5 stride 2": ((2, 11, 15, 14), 5, [2, 2], [2, 2, 2, 2], [1, 1]),
+    "7x7 (ConvNeXt)": ((2, 7, 9, 26), 7, [1, 1], [3, 3, 3, 3], [1, 1]),
+    "kernel wider than the map": ((1, 3, 2, 3), 5, [1, 1], [2, 2, 2, 2], [1, 1]),
+}
+
+
+def _inputs(case, dtype=np.float32, seed=0):
+    shape, k, strides, pads, dilations = CASES[case]
+    rng = np.random.default_rng(seed)
+    ho = depthwise_conv_grad.output_size(shape[2], k, strides[0], pads[0], pads[2], dilations[0])
+    wo = depthwise_conv_grad.output_size(shape[3], k, strides[1], pads[1], pads[3], dilations[1])
+    feeds = {"x": rng.standard_normal(shape), "w": rng.standard_normal((shape[1], 1, k, k)),
+             "dy": rng.standard_normal((shape[0], shape[1], ho, wo))}
+    attributes = {"group": shape[1], "strides": strides, "pads": pads, "dilations": dilations}
+    return {name: value.astype(dtype) for name, value in feeds.items()}, attributes
+
+
+def _direct_conv(x, w, strides, pads, dilations):
+    """The depthwise Conv's output in float64, output pixel by output pixel."""
+    n, c, h, width = x.shape
+    k_h, k_w = w.shape[2:]
+    padded = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    ho = depthwise_conv_grad.output_size(h, k_h, strides[0], pads[0], pads[2], dilations[0])
+    wo = depthwise_conv_grad.output_size(width, k_w, strides[1], pads[1], pads[3], dilations[1])
+    y = np.zeros((n, c, ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            rows = i * strides[0] + dilations[0] * np.arange(k_h)
+            columns = j * strides[1] + dilations[1] * np.arange(k_w)
+            y[:, :, i, j] = (padded[:, :, rows][:, :, :, columns] * w[None, :, 0]).sum((2, 3))
+    return y
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_is_the_finite_difference_gradient(case):
+    """dx and dw are the float64 central differences of sum(conv(x, w) * dy) (exact up to
+    rounding: the sum is linear in each)."""
+    feeds, attributes = _inputs(case, np.float64)
+    geometry = [attributes[name] for name in ("strides", "pads", "dilations")]
+    dx, dw = depthwise_conv_grad.reference(**feeds, **attributes)
+    rng = np.random.default_rng(1)
+    for name, gradient in (("x", dx), ("w", dw)):
+        for flat in rng.choice(gradient.size, size=min(gradient.size, 25), replace=False):
+            index = np.unravel_index(flat, gradient.shape)
+            values = {}
+            for sign in (1, -1):
+                moved = dict(feeds)
+                moved[name] = feeds[name].copy()
+                moved[name][index] += sign * 1e-3
+                values[sign] = (_direct_conv(moved["x"], moved["w"], *geometry) * feeds["dy"]).sum()
+            assert abs((values[1] - values[-1]) / 2e-3 - gradient[index]) < 1e-8, (name, index)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_backend_is_the_float64_gradient(backend, case):
+    """float32 on every backend within the float32 rounding of sums of that many products
+    (the bound from the reference of the absolute values)."""
+    feeds, attributes = _inputs(case)
+    outputs = harness.run(backend, OP, feeds, attributes=attributes)
+    truth = depthwise_conv_grad.reference(**{k: v.astype(np.float64) for k, v in feeds.items()}, **attributes)
+    scale = depthwise_conv_grad.reference(**{k: np.abs(v).astype(np.float64) for k, v in feeds.items()}, **attributes)
+    terms = feeds["dy"].shape[0] * feeds["dy"].shape[2] * feeds["dy"].shape[3] + feeds["w"].size
+    for name, exact, bound in zip(("dx", "dw"), truth, scale):
+        result = np.asarray(outputs[name])
+        assert result.dtype == np.float32 and result.shape == exact.shape, name
+        assert (np.abs(result - exact) <= 2 ** -22 * terms * bound + 1e-30).all(), name
+
+
+@pytest.mark.parametrize("backend", ["evaluator"] + (["cpp"] if cpp_available() else []))
+@pytest.mark.parametrize("case", ["batch 1, stride 2, odd sizes", "dilation 2, uneven pads", "7x7 (ConvNeXt)"])
+def test_float64(backend, case):
+    """Float64 graphs (the gradient checks) get the float64 gradient (onnxruntime's CPU
+    ConvTranspose, in the function body, is float32 only)."""
+    feeds, attributes = _inputs(case, np.float64)
+    outputs = harness.run(backend, OP, feeds, attributes=attributes)
+    for name, exact in zip(("dx", "dw"), depthwise_conv_grad.reference(**feeds, **attributes)):
+        assert outputs[name].dtype == np.float64
+        np.testing.assert_allclose(outputs[name], exact, rtol=1e-12, atol=1e-12)
+
+
+_PATH_SCRIPT = """
+import sys, numpy as np
+from normgrad.ops import harness
+rng = np.random.default_rng(2)
+results = []
+for shape, k, stride, dilation in [((3, 40, 19, 45), 3, 1, 1), ((2, 24, 21, 33), 5, 2, 1), ((2, 16, 9, 30), 3, 1, 2)]:
+    pad = (k - 1) * dilation // 2
+    size = [(s + 2 * pad - (k - 1) * dilation - 1) // stride + 1 for s in shape[2:]]
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "w": rng.standard_normal((shape[1], 1, k, k)).astype(np.float32),
+             "dy": rng.standard_normal((shape[0], shape[1], *size)).astype(np.float32)}
+    out = harness.run("cpp", "DepthwiseConvGrad", feeds, threads=int(sys.argv[2]),
+                      attributes={"group": shape[1], "strides": [stride] * 2, "pads": [pad] * 4, "dilations": [dilation] * 2})
+    results += [out["dx"].ravel(), out["dw"].ravel()]
+np.save(sys.argv[1], np.concatenate(results))
+"""
+
+
+@needs_cpp
+def test_cpp_kernel_gives_the_same_bits_on_every_path_and_thread_count(tmp_path):
+    """dx one fused multiply-add chain per element, dw eight lanes per tap added in a fixed
+    tree: the AVX2 rows and the portable ones (NORMGRAD_KERNELS=generic) agree bit for bit at
+    1, 2 and 4 threads (each channel whole on one thread)."""
+    results = cpp_results_by_loop_and_threads(tmp_path, _PATH_SCRIPT)
+    first = results["generic", 1]
+    for key, result in results.items():
+        np.testing.assert_array_equal(result, first, err_msg=str(key))
+
+
+def _zeros(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+BAD = {
+    "x rank 3": ({"x": _zeros(1, 1, 4), "w": _zeros(1, 1, 3, 3), "dy": _zeros(1, 1, 2, 2)},
+                 "input 'x' must have rank 4 ([N, C, H, W]); got shape [1, 1, 4]"),
+    "int32": ({"x": _zeros(1, 1, 4, 4, dtype=np.int32), "w": _zeros(1, 1, 3, 3), "dy": _zeros(1, 1, 2, 2)},
+              "input 'x' must be float32 or float64; got int32"),
+    "types differ": ({"x": _zeros(1, 1, 4, 4), "w": _zeros(1, 1, 3, 3, dtype=np.float64), "dy": _zeros(1, 1, 2, 2)},
+                     "input 'w' must have x's type float32; got float64"),
+    "channel multiplier 2": ({"x": _zeros(1, 1, 4, 4), "w": _zeros(2, 1, 3, 3), "dy": _zeros(1, 2, 2, 2)},
+                             "input 'w' must be [C, 1, kh, kw] with x's C = 1; got shape [2, 1, 3, 3]"),
+    "group is not C": ({"x": _zeros(1, 2, 4, 4), "w": _zeros(2, 1, 3, 3), "dy": _zeros(1, 2, 2, 2)},
+                       "attribute 'group' must equal x's channels 2; got 1"),
+    "kernel past the input": ({"x": _zeros(1, 1, 2, 4), "w": _zeros(1, 1, 3, 3), "dy": _zeros(1, 1, 1, 2)},
+                              "the padded input [2, 4] must hold the dilated kernel of 'w' [1, 1, 3, 3]"),
+    "dy not the output size": ({"x": _zeros(2, 1, 4, 4), "w": _zeros(1, 1, 3, 3), "dy": _zeros(2, 1, 2, 3)},
+                               "input 'dy' must have the Conv's output shape [2, 1, 2, 2]; got [2, 1, 2, 3]"),
+}
+
+test_cpp_bad_input_names_the_input, test_validate_names_the_input = bad_input_tests(depthwise_conv_grad, BAD)
+
+
+@needs_cpp
+def test_cpp_bad_attribute_names_it():
+    feeds, attributes = _inputs("3x3 same")
+    with pytest.raises(Exception, match=r"DepthwiseConvGrad: attribute 'strides' must be 2 integers >= 1; got \[1, 0\]"):
+        harness.run("cpp", OP, feeds, attributes={**attributes, "strides": [1, 0]})
+    with pytest.raises(Exception, match="attribute 'pads' must be 4 integers >= 0"):
+        depthwise_conv_grad.reference(**feeds, **{**attributes, "pads": [1, 1]})
+
+
+# -- the Conv rule ------------------------------------------------------------------------------
+
+
+def _conv_forward(channels, out_channels, group, elem_type=onnx.TensorProto.FLOAT):
+    rng = np.random.default_rng(3)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+    weights = {"W": rng.standard_normal((out_channels, channels // group, 3, 3)).astype(dtype)}
+    node = oh.make_node("Conv", ["x", "W"], ["y"], group=group, strides=[2, 2], pads=[1, 1, 1, 1])
+    return model([node], {"x": [2, channels, 9, 9]}, ["y"], weights, elem_type=elem_type)
+
+
+def _conv_model(channels, out_channels, group, frozen_weight=False, elem_type=onnx.TensorProto.FLOAT):
+    forward = _conv_forward(channels, out_channels, group, elem_type)
+    return build_training_graph(forward, frozen=["W"] if frozen_weight else ())
+
+
+def _ops(graph):
+    return collections.Counter(n.op_type for n in graph.node)
+
+
+@pytest.mark.parametrize("elem_type", [onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE])
+def test_depthwise_conv_gradient_is_one_operator(elem_type):
+    graph = _conv_model(6, 6, 6, elem_type=elem_type).model.graph
+    nodes = [n for n in graph.node if n.op_type == OP]
+    assert len(nodes) == 1 and nodes[0].domain == DOMAIN
+    assert {a.name: oh.get_attribute_value(a) for a in nodes[0].attribute} == \
+        {"group": 6, "strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1]}
+    assert "ConvTranspose" not in _ops(graph)
+
+
+@pytest.mark.parametrize("case", ["frozen weight", "channel multiplier 2", "grouped"])
+def test_other_grouped_convs_keep_the_graph_form(case):
+    training = {"frozen weight": lambda: _conv_model(6, 6, 6, frozen_weight=True),
+                "channel multiplier 2": lambda: _conv_model(4, 8, 4), "grouped": lambda: _conv_model(6, 6, 3)}[case]()
+    ops = _ops(training.model.graph)
+    assert OP not in ops and ops["ConvTranspose"] == 1
+
+
+@pytest.mark.parametrize("form", ["inline", "portable"])
+def test_inline_and_portable_forms_are_standard_onnx_with_the_same_gradients(form):
+    """``--inline`` and ``--portable`` write the function body: no normgrad node, the
+    ConvTranspose and Conv of the graph form, dx and dW as the operator's."""
+    from normgrad.graphs.portable import make_portable
+
+    training = build_training_graph(_conv_forward(6, 6, 6))
+    rewritten = (build_training_graph(_conv_forward(6, 6, 6), inline=True).model if form == "inline"
+                 else make_portable(training.model)[0])
+    assert not any(n.domain == DOMAIN for n in rewritten.graph.node)
+    assert {"ConvTranspose", "Conv"} <= set(_ops(rewritten.graph))
+    rng = np.random.default_rng(4)
+    feeds = {**training.weights, "x": rng.standard_normal((2, 6, 9, 9)).astype(np.float32),
+             "y_grad": rng.standard_normal((2, 6, 5, 5)).astype(np.float32)}
+    expected = depthwise_conv_grad.reference(feeds["x"].astype(np.float64), feeds["W"].astype(np.float64),
+                                             feeds["y_grad"].astype(np.float64), 6, [2, 2], [1, 1, 1, 1], [1, 1])
+    outputs = harness.run_model(rewritten, feeds, "functions")
+    np.testing.assert_allclose(outputs["x_grad"], expected.dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outputs["W_grad"], expected.dw, rtol=1e-5, atol=1e-5)
+
+
+# -- a MobileNet-style block against torch autograd ---------------------------------------------
+
+
+def _inverted_residual(torch):
+    """MobileNetV2's block: 1x1 expand, 3x3 depthwise (stride 1, then 2 with odd sizes, then a
+    dilated 5x5), ReLU6, 1x1 project, the residual."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.expand = nn.Conv2d(5, 13, 1, bias=False)
+            self.depthwise = nn.Conv2d(13, 13, 3, padding=1, groups=13, bias=False)
+            self.strided = nn.Conv2d(13, 13, 3, stride=2, padding=1, groups=13)
+            self.dilated = nn.Conv2d(13, 13, 5, padding=4, dilation=2, groups=13, bias=False)
+            self.norm = nn.BatchNorm2d(13)
+            self.project = nn.Conv2d(13, 5, 1)
+
+        def forward(self, x):
+            h = nn.functional.relu6(self.norm(self.depthwise(self.expand(x))))
+            h = nn.functional.relu6(self.dilated(self.strided(h)))
+            return self.project(h) + x[:, :, ::2, ::2]
+
+    return Block()
+
+
+@pytest.mark.parametrize("backend", ["functions", "inline"] + (["cpp"] if cpp_available() else []))
+def test_mobilenet_block_matches_torch_autograd(backend):
+    torch = pytest.importorskip("torch")
+    from _transformer_blocks import _assert_gradients_match, _distinct_parameters, _export
+
+    torch.manual_seed(0)
+    module = _inverted_residual(torch).train()
+    _distinct_parameters(module, 0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 11, 11)).astype(np.float32)
+    forward = _export(module, (torch.tensor(x),), "torchscript", ["x"], ["y"])
+    training, weights = build_training_graph(forward, inline=backend == "inline")
+    assert sum(n.op_type == OP for n in training.graph.node) == (0 if backend == "inline" else 3)
+    xt = torch.tensor(x, requires_grad=True)
+    y = module(xt)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    y.backward(torch.tensor(dy))
+    feeds = {**weights, "x": x, "y_grad": dy}
+    inputs = {i.name for i in training.graph.input}
+    outputs = harness.run_model(training, {k: v for k, v in feeds.items() if k in inputs},
+                                "functions" if backend == "inline" else backend)
+    np.testing.assert_allclose(outputs["y"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
+    _assert_gradients_match(outputs, set(weights), module, {"x": xt.grad.numpy()})
