@@ -59,8 +59,8 @@ _BATCH_BIAS = "does not broadcast an attention_bias of batch 1 over the batch (b
 _ORT_1_19_DIFFERS = {
     ("Attention", "attention_bias, scale, mask_filter_value"): _BATCH_BIAS,
     ("MultiHeadAttention", "attention_bias"): _BATCH_BIAS,
-    ("MultiHeadAttention", "key lengths"): "computes other values with a key_padding_mask of key lengths [B]",
-    ("MultiHeadAttention", "key padding mask"): "computes other values with a key_padding_mask [B, T] (even a row of ones)",
+    ("MultiHeadAttention", "key lengths"): "misapplies a key_padding_mask of key lengths [B] when S != T",
+    ("MultiHeadAttention", "key padding mask"): "misapplies a key_padding_mask [B, T] when S != T (even a row of ones)",
 }
 """(op, case): how onnxruntime 1.19's CPU kernels (measured on 1.19.2) compute other values than
 the expansion, which follows 1.32's (docs/reference/gradient-rules.md; 1.20 added the broadcast)."""
