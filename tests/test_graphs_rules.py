@@ -82,6 +82,23 @@ def test_clip_matches_torch_clamp_with_tensor_bounds(lo, hi):
         np.testing.assert_allclose(results[f"{name}_grad"], tensor.grad.numpy(), rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+def test_clip_with_constant_bounds_matches_torch_clamp():
+    """ReLU6's Clip (constant bounds 0 and 6): x's gradient where the output equals x, as
+    torch.clamp(x, 0, 6) gives it, the ties x == 0 and x == 6 included; NaN passes none."""
+    torch = pytest.importorskip("torch")
+    x = np.array([[-1.0, 0.0, 0.5, 3.0], [5.5, 6.0, 7.0, np.nan]], np.float32)
+    dy = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+    forward = model([_node("Clip", ["x", "lo", "hi"])], {"x": x.shape}, ["y"],
+                    {"lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)})
+    training = build_training_graph(forward, frozen=["lo", "hi"])
+    assert "Equal" in {n.op_type for n in training.model.graph.node}
+    results = run_training(training, {"x": x, "y_grad": dy})
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    torch.clamp(xt, 0.0, 6.0).backward(torch.tensor(dy, dtype=torch.float64))
+    expected = np.nan_to_num(xt.grad.numpy(), nan=0.0)
+    np.testing.assert_array_equal(results["x_grad"], expected.astype(np.float32))
+
+
 @pytest.mark.parametrize("op_type", ["Add", "Sub", "Mul", "Div", "Pow"])
 @pytest.mark.parametrize("shape_a, shape_b", [((2, 3, 4), (2, 3, 4)), ((2, 3, 4), (4,)), ((3, 1), (2, 1, 4)), ((1, 3, 1), ())])
 def test_broadcasting_binary(op_type, shape_a, shape_b):
