@@ -131,8 +131,11 @@ def _nbits_model() -> onnx.ModelProto:
     onnxruntime before 1.20 names it MatMul4BitsQuantizer)."""
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    except ImportError:
-        from onnxruntime.quantization.matmul_4bits_quantizer import MatMul4BitsQuantizer as MatMulNBitsQuantizer
+    except ImportError as error:
+        try:
+            from onnxruntime.quantization.matmul_4bits_quantizer import MatMul4BitsQuantizer as MatMulNBitsQuantizer
+        except ImportError:  # onnxruntime's quantizer needs onnx_ir (onnxscript's dependency) since 1.20
+            pytest.skip(f"onnxruntime's MatMulNBits quantizer does not import here: {error}")
 
     quantizer = MatMulNBitsQuantizer(_matmul_model(), block_size=16, is_symmetric=True)
     quantizer.process()
