@@ -79,7 +79,9 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
     if step_path:  # a step graph file from normgrad export (its base in external data), as a user trains it
         options = bench_session_options(threads, options=training_session_options(onnxruntime))
         trainer = Trainer(step_path, step_path[:-len(".onnx")] + ".ckpt", lr=LR, session_options=options, kernels=kernels)
-        return (lambda: float(trainer.step(x, labels))), None
+        # a genai model's attention mask: all ones, as torch's default
+        batch = (x, np.ones_like(x), labels) if "attention_mask" in trainer.data_inputs else (x, labels)
+        return (lambda: float(trainer.step(*batch))), None
 
     forward = onnx.load(forward_path)
     x_name = forward.graph.input[0].name
@@ -115,13 +117,14 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
     return step, profile
 
 
-def _torch(name, state_path, x, labels, threads, quick):
+def _torch(name, state_path, x, labels, threads, quick, weights=None):
     import torch
 
-    from normgrad.tools.bench_train import torch_model
+    from normgrad.tools.bench_train import torch_model, transformer_model
 
     torch.set_num_threads(threads)
-    model = torch_model(name, quick)
+    # weights: a genai row's int4 weights dequantized, in place of the seed's
+    model = transformer_model(name, quick, weights) if weights else torch_model(name, quick)
     if os.path.exists(state_path):  # else the model as its seed builds it (the bench's --memory row)
         model.load_state_dict(torch.load(state_path))
     trainable = [p for p in model.parameters() if p.requires_grad]  # peft LoRA: the adapters alone
@@ -286,7 +289,7 @@ def main():
         if variant in ("cpp", "functions"):
             step, profile = _normgrad(variant, paths["onnx"], x, labels, threads, loss, paths.get("step"))
         elif variant == "torch":
-            step, profile = _torch(name, paths["pt"], x, labels, threads, quick)
+            step, profile = _torch(name, paths["pt"], x, labels, threads, quick, paths.get("dequantized"))
         else:
             step, profile = _ort_training(paths["onnx"], x, labels, threads, loss)
     except Exception as error:

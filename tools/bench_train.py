@@ -73,9 +73,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["main", "MODELS", "TRANSFORMERS", "MEMORY_ROW", "torch_model"]
+__all__ = ["main", "MODELS", "TRANSFORMERS", "MEMORY_ROW", "GENAI_ROWS", "torch_model"]
 
 MEMORY_ROW = "llama_lora_memory"
+GENAI_ROWS = ("llama_int4_lora", "qwen2_int4_lora")
+"""``--genai``'s rows: onnxruntime-genai's int4 builds of a Llama and a Qwen2, LoRA r 8."""
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_train_worker.py")
 
@@ -104,32 +106,56 @@ TRANSFORMERS: Dict[str, Tuple[str, bool]] = {
     "gpt2": ("gpt2", False), "gpt2_lora": ("gpt2", True),
     "llama": ("llama", False), "llama_lora": ("llama", True),
     MEMORY_ROW: ("llama", True),  # --memory only
+    "llama_int4_lora": ("llama", True), "qwen2_int4_lora": ("qwen2", True),  # --genai only
 }
+OPTION_ROWS = (MEMORY_ROW, *GENAI_ROWS)
+"""Rows only their options add (``--memory``, ``--genai``): each trains from the step graph
+file ``normgrad export`` writes, as a user does."""
 # batch, sequence, vocabulary, hidden, layers, heads
 TRANSFORMER_SIZES = {False: (8, 128, 8192, 256, 4, 4), True: (2, 16, 128, 32, 2, 2)}
 MEMORY_SIZES = {False: (1, 128, 32000, 1024, 12, 16), True: (1, 16, 512, 64, 2, 2)}
 """The --memory row's Llama: 265 M parameters (1.06 GB of float32), LoRA r 8 on every projection."""
+# batch, sequence, vocabulary, hidden, layers, heads, KV heads, intermediate
+GENAI_SIZES = {
+    # 86.9 M parameters, untied
+    "llama_int4_lora": {False: (4, 128, 32000, 768, 6, 12, 4, 2048), True: (2, 16, 512, 64, 2, 4, 2, 128)},
+    # Qwen2-0.5B's shape, tied embeddings: 494 M parameters
+    "qwen2_int4_lora": {False: (1, 128, 151936, 896, 24, 14, 2, 4864), True: (1, 16, 512, 64, 2, 4, 2, 128)},
+}
+GENAI_LORA_TARGETS = "*_proj*"
+"""The seven projections of the genai build (which fuses q, k and v into one ``qkv_proj``), not the lm_head."""
 LORA_TARGETS = {
     "bert": r".*encoder\.layer\.\d+\..*(query|key|value|dense)",  # not the MLM head's transform
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-LOSSES = {"bert": "cross_entropy", "gpt2": "causal_lm", "llama": "causal_lm"}
+LORA_TARGETS["qwen2"] = LORA_TARGETS["llama"]
+LOSSES = {"bert": "cross_entropy", "gpt2": "causal_lm", "llama": "causal_lm", "qwen2": "causal_lm"}
 
 
 def _sizes(name: str, quick: bool) -> Tuple[int, ...]:
+    if name in GENAI_SIZES:
+        return GENAI_SIZES[name][quick]
     return (MEMORY_SIZES if name == MEMORY_ROW else TRANSFORMER_SIZES)[quick]
 
 
-def transformer_model(name: str, quick: bool):
+def transformer_model(name: str, quick: bool, weights: Optional[str] = None):
     """The transformers model of row ``name`` (seeded, random weights, dropout off), wrapped
-    by peft LoRA for the ``_lora`` rows."""
+    by peft LoRA for the ``_lora`` rows; ``weights``: an ``.npz`` of weights (by their names
+    in the model) that replace the drawn ones before LoRA is added."""
     import torch
     import transformers
 
     family, lora = TRANSFORMERS[name]
-    _, sequence, vocabulary, hidden, layers, heads = _sizes(name, quick)
     torch.manual_seed(0)
+    if name in GENAI_SIZES:
+        model = _genai_source_model(name, quick)
+        if weights:
+            with np.load(weights) as arrays, torch.no_grad():
+                for key in arrays.files:  # one array read at a time
+                    model.get_parameter(key).copy_(torch.from_numpy(arrays[key]))
+        return _with_lora(model.train(), family) if lora else model.train()
+    _, sequence, vocabulary, hidden, layers, heads = _sizes(name, quick)
     common = dict(vocab_size=vocabulary, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
     if family == "bert":
         config = transformers.BertConfig(**common, intermediate_size=4 * hidden, max_position_embeddings=sequence,
@@ -145,13 +171,30 @@ def transformer_model(name: str, quick: bool):
                                           max_position_embeddings=sequence, use_cache=False)
         model = transformers.LlamaForCausalLM(config)
     model.train()
-    if lora:
-        import peft  # only here: its import takes as long as torch's
+    return _with_lora(model, family) if lora else model
 
-        config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[family],
-                                 fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores W transposed
-        model = peft.get_peft_model(model, config)
-    return model
+
+def _with_lora(model, family: str):
+    """``model`` wrapped by peft LoRA r 8, alpha 16 on the projections of ``family``."""
+    import peft  # only here: its import takes as long as torch's
+
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[family],
+                             fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores W transposed
+    return peft.get_peft_model(model, config)
+
+
+def _genai_source_model(name: str, quick: bool):
+    """The float32 transformers model (torch seeded by the caller) a ``--genai`` row's int4
+    model is built from: a Llama (untied) or a Qwen2 (tied embeddings, biases on q, k, v)."""
+    import transformers
+
+    _, _, vocabulary, hidden, layers, heads, kv_heads, intermediate = _sizes(name, quick)
+    common = dict(vocab_size=vocabulary, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=2048,
+                  use_cache=False)
+    if TRANSFORMERS[name][0] == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
 
 
 def transformer_batch(name: str, quick: bool) -> Tuple[np.ndarray, np.ndarray]:
@@ -338,11 +381,93 @@ def _export_transformer(name: str, quick: bool, paths: Dict[str, str]) -> None:
     np.save(paths["labels.npy"], labels)
 
 
+def _export_genai(name: str, quick: bool, folder: str, paths: Dict[str, str]) -> None:
+    """A ``--genai`` row: its transformers model saved (random weights, a word-level
+    tokenizer), built int4 by onnxruntime-genai's builder, the step graph written by
+    ``normgrad export --lora-*``; the torch side gets the int4 weights dequantized (``.npz``)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from normgrad.tools.export import main as export_main
+
+    torch.manual_seed(0)
+    hf_folder, out = os.path.join(folder, f"{name}.hf"), os.path.join(folder, f"{name}.genai")
+    _genai_source_model(name, quick).save_pretrained(hf_folder)
+    save_word_tokenizer(hf_folder, _sizes(name, quick)[2])
+    built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_folder, "-o", out,
+                            "-p", "int4", "-e", "cpu", "-c", os.path.join(folder, "genai_cache")],
+                           capture_output=True, text=True)
+    if built.returncode:
+        raise RuntimeError(f"onnxruntime-genai's builder failed on {name}: "
+                           f"{(built.stderr.strip().splitlines() or ['no message'])[-1]}")
+    int4 = os.path.join(out, "model.onnx")
+    np.savez(paths["dequantized"], **_dequantized_weights(name, quick, int4))
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = export_main([int4, "-o", paths["step"], "--loss", "causal_lm", "--optimizer", "adamw",
+                            "--weight-decay", str(0.01), "--lora-rank", "8", "--lora-alpha", "16",
+                            "--lora-targets", GENAI_LORA_TARGETS])
+    if code:
+        raise RuntimeError(f"normgrad export of the genai row {name} exited {code}")
+    input_ids, labels = transformer_batch(name, quick)
+    np.save(paths["x.npy"], input_ids)
+    np.save(paths["labels.npy"], labels)
+
+
+def save_word_tokenizer(folder: str, vocabulary: int) -> None:
+    """Saves to ``folder`` a word-level tokenizer of tokens ``t0`` .. ``t{vocabulary-1}`` (the
+    genai builder copies a model's tokenizer; nothing is downloaded)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocabulary)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(folder)
+
+
+def _dequantized_weights(name: str, quick: bool, int4_path: str) -> Dict[str, np.ndarray]:
+    """The weights of the genai build's MatMulNBits nodes dequantized as onnxruntime does
+    (4 bits, low nibble first, zero point 8: the builder's symmetric default), under their
+    transformers names; the fused ``qkv_proj`` split into q, k and v."""
+    import onnx
+    from onnx import numpy_helper
+
+    _, _, _, hidden, _, heads, kv_heads, _ = _sizes(name, quick)
+    model = onnx.load(int4_path)
+    stored = {t.name: t for t in model.graph.initializer}
+    weights = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attributes = {a.name: a.i for a in node.attribute}
+        if attributes.get("bits") != 4 or len(node.input) > 3 and node.input[3]:
+            raise RuntimeError(f"{node.name}: the bench dequantizes 4-bit symmetric MatMulNBits only")
+        packed = numpy_helper.to_array(stored[node.input[1]])
+        scales = numpy_helper.to_array(stored[node.input[2]]).reshape(attributes["N"], -1)
+        values = np.stack([packed & 15, packed >> 4], -1).reshape(attributes["N"], scales.shape[1], -1)
+        weight = ((values.astype(np.float32) - 8) * scales[..., None]).reshape(attributes["N"], -1)
+        weight = weight[:, :attributes["K"]]
+        module = node.input[1].split(".MatMul")[0].replace(".attn.", ".self_attn.")
+        if module.endswith("qkv_proj"):
+            kv = kv_heads * hidden // heads
+            for part, rows in zip("qkv", np.split(weight, [hidden, hidden + kv])):
+                weights[module.replace("qkv_proj", f"{part}_proj") + ".weight"] = rows
+        else:
+            weights[module + ".weight"] = weight  # lm_head: tied to the embedding where the model ties them
+    return weights
+
+
 def _export(name: str, quick: bool, folder: str) -> Dict[str, str]:
     """Writes the model's forward ONNX, torch state, x and labels into ``folder``."""
     paths = {k: os.path.join(folder, f"{name}.{k}") for k in ("onnx", "x.npy", "labels.npy", "pt")}
-    if name == MEMORY_ROW:
+    if name in OPTION_ROWS:
         paths["step"] = os.path.join(folder, f"{name}.step.onnx")
+    if name in GENAI_ROWS:
+        paths["dequantized"] = os.path.join(folder, f"{name}.dequantized.npz")
+        _export_genai(name, quick, folder, paths)
+        return paths
     if name in TRANSFORMERS:
         _export_transformer(name, quick, paths)
         paths["loss"] = LOSSES[TRANSFORMERS[name][0]]
@@ -444,9 +569,11 @@ def _title(name: str, quick: bool) -> Tuple[str, str]:
     if name not in TRANSFORMERS:
         return f"{name} x {list(MODELS[name][1 if quick else 0])}: training step (forward, cross-entropy", "torch"
     family, lora = TRANSFORMERS[name]
-    batch, sequence, vocabulary, hidden, layers, _ = _sizes(name, quick)
+    batch, sequence, vocabulary, hidden, layers = _sizes(name, quick)[:5]
     loss = "causal-LM loss" if LOSSES[family] == "causal_lm" else "cross-entropy"
     what = "LoRA r 8" if lora else "full fine-tuning"
+    if name in GENAI_ROWS:
+        what += " of the genai builder's int4 model; torch+peft: float32, the int4 weights dequantized"
     return (f"{name} x [{batch}, {sequence}] ({layers} layers, hidden {hidden}, vocabulary {vocabulary}, {what}): "
             f"training step (forward, {loss}"), "torch+peft" if lora else "torch"
 
@@ -456,7 +583,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
     variants = [("cpp", sys.executable), ("functions", sys.executable), ("torch", sys.executable)]
     if name in TRANSFORMERS:
         variants.remove(("functions", sys.executable))
-    if args.ort_training_python and name != MEMORY_ROW:
+    if args.ort_training_python and name not in OPTION_ROWS:
         variants.append(("ort-training", args.ort_training_python))
     # the workers build at once (imports, graph building, sessions); the timed steps are one at a time
     workers = {v: _Worker(python, v, name, paths, args.threads, args.quick, wait=False) for v, python in variants}
@@ -479,7 +606,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
     ends = {v: worker.ask("rss") for v, worker in workers.items()}  # before profiling builds another session
     # the --memory row's Trainer reads its step graph file; a profiled session would be a second one
     profiles = {v: worker.ask("profile") for v, worker in workers.items()
-                if v in ("cpp", "ort-training") and name != MEMORY_ROW}
+                if v in ("cpp", "ort-training") and name not in OPTION_ROWS}
     for worker in workers.values():
         worker.close()
 
@@ -511,7 +638,7 @@ def _model_group(name: str, args, folder: str, out) -> bool:
         print(f"  {label:<14}{medians[v] * 1e3:8.1f}ms  {min(t) * 1e3:8.1f}-{max(t) * 1e3:8.1f}ms{ratio('torch'):>8}"
               f"{ratio('ort-training'):>9}{cpu_medians[v] * 1e3:8.1f}ms{cpu_ratio:>8}{peak or 0:9.0f}MB{(peak or 0) - (ready or 0):9.0f}MB  {check}", file=out)
     peaks = {v: ends[v].get("peak_mb") for v in ("cpp", "torch") if not workers[v].error}
-    if name == MEMORY_ROW and all(peaks.get(v) for v in ("cpp", "torch")) and cpu_medians.get("torch"):
+    if name in OPTION_ROWS and all(peaks.get(v) for v in ("cpp", "torch")) and cpu_medians.get("torch"):
         print(f"  cpp / {torch_label}: peak RSS {peaks['cpp'] / peaks['torch']:.2f}x ({peaks['cpp']:.0f} / "
               f"{peaks['torch']:.0f} MB), CPU time per step {cpu_medians['cpp'] / cpu_medians['torch']:.2f}x", file=out)
     for v, reply in profiles.items():
@@ -528,16 +655,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, 3 rounds (CI smoke test)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every variant (2)")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")
-    rows = [*MODELS, *(name for name in TRANSFORMERS if name != MEMORY_ROW)]
+    rows = [*MODELS, *(name for name in TRANSFORMERS if name not in OPTION_ROWS)]
     parser.add_argument("--models", nargs="+", choices=rows, default=None, help="models to time (default: all)")
     parser.add_argument("--memory", action="store_true",
                         help=f"the memory row ({MEMORY_ROW}): a 265 M-parameter Llama, LoRA, against torch + peft; "
                              "with no --models, that row alone")
+    parser.add_argument("--genai", action="store_true",
+                        help=f"the rows {', '.join(GENAI_ROWS)}: LoRA on onnxruntime-genai's int4 builds of an 87 M "
+                             "Llama and of Qwen2-0.5B's shape, against torch + peft; with no --models, those rows alone")
     parser.add_argument("--ort-training-python", default=None, metavar="PATH",
                         help="a Python with onnxruntime-training (1.19.2): adds its column")
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (3 if args.quick else 7)
-    args.models = (args.models or ([] if args.memory else rows)) + ([MEMORY_ROW] if args.memory else [])
+    options = ([MEMORY_ROW] if args.memory else []) + (list(GENAI_ROWS) if args.genai else [])
+    args.models = (args.models or ([] if options else rows)) + options
     if args.repeat < 1 or args.threads < 1:
         parser.error("--repeat and --threads must be >= 1")
     if args.ort_training_python and not os.access(args.ort_training_python, os.X_OK):
@@ -547,6 +678,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError:
         print("normgrad bench --train: the models are built from torch code; install torch", file=sys.stderr)
         return 2
+    if args.genai:
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError:
+            print("normgrad bench --train --genai: the models are built by onnxruntime-genai's builder; "
+                  "install normgrad[genai]", file=sys.stderr)
+            return 2
     import onnxruntime
 
     out = sys.stdout

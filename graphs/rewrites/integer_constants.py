@@ -10,6 +10,7 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import FLOAT_ELEM_TYPES
+from normgrad.util.external_data import uses_external_data
 from normgrad.graphs.rewrites._graph import RewriteContext, constant_values
 
 __all__ = ["fold_integer_constants", "apply"]
@@ -31,7 +32,9 @@ def fold_integer_constants(model: onnx.ModelProto) -> int:
 
     graph = model.graph
     integer = lambda value: value.dtype.kind in "iub"  # noqa: E731
-    constants = {t.name: onh.to_array(t) for t in graph.initializer if t.data_type not in FLOAT_ELEM_TYPES}
+    # a weight kept in its data file (a frozen int4 one) is no shape arithmetic: never read here
+    constants = {t.name: onh.to_array(t) for t in graph.initializer
+                 if t.data_type not in FLOAT_ELEM_TYPES and not uses_external_data(t)}
     constants = {name: value for name, value in constants.items() if integer(value)}
     opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     nodes, folded = [], 0
