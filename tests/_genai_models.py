@@ -18,17 +18,15 @@ def build_tiny_llama(folder: pathlib.Path, precision: str = "int4") -> pathlib.P
     builder in ``folder``; returns the path of its model.onnx (external data beside it)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from normgrad.tools.bench_train import save_word_tokenizer
 
     config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=VOCABULARY, intermediate_size=128, max_position_embeddings=128)
     torch.manual_seed(0)
     hf_folder, out = folder / "hf", folder / "genai"
     transformers.LlamaForCausalLM(config).save_pretrained(hf_folder)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCABULARY)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1",
-                                         eos_token="t2").save_pretrained(hf_folder)
+    save_word_tokenizer(hf_folder, VOCABULARY)
     subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
                     "-p", precision, "-e", "cpu", "-c", str(folder / "cache")], check=True, capture_output=True)
     return out / "model.onnx"

@@ -22,7 +22,7 @@ NUMBER = r"\d+\.\d+"
 
 
 def test_transformer_rows_quick(capsys):
-    names = [name for name in bench_train.TRANSFORMERS if name != bench_train.MEMORY_ROW]
+    names = [name for name in bench_train.TRANSFORMERS if name not in bench_train.OPTION_ROWS]
     assert names == ["bert", "bert_lora", "gpt2", "gpt2_lora", "llama", "llama_lora"]
     assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", *names]) == 0
     out = capsys.readouterr().out
@@ -77,3 +77,33 @@ def test_memory_row_quick(capsys):
     assert ratio, out
     assert [int(ratio.group(2)), int(ratio.group(3))] == peaks
     assert float(ratio.group(1)) == pytest.approx(peaks[0] / peaks[1], abs=0.01)
+
+
+def _ratio_line(out, group, variants=("cpp", "torch+peft")):
+    """The peak RSS of each variant's row and the ratio line under them: the ratio is theirs."""
+    rows = {line.split()[0]: line for line in group.splitlines() if "ms " in line}
+    assert set(rows) == set(variants), out
+    peaks = [int(re.search(r" (\d+)MB ", rows[v]).group(1)) for v in variants]
+    ratio = re.search(rf"  cpp / torch\+peft: peak RSS ({NUMBER})x \((\d+) / (\d+) MB\), CPU time per step {NUMBER}x", group)
+    assert ratio, out
+    assert [int(ratio.group(2)), int(ratio.group(3))] == peaks
+    assert float(ratio.group(1)) == pytest.approx(peaks[0] / peaks[1], abs=0.01)
+    return rows
+
+
+def test_genai_row_quick(capsys):
+    """A ``--genai`` row: LoRA on onnxruntime-genai's int4 build of a Qwen2 (tied embeddings: the
+    embedding is a GatherBlockQuantized of the int4 lm_head) trained from ``normgrad export
+    --lora-*``'s step graph, against torch + peft on the dequantized weights: the losses agree
+    (the check would print MISMATCH and exit 1 otherwise). The Llama row differs only in its
+    untied head; one row keeps the test short (two builder runs, two workers)."""
+    pytest.importorskip("onnxruntime_genai")
+    assert cli.main(["bench", "--train", "--quick", "--repeat", "1", "--models", "qwen2_int4_lora"]) == 0
+    out = capsys.readouterr().out
+    groups = out.split("\n\n")[1:]
+    assert [g.split()[0] for g in groups] == ["qwen2_int4_lora"], out
+    for group in groups:
+        assert " x [" in group and "(2 layers, hidden 64, vocabulary 512, LoRA r 8 of the genai builder's int4 model" in group
+        rows = _ratio_line(out, group)
+        assert re.search(rf"\(vs cpp {NUMBER}e[-+]\d+\)$", rows["torch+peft"]), group
+    assert "MISMATCH" not in out and "failed" not in out

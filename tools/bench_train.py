@@ -38,6 +38,19 @@ and its step graph written by ``normgrad export --loss causal_lm --optimizer ada
 ``cpp`` trains from the files as a user does (``Trainer(step.onnx, step.ckpt)``) while torch
 + peft builds the same model from its seed (no state file loaded beside it); a line under it
 gives the two peak RSS and CPU times per step as ratios.
+``--genai`` adds the rows of LoRA on onnxruntime-genai's int4 models (alone without
+``--models``; ``--models`` also names them one by one): ``llama_int4_lora``, a Llama of 86.9 M
+parameters (hidden 768, 6 layers, 12 heads, 4 KV heads, intermediate 2048, vocabulary 32000,
+untied), input_ids [4, 128], and ``qwen2_int4_lora``, Qwen2-0.5B's shape (hidden 896, 24
+layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151936, tied embeddings: 494 M),
+input_ids [1, 128]. Each is saved at random weights with a word-level tokenizer and built by
+``python -m onnxruntime_genai.models.builder -p int4 -e cpu`` (MatMulNBits, block 32,
+GroupQueryAttention); ``normgrad export --loss causal_lm --optimizer adamw --lora-rank 8
+--lora-alpha 16 --lora-targets '*_proj*'`` writes its step graph, which ``cpp`` trains from the
+files (attention mask all ones). torch + peft trains the float32 model with LoRA r 8 on the
+seven projections, its weights replaced by the int4 ones dequantized (as onnxruntime does), so
+the agreement check compares like with like (the genai build fuses q, k and v into one
+projection, which gets one adapter: the step-2 losses differ by that, about 3e-4 relative).
 ``--quick`` shrinks every model (CI smoke test). torch (and transformers and peft for the
 transformer rows) must be installed to build them.
 
@@ -656,7 +669,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every variant (2)")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (default 7, --quick 3)")
     rows = [*MODELS, *(name for name in TRANSFORMERS if name not in OPTION_ROWS)]
-    parser.add_argument("--models", nargs="+", choices=rows, default=None, help="models to time (default: all)")
+    parser.add_argument("--models", nargs="+", choices=[*rows, *GENAI_ROWS], default=None,
+                        help="models to time (default: all but the --genai ones)")
     parser.add_argument("--memory", action="store_true",
                         help=f"the memory row ({MEMORY_ROW}): a 265 M-parameter Llama, LoRA, against torch + peft; "
                              "with no --models, that row alone")
@@ -668,7 +682,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (3 if args.quick else 7)
     options = ([MEMORY_ROW] if args.memory else []) + (list(GENAI_ROWS) if args.genai else [])
-    args.models = (args.models or ([] if options else rows)) + options
+    args.models = list(dict.fromkeys((args.models or ([] if options else rows)) + options))
     if args.repeat < 1 or args.threads < 1:
         parser.error("--repeat and --threads must be >= 1")
     if args.ort_training_python and not os.access(args.ort_training_python, os.X_OK):
@@ -678,7 +692,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError:
         print("normgrad bench --train: the models are built from torch code; install torch", file=sys.stderr)
         return 2
-    if args.genai:
+    if set(args.models) & set(GENAI_ROWS):
         try:
             import onnxruntime_genai  # noqa: F401
         except ImportError:
