@@ -115,3 +115,21 @@ def test_onnxruntime_keeps_no_float_copy_of_the_weight(tmp_path):
     optimized = onnx.load(options.optimized_model_filepath)
     sizes = [int(np.prod(t.dims)) for t in optimized.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     assert max(sizes) < 40 * 64 // 2, sizes
+
+
+@pytest.mark.parametrize("zero_points,g_idx", [(None, False), ("uint8", False), ("float", False), ("float", True)])
+def test_a_large_weight_is_dequantized_in_chunks_of_rows(monkeypatch, zero_points, g_idx):
+    """Past ROWS_ELEMENTS values per part (here 5 rows of 32: 24 rows in 5 chunks, the last of
+    4), dA is summed over chunks of rows: still dY @ dequant(B) in float64."""
+    from normgrad.graphs.rules import matmul_nbits
+
+    monkeypatch.setattr(matmul_nbits, "ROWS_ELEMENTS", 5 * 32)
+    model, weight, _ = matmul_nbits_model((3, 64), 24, 4, 16, zero_points)
+    if g_idx:  # groups by column: the same weight when g_idx[k] = k // block_size
+        model.graph.initializer.append(onh.from_array(np.repeat(np.arange(4), 16).astype(np.int32), "g_idx"))
+        model.graph.node[0].input.extend([""] * (4 - len(model.graph.node[0].input)) + ["g_idx"])
+    rng = np.random.default_rng(5)
+    a, dy = rng.standard_normal((3, 64)).astype(np.float32), rng.standard_normal((3, 24)).astype(np.float32)
+    outputs, training = _gradients(model, a, dy)
+    assert sum(n.op_type == "MatMul" for n in training.model.graph.node) == 5 * 2  # 5 chunks, 2 parts each
+    np.testing.assert_allclose(outputs["a_grad"], dy.astype(np.float64) @ weight, rtol=1e-5, atol=1e-5)

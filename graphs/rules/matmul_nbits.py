@@ -16,7 +16,7 @@ dequantized halves after their products.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import onnx
@@ -49,10 +49,17 @@ def matmul_nbits_gradient(ctx: GradientContext, node: onnx.NodeProto,
     return result
 
 
+ROWS_ELEMENTS = 1 << 22
+"""Dequantized values of one part of the weight (at most 16 MiB of float32) made at a time: a
+larger weight (a vocabulary head) is dequantized in chunks of rows, dA summed over them."""
+
+
 def input_gradient(ctx: GradientContext, node: onnx.NodeProto, dy: str) -> str:
     """dY [T, N] @ dequant(B) [N, K] of MatMulNBits ``node``, one product per position of a
     value in its byte (4 bits: the low values, then the high ones, each [N, K/2]): no float
-    copy of the whole weight is made, the columns are interleaved in the [T, K] result.
+    copy of the whole weight is made, the columns are interleaved in the [T, K] result. A
+    weight of more than :data:`ROWS_ELEMENTS` values per part goes in chunks of rows, their
+    products summed (Qwen2-0.5B's tied head, 151936 x 896: 272 MB per part at once otherwise).
 
     Raises:
         UnsupportedOperatorError: bits other than 4 or 8.
@@ -71,16 +78,47 @@ def input_gradient(ctx: GradientContext, node: onnx.NodeProto, dy: str) -> str:
     if g_idx is not None:  # [K] -> [blocks * block_size], the padding columns read group 0
         g_idx = ctx.op("Pad", ctx.op("Cast", g_idx, to=onnx.TensorProto.INT64),
                        ctx.ints([0, blocks * block_size - k]))
+    rows = max(1, ROWS_ELEMENTS // width)
+    # chunk bounds offset by a zero computed at run time: onnxruntime would otherwise fold the
+    # slices of the (initializer) weight and scales into copies kept for the session
+    zero = ctx.op("Reshape", ctx.op("Cast", _runtime_zero(ctx, dy), to=onnx.TensorProto.INT64), ctx.ints([1])) \
+        if rows < n else None
+    grad = None
+    for first in range(0, n, rows):
+        last = min(n, first + rows)
+
+        def chunk(name: str, axis: int = 0) -> str:
+            if zero is None:
+                return name
+            return ctx.op("Slice", name, ctx.op("Add", ctx.ints([first]), zero), ctx.ints([last]), ctx.ints([axis]))
+
+        product = _chunk_product(ctx, chunk(dy, 1), _parts(ctx, chunk(node.input[_B]), bits, dy), chunk(scales),
+                                 (chunk(zero_points) if per_block_zero_points else zero_points, per_block_zero_points),
+                                 g_idx,
+                                 (last - first, blocks, block_size, per_byte))
+        grad = product if grad is None else ctx.op("Add", grad, product)
+    return grad if blocks * block_size == k else ctx.op("Slice", grad, ctx.ints([0]), ctx.ints([k]), ctx.ints([1]))
+
+
+def _chunk_product(ctx: GradientContext, dy: str, parts: List[str], scales: str, zero_points: Tuple[str, bool],
+                   g_idx: Optional[str], shape: Tuple[int, int, int, int]) -> str:
+    """dY [T, n] @ dequant [n, blocks * block_size] of ``n`` rows of the weight: ``parts`` its
+    unpacked values [n, blocks, blob] (one per position in the byte), ``scales`` [n, blocks],
+    ``zero_points`` ([n, blocks], True) or (a scalar, False); ``shape`` (n, blocks,
+    block_size, values per byte)."""
+    n, blocks, block_size, per_byte = shape
+    width = blocks * block_size // per_byte
+    zero_points, per_block_zero_points = zero_points
     products = []
-    for part, values in enumerate(_parts(ctx, node.input[_B], bits, dy)):  # [N, blocks, blob] each
-        if g_idx is None:  # per block: [N, blocks, blob] against [N, blocks, 1]
-            centred = ctx.op("Sub", ctx.op("CastLike", values, like),
+    for part, values in enumerate(parts):
+        if g_idx is None:  # per block: [n, blocks, blob] against [n, blocks, 1]
+            centred = ctx.op("Sub", ctx.op("CastLike", values, scales),
                              ctx.unsqueeze(zero_points, [2]) if per_block_zero_points else zero_points)
             weight = ctx.op("Mul", centred, ctx.unsqueeze(scales, [2]))
         else:  # per column: the groups of columns part, part + per_byte, ...
             groups = ctx.op("Slice", g_idx, ctx.ints([part]), ctx.ints([blocks * block_size]), ctx.ints([0]),
                             ctx.ints([per_byte]))
-            values = ctx.op("Reshape", ctx.op("CastLike", values, like), ctx.ints([n, width]))
+            values = ctx.op("Reshape", ctx.op("CastLike", values, scales), ctx.ints([n, width]))
             centred = ctx.op("Sub", values, ctx.op("Gather", zero_points, groups, axis=1)
                              if per_block_zero_points else zero_points)
             weight = ctx.op("Mul", centred, ctx.op("Gather", scales, groups, axis=1))
@@ -88,8 +126,7 @@ def input_gradient(ctx: GradientContext, node: onnx.NodeProto, dy: str) -> str:
     if per_byte > 1:  # [T, width, per_byte] -> [T, blocks * block_size]
         products = [ctx.op("Reshape", ctx.op("Concat", *(ctx.unsqueeze(p, [-1]) for p in products), axis=-1),
                            ctx.ints([0, blocks * block_size]))]
-    grad = products[0]
-    return grad if blocks * block_size == k else ctx.op("Slice", grad, ctx.ints([0]), ctx.ints([k]), ctx.ints([1]))
+    return products[0]
 
 
 def _parts(ctx: GradientContext, packed: str, bits: int, runtime: str) -> List[str]:
@@ -98,9 +135,14 @@ def _parts(ctx: GradientContext, packed: str, bits: int, runtime: str) -> List[s
     ``runtime`` (BitShift has uint8 kernels in every onnxruntime from 1.19.2 on): onnxruntime
     would otherwise constant-fold the dequantization
     of the (initializer) weight, keeping every layer's float weight alive for the session."""
-    first = ctx.op("Slice", runtime, ctx.ints([0, 0]), ctx.ints([1, 1]))
-    zero = ctx.op("Cast", ctx.op("Less", first, first), to=onnx.TensorProto.UINT8)
+    zero = ctx.op("Cast", _runtime_zero(ctx, runtime), to=onnx.TensorProto.UINT8)
     return _unpacked_bytes(ctx, ctx.op("BitShift", packed, zero, direction="RIGHT"), bits)
+
+
+def _runtime_zero(ctx: GradientContext, runtime: str) -> str:
+    """False [1, 1] computed from the first value of the 2-D run-time tensor ``runtime``."""
+    first = ctx.op("Slice", runtime, ctx.ints([0, 0]), ctx.ints([1, 1]))
+    return ctx.op("Less", first, first)
 
 
 def _unpacked_bytes(ctx: GradientContext, packed: str, bits: int) -> List[str]:
