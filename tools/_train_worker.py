@@ -77,7 +77,10 @@ def _normgrad(variant, forward_path, x, labels, threads, loss, step_path=None):
 
     kernels = "cpp" if variant == "cpp" else None
     if step_path:  # a step graph file from normgrad export (its base in external data), as a user trains it
-        options = bench_session_options(threads, options=training_session_options(onnxruntime))
+        # the Trainer's defaults for this graph (pre-packing on for MatMulNBits), with the bench's threads
+        graph = onnx.load(step_path, load_external_data=False)
+        options = bench_session_options(threads, options=training_session_options(onnxruntime, graph))
+        del graph
         trainer = Trainer(step_path, step_path[:-len(".onnx")] + ".ckpt", lr=LR, session_options=options, kernels=kernels)
         # a genai model's attention mask: all ones, as torch's default
         batch = (x, np.ones_like(x), labels) if "attention_mask" in trainer.data_inputs else (x, labels)
