@@ -35,6 +35,7 @@ __all__ = [
     "referenced_parameters",
     "check_forward_model",
     "torchscript_folded_constants",
+    "exported_constants",
     "folded_constants_warning",
     "torchscript_eval_mode",
     "torchscript_merged_initializers",
@@ -67,6 +68,7 @@ _NAMESPACE = "pkg.torch.onnx.name_scopes"
 _REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
 _PARAMETER_TOKEN = re.compile(r"%p_([A-Za-z0-9_]+)")
 _TORCHSCRIPT_FOLDED = re.compile(r"^onnx::[A-Za-z]+_\d+$")
+_CONSTANT_OUTPUT = re.compile(r"(^|/)Constant(OfShape)?(_\d+)?_output_0$")
 
 
 class MisexportedModelError(ValueError):
@@ -247,6 +249,22 @@ def torchscript_folded_constants(model: onnx.ModelProto) -> List[str]:
     if model.producer_name != "pytorch" or torch_parameters(model) is not None:
         return []
     return [t.name for t in model.graph.initializer if _TORCHSCRIPT_FOLDED.match(t.name) and t.data_type in FLOAT_ELEM_TYPES]
+
+
+def exported_constants(model: onnx.ModelProto) -> List[str]:
+    """Float initializers named as torch's TorchScript exporter names a Constant node's output
+    (``/h.0/attn/Constant_11_output_0``), in a model without :func:`normgrad.torch.export`'s
+    metadata (that list decides there).
+
+    onnxruntime's transformer optimizer (and any model onnxruntime's graph optimizer saves)
+    stores the exported graph's Constant nodes as initializers under those names: the attention
+    scale, the mask's fill values, Gelu's coefficients. The unfused model never trains them; a
+    real parameter keeps its torch name, and a value the optimizer folds from parameters or
+    merges (``/Exp_output_0``, ``Attention_0_qkv_weight``) is named after its node.
+    """
+    if torch_parameters(model) is not None:
+        return []
+    return [t.name for t in model.graph.initializer if _CONSTANT_OUTPUT.search(t.name) and t.data_type in FLOAT_ELEM_TYPES]
 
 
 def torchscript_eval_mode(model: onnx.ModelProto, folded: List[str]) -> bool:
