@@ -27,6 +27,7 @@ __all__ = [
     "METADATA_TORCH_PARAMETERS",
     "METADATA_PEFT",
     "METADATA_EMBEDDINGS",
+    "OPTIMIZER_PRODUCER",
     "EmbeddingGradient",
     "MisexportedModelError",
     "TorchExportWarning",
@@ -59,6 +60,9 @@ METADATA_EMBEDDINGS = "normgrad.embeddings"
 {"padding_idx": a row or null, "scale_grad_by_freq": bool}}`` for each trained weight of
 nn.Embedding modules that set either: torch's gradient semantics that live in the module,
 not in the graph (see :class:`EmbeddingGradient`)."""
+
+OPTIMIZER_PRODUCER = "onnxruntime.transformers"
+"""The producer name onnxruntime's transformer optimizer (``optimize_model``) gives the models it writes."""
 
 FIX = ("export with normgrad.torch.export(module, inputs, path) (pip install \"normgrad[torch]\"), which keeps "
        "training-mode BatchNorm and every parameter as its own initializer")
@@ -104,9 +108,12 @@ def torch_parameters(model: onnx.ModelProto) -> Optional[Dict[str, str]]:
     initializers = {t.name for t in model.graph.initializer}
     unknown = sorted(set(mapping) - initializers)
     if unknown:
+        why = (": onnxruntime's transformer optimizer folded them into other tensors (transposed, the rows read), "
+               "which are no torch parameters; fine-tune the export and optimize the trained model"
+               if model.producer_name == OPTIMIZER_PRODUCER else "")
         raise MisexportedModelError(
             f"metadata {METADATA_TORCH_PARAMETERS} names {', '.join(unknown[:5])}, which "
-            f"{'are not initializers' if len(unknown) > 1 else 'is not an initializer'} of the graph"
+            f"{'are not initializers' if len(unknown) > 1 else 'is not an initializer'} of the graph{why}"
         )
     return mapping
 

@@ -449,8 +449,12 @@ def test_fused_by_onnxruntime_optimizer_trains_as_unfused(tmp_path, model_type, 
     fused = optimize_model(str(path), model_type=model_type, num_heads=2, hidden_size=32, opt_level=opt_level,
                            use_gpu=False).model
     assert {n.op_type for n in fused.graph.node if n.domain == MS} == fused_ops
-    # the optimizer keeps normgrad's metadata: its list of parameters names some it folded away (dropped here);
-    # its nn.Embedding semantics (BERT's padding_idx 0: that row gets no gradient) still hold
+    # the optimizer keeps normgrad's metadata: its list of parameters names some it folded away, which is
+    # refused in one line (dropped here); its nn.Embedding semantics (BERT's padding_idx 0: that row gets no
+    # gradient) still hold
+    with pytest.raises(torch_exports.MisexportedModelError, match=r"names .*transformer optimizer folded them") as refused:
+        build_training_graph(fused, loss="mse")
+    assert "\n" not in str(refused.value)
     kept = [p for p in fused.metadata_props if p.key != torch_exports.METADATA_TORCH_PARAMETERS]
     del fused.metadata_props[:]
     fused.metadata_props.extend(kept)
