@@ -19,7 +19,7 @@ struct PoolRow {
 };
 
 // best[i] = the flat plane index of the first maximum of output column ow0 + i, for i below
-// the count returned: count rounded down to whole blocks of 8 (the caller does the rest).
+// the count returned: all `count` from 8 on, else none (the caller does the rest).
 // Needs every index below 2^31 (the caller checks).
 size_t max_pool_row_argmax_avx2(const PoolRow& row, size_t ow0, size_t count, int64_t* best);
 
