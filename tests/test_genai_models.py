@@ -1,7 +1,8 @@
 """onnxruntime-genai's int4 Llama trains: its KV cache dropped (input_ids, attention_mask and
 labels are the data), MatMulNBits / GroupQueryAttention / SimplifiedLayerNormalization
 differentiated; the step-0 loss is onnxruntime's inference loss, the gradients a directional
-finite difference's, and ``normgrad export`` + ``normgrad train`` run it."""
+finite difference's, and ``normgrad export`` + ``normgrad train`` run it; with LoRA adapters,
+onnxruntime-genai generates with the trained adapter file what onnxruntime's logits give."""
 
 from __future__ import annotations
 
@@ -110,3 +111,103 @@ def test_nothing_to_train_is_one_line(genai_llama, tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "no trainable tensor" in error and "MatMulNBits" in error, error
     assert not os.listdir(tmp_path)
+
+
+EOS = 2  # build_tiny_llama's eos token: onnxruntime-genai stops there
+
+
+def _with_adapter(path):
+    """onnxruntime RunOptions with the adapter file at ``path`` active, and the adapter: the
+    options do not keep it alive (a run after it is freed fails with std::bad_alloc)."""
+    options = ort.RunOptions()
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(path))
+    options.add_active_adapter(adapter)
+    return options, adapter
+
+
+def _greedy_onnxruntime(model_path, prompt, new_tokens, options=None):
+    """Greedy decoding by hand in onnxruntime: the whole sequence each step (an empty past),
+    the argmax of the last position's logits, up to and including EOS."""
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    pasts = {i.name: np.zeros((1, 2, 0, 16), np.float32) for i in session.get_inputs()
+             if i.name.startswith("past_key_values.")}
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        ids = np.array([tokens], np.int64)
+        logits = session.run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids), **pasts}, options)[0]
+        tokens.append(int(logits[0, -1].argmax()))
+        if tokens[-1] == EOS:
+            break
+    return tokens
+
+
+def _greedy_genai(folder, prompt, new_tokens, adapter_file=None):
+    """onnxruntime-genai's greedy search (its KV cache), with the adapter file active if given."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens)
+    generator = og.Generator(model, params)
+    if adapter_file is not None:
+        adapters = og.Adapters(model)
+        adapters.load(str(adapter_file), "trained")
+        generator.set_active_adapter(adapters, "trained")
+    generator.append_tokens(np.array(prompt, np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)]
+
+
+def test_genai_generates_with_the_trained_adapter_as_onnxruntime_does(genai_llama, tmp_path):
+    """LoRA on every layer of the int4 Llama, trained 3 AdamW steps; the deployable model
+    written as the genai folder's model.onnx (a copy). onnxruntime-genai with the adapter file
+    active generates, greedy, the tokens of argmax over onnxruntime's logits of that model with
+    the adapter (LoraAdapter + RunOptions); with none active, the base model's."""
+    import shutil
+
+    from normgrad import lora
+    from normgrad.graphs import build_step_graph
+    from normgrad.train import Trainer
+
+    adapted = lora.add_adapters(onnx.load(genai_llama), ["*"], rank=8, alpha=16)
+    step, initial = build_step_graph(build_training_graph(adapted, loss="causal_lm"), "adamw")
+    trainer = Trainer(step, initial, lr=2e-2)
+    data, labels = _batch(4, batch=4)
+    for _ in range(3):
+        trainer.step(**data, labels=labels)
+    adapter_file = lora.save_onnx_adapter(tmp_path / "trained.onnx_adapter", step, trainer.state_dict())
+    folder = tmp_path / "genai_lora"
+    shutil.copytree(genai_llama.parent, folder, ignore=shutil.ignore_patterns("model.onnx*"))
+    onnx.save_model(lora.adapter_model(step, genai_llama), folder / "model.onnx", save_as_external_data=True,
+                    location="model.onnx.data")
+    options, _adapter = _with_adapter(adapter_file)
+    prompt, new_tokens = [int(t) for t in data["input_ids"][0, :5]], 6
+    tuned = _greedy_onnxruntime(folder / "model.onnx", prompt, new_tokens, options)
+    base = _greedy_onnxruntime(genai_llama, prompt, new_tokens)
+    assert tuned != base  # the adapter changes what is generated
+    assert _greedy_genai(folder, prompt, new_tokens, adapter_file) == tuned
+    assert _greedy_genai(folder, prompt, new_tokens) == base
+
+
+def test_lora_export_and_train_from_the_command_line(genai_llama, tmp_path, capsys, monkeypatch):
+    """--lora-* on the genai model from another folder (its packed weights stay in its external
+    data file, relative to its folder): normgrad train writes the adapter file and the deployable
+    model, which with the adapter gives the trained inference model's logits in onnxruntime."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["export", os.fspath(genai_llama), "-o", "step.onnx", "--loss", "causal_lm", "--optimizer", "adamw",
+                     "--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "*"]) == 0
+    data, labels = _batch(5, batch=4)
+    np.savez("tokens.npz", **data, labels=labels)
+    assert cli.main(["train", "step.onnx", "--data", "tokens.npz", "--epochs", "2", "--batch-size", "2",
+                     "--out", "run", "--no-progress", "--lr", "0.01"]) == 0
+    options, _adapter = _with_adapter("run/checkpoints/adapter.onnx_adapter")
+    feeds = {"input_ids": data["input_ids"][:1], "attention_mask": data["attention_mask"][:1]}
+    tuned = ort.InferenceSession("run/checkpoints/adapter_model.onnx", providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in tuned.get_inputs()}
+    pasts = {n: np.zeros((1, 2, 0, 16), np.float32) for n in inputs if n.startswith("past_key_values.")}
+    trained = ort.InferenceSession("run/inference.onnx", providers=["CPUExecutionProvider"])
+    expected = trained.run(["logits"], {**feeds, **{n: v for n, v in pasts.items()
+                                                   if n in {i.name for i in trained.get_inputs()}}})[0]
+    np.testing.assert_allclose(tuned.run(["logits"], {**feeds, **pasts}, options)[0], expected, rtol=1e-5, atol=1e-5)
