@@ -163,7 +163,8 @@ def _run(python: str, code: str, tmp_path, name: str, quiet: bool = True) -> Non
 # Docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more).
 SLOW_PAGES = ("docs/reference/errors.md", "docs/how-to/fine-tuning.md", "docs/how-to/build-training-graph.md",
               "docs/tutorials/train-a-cnn.md", "docs/tutorials/fine-tune-a-transformer.md",
-              "docs/tutorials/data-parallel-mpi.md", "docs/tutorials/fine-tune-genai.md")
+              "docs/tutorials/data-parallel-mpi.md", "docs/tutorials/fine-tune-genai.md",
+              "docs/how-to/train-optimizer-fused.md")
 
 
 @pytest.mark.parametrize("page,kind", [
