@@ -113,6 +113,39 @@ def test_nothing_to_train_is_one_line(genai_llama, tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+def test_lora_from_the_command_line_starts_at_onnxruntimes_loss(genai_llama, tmp_path):
+    """``--lora-*`` on the builder's files (packed weights left in its external data), trained by
+    ``normgrad train`` with the Trainer's default session options: the first step's loss is
+    onnxruntime's inference loss (MatMulNBits computing as in inference, int8 activations
+    included), and the adapter file on the adapter model gives the trained model's logits."""
+    step = tmp_path / "step" / "step.onnx"
+    step.parent.mkdir()
+    assert cli.main(["export", os.fspath(genai_llama), "-o", os.fspath(step), "--loss", "causal_lm", "--optimizer",
+                     "adamw", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "*"]) == 0
+    data, labels = _batch(4, batch=2)
+    np.savez(tmp_path / "tokens.npz", **data, labels=labels)
+    run = tmp_path / "run"
+    assert cli.main(["train", os.fspath(step), "--data", os.fspath(tmp_path / "tokens.npz"), "--epochs", "2",
+                     "--batch-size", "2", "--out", os.fspath(run), "--no-progress", "--lr", "0.01"]) == 0
+    with open(run / "metrics.csv") as metrics:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(metrics) if row["train_loss"]]
+    assert losses[0] == pytest.approx(_inference_loss(genai_llama, None, data, labels), rel=1e-6, abs=1e-6)
+    trained = ort.InferenceSession(os.fspath(run / "inference.onnx"), providers=["CPUExecutionProvider"])
+    adapted = ort.InferenceSession(os.fspath(run / "checkpoints" / "adapter_model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    adapter = ort.LoraAdapter()
+    adapter.Load(os.fspath(run / "checkpoints" / "adapter.onnx_adapter"))
+    options = ort.RunOptions()
+    options.add_active_adapter(adapter)
+    feeds = dict(data)
+    for info in adapted.get_inputs():
+        if info.name.startswith("past_key_values."):
+            feeds[info.name] = np.zeros((labels.shape[0], 2, 0, 16), np.float32)
+    expected = trained.run(["logits"], data)[0]
+    np.testing.assert_allclose(adapted.run(["logits"], feeds, options)[0], expected, rtol=0, atol=1e-5)
+    assert np.abs(adapted.run(["logits"], feeds)[0] - expected).max() > 1e-3  # the adapters moved the logits
+
+
 EOS = 2  # build_tiny_llama's eos token: onnxruntime-genai stops there
 
 
@@ -189,25 +222,3 @@ def test_genai_generates_with_the_trained_adapter_as_onnxruntime_does(genai_llam
     assert tuned != base  # the adapter changes what is generated
     assert _greedy_genai(folder, prompt, new_tokens, adapter_file) == tuned
     assert _greedy_genai(folder, prompt, new_tokens) == base
-
-
-def test_lora_export_and_train_from_the_command_line(genai_llama, tmp_path, capsys, monkeypatch):
-    """--lora-* on the genai model from another folder (its packed weights stay in its external
-    data file, relative to its folder): normgrad train writes the adapter file and the deployable
-    model, which with the adapter gives the trained inference model's logits in onnxruntime."""
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["export", os.fspath(genai_llama), "-o", "step.onnx", "--loss", "causal_lm", "--optimizer", "adamw",
-                     "--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "*"]) == 0
-    data, labels = _batch(5, batch=4)
-    np.savez("tokens.npz", **data, labels=labels)
-    assert cli.main(["train", "step.onnx", "--data", "tokens.npz", "--epochs", "2", "--batch-size", "2",
-                     "--out", "run", "--no-progress", "--lr", "0.01"]) == 0
-    options, _adapter = _with_adapter("run/checkpoints/adapter.onnx_adapter")
-    feeds = {"input_ids": data["input_ids"][:1], "attention_mask": data["attention_mask"][:1]}
-    tuned = ort.InferenceSession("run/checkpoints/adapter_model.onnx", providers=["CPUExecutionProvider"])
-    inputs = {i.name for i in tuned.get_inputs()}
-    pasts = {n: np.zeros((1, 2, 0, 16), np.float32) for n in inputs if n.startswith("past_key_values.")}
-    trained = ort.InferenceSession("run/inference.onnx", providers=["CPUExecutionProvider"])
-    expected = trained.run(["logits"], {**feeds, **{n: v for n, v in pasts.items()
-                                                   if n in {i.name for i in trained.get_inputs()}}})[0]
-    np.testing.assert_allclose(tuned.run(["logits"], {**feeds, **pasts}, options)[0], expected, rtol=1e-5, atol=1e-5)

@@ -408,18 +408,9 @@ def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onn
     helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
                                    METADATA_LORA: next(p.value for p in step_model.metadata_props
                                                        if p.key == METADATA_LORA)})
-    refused = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
-    try:
-        check_model(model)
-    except refused:
-        # onnx's checker refuses some models onnxruntime runs (the genai builder's:
-        # SimplifiedLayerNormalization in the ONNX domain, value_info its inference contradicts);
-        # only a base model it accepts must still pass with the adapters wired in
-        try:
-            check_model(onnx.load(os.fspath(base_model_path), load_external_data=False))
-        except refused:
-            return model
-        raise
+    # structure only: the base is the user's as it was, and onnx's shape inference refuses
+    # some that onnxruntime runs (genai's builder declares its 1-element Constants 0-d)
+    onnx.checker.check_model(model)
     return model
 
 
