@@ -6,6 +6,7 @@ finite difference's, and ``normgrad export`` + ``normgrad train`` run it."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 from typing import NamedTuple
@@ -53,15 +54,20 @@ def _batch(seed=0, batch=2, length=12):
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
-def _inference_loss(model_path, model, data, labels):
-    """The loss of onnxruntime running the model as genai does: an empty past, the logits."""
+def _logits(model_path, model, data, options=None):
+    """The logits of onnxruntime running the model as genai does (an empty past)."""
     session = ort.InferenceSession(model.SerializeToString() if model is not None else str(model_path),
                                    providers=["CPUExecutionProvider"])
     feeds = dict(data)
     for info in session.get_inputs():
         if info.name.startswith("past_key_values."):
-            feeds[info.name] = np.zeros((labels.shape[0], 2, 0, 16), np.float32)
-    return causal_lm_loss(session.run(["logits"], feeds)[0], labels)
+            feeds[info.name] = np.zeros((len(data["input_ids"]), 2, 0, 16), np.float32)
+    return session.run(["logits"], feeds, options)[0]
+
+
+def _inference_loss(model_path, model, data, labels):
+    """The loss of onnxruntime running the model as genai does: an empty past, the logits."""
+    return causal_lm_loss(_logits(model_path, model, data), labels)
 
 
 def _float_math(model):
@@ -172,38 +178,48 @@ def _hf_parts(architecture, node_name, q_size=64, kv_size=32, intermediate=96):
     return [_Part(f"{prefix}.{projection}", everything, everything, everything)]
 
 
-def _torch_peft_model(hf_folder, architecture, layers, adapters, weights):
-    """The transformers model of ``hf_folder`` in float64 with each adapted layer's weight the
-    genai layer's dequantized one, and peft's LoRA on the matching modules holding ``adapters``."""
+def _dequantized_hf_model(hf_folder, architecture, model):
+    """The transformers model of ``hf_folder`` in float64 with each weight the genai build
+    ``model`` quantized replaced by its dequantized int4 one; and {node: its parts}."""
     import torch
     import transformers
+
+    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float64,
+                                                                 attn_implementation="eager")
+    parts = {}
+    with torch.no_grad():
+        for node in model.graph.node:
+            if node.op_type == "MatMulNBits":
+                weight = dequantize_matmul_nbits(node, initializers)
+                parts[node.name] = _hf_parts(architecture, node.name)
+                for part in parts[node.name]:
+                    hf_model.get_submodule(part.module).weight[part.module_rows] = torch.from_numpy(weight[part.rows])
+    return hf_model, parts
+
+
+def _torch_peft_model(hf_model, parts, layers, adapters):
+    """peft's LoRA on the modules of ``hf_model`` the adapted ``layers`` stand for, holding ``adapters``."""
+    import torch
     from peft import LoraConfig, get_peft_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float64,
-                                                              attn_implementation="eager")
-    parts = {layer.node: _hf_parts(architecture, layer.node) for layer in layers}
-    modules = sorted({part.module for found in parts.values() for part in found})
-    ranks = {part.module: 2 * RANK for found in parts.values() for part in found if part.ranks.start == RANK}
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules, lora_dropout=0.0,
-                        rank_pattern={m: r for m, r in ranks.items()},
+    modules = sorted({part.module for layer in layers for part in parts[layer.node]})
+    ranks = {part.module: 2 * RANK for layer in layers for part in parts[layer.node] if part.ranks.start == RANK}
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules, lora_dropout=0.0, rank_pattern=ranks,
                         alpha_pattern={m: ALPHA * r // RANK for m, r in ranks.items()})
+    peft_model = get_peft_model(hf_model, config)
     with torch.no_grad():
-        for layer in layers:
-            for part in parts[layer.node]:
-                model.get_submodule(part.module).weight[part.module_rows] = torch.from_numpy(weights[layer.node][part.rows])
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, module in peft_model.base_model.model.named_modules():
-            if name in modules:
-                module.lora_A["default"].weight.zero_()
-                module.lora_B["default"].weight.zero_()
+        for name in modules:
+            module = peft_model.base_model.model.get_submodule(name)
+            module.lora_A["default"].weight.zero_()
+            module.lora_B["default"].weight.zero_()
         for layer in layers:
             for part in parts[layer.node]:
                 module = peft_model.base_model.model.get_submodule(part.module)
                 module.lora_A["default"].weight[part.ranks] = torch.from_numpy(adapters[layer.A].astype(np.float64))
                 module.lora_B["default"].weight[part.module_rows, part.ranks] = torch.from_numpy(
                     adapters[layer.B][part.rows].astype(np.float64))
-    return peft_model, parts
+    return peft_model
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -217,18 +233,16 @@ def test_lora_gradients_match_torch_and_peft(genai_builds, architecture):
 
     path = genai_builds(architecture)
     model = _float_math(onnx.load(path))
-    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    weights = {node.name: dequantize_matmul_nbits(node, initializers)
-               for node in model.graph.node if node.op_type == "MatMulNBits"}
+    hf_model, parts = _dequantized_hf_model(path.parent.parent / "hf", architecture, model)
     training = build_training_graph(lora.add_adapters(model, targets="*", rank=RANK, alpha=ALPHA), loss="causal_lm")
     layers = lora.lora_layers(training.model)["layers"]
-    assert sorted(layer.node for layer in layers) == sorted(weights)
+    assert sorted(layer.node for layer in layers) == sorted(parts)
     rng = np.random.default_rng(5)
     adapters = {name: (value if ".lora_A" in name else rng.standard_normal(value.shape).astype(np.float32) * 0.05)
                 for name, value in training.weights.items()}
     data, labels = _batch(4)
     outputs = run_training_graph(training._replace(weights=adapters), {**data, "labels": labels})
-    peft_model, parts = _torch_peft_model(path.parent.parent / "hf", architecture, layers, adapters, weights)
+    peft_model = _torch_peft_model(hf_model, parts, layers, adapters)
     loss = peft_model(**{k: torch.from_numpy(v) for k, v in data.items()}, labels=torch.from_numpy(labels)).loss
     loss.backward()
     assert float(outputs["loss"]) == pytest.approx(loss.item(), rel=1e-5)
@@ -241,3 +255,53 @@ def test_lora_gradients_match_torch_and_peft(genai_builds, architecture):
         for name, expected in ((layer.A, grad_a), (layer.B, grad_b)):
             error = np.abs(outputs[f"{name}_grad"] - expected).max()
             assert error <= 1e-4 * np.abs(expected).max(), (name, error, np.abs(expected).max())
+
+
+def _export_and_train(model_path, folder, *lora_options):
+    """``normgrad export --lora-*`` then ``normgrad train`` (2 epochs of 2 batches); the checkpoint folder."""
+    step = folder / "step.onnx"
+    assert cli.main(["export", os.fspath(model_path), "-o", os.fspath(step), "--loss", "causal_lm", "--optimizer",
+                     "adamw", "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), *lora_options]) == 0
+    data, labels = _batch(6, batch=4)
+    np.savez(folder / "tokens.npz", **data, labels=labels)
+    assert cli.main(["train", os.fspath(step), "--data", os.fspath(folder / "tokens.npz"), "--epochs", "2",
+                     "--batch-size", "2", "--out", os.fspath(folder / "run"), "--no-progress", "--lr", "0.01"]) == 0
+    return folder / "run" / "checkpoints"
+
+
+def test_train_writes_peft_files_that_peft_loads(genai_llama, tmp_path, capsys):
+    """The peft pair ``normgrad train`` writes for a genai Llama (its fused qkv_proj adapter as
+    peft's q/k/v_proj): the PeftModel on the dequantized base gives onnxruntime's logits of the
+    deployable model with the trained adapter file active (1e-4 of their scale)."""
+    peft = pytest.importorskip("peft")
+    import torch
+
+    folder = _export_and_train(genai_llama, tmp_path, "--lora-targets", "*")
+    assert "no peft adapter" not in capsys.readouterr().err
+    written = json.loads((folder / "peft_adapter" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"]) == (RANK, ALPHA)
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"} <= set(written["target_modules"])
+    deployable = _float_math(onnx.load(folder / "adapter_model.onnx"))
+    hf_model, _ = _dequantized_hf_model(genai_llama.parent.parent / "hf", "llama", deployable)
+    peft_model = peft.PeftModel.from_pretrained(hf_model, folder / "peft_adapter")
+    data, _ = _batch(7)
+    with torch.no_grad():
+        expected = peft_model(**{k: torch.from_numpy(v) for k, v in data.items()}).logits.numpy()
+    options = ort.RunOptions()
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(folder / "adapter.onnx_adapter"))
+    options.add_active_adapter(adapter)
+    tuned, base = _logits(None, deployable, data, options), _logits(None, deployable, data)
+    kept = data["attention_mask"] == 1  # the padded positions' logits differ (genai masks them as padding)
+    scale = np.abs(expected[kept]).max()
+    assert np.abs(tuned[kept] - expected[kept]).max() <= 1e-4 * scale
+    assert np.abs(base[kept] - expected[kept]).max() > 1e-2 * scale  # the adapter is in the comparison
+
+
+def test_train_writes_no_peft_files_where_the_names_do_not_map(genai_builds, tmp_path, capsys):
+    """Phi-3's gate_up_proj, which the genai builder splits into gate_proj and up_proj, has no
+    peft adapter for two: one line says so and no peft file is written."""
+    folder = _export_and_train(genai_builds("phi3"), tmp_path, "--lora-targets", "*mlp/*")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "peft" in line]
+    assert len(lines) == 1 and "no peft adapter written" in lines[0] and "gate_up_proj" in lines[0], lines
+    assert (folder / "adapter.onnx_adapter").exists() and not (folder / "peft_adapter").exists()

@@ -26,12 +26,16 @@ def fold_integer_constants(model: onnx.ModelProto) -> int:
 
     Shape arithmetic exporters write (TorchScript's nn.MultiheadAttention computes its q/k/v
     reshape target with Mod, Slice and Concat) then has constant operands, which onnx shape
-    inference follows; float values, where gradients flow, are never folded."""
+    inference follows; float values, where gradients flow, are never folded, nor initializers
+    whose data is still in a file (weights such as MatMulNBits' packed blocks: the file is
+    relative to the model's folder, unknown here)."""
     import onnx.reference
+    from onnx.external_data_helper import uses_external_data
 
     graph = model.graph
     integer = lambda value: value.dtype.kind in "iub"  # noqa: E731
-    constants = {t.name: onh.to_array(t) for t in graph.initializer if t.data_type not in FLOAT_ELEM_TYPES}
+    constants = {t.name: onh.to_array(t) for t in graph.initializer
+                 if t.data_type not in FLOAT_ELEM_TYPES and not uses_external_data(t)}
     constants = {name: value for name, value in constants.items() if integer(value)}
     opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     nodes, folded = [], 0

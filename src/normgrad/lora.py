@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
 import numpy as np
@@ -43,7 +44,7 @@ from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
            "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "add_adapters", "save_onnx_adapter", "adapter_model",
-           "check_onnx_adapter"]
+           "check_onnx_adapter", "save_genai_peft_adapter"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -82,8 +83,6 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
         LoraError: ``step_model`` has no adapters, or ``tensors`` lacks one.
         OSError: a file cannot be written.
     """
-    from safetensors.numpy import save as safetensors_bytes
-
     info = _usable(step_model)
     weights = {}
     for layer in info["layers"]:
@@ -91,9 +90,17 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
             if layer[part] not in tensors:
                 raise LoraError(f"no trained value for adapter {layer[part]!r}")
             weights[layer[f"{part}_key"]] = np.ascontiguousarray(tensors[layer[part]])
+    return _write_peft_pair(directory, weights, info["adapter_config"])
+
+
+def _write_peft_pair(directory: PathLike, weights: Mapping[str, np.ndarray], adapter_config: str) -> List[str]:
+    """Writes ``adapter_model.safetensors`` (``weights``) and ``adapter_config.json`` to
+    ``directory`` as one set (see :func:`save_adapter`); returns the two paths."""
+    from safetensors.numpy import save as safetensors_bytes
+
     paths = [os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)]
-    contents = {ADAPTER_WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt"}),
-                ADAPTER_CONFIG: info["adapter_config"].encode()}
+    contents = {ADAPTER_WEIGHTS: safetensors_bytes(dict(weights), metadata={"format": "pt"}),
+                ADAPTER_CONFIG: adapter_config.encode()}
     if not replace_folder_files(directory, contents):  # a folder with subfolders, or no atomic exchange here
         os.makedirs(directory, exist_ok=True)
         with staging() as staged:
@@ -408,8 +415,22 @@ def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onn
     helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
                                    METADATA_LORA: next(p.value for p in step_model.metadata_props
                                                        if p.key == METADATA_LORA)})
-    check_model(model)
+    _check_as_its_base(model, base_model_path)
     return model
+
+
+def _check_as_its_base(model: onnx.ModelProto, base_model_path: PathLike) -> None:
+    """onnx's full check of ``model``, where its base model passes it: onnx's checker refuses
+    every onnxruntime-genai build (SimplifiedLayerNormalization in the default domain, shape
+    annotations that contradict their Constant), which onnxruntime runs."""
+    try:
+        check_model(model)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+        try:
+            check_model(onnx.load(os.fspath(base_model_path), load_external_data=False))
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+            return
+        raise
 
 
 def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:
@@ -431,3 +452,91 @@ def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:
             has = f"its input {name!r} is {inputs[name]}" if name in inputs else f"it has no input {name!r}"
             raise LoraError(f"{path} holds adapter {name!r} of shape {list(value.shape())}, but {has}: the adapter "
                             "file was made for another model")
+
+
+GENAI_CONFIG = "genai_config.json"
+"""The file onnxruntime-genai's model builder writes beside its model.onnx."""
+
+_GENAI_LAYER = re.compile(r"/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMul(?:_Q4|_Q8)?|/lm_head/MatMul(?:_Q4|_Q8)?")
+"""The genai builder's names of the nodes that take adapters: ``/model/layers.0/attn/q_proj/MatMul``
+(``_Q4``/``_Q8`` where quantized), ``/lm_head/MatMul``."""
+
+_HF_LAYOUT = {"llama": frozenset(), "mistral": frozenset(), "qwen2": frozenset(),
+              "phi3": frozenset({"qkv_proj", "gate_up_proj"})}
+"""The genai model types whose transformers modules are Llama's (``model.layers.N.self_attn.q_proj``,
+``...mlp.gate_proj``, ``lm_head``), with the fused projections the transformers model has."""
+
+
+def _genai_model_config(base_model_path: PathLike) -> Dict[str, object]:
+    path = os.path.join(os.path.dirname(os.fspath(base_model_path)), GENAI_CONFIG)
+    try:
+        with open(path) as file:
+            return json.load(file)["model"]
+    except (OSError, ValueError, KeyError):
+        raise LoraError(f"the base model is not an onnxruntime-genai build (no readable {path})") from None
+
+
+def _genai_peft_parts(node: str, model: Mapping[str, object]) -> "List[tuple[str, slice]]":
+    """[(transformers module, rows of the genai layer's output)] of an adapted genai layer: one
+    module, or q/k/v_proj for the qkv_proj the builder fuses (each with the adapter's A and its
+    rows of B, which computes what the fused adapter does).
+
+    Raises:
+        LoraError: the layer has no transformers module of its own (e.g. Phi-3's gate_proj, which
+            the builder splits from gate_up_proj).
+    """
+    fused = _HF_LAYOUT.get(model["type"])
+    if fused is None:
+        raise LoraError(f"no peft names for onnxruntime-genai model type {model['type']!r} (known: "
+                        f"{', '.join(sorted(_HF_LAYOUT))})")
+    match = _GENAI_LAYER.fullmatch(node)
+    if match is None:
+        raise LoraError(f"the adapted layer {node!r} is not one the genai builder names after a transformers module")
+    if match.group(1) is None:
+        return [("lm_head", slice(None))]
+    layer, block, projection = match.groups()
+    prefix = f"model.layers.{layer}.{'self_attn' if block == 'attn' else 'mlp'}"
+    if projection == "qkv_proj" and "qkv_proj" not in fused:
+        q_size = model["decoder"]["num_attention_heads"] * model["decoder"]["head_size"]
+        kv_size = model["decoder"]["num_key_value_heads"] * model["decoder"]["head_size"]
+        ends = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+        return [(f"{prefix}.{name}", slice(ends[i], ends[i + 1])) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))]
+    if projection in ("q_proj", "k_proj", "v_proj") and "qkv_proj" in fused or (
+            projection in ("gate_proj", "up_proj") and "gate_up_proj" in fused):
+        whole = "qkv_proj" if projection.endswith(("q_proj", "k_proj", "v_proj")) else "gate_up_proj"
+        raise LoraError(f"the adapter of {node!r} has no peft counterpart: the genai builder splits {model['type']}'s "
+                        f"{whole}, whose one peft adapter cannot hold the separate adapters of its parts")
+    return [(f"{prefix}.{projection}", slice(None))]
+
+
+def save_genai_peft_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
+                            base_model_path: PathLike) -> List[str]:
+    """Writes the trained adapters in ``tensors`` of a step graph built from :func:`add_adapters`
+    on an onnxruntime-genai build (``base_model_path``, its ``genai_config.json`` beside it) as
+    peft's ``adapter_model.safetensors`` + ``adapter_config.json`` for the transformers model
+    the build came from, which ``peft.PeftModel.from_pretrained(hf_model, directory)`` loads
+    (as one set, as :func:`save_adapter`); returns the two paths. The builder's fused qkv_proj
+    of Llama-like models becomes q/k/v_proj adapters, each with the fused A and its rows of B.
+
+    Raises:
+        LoraError: nothing written: the base is no genai build of a known type, an adapted layer
+            has no transformers module of its own (Phi-3's gate/up_proj, which the builder splits),
+            or ``tensors`` lacks an adapter.
+    """
+    info = _onnx_adapters(step_model)
+    model = _genai_model_config(base_model_path)
+    weights, modules = {}, []
+    for layer in info["layers"]:
+        parts = _genai_peft_parts(layer.node, model)
+        for name in (layer.A, layer.B):
+            if name not in tensors:
+                raise LoraError(f"no trained value for adapter {name!r}")
+        for module, rows in parts:
+            key = f"base_model.model.{module}"
+            weights[f"{key}.lora_A.weight"] = np.ascontiguousarray(tensors[layer.A], dtype=np.float32)
+            weights[f"{key}.lora_B.weight"] = np.ascontiguousarray(tensors[layer.B][rows], dtype=np.float32)
+            modules.append(module)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["rank"], "lora_alpha": info["alpha"],
+              "lora_dropout": info["dropout"], "target_modules": sorted(modules), "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
+    return _write_peft_pair(directory, weights, json.dumps(config, indent=2, sort_keys=True))
