@@ -22,7 +22,11 @@ trained state:
 * :func:`adapter_model` is the original model with each adapter's A and B as graph inputs
   (zeros by default), which onnxruntime runs with ``onnxruntime.LoraAdapter`` +
   ``RunOptions.add_active_adapter``, and unchanged with no adapter active;
-* :func:`check_onnx_adapter` refuses an adapter file made for another model in one line.
+* :func:`check_onnx_adapter` refuses an adapter file made for another model in one line;
+* :func:`save_genai_peft_adapter` writes them as peft's pair for the transformers model an
+  onnxruntime-genai build came from, where its layers map to that model's;
+* :func:`merged_model` folds them into a float base as for a peft export (a MatMulNBits base
+  is refused).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from onnx import helper, numpy_helper
 from normgrad.util.files import PathLike, StagedFile, commit_files, replace_folder_files, staging
 from normgrad.util.external_data import check_model
 from normgrad.errors import LoraError
-from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, wire_adapter
+from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, weight_is_out_by_in, wire_adapter
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
@@ -112,7 +116,11 @@ def _write_peft_pair(directory: PathLike, weights: Mapping[str, np.ndarray], ada
 def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
                  base_dir: Optional[PathLike] = None) -> onnx.ModelProto:
     """The step graph's inference model (:func:`normgrad.graphs.build_inference_model`) with
-    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`).
+    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`):
+    a peft export's, or those of :func:`add_adapters` (W + scaling * B A in the layer's weight
+    layout: [in, out] for a MatMul's, [out, in] read through a Transpose or by a Gemm with
+    transB; refused with a LoraError for a MatMulNBits's quantized weight, or a weight two
+    adapters share).
     ``base_dir``: the folder of the step graph's external data (a frozen base), default the
     current folder; the base weights the adapters change are read from it and become inline
     tensors, the others stay external (write the model with
@@ -120,7 +128,8 @@ def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
     does)."""
     from normgrad.graphs.step_graph import build_inference_model
 
-    return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
+    inference = build_inference_model(step_model, tensors)
+    return merge_adapters(inference, _merge_info(step_model, inference), base_dir)
 
 
 def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
@@ -132,11 +141,36 @@ def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.
     computes them one at a time (the merged weights are never all in memory)."""
     from normgrad.graphs.step_graph import build_inference_model
 
-    model, merged_weights = _merge(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
+    inference = build_inference_model(step_model, tensors)
+    model, merged_weights = _merge(inference, _merge_info(step_model, inference), base_dir)
     external = {t.name for t in model.graph.initializer if t.name in merged_weights
                 and t.data_location == onnx.TensorProto.EXTERNAL}
     _inline(model, {name: merged for name, merged in merged_weights.items() if name not in external})
     return model, {name: _bytes_of(merged_weights[name]) for name in external}
+
+
+def _merge_info(step_model: onnx.ModelProto, inference: onnx.ModelProto) -> Dict[str, object]:
+    """The layers to merge, as :func:`merge_adapters` takes them: a peft export's, or those of
+    :func:`add_adapters` (``fan_in_fan_out`` where the base weight is stored [in, out]).
+
+    Raises:
+        LoraError: no adapters, a base that is no float matrix (a MatMulNBits's 4-bit weight),
+            or a base weight two adapters share.
+    """
+    if METADATA_LORA not in {p.key for p in step_model.metadata_props}:
+        return _usable(step_model)
+    layers = []
+    for layer in _onnx_adapters(step_model)["layers"]:
+        if layer.op_type == "MatMulNBits":
+            raise LoraError(f"cannot merge LoRA adapter {layer.A!r} into MatMulNBits node {layer.node!r}: its base "
+                            "weight is quantized (merge into a float build of the model, e.g. the genai builder's "
+                            "-p fp32, or deploy the adapter file with adapter_model)")
+        if any(other["base"] == layer.weight for other in layers):
+            raise LoraError(f"cannot merge: base weight {layer.weight!r} is shared by several adapted layers, "
+                            "each with its own adapter")
+        layers.append({"A": layer.A, "B": layer.B, "base": layer.weight, "scaling": layer.scaling,
+                       "fan_in_fan_out": not weight_is_out_by_in(inference.graph, layer)})
+    return {"layers": layers}
 
 
 def _inline(model: onnx.ModelProto, merged_weights: Mapping[str, Callable[[], np.ndarray]]) -> None:
