@@ -305,3 +305,36 @@ def test_train_writes_no_peft_files_where_the_names_do_not_map(genai_builds, tmp
     lines = [line for line in capsys.readouterr().err.splitlines() if "peft" in line]
     assert len(lines) == 1 and "no peft adapter written" in lines[0] and "gate_up_proj" in lines[0], lines
     assert (folder / "adapter.onnx_adapter").exists() and not (folder / "peft_adapter").exists()
+
+
+def test_lora_from_the_command_line_starts_at_onnxruntimes_loss(genai_llama, tmp_path):
+    """``--lora-*`` on the builder's files (packed weights left in its external data), trained by
+    ``normgrad train`` with the Trainer's default session options: the first step's loss is
+    onnxruntime's inference loss (MatMulNBits computing as in inference, int8 activations
+    included), and the adapter file on the adapter model gives the trained model's logits."""
+    step = tmp_path / "step" / "step.onnx"
+    step.parent.mkdir()
+    assert cli.main(["export", os.fspath(genai_llama), "-o", os.fspath(step), "--loss", "causal_lm", "--optimizer",
+                     "adamw", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "*"]) == 0
+    data, labels = _batch(4, batch=2)
+    np.savez(tmp_path / "tokens.npz", **data, labels=labels)
+    run = tmp_path / "run"
+    assert cli.main(["train", os.fspath(step), "--data", os.fspath(tmp_path / "tokens.npz"), "--epochs", "2",
+                     "--batch-size", "2", "--out", os.fspath(run), "--no-progress", "--lr", "0.01"]) == 0
+    with open(run / "metrics.csv") as metrics:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(metrics) if row["train_loss"]]
+    assert losses[0] == pytest.approx(_inference_loss(genai_llama, None, data, labels), rel=1e-6, abs=1e-6)
+    trained = ort.InferenceSession(os.fspath(run / "inference.onnx"), providers=["CPUExecutionProvider"])
+    adapted = ort.InferenceSession(os.fspath(run / "checkpoints" / "adapter_model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    adapter = ort.LoraAdapter()
+    adapter.Load(os.fspath(run / "checkpoints" / "adapter.onnx_adapter"))
+    options = ort.RunOptions()
+    options.add_active_adapter(adapter)
+    feeds = dict(data)
+    for info in adapted.get_inputs():
+        if info.name.startswith("past_key_values."):
+            feeds[info.name] = np.zeros((labels.shape[0], 2, 0, 16), np.float32)
+    expected = trained.run(["logits"], data)[0]
+    np.testing.assert_allclose(adapted.run(["logits"], feeds, options)[0], expected, rtol=0, atol=1e-5)
+    assert np.abs(adapted.run(["logits"], feeds)[0] - expected).max() > 1e-3  # the adapters moved the logits

@@ -206,16 +206,19 @@ def parse_scheduler(text: str, trainer):
         raise CommandError(f"--scheduler {name}: {one_line(error)}") from None
 
 
-def session_options(threads: Optional[int]):
-    """The Trainer's default session options with ``threads`` intra-op threads (None:
-    the Trainer's own default options)."""
+def session_options(threads: Optional[int], step_model):
+    """The Trainer's default session options for ``step_model`` (a ``ModelProto`` or its
+    path) with ``threads`` intra-op threads (None: the Trainer's own default options)."""
     if threads is None:
         return None
+    import onnx
     import onnxruntime
 
     from normgrad._session import training_session_options
 
-    options = training_session_options(onnxruntime)
+    if isinstance(step_model, str):
+        step_model = onnx.load(step_model, load_external_data=False)
+    options = training_session_options(onnxruntime, step_model)
     options.intra_op_num_threads = threads
     return options
 
@@ -323,7 +326,7 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if "beta1" in given:
             options["betas"] = (given["beta1"], given["beta2"])
         trainer = Trainer(args.step, checkpoint, eval_model=eval_graph if os.path.isfile(eval_graph) else None,
-                          accumulation=args.accumulation or 1, session_options=session_options(args.threads), **options)
+                          accumulation=args.accumulation or 1, session_options=session_options(args.threads, args.step), **options)
         train = check_arrays(train, trainer, "--data")
         if validation is not None:
             validation = check_arrays(validation, trainer, "--eval")

@@ -150,7 +150,7 @@ def _train_digits(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     total = steps_per_epoch * args.epochs
     warmup = min(steps_per_epoch, total - 1)
     trainer = train.Trainer(step_model, initial, lr=train.cosine(args.lr, total, warmup_steps=warmup),
-                            session_options=session_options(args.threads))
+                            session_options=session_options(args.threads, step_model))
     print(f"training the digits CNN with AdamW: lr {args.lr:g} (the peak of a cosine schedule after {warmup} warm-up "
           f"steps), weight_decay {trainer.hyperparameters['weight_decay']:g}; batch size {args.batch_size}, "
           f"{args.epochs} epochs", flush=True)

@@ -26,16 +26,14 @@ def fold_integer_constants(model: onnx.ModelProto) -> int:
 
     Shape arithmetic exporters write (TorchScript's nn.MultiheadAttention computes its q/k/v
     reshape target with Mod, Slice and Concat) then has constant operands, which onnx shape
-    inference follows; float values, where gradients flow, are never folded, nor initializers
-    whose data is still in a file (weights such as MatMulNBits' packed blocks: the file is
-    relative to the model's folder, unknown here)."""
+    inference follows; float values, where gradients flow, are never folded, nor is data left in
+    external files (an int4 model's packed weights, which no shape depends on)."""
     import onnx.reference
-    from onnx.external_data_helper import uses_external_data
 
     graph = model.graph
     integer = lambda value: value.dtype.kind in "iub"  # noqa: E731
     constants = {t.name: onh.to_array(t) for t in graph.initializer
-                 if t.data_type not in FLOAT_ELEM_TYPES and not uses_external_data(t)}
+                 if t.data_type not in FLOAT_ELEM_TYPES and t.data_location != onnx.TensorProto.EXTERNAL}
     constants = {name: value for name, value in constants.items() if integer(value)}
     opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     nodes, folded = [], 0

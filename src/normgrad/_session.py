@@ -289,9 +289,10 @@ def _gate_state_updates(model: onnx.ModelProto, state: Mapping[str, str], gradie
     return gated
 
 
-def training_session_options(ort):
+def training_session_options(ort, model: Optional[onnx.ModelProto] = None):
     """The Trainer's session options when the user gives none: onnxruntime's defaults with
-    memory patterns and weight pre-packing off.
+    memory patterns and weight pre-packing off (pre-packing stays on for a ``model`` with a
+    ``com.microsoft`` MatMulNBits node, below).
 
     A pattern plans one block for every intermediate of a run; a training step's backward
     keeps most of them alive, and with patterns off the CPU arena reuses freed chunks
@@ -306,10 +307,16 @@ def training_session_options(ort):
     memory-mapped from its data file, too). Off, it is held once and the GEMM packs panels
     as it goes, which costs CPU time with few tokens: on the 0.6 B LoRA hand run (64 tokens)
     the step's peak RSS falls from 3.93 to 2.39 GiB and its CPU time grows by about 25%
-    (docs/explanation/performance.md)."""
+    (docs/explanation/performance.md).
+
+    MatMulNBits is the exception: its kernel packs its quantized weights (and, at
+    ``accuracy_level`` 4, computes with int8 activations as inference does) only when
+    pre-packing is on; off, it dequantizes a float32 copy of the weight in every run, which
+    is neither the inference's numbers nor its memory."""
     options = ort.SessionOptions()
     options.enable_mem_pattern = False
-    options.add_session_config_entry(DISABLE_PREPACKING, "1")
+    if model is None or not any(node.op_type == "MatMulNBits" for node in model.graph.node):
+        options.add_session_config_entry(DISABLE_PREPACKING, "1")
     return options
 
 

@@ -109,7 +109,7 @@ class Trainer:
         providers: onnxruntime execution providers (default ``["CPUExecutionProvider"]``).
         session_options: an ``onnxruntime.SessionOptions`` (threads, logging, ...). None:
             :func:`normgrad._session.training_session_options` (memory patterns and weight
-            pre-packing off).
+            pre-packing off, but for MatMulNBits models).
         kernels: ``"auto"`` registers normgrad's C++ kernels when the library is installed
             (function bodies otherwise), ``"cpp"`` requires them, ``None`` registers none
             (the step graph's function bodies run).
@@ -167,7 +167,7 @@ class Trainer:
         self.step_model, self.external_data_folder = graph.model, graph.external_data_folder
         self.parameters, self.data_inputs = graph.parameters, graph.data_inputs
         self._graph = graph
-        options = session_options if session_options is not None else training_session_options(onnxruntime)
+        options = session_options if session_options is not None else training_session_options(onnxruntime, graph.model)
         keep_bfloat16_initializers(graph.model, options)
         eval_model, read_files = evaluation_graph_and_files(graph, eval_model)
         prepare_session_options(options, graph, eval_model, kernels)
