@@ -395,14 +395,16 @@ def frozen_parameters(
 def _frozen_by_metadata(model: onnx.ModelProto) -> Set[str]:
     """With metadata from :func:`normgrad.torch.export`: every float initializer that is no
     torch parameter (buffers, constants), to be frozen. With LoRA adapters from
-    :func:`normgrad.graphs.adapters.add_adapters`: every float initializer but the adapters."""
+    :func:`normgrad.graphs.adapters.add_adapters`: every float initializer but the adapters.
+    Without either: the exported graph's Constant nodes that a later tool (onnxruntime's
+    transformer optimizer) stored as initializers (:func:`torch_exports.exported_constants`)."""
     lora = adapters.lora_layers(model)
     if lora is not None:
         trained = {name for layer in lora["layers"] for name in (layer.A, layer.B)}
         return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in trained}
     parameters = torch_exports.torch_parameters(model)
     if parameters is None:
-        return set()
+        return set(torch_exports.exported_constants(model))
     return {t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES and t.name not in parameters}
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "METADATA_TORCH_PARAMETERS",
     "METADATA_PEFT",
     "METADATA_EMBEDDINGS",
+    "OPTIMIZER_PRODUCER",
     "EmbeddingGradient",
     "MisexportedModelError",
     "TorchExportWarning",
@@ -35,6 +36,7 @@ __all__ = [
     "referenced_parameters",
     "check_forward_model",
     "torchscript_folded_constants",
+    "exported_constants",
     "folded_constants_warning",
     "torchscript_eval_mode",
     "torchscript_merged_initializers",
@@ -59,6 +61,9 @@ METADATA_EMBEDDINGS = "normgrad.embeddings"
 nn.Embedding modules that set either: torch's gradient semantics that live in the module,
 not in the graph (see :class:`EmbeddingGradient`)."""
 
+OPTIMIZER_PRODUCER = "onnxruntime.transformers"
+"""The producer name onnxruntime's transformer optimizer (``optimize_model``) gives the models it writes."""
+
 FIX = ("export with normgrad.torch.export(module, inputs, path) (pip install \"normgrad[torch]\"), which keeps "
        "training-mode BatchNorm and every parameter as its own initializer")
 
@@ -67,6 +72,7 @@ _NAMESPACE = "pkg.torch.onnx.name_scopes"
 _REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
 _PARAMETER_TOKEN = re.compile(r"%p_([A-Za-z0-9_]+)")
 _TORCHSCRIPT_FOLDED = re.compile(r"^onnx::[A-Za-z]+_\d+$")
+_CONSTANT_OUTPUT = re.compile(r"(^|/)Constant(OfShape)?(_\d+)?_output_0$")
 
 
 class MisexportedModelError(ValueError):
@@ -102,9 +108,12 @@ def torch_parameters(model: onnx.ModelProto) -> Optional[Dict[str, str]]:
     initializers = {t.name for t in model.graph.initializer}
     unknown = sorted(set(mapping) - initializers)
     if unknown:
+        why = (": onnxruntime's transformer optimizer folded them into other tensors (transposed, the rows read), "
+               "which are no torch parameters; fine-tune the export and optimize the trained model"
+               if model.producer_name == OPTIMIZER_PRODUCER else "")
         raise MisexportedModelError(
             f"metadata {METADATA_TORCH_PARAMETERS} names {', '.join(unknown[:5])}, which "
-            f"{'are not initializers' if len(unknown) > 1 else 'is not an initializer'} of the graph"
+            f"{'are not initializers' if len(unknown) > 1 else 'is not an initializer'} of the graph{why}"
         )
     return mapping
 
@@ -247,6 +256,22 @@ def torchscript_folded_constants(model: onnx.ModelProto) -> List[str]:
     if model.producer_name != "pytorch" or torch_parameters(model) is not None:
         return []
     return [t.name for t in model.graph.initializer if _TORCHSCRIPT_FOLDED.match(t.name) and t.data_type in FLOAT_ELEM_TYPES]
+
+
+def exported_constants(model: onnx.ModelProto) -> List[str]:
+    """Float initializers named as torch's TorchScript exporter names a Constant node's output
+    (``/h.0/attn/Constant_11_output_0``), in a model without :func:`normgrad.torch.export`'s
+    metadata (that list decides there).
+
+    onnxruntime's transformer optimizer (and any model onnxruntime's graph optimizer saves)
+    stores the exported graph's Constant nodes as initializers under those names: the attention
+    scale, the mask's fill values, Gelu's coefficients. The unfused model never trains them; a
+    real parameter keeps its torch name, and a value the optimizer folds from parameters or
+    merges (``/Exp_output_0``, ``Attention_0_qkv_weight``) is named after its node.
+    """
+    if torch_parameters(model) is not None:
+        return []
+    return [t.name for t in model.graph.initializer if _CONSTANT_OUTPUT.search(t.name) and t.data_type in FLOAT_ELEM_TYPES]
 
 
 def torchscript_eval_mode(model: onnx.ModelProto, folded: List[str]) -> bool:

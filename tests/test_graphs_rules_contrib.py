@@ -187,28 +187,38 @@ def test_skip_layer_normalization_default_epsilon_is_onnxruntimes():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("sum_used", [False, True])
 def test_skip_simplified_layer_normalization(skip_shape, bias, sum_used):
+    """The gradient is the running onnxruntime's derivative: where its kernel ignores the bias
+    (1.19.2: y and the sum are RMSNorm(x + skip) and x + skip), the bias's gradient is zero."""
     epsilon = 1e-5
     feeds = _floats(1, x=(2, 3, 6), skip=skip_shape, gamma=(6,), **({"bias": (6,)} if bias else {}))
     outputs = ["y", "s"] if sum_used else ["y"]
     fused = oh.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"] + (["bias"] if bias else []),
                          ["y", "", "inv_std_var", "s" if sum_used else ""], domain=MS, epsilon=epsilon)
-    unfused = _sum_nodes(["x", "skip"] + (["bias"] if bias else []), "s") + _rms_nodes("s", "gamma", "y", epsilon, [-1])
+    added = bias and _kernel_adds_the_bias(_run(_model([fused], feeds, outputs), feeds)["y"], feeds, epsilon)
+    # an ignored bias reaches the unfused sum times zero: it is an input there too, with a zero gradient
+    ignored = [_constant("zero", np.float32(0)), oh.make_node("Mul", ["bias", "zero"], ["ignored"])]
+    unfused = ((ignored if bias and not added else []) + _sum_nodes(["x", "skip"] + (["bias" if added else "ignored"] if bias else []), "s")
+               + _rms_nodes("s", "gamma", "y", epsilon, [-1]))
 
     def reference(f):
-        s = f["x"] + f["skip"] + (f["bias"] if bias else 0)
+        s = f["x"] + f["skip"] + (f["bias"] if added else 0)
         return {"y": _rms_norm(s, f["gamma"], epsilon), **({"s": s} if sum_used else {})}
 
-    if bias:
-        _skip_where_the_kernel_ignores_the_bias(_run(_model([fused], feeds, outputs), feeds)["y"], feeds, epsilon)
     expected = _check(_model([fused], feeds, outputs), _model(unfused, feeds, outputs), reference, feeds)
     np.testing.assert_allclose(_run(_model([fused], feeds, outputs), feeds)["y"], expected["y"], atol=1e-5)
+    if bias and not added:
+        seeds = _seeds({name: value.astype(np.float32) for name, value in expected.items()})
+        assert not _gradients(_model([fused], feeds, outputs), feeds, seeds)["bias"].any()
 
 
-def _skip_where_the_kernel_ignores_the_bias(y: np.ndarray, feeds: Dict[str, np.ndarray], epsilon: float) -> None:
-    """onnxruntime 1.19's CPU SkipSimplifiedLayerNormalization reads no bias (its y is RMSNorm(x + skip))."""
-    unbiased = _rms_norm(feeds["x"].astype(np.float64) + feeds["skip"], feeds["gamma"], epsilon)
-    if np.allclose(y, unbiased, rtol=0, atol=1e-5):
-        pytest.skip(f"onnxruntime {ort.__version__}'s SkipSimplifiedLayerNormalization kernel ignores its bias")
+def _kernel_adds_the_bias(y: np.ndarray, feeds: Dict[str, np.ndarray], epsilon: float) -> bool:
+    """Whether the running onnxruntime's CPU SkipSimplifiedLayerNormalization gave ``y`` with the
+    bias added (1.32) or as RMSNorm(x + skip) (1.19.2 reads no bias)."""
+    s = feeds["x"].astype(np.float64) + feeds["skip"]
+    for added, total in ((True, s + feeds["bias"]), (False, s)):
+        if np.allclose(y, _rms_norm(total, feeds["gamma"], epsilon), rtol=0, atol=1e-5):
+            return added
+    raise AssertionError("the kernel's output is neither RMSNorm(x + skip + bias) nor RMSNorm(x + skip)")
 
 
 @pytest.mark.parametrize("shape, axis", [((2, 3, 6), -1), ((2, 3, 5), -2), ((4, 7), 1)])
@@ -439,8 +449,12 @@ def test_fused_by_onnxruntime_optimizer_trains_as_unfused(tmp_path, model_type, 
     fused = optimize_model(str(path), model_type=model_type, num_heads=2, hidden_size=32, opt_level=opt_level,
                            use_gpu=False).model
     assert {n.op_type for n in fused.graph.node if n.domain == MS} == fused_ops
-    # the optimizer keeps normgrad's metadata: its list of parameters names some it folded away (dropped here);
-    # its nn.Embedding semantics (BERT's padding_idx 0: that row gets no gradient) still hold
+    # the optimizer keeps normgrad's metadata: its list of parameters names some it folded away, which is
+    # refused in one line (dropped here); its nn.Embedding semantics (BERT's padding_idx 0: that row gets no
+    # gradient) still hold
+    with pytest.raises(torch_exports.MisexportedModelError, match=r"names .*transformer optimizer folded them") as refused:
+        build_training_graph(fused, loss="mse")
+    assert "\n" not in str(refused.value)
     kept = [p for p in fused.metadata_props if p.key != torch_exports.METADATA_TORCH_PARAMETERS]
     del fused.metadata_props[:]
     fused.metadata_props.extend(kept)

@@ -293,9 +293,10 @@ def test_uncovered_forms_are_refused_in_one_line(case):
 
 
 # ------------------------------------------------------------- fused models, end to end
-def _transformer(kind: str, folder):
+def _transformer(kind: str, folder, scalars: bool = False):
     """A tiny transformers BERT or GPT-2 (distinct random parameters, eager attention) exported
-    by torch; its path."""
+    by torch; its path. With ``scalars``, its hidden state is multiplied by a 0-d parameter
+    ``logit_scale`` and divided by a 0-d ``temperature`` (CLIP's learned scale and temperature)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from _transformer_blocks import _distinct_parameters
@@ -317,9 +318,13 @@ def _transformer(kind: str, folder):
         def __init__(self):
             super().__init__()
             self.model = model
+            if scalars:
+                self.logit_scale = torch.nn.Parameter(torch.tensor(1.5))
+                self.temperature = torch.nn.Parameter(torch.tensor(0.7))
 
         def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return hidden * self.logit_scale / self.temperature if scalars else hidden
 
     path = str(folder / f"{kind}.onnx")
     names = ["input_ids", "attention_mask"]
@@ -329,16 +334,28 @@ def _transformer(kind: str, folder):
     return path
 
 
-def _adamw_losses(model: onnx.ModelProto, batches) -> list:
-    """Three AdamW steps' losses; the float scalars the optimizer turned from Constant nodes
-    into initializers stay constants (as in the unfused model)."""
+def _adamw_losses(model: onnx.ModelProto, batches):
+    """The trained tensors ({name: element count}) with the default trainable set (no
+    ``frozen``), and three AdamW steps' losses."""
     from normgrad.graphs import build_step_graph
     from normgrad.train import Trainer
 
-    constants = [t.name for t in model.graph.initializer if not t.dims and t.data_type == F]
-    step, initial = build_step_graph(build_training_graph(model, loss="mse", frozen=constants), "adamw")
+    training = build_training_graph(model, loss="mse")
+    step, initial = build_step_graph(training, "adamw")
     trainer = Trainer(step, initial, lr=1e-2)
-    return [trainer.step(batch) for batch in batches]
+    return {name: value.size for name, value in training.weights.items()}, [trainer.step(batch) for batch in batches]
+
+
+def _padded_batches(count: int = 3) -> list:
+    """Right-padded batches of 3 sequences of 6 tokens (vocabulary 40) and [3, 6, 16] labels."""
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(count):
+        mask = np.ones((3, 6), np.int64)
+        mask[0, 4:], mask[2, 2:] = 0, 0
+        batches.append({"input_ids": rng.integers(0, 40, (3, 6)), "attention_mask": mask,
+                        "labels": rng.standard_normal((3, 6, 16)).astype(np.float32)})
+    return batches
 
 
 _FUSED_FORMS = {
@@ -369,12 +386,33 @@ def test_fused_transformer_trains_as_unfused(form, tmp_path):
                            optimization_options=fusion).model
     fused_ops = {n.op_type for n in fused.graph.node if n.domain == MS}
     assert attention is None or attention in fused_ops, fused_ops
-    rng = np.random.default_rng(1)
-    batches = []
-    for _ in range(3):
-        mask = np.ones((3, 6), np.int64)
-        mask[0, 4:], mask[2, 2:] = 0, 0
-        batches.append({"input_ids": rng.integers(0, 40, (3, 6)), "attention_mask": mask,
-                        "labels": rng.standard_normal((3, 6, 16)).astype(np.float32)})
-    expected = _adamw_losses(onnx.load(path), batches)
-    np.testing.assert_allclose(_adamw_losses(fused, batches), expected, rtol=0, atol=1e-5)
+    constants = [t.name for t in fused.graph.initializer if not t.dims and t.data_type == F]
+    assert attention is not None or constants  # GPT-2: the attention scale and mask fill became initializers
+    batches = _padded_batches()
+    unfused_trained, expected = _adamw_losses(onnx.load(path), batches)
+    trained, losses = _adamw_losses(fused, batches)
+    assert not set(constants) & set(trained)
+    # the same parameters: by name where the optimizer kept them; Attention's packed Q/K/V
+    # weights and biases in place of the three it packed
+    kept = set(trained) & set(unfused_trained)
+    assert set(trained) - kept <= {f"Attention_{i}_qkv_{kind}" for i in range(2) for kind in ("weight", "bias")}
+    assert sum(trained.values()) == sum(unfused_trained.values())
+    np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fused_model_trains_its_0d_parameters(tmp_path):
+    """A 0-d parameter (CLIP's logit_scale, a temperature) of a model fused by onnxruntime's
+    optimizer trains by default, as unfused, while the Constant nodes the optimizer turned into
+    0-d initializers (the attention scale, the mask fill) stay constants."""
+    pytest.importorskip("transformers")
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    path = _transformer("gpt2", tmp_path, scalars=True)
+    fused = optimize_model(path, model_type="gpt2", num_heads=2, hidden_size=16, use_gpu=False).model
+    batches = _padded_batches()
+    unfused_trained, expected = _adamw_losses(onnx.load(path), batches)
+    trained, losses = _adamw_losses(fused, batches)
+    assert {"logit_scale", "temperature"} <= set(trained)
+    assert trained == unfused_trained
+    np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-5)

@@ -13,7 +13,7 @@ import pytest
 from normgrad.graphs import build_training_graph
 from normgrad.graphs.context import UnsupportedOperatorError
 
-from _quantized_models import matmul_nbits_model
+from _quantized_models import dequantize_matmul_nbits, matmul_nbits_model
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -115,3 +115,13 @@ def test_onnxruntime_keeps_no_float_copy_of_the_weight(tmp_path):
     optimized = onnx.load(options.optimized_model_filepath)
     sizes = [int(np.prod(t.dims)) for t in optimized.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     assert max(sizes) < 40 * 64 // 2, sizes
+
+
+@pytest.mark.parametrize("bits, block_size, zero_points", [(4, 16, None), (4, 32, "uint8"), (4, 16, "float"),
+                                                           (8, 32, None), (8, 16, "uint8")])
+def test_dequantizing_a_node_gives_the_weight_it_was_packed_from(bits, block_size, zero_points):
+    """The tests' NumPy dequantization of a MatMulNBits node (used for genai models) unpacks
+    exactly what the packer packed, K not a multiple of the block."""
+    model, weight, _ = matmul_nbits_model((2, 40), 24, bits, block_size, zero_points)
+    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(dequantize_matmul_nbits(model.graph.node[0], initializers), weight)

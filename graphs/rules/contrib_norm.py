@@ -7,7 +7,9 @@
   the last axis (LayerNorm, or RMSNorm for the simplified one), times gamma (+ beta). skip is
   input's shape or broadcasts to it ([S, H], [1, S, H]); bias and beta are [H]. Outputs: y,
   mean and inv_std_var ([..., 1]; no gradient may flow into them), and s
-  (``input_skip_bias_sum``, the residual stream), whose gradient joins s's.
+  (``input_skip_bias_sum``, the residual stream), whose gradient joins s's. onnxruntime
+  1.19.2's simplified kernel ignores the bias; the bias's gradient is that of the runtime
+  running the graph (:func:`_bias_applied`).
 - SimplifiedLayerNormalization (X, scale; Y, inv_std_var), which onnxruntime defines in the
   default domain (as the genai builder writes it): RMSNormalization's rule.
 
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
 import onnx
 import onnx.defs
 import onnx.helper as oh
+import onnx.numpy_helper as onh
 
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules._contrib import TypeOf, input_type, rows_type
@@ -80,7 +84,22 @@ def _skip_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optio
     for index, name in ((_SKIP, skip), (bias_index, bias)):
         if name and ctx.needs_grad(name):
             result[index] = ctx.sum_to(ds, total, name)
+    if simplified and bias and result[bias_index]:
+        result[bias_index] = ctx.op("Mul", result[bias_index], ctx.op("CastLike", _bias_applied(ctx), result[bias_index]))
     return result
+
+
+def _bias_applied(ctx: GradientContext) -> str:
+    """1.0 (float32) where the runtime's SkipSimplifiedLayerNormalization adds its bias input, 0.0
+    where it ignores it (onnxruntime 1.19.2's CPU kernel: its sum and output leave the bias out),
+    asked of a node on constants that the runtime folds at load: zero input and skip, bias 1.
+    The bias's gradient is the running runtime's derivative, zero where the bias changes nothing."""
+    zeros = ctx.op("Constant", value=onh.from_array(np.zeros((1, 1, 2), np.float32)))
+    ones = ctx.op("Constant", value=onh.from_array(np.ones(2, np.float32)))
+    total = ctx.op("SkipSimplifiedLayerNormalization", zeros, zeros, ones, ones, domain="com.microsoft", outputs=4)[3]
+    first = ctx.op("Reshape", ctx.op("Slice", total, ctx.ints([0, 0, 0]), ctx.ints([1, 1, 1])), ctx.ints([]))
+    zero = ctx.op("Constant", value=onh.from_array(np.asarray(0.0, np.float32)))
+    return ctx.op("Cast", ctx.op("Greater", first, zero), to=onnx.TensorProto.FLOAT)
 
 
 @register("SkipLayerNormalization", inputs=(0, 1, 2, 3, 4), outputs=None, contrib=True, output_types=_skip_output_types)
