@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 
 from normgrad.errors import LoraError
 
-__all__ = ["add_adapters", "wire_adapter", "lora_layers", "METADATA_LORA", "AdaptedLayer"]
+__all__ = ["add_adapters", "wire_adapter", "lora_layers", "weight_is_out_by_in", "METADATA_LORA", "AdaptedLayer"]
 
 METADATA_LORA = "normgrad.lora"
 """Metadata key: JSON ``{"rank", "alpha", "dropout", "seed", "layers": [AdaptedLayer as a dict]}``."""
@@ -190,6 +190,12 @@ def _layers(graph: onnx.GraphProto, nodes: List[onnx.NodeProto], rank: int, scal
     return layers
 
 
+def _prefix(layer: AdaptedLayer) -> str:
+    """The start of the names of an adapter's nodes and values (``fc1.lora``)."""
+    stem = layer.A[: -len(".lora_A.weight")] if layer.A.endswith(".lora_A.weight") else layer.A[: -len(".lora_A")]
+    return f"{stem}.lora"
+
+
 def wire_adapter(graph: onnx.GraphProto, layer: AdaptedLayer, dropout: float = 0.0) -> None:
     """Writes one adapter's nodes into ``graph`` right after its base node (found by
     ``layer.output``): the base node's output is renamed and ``layer.output`` becomes
@@ -206,8 +212,7 @@ def wire_adapter(graph: onnx.GraphProto, layer: AdaptedLayer, dropout: float = 0
         raise LoraError(f"the model has no {layer.op_type} node computing {layer.output!r}, the base layer of LoRA "
                         f"adapter {layer.A!r}: the adapters were made for another model")
     base = graph.node[index]
-    stem = layer.A[: -len(".lora_A.weight")] if layer.A.endswith(".lora_A.weight") else layer.A[: -len(".lora_A")]
-    prefix = f"{stem}.lora"
+    prefix = _prefix(layer)
     base.output[0] = f"{prefix}.base_output"
     x = base.input[0]
     nodes = []
@@ -238,6 +243,22 @@ def wire_adapter(graph: onnx.GraphProto, layer: AdaptedLayer, dropout: float = 0
     nodes.append(helper.make_node("Add", [base.output[0], nodes[-1].output[0]], [layer.output], name=f"{prefix}.Add"))
     for offset, node in enumerate(nodes, start=1):
         graph.node.insert(index + offset, node)
+
+
+def weight_is_out_by_in(graph: onnx.GraphProto, layer: AdaptedLayer) -> bool:
+    """Whether the base weight of ``layer`` (wired in ``graph`` by :func:`wire_adapter`, the
+    graph maybe rewritten since) is stored [out, in] (a Gemm's with transB, or read through a
+    Transpose) rather than [in, out].
+
+    Raises:
+        LoraError: ``graph`` does not hold the adapter's base node.
+    """
+    base = _producers(graph).get(f"{_prefix(layer)}.base_output")
+    if base is None or len(base.input) < 2:
+        raise LoraError(f"the model has no base layer of LoRA adapter {layer.A!r} (no {_prefix(layer)}.base_output)")
+    if base.op_type == "Gemm":
+        return bool(_attribute(base, "transB", 0))
+    return base.input[1] != layer.weight
 
 
 def add_adapters(model: onnx.ModelProto, targets: Union[str, Sequence[str]], rank: int, alpha: float,

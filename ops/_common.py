@@ -215,6 +215,25 @@ def function_of_standard_form(op_type: str, inputs, outputs, opset: int, write) 
                                      [onnx.helper.make_opsetid("", opset)])
 
 
+def image_gradients_infer(op_type: str, dims: dict):
+    """Type and shape inference of an operator over images whose inputs (``dims``: {name:
+    "[N, C, H, W]"}, in order) all have rank 4 and whose outputs are the gradients of the first
+    inputs, one each: output ``i`` has input ``i``'s shape and input 0's type (float by default)."""
+
+    def infer(ctx) -> None:
+        types = [input_tensor_type(ctx, index) for index in range(len(dims))]
+        elem_type = types[0].elem_type if types[0] is not None and types[0].elem_type else onnx.TensorProto.FLOAT
+        for index, name in enumerate(dims):
+            known = known_dims(types[index])
+            if known is not None and len(known) != 4:
+                raise NormgradInputError(f"{op_type}: input '{name}' must have rank 4 ({dims[name]}); "
+                                         f"got rank {len(known)}")
+        for output in range(ctx.get_num_outputs()):
+            ctx.set_output_type(output, make_output_type(elem_type, known_dims(types[output])))
+
+    return infer
+
+
 def rows_output_infer(op_type: str, index: int, name: str):
     """Type and shape inference of an operator over rows along the last axis whose one output
     has input ``index``'s (``name``) type and shape, which must have rank >= 1."""

@@ -118,17 +118,6 @@ def reference(x, w, dy, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1
     return Result(dx.astype(dtype), dw.astype(dtype))
 
 
-def _infer(ctx) -> None:
-    types = [_common.input_tensor_type(ctx, index) for index in range(3)]
-    elem_type = types[0].elem_type if types[0] is not None and types[0].elem_type else onnx.TensorProto.FLOAT
-    for index, name in enumerate(INPUTS):
-        known = _common.known_dims(types[index])
-        if known is not None and len(known) != 4:
-            raise NormgradInputError(f"{OP_TYPE}: input '{name}' must have rank 4 ({_DIMS[name]}); got rank {len(known)}")
-    ctx.set_output_type(0, _common.make_output_type(elem_type, _common.known_dims(types[0])))
-    ctx.set_output_type(1, _common.make_output_type(elem_type, _common.known_dims(types[1])))
-
-
 def schema():
     """The ONNX schema, with type and shape inference."""
     from onnx.defs import OpSchema
@@ -143,7 +132,8 @@ def schema():
         OP_TYPE, __doc__,
         [param("x", "T", "[N, C, H, W]."), param("w", "T", "[C, 1, kh, kw]."), param("dy", "T", "[N, C, Ho, Wo].")],
         [param("dx", "T", "Gradient of x."), param("dw", "T", "Gradient of w.")],
-        {"T": (("tensor(float)", "tensor(double)"), "x's, w's and dy's type.")}, _infer, attributes)
+        {"T": (("tensor(float)", "tensor(double)"), "x's, w's and dy's type.")},
+        _common.image_gradients_infer(OP_TYPE, _DIMS), attributes)
 
 
 def _ref(name: str, ref: str, kind: int) -> onnx.AttributeProto:

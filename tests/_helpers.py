@@ -148,6 +148,20 @@ def cpp_results_by_loop_and_threads(tmp_path, script: str) -> dict:
     return results
 
 
+def assert_cpp_bits_everywhere(tmp_path, script: str) -> None:
+    """The arrays ``script`` saves (:func:`cpp_results_by_loop_and_threads`) agree bit for bit
+    on the baseline and the dispatched loop at 1, 2 and 4 threads."""
+    results = cpp_results_by_loop_and_threads(tmp_path, script)
+    first = results["generic", 1]
+    for key, result in results.items():
+        np.testing.assert_array_equal(result, first, err_msg=str(key))
+
+
+def zeros(*shape, dtype=np.float32) -> np.ndarray:
+    """np.zeros(shape, dtype): the bad-input tables' arrays."""
+    return np.zeros(shape, dtype)
+
+
 OPTIMIZATION_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
 
 

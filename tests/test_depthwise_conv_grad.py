@@ -13,7 +13,7 @@ import onnx
 import onnx.helper as oh
 import pytest
 
-from _helpers import bad_input_tests, cpp_available, cpp_results_by_loop_and_threads
+from _helpers import assert_cpp_bits_everywhere, bad_input_tests, cpp_available, zeros
 from normgrad.graphs import build_training_graph
 from normgrad.graphs.examples import model
 from normgrad.ops import DOMAIN, depthwise_conv_grad, harness
@@ -132,30 +132,23 @@ def test_cpp_kernel_gives_the_same_bits_on_every_path_and_thread_count(tmp_path)
     """dx one fused multiply-add chain per element, dw eight lanes per tap added in a fixed
     tree: the AVX2 rows and the portable ones (NORMGRAD_KERNELS=generic) agree bit for bit at
     1, 2 and 4 threads (each channel whole on one thread)."""
-    results = cpp_results_by_loop_and_threads(tmp_path, _PATH_SCRIPT)
-    first = results["generic", 1]
-    for key, result in results.items():
-        np.testing.assert_array_equal(result, first, err_msg=str(key))
-
-
-def _zeros(*shape, dtype=np.float32):
-    return np.zeros(shape, dtype)
+    assert_cpp_bits_everywhere(tmp_path, _PATH_SCRIPT)
 
 
 BAD = {
-    "x rank 3": ({"x": _zeros(1, 1, 4), "w": _zeros(1, 1, 3, 3), "dy": _zeros(1, 1, 2, 2)},
+    "x rank 3": ({"x": zeros(1, 1, 4), "w": zeros(1, 1, 3, 3), "dy": zeros(1, 1, 2, 2)},
                  "input 'x' must have rank 4 ([N, C, H, W]); got shape [1, 1, 4]"),
-    "int32": ({"x": _zeros(1, 1, 4, 4, dtype=np.int32), "w": _zeros(1, 1, 3, 3), "dy": _zeros(1, 1, 2, 2)},
+    "int32": ({"x": zeros(1, 1, 4, 4, dtype=np.int32), "w": zeros(1, 1, 3, 3), "dy": zeros(1, 1, 2, 2)},
               "input 'x' must be float32 or float64; got int32"),
-    "types differ": ({"x": _zeros(1, 1, 4, 4), "w": _zeros(1, 1, 3, 3, dtype=np.float64), "dy": _zeros(1, 1, 2, 2)},
+    "types differ": ({"x": zeros(1, 1, 4, 4), "w": zeros(1, 1, 3, 3, dtype=np.float64), "dy": zeros(1, 1, 2, 2)},
                      "input 'w' must have x's type float32; got float64"),
-    "channel multiplier 2": ({"x": _zeros(1, 1, 4, 4), "w": _zeros(2, 1, 3, 3), "dy": _zeros(1, 2, 2, 2)},
+    "channel multiplier 2": ({"x": zeros(1, 1, 4, 4), "w": zeros(2, 1, 3, 3), "dy": zeros(1, 2, 2, 2)},
                              "input 'w' must be [C, 1, kh, kw] with x's C = 1; got shape [2, 1, 3, 3]"),
-    "group is not C": ({"x": _zeros(1, 2, 4, 4), "w": _zeros(2, 1, 3, 3), "dy": _zeros(1, 2, 2, 2)},
+    "group is not C": ({"x": zeros(1, 2, 4, 4), "w": zeros(2, 1, 3, 3), "dy": zeros(1, 2, 2, 2)},
                        "attribute 'group' must equal x's channels 2; got 1"),
-    "kernel past the input": ({"x": _zeros(1, 1, 2, 4), "w": _zeros(1, 1, 3, 3), "dy": _zeros(1, 1, 1, 2)},
+    "kernel past the input": ({"x": zeros(1, 1, 2, 4), "w": zeros(1, 1, 3, 3), "dy": zeros(1, 1, 1, 2)},
                               "the padded input [2, 4] must hold the dilated kernel of 'w' [1, 1, 3, 3]"),
-    "dy not the output size": ({"x": _zeros(2, 1, 4, 4), "w": _zeros(1, 1, 3, 3), "dy": _zeros(2, 1, 2, 3)},
+    "dy not the output size": ({"x": zeros(2, 1, 4, 4), "w": zeros(1, 1, 3, 3), "dy": zeros(2, 1, 2, 3)},
                                "input 'dy' must have the Conv's output shape [2, 1, 2, 2]; got [2, 1, 2, 3]"),
 }
 

@@ -10,7 +10,8 @@ meaning the Python that runs the tests. ``text`` blocks are output and not run.
 An HTML comment just above a block marks it (the comment line, then the fence):
 
 * ``<!-- docs-test: requires torch mpi sklearn -->``: the page needs these (torch with
-  onnxscript, mpi4py with mpirun, scikit-learn, transformers, peft with safetensors); the
+  onnxscript, mpi4py with mpirun, scikit-learn, transformers, peft with safetensors,
+  tensorboard, onnxruntime-genai); the
   page is skipped where one is missing,
   as the tests skip.
 * ``<!-- docs-test: skip "reason" -->``: this block cannot run here (a pip install, a server,
@@ -45,6 +46,7 @@ REQUIREMENTS = {
     "transformers": lambda: _installed("transformers"),
     "peft": lambda: _installed("peft") and _installed("safetensors"),
     "tensorboard": lambda: _installed("tensorboard"),
+    "genai": lambda: _installed("onnxruntime_genai"),
 }
 TIMEOUT = 3600  # a hang guard only: a page takes seconds to minutes, several on a loaded machine
 
@@ -161,7 +163,8 @@ def _run(python: str, code: str, tmp_path, name: str, quiet: bool = True) -> Non
 # Docs pages that train or run whole models, or MPI (each a fresh process; 10-25 CPU-s, errors.md more).
 SLOW_PAGES = ("docs/reference/errors.md", "docs/how-to/fine-tuning.md", "docs/how-to/build-training-graph.md",
               "docs/tutorials/train-a-cnn.md", "docs/tutorials/fine-tune-a-transformer.md",
-              "docs/tutorials/data-parallel-mpi.md")
+              "docs/tutorials/data-parallel-mpi.md", "docs/tutorials/fine-tune-genai.md",
+              "docs/how-to/train-optimizer-fused.md")
 
 
 @pytest.mark.parametrize("page,kind", [

@@ -27,14 +27,14 @@ def _session(model):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def _matmul_model(weight_is_input: bool = False) -> onnx.ModelProto:
-    """x [2, 32] @ proj.weight [32, 16] -> y, by hand."""
-    weight = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32)
+def _matmul_model(weight_is_input: bool = False, out: int = 16) -> onnx.ModelProto:
+    """x [2, 32] @ proj.weight [32, out] -> y, by hand."""
+    weight = np.random.default_rng(0).standard_normal((32, out)).astype(np.float32)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32])]
     if weight_is_input:
-        inputs.append(helper.make_tensor_value_info("proj.weight", TensorProto.FLOAT, [32, 16]))
+        inputs.append(helper.make_tensor_value_info("proj.weight", TensorProto.FLOAT, [32, out]))
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "proj.weight"], ["y"], name="proj")], "g", inputs,
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, out])],
                               [] if weight_is_input else [numpy_helper.from_array(weight, "proj.weight")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
@@ -406,6 +406,60 @@ def test_adapter_file_and_model_run_in_onnxruntime(mlp, tmp_path):
     assert np.abs(trained_logits - base_logits).max() > 1e-2  # the adapters changed the model
     np.testing.assert_allclose(session.run(None, {"x": x}, options)[0], trained_logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(session.run(None, {"x": x})[0], base_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_merged_model_gives_the_adapter_models_outputs(mlp, tmp_path):
+    """Trainer.export_merged_model of a float model with adapters: W + (alpha/r) B A folded into
+    each base weight in its layout (Gemm transB, Transpose-read), no adapter left, onnxruntime's
+    outputs of the deployable model with the adapter file active (1e-5)."""
+    step, trainer = _trained(mlp)
+    trainer.export_merged_model(tmp_path / "merged.onnx")
+    merged = onnx.load(tmp_path / "merged.onnx")
+    read = {name for node in merged.graph.node for name in node.input} | {t.name for t in merged.graph.initializer}
+    assert not any(".lora_" in name for name in read)
+    state, weights = trainer.state_dict(), {t.name: numpy_helper.to_array(t) for t in merged.graph.initializer}
+    base = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in onnx.load(mlp["path"]).graph.initializer}
+    for layer in lora.lora_layers(step)["layers"]:
+        delta = ALPHA / RANK * state[layer.B].astype(np.float64) @ state[layer.A].astype(np.float64)  # [out, in]
+        np.testing.assert_allclose(weights[layer.weight], base[layer.weight] + delta, rtol=1e-6, atol=1e-6)
+    path = lora.save_onnx_adapter(tmp_path / "mlp.onnx_adapter", step, state)
+    options = ort.RunOptions()
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(path))
+    options.add_active_adapter(adapter)
+    x = mlp["x"].numpy()
+    expected = _session(lora.adapter_model(step, mlp["path"])).run(None, {"x": x}, options)[0]
+    np.testing.assert_allclose(_session(merged).run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_matmul_weight_keeps_its_in_out_layout():
+    """A MatMul reading its square weight [in, out] directly: the merged weight is W + s (B A)^T,
+    against float64 NumPy."""
+    adapted = lora.add_adapters(_matmul_model(out=32), ["proj"], RANK, ALPHA)
+    step, state = build_step_graph(build_training_graph(adapted, loss="mse"), "sgd")
+    (layer,) = lora.lora_layers(step)["layers"]
+    state[layer.B] = np.random.default_rng(3).standard_normal(state[layer.B].shape).astype(np.float32)
+    merged = lora.merged_model(step, state)
+    x = np.random.default_rng(4).standard_normal((2, 32))
+    weight = numpy_helper.to_array(next(t for t in _matmul_model(out=32).graph.initializer)).astype(np.float64)
+    delta = (state[layer.B].astype(np.float64) @ state[layer.A].astype(np.float64)).T * (ALPHA / RANK)
+    np.testing.assert_allclose(_session(merged).run(None, {"x": x.astype(np.float32)})[0], x @ (weight + delta),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_merging_into_a_matmul_nbits_base_is_refused(tmp_path):
+    """A 4-bit base weight cannot take the adapter: one line naming the node, nothing written."""
+    from normgrad.graphs.rules.registry import supported_op_types
+    from normgrad.train import Trainer
+
+    if "com.microsoft.MatMulNBits" not in supported_op_types():
+        pytest.skip("no MatMulNBits gradient rule in this normgrad")
+    step, state = build_step_graph(build_training_graph(lora.add_adapters(_nbits_model(), ["*"], RANK, ALPHA),
+                                                        loss="mse"), "sgd")
+    with pytest.raises(LoraError, match="cannot merge LoRA adapter .* into MatMulNBits node .*quantized") as error:
+        Trainer(step, state, lr=0.1).export_merged_model(tmp_path / "merged.onnx")
+    assert "\n" not in str(error.value)
+    assert not os.listdir(tmp_path)
 
 
 def test_adapter_for_another_model_is_refused(mlp, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from normgrad.graphs import build_training_graph
 from normgrad.graphs.context import UnsupportedOperatorError
 
-from _quantized_models import matmul_nbits_model
+from _quantized_models import dequantize_matmul_nbits, matmul_nbits_model
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -133,3 +133,13 @@ def test_a_large_weight_is_dequantized_in_chunks_of_rows(monkeypatch, zero_point
     outputs, training = _gradients(model, a, dy)
     assert sum(n.op_type == "MatMul" for n in training.model.graph.node) == 5 * 2  # 5 chunks, 2 parts each
     np.testing.assert_allclose(outputs["a_grad"], dy.astype(np.float64) @ weight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits, block_size, zero_points", [(4, 16, None), (4, 32, "uint8"), (4, 16, "float"),
+                                                           (8, 32, None), (8, 16, "uint8")])
+def test_dequantizing_a_node_gives_the_weight_it_was_packed_from(bits, block_size, zero_points):
+    """The tests' NumPy dequantization of a MatMulNBits node (used for genai models) unpacks
+    exactly what the packer packed, K not a multiple of the block."""
+    model, weight, _ = matmul_nbits_model((2, 40), 24, bits, block_size, zero_points)
+    initializers = {t.name: onh.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(dequantize_matmul_nbits(model.graph.node[0], initializers), weight)

@@ -362,9 +362,10 @@ def _train_step_graph(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return 0
 
 
-ONNX_ADAPTER, ADAPTER_MODEL = "adapter.onnx_adapter", "adapter_model.onnx"
+ONNX_ADAPTER, ADAPTER_MODEL, PEFT_ADAPTER = "adapter.onnx_adapter", "adapter_model.onnx", "peft_adapter"
 """The files ``normgrad train`` writes in the checkpoint folder for a step graph with adapters
-of ``normgrad export --lora-*``."""
+of ``normgrad export --lora-*`` (peft's pair in the folder ``PEFT_ADAPTER``, for an
+onnxruntime-genai build whose layers map to the transformers model's)."""
 
 
 def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
@@ -389,7 +390,23 @@ def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
               f"needed ({where}; normgrad.lora.adapter_model(step, BASE) makes it)", file=sys.stderr)
         return written
     save_model_atomic(lora.adapter_model(trainer.step_model, base), os.path.join(folder, ADAPTER_MODEL))
-    return written + [os.path.join(folder, ADAPTER_MODEL)]
+    return written + [os.path.join(folder, ADAPTER_MODEL), *_export_peft_adapter(trainer, base, folder)]
+
+
+def _export_peft_adapter(trainer, base: str, folder: str) -> List[str]:
+    """peft's files for the adapters of an onnxruntime-genai build, in ``folder/PEFT_ADAPTER``;
+    where their names do not map, none (an earlier run's removed) and one line saying why."""
+    import normgrad.lora as lora
+
+    target = os.path.join(folder, PEFT_ADAPTER)
+    try:
+        return lora.save_genai_peft_adapter(target, trainer.step_model, trainer.state_dict(), base)
+    except LoraError as error:
+        for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG):
+            if os.path.exists(os.path.join(target, name)):
+                os.remove(os.path.join(target, name))
+        print(f"normgrad train: no peft adapter written: {one_line(error)}", file=sys.stderr)
+        return []
 
 
 def _report(result, trainer, args: argparse.Namespace, folder: str, inference: str, evaluated: bool) -> None:

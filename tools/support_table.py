@@ -50,6 +50,8 @@ MODEL_TITLES = {
     "rwkv": "transformers RwkvModel (tiny config, time mixing writing out[:, t])",
     "funnel": "transformers FunnelBaseModel (tiny config, pooling between blocks)",
 }
+REWRITTEN = "rewritten to standard ONNX before differentiation (no rule of its own)"
+"""The operator table's cell of a com.microsoft operator a rewrite pass expands."""
 
 
 def load_results() -> dict:
@@ -108,6 +110,7 @@ def render_models(results: dict) -> str:
 
 def render_operators(results: dict) -> str:
     from normgrad.graphs import supported_op_types
+    from normgrad.graphs.rewrites import REWRITTEN_CONTRIB_OP_TYPES
 
     used: Dict[str, List[str]] = {}
     for model, outcomes in sorted(results["models"].items()):
@@ -119,8 +122,10 @@ def render_operators(results: dict) -> str:
     supported = supported_op_types()
     differentiated = [op for op, has_gradient in supported.items() if has_gradient]
     lines = ["| operator | in the exports of the model families that match torch |", "|---|---|"]
-    for op_type in differentiated:
-        lines.append(f"| {op_type} | {', '.join(used.get(op_type, [])) or '(rule tests only)'} |")
+    for op_type in sorted(differentiated + list(REWRITTEN_CONTRIB_OP_TYPES)):
+        cell = (REWRITTEN if op_type in REWRITTEN_CONTRIB_OP_TYPES
+                else ', '.join(used.get(op_type, [])) or '(rule tests only)')
+        lines.append(f"| {op_type} | {cell} |")
     no_gradient = [op for op, has_gradient in supported.items() if not has_gradient]
     lines += ["", f"No gradient flows through ({len(no_gradient)}): {', '.join(no_gradient)}."]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ __all__ = ["PASSES", "FUSIONS", "RewriteContext", "GROUP_NORM_PER_CHANNEL_OPSET"
            "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
            "rewrite_sequences", "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products",
            "cast_stored_weights_per_reader", "gelu_erf_fusable_order", "tiling_slices_as_split", "safe_softmaxes",
-           "silu_products", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache"]
+           "silu_products", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache", "REWRITTEN_CONTRIB_OP_TYPES"]
 
 PASSES = (kv_cache, bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset,
           contrib_attention, contrib_rotary)
@@ -51,6 +51,11 @@ PASSES = (kv_cache, bfloat16, sequences, recurrent_layout, embedding_bag_loops, 
 the opset pass after those that write ops it may convert, and the rules' minimum opsets are
 read from the rewritten graph; the com.microsoft expansions after it, written for the opset it
 sets)."""
+
+REWRITTEN_CONTRIB_OP_TYPES = tuple(f"com.microsoft.{op_type}"
+                                   for op_type in contrib_attention.OP_TYPES + contrib_rotary.OP_TYPES)
+"""The com.microsoft operators the passes write as standard ONNX before differentiation (no
+gradient rule of their own; ``supported_op_types`` names the ones with rules)."""
 
 FUSIONS = (transposed_weights, tiling_slices, safe_softmax, gated_silu, gelu_slopes, rotate_half)
 """The passes that need inferred types, in order (rotate_half after tiling_slices, which makes

@@ -22,7 +22,7 @@ from normgrad.graphs.rewrites._graph import (RewriteContext, axis_length, expand
                                              value_dims)
 from normgrad.ops.node_writer import NodeWriter
 
-__all__ = ["attentions", "apply", "MASK_FILTER_VALUE"]
+__all__ = ["attentions", "apply", "MASK_FILTER_VALUE", "OP_TYPES"]
 
 MASK_FILTER_VALUE = -10000.0
 """The bias onnxruntime adds to a masked key's score unless ``mask_filter_value`` says otherwise."""
@@ -175,6 +175,8 @@ def _multi_head_attention(w: NodeWriter, node: onnx.NodeProto, types) -> None:
 
 
 _EXPANSIONS = {"Attention": _attention, "MultiHeadAttention": _multi_head_attention}
+OP_TYPES = tuple(_EXPANSIONS)
+"""The com.microsoft operators this pass writes as standard ONNX."""
 
 
 def attentions(model: onnx.ModelProto, context: RewriteContext) -> int:
@@ -184,7 +186,7 @@ def attentions(model: onnx.ModelProto, context: RewriteContext) -> int:
     Raises:
         UnsupportedOperatorError: a node in a form it does not cover (past state, rotary, ...).
     """
-    return expand_contrib_nodes(model, context, tuple(_EXPANSIONS),
+    return expand_contrib_nodes(model, context, OP_TYPES,
                                 lambda w, node, types: _EXPANSIONS[node.op_type](w, node, types))
 
 

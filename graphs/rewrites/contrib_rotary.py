@@ -19,8 +19,10 @@ from normgrad.graphs.rewrites._graph import (CONTRIB_DOMAIN, RewriteContext, axi
                                              int64_scalar, value_dims)
 from normgrad.ops.node_writer import NodeWriter
 
-__all__ = ["rotary_embeddings", "apply"]
+__all__ = ["rotary_embeddings", "apply", "OP_TYPES"]
 
+OP_TYPES = ("RotaryEmbedding",)
+"""The com.microsoft operators this pass writes as standard ONNX."""
 _CACHES = (2, 3)
 """RotaryEmbedding's cos_cache and sin_cache inputs."""
 
@@ -83,7 +85,7 @@ def _caches_as_constants(model: onnx.ModelProto) -> None:
     """Turns each cache initializer only RotaryEmbedding nodes read (and no graph input
     feeds) into a Constant node: constants to the kernel, never trained."""
     graph = model.graph
-    rotary = [n for n in graph.node if n.domain == CONTRIB_DOMAIN and n.op_type == "RotaryEmbedding"]
+    rotary = [n for n in graph.node if n.domain == CONTRIB_DOMAIN and n.op_type in OP_TYPES]
     caches = {n.input[i] for n in rotary for i in _CACHES if len(n.input) > i}
     others = {name for n in graph.node if n not in rotary for name in n.input}
     others |= {i.name for i in graph.input} | {o.name for o in graph.output}
@@ -102,10 +104,10 @@ def rotary_embeddings(model: onnx.ModelProto, context: RewriteContext) -> int:
     Raises:
         UnsupportedOperatorError: a node in a form it does not cover.
     """
-    if not any(n.domain == CONTRIB_DOMAIN and n.op_type == "RotaryEmbedding" for n in model.graph.node):
+    if not any(n.domain == CONTRIB_DOMAIN and n.op_type in OP_TYPES for n in model.graph.node):
         return 0
     _caches_as_constants(model)
-    return expand_contrib_nodes(model, context, ("RotaryEmbedding",), _rotary_embedding)
+    return expand_contrib_nodes(model, context, OP_TYPES, _rotary_embedding)
 
 
 def apply(model: onnx.ModelProto, context: RewriteContext) -> int:

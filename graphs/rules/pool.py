@@ -17,6 +17,7 @@ from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules._scatter import scatter_to_positions
 from normgrad.graphs.rules._window import transposed_window, window_of
+from normgrad.ops import DOMAIN, max_pool_grad
 
 __all__ = ["average_pool_gradient", "max_pool_gradient"]
 
@@ -52,7 +53,8 @@ def average_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: Lis
 
 @register("MaxPool", outputs=(0,), min_opset=16)
 def max_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Optional[str]]) -> List[Optional[str]]:
-    """ScatterElements(zeros, Indices, dy, reduction='add'), Indices from the forward node."""
+    """MaxPoolGrad(x, dy) (:func:`_one_operator`), or else ScatterElements(zeros, Indices, dy,
+    reduction='add'), Indices from the forward node."""
     if attr(node, "storage_order", 0):
         raise UnsupportedOperatorError(f"{describe(node)}: MaxPool with storage_order=1 is not supported")
     if attr(node, "auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER") and any(d != 1 for d in attr(node, "dilations", [])):
@@ -61,5 +63,17 @@ def max_pool_gradient(ctx: GradientContext, node: onnx.NodeProto, grads: List[Op
             f"{describe(node)}: MaxPool with auto_pad SAME_* and dilations is not supported (onnxruntime's "
             "Indices output, which the gradient needs, ignores the padding there); write explicit pads"
         )
+    if _one_operator(ctx, node):
+        geometry = {name: attr(node, name, default) for name, default in max_pool_grad.ATTRIBUTES.items()}
+        return [ctx.op(max_pool_grad.OP_TYPE, node.input[0], grads[0], domain=DOMAIN, **geometry)]
     indices = ctx.ensure_output(node, 1, "indices")
     return [scatter_to_positions(ctx, grads[0], indices, node.input[0], "add")]
+
+
+def _one_operator(ctx: GradientContext, node: onnx.NodeProto) -> bool:
+    """Whether dx of ``node`` is one MaxPoolGrad: 2-D, float32 or float64, explicit pads (no
+    auto_pad SAME_*), and no Indices output that the graph already reads."""
+    shape = ctx.shape(node.input[0])
+    return (shape is not None and len(shape) == 4 and (len(node.output) < 2 or not node.output[1])
+            and ctx.elem_type(node.input[0]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+            and attr(node, "auto_pad", "NOTSET") in ("NOTSET", "VALID"))

@@ -13,17 +13,6 @@ namespace {
 
 constexpr const char* kOp = "DepthwiseConvGrad";
 
-std::vector<int64_t> geometry_attribute(const OrtKernelInfo* info, const char* name, size_t length, int64_t low) {
-  const std::vector<int64_t> values = attribute_ints(info, kOp, name, std::vector<int64_t>(length, low));
-  bool valid = values.size() == length;
-  for (int64_t v : values) valid = valid && v >= low;
-  if (!valid) {
-    fail(std::string(kOp) + ": attribute '" + name + "' must be " + std::to_string(length) + " integers >= " +
-         std::to_string(low) + "; got " + shape_str(values));
-  }
-  return values;
-}
-
 // Conv's output size along one axis; < 1 where the padded input does not hold the dilated kernel.
 int64_t output_size(int64_t size, int64_t kernel, int64_t stride, int64_t head, int64_t tail, int64_t dilation) {
   const int64_t room = size + head + tail - (kernel - 1) * dilation - 1;
@@ -36,29 +25,16 @@ struct DepthwiseConvGrad final : KernelBase {
 
   explicit DepthwiseConvGrad(const OrtKernelInfo* info)
       : group(attribute_int(info, kOp, "group", 1)),
-        strides(geometry_attribute(info, "strides", 2, 1)),
-        pads(geometry_attribute(info, "pads", 4, 0)),
-        dilations(geometry_attribute(info, "dilations", 2, 1)) {}
+        strides(geometry_attribute(info, kOp, "strides", 2, 1)),
+        pads(geometry_attribute(info, kOp, "pads", 4, 0)),
+        dilations(geometry_attribute(info, kOp, "dilations", 2, 1)) {}
   const char* name() const override { return kOp; }
 
   DepthwiseGeometry check(const Input& x, const Input& w, const Input& dy) const {
     const Input* inputs[] = {&x, &w, &dy};
     const char* names[] = {"x", "w", "dy"};
     const char* dims[] = {"[N, C, H, W]", "[C, 1, kh, kw]", "[N, C, Ho, Wo]"};
-    for (size_t i = 0; i < 3; ++i) {
-      const Input& in = *inputs[i];
-      if (in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE) {
-        fail(std::string(kOp) + ": input '" + names[i] + "' must be float32 or float64; got " + dtype_name(in.onnx_type));
-      }
-      if (in.shape.size() != 4) {
-        fail(std::string(kOp) + ": input '" + names[i] + "' must have rank 4 (" + dims[i] + "); got shape " +
-             shape_str(in.shape));
-      }
-      if (in.onnx_type != x.onnx_type) {
-        fail(std::string(kOp) + ": input '" + names[i] + "' must have x's type " + dtype_name(x.onnx_type) + "; got " +
-             dtype_name(in.onnx_type));
-      }
-    }
+    check_float_images(kOp, inputs, names, dims, 3);
     const int64_t c = x.shape[1];
     if (w.shape[0] != c || w.shape[1] != 1) {
       fail(std::string(kOp) + ": input 'w' must be [C, 1, kh, kw] with x's C = " + std::to_string(c) + "; got shape " +

@@ -50,6 +50,7 @@ extern const OpDescriptor kSoftmaxCrossEntropy;
 extern const OpDescriptor kMatrixTranspose;
 extern const OpDescriptor kOuterProductSum;
 extern const OpDescriptor kDepthwiseConvGrad;
+extern const OpDescriptor kMaxPoolGrad;
 extern const OpDescriptor kLSTMBackwardFactors;
 extern const OpDescriptor kSiLUGrad;
 extern const OpDescriptor kGeluGrad;

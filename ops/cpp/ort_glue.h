@@ -74,6 +74,11 @@ struct Input {
   const void* data = nullptr;
 };
 
+// Each of the `count` inputs float32 or float64, of rank 4 and of inputs[0]'s type; else an
+// error naming the operator, the input (`names`) and the rule (its `dims`, "[N, C, H, W]").
+void check_float_images(const char* op, const Input* const* inputs, const char* const* names,
+                        const char* const* dims, size_t count);
+
 // Reads input `index` (absent when the node omits it or names it ""). Checks the element
 // type is float/float16/bfloat16 and the size fits in memory arithmetic.
 Input get_input(OrtKernelContext* ctx, size_t index, const char* op, const char* name);
@@ -108,6 +113,10 @@ float attribute_float(const OrtKernelInfo* info, const char* op, const char* nam
 // Reads an INTS attribute the same way.
 std::vector<int64_t> attribute_ints(const OrtKernelInfo* info, const char* op, const char* name,
                                     std::vector<int64_t> fallback);
+// An INTS attribute of `length` values, each >= `low` (`length` times `low` when unset): a
+// window geometry (strides, pads, dilations). Anything else is an error naming it.
+std::vector<int64_t> geometry_attribute(const OrtKernelInfo* info, const char* op, const char* name, size_t length,
+                                        int64_t low);
 
 // Runs fn(i) for i in [0, total) on the session's intra-op thread pool, or inline when
 // the whole job (`elements` elements) is too small to pay for waking threads. The caller's

@@ -193,6 +193,37 @@ std::vector<int64_t> attribute_ints(const OrtKernelInfo* info, const char* op, c
   fail_attribute_type(info, op, name, "INTS", type);
 }
 
+void check_float_images(const char* op, const Input* const* inputs, const char* const* names,
+                        const char* const* dims, size_t count) {
+  const Input& first = *inputs[0];
+  for (size_t i = 0; i < count; ++i) {
+    const Input& in = *inputs[i];
+    if (in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && in.onnx_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE) {
+      fail(std::string(op) + ": input '" + names[i] + "' must be float32 or float64; got " + dtype_name(in.onnx_type));
+    }
+    if (in.shape.size() != 4) {
+      fail(std::string(op) + ": input '" + names[i] + "' must have rank 4 (" + dims[i] + "); got shape " +
+           shape_str(in.shape));
+    }
+    if (in.onnx_type != first.onnx_type) {
+      fail(std::string(op) + ": input '" + names[i] + "' must have " + names[0] + "'s type " +
+           dtype_name(first.onnx_type) + "; got " + dtype_name(in.onnx_type));
+    }
+  }
+}
+
+std::vector<int64_t> geometry_attribute(const OrtKernelInfo* info, const char* op, const char* name, size_t length,
+                                        int64_t low) {
+  const std::vector<int64_t> values = attribute_ints(info, op, name, std::vector<int64_t>(length, low));
+  bool valid = values.size() == length;
+  for (int64_t v : values) valid = valid && v >= low;
+  if (!valid) {
+    fail(std::string(op) + ": attribute '" + name + "' must be " + std::to_string(length) + " integers >= " +
+         std::to_string(low) + "; got " + shape_str(values));
+  }
+  return values;
+}
+
 NodeArgs::NodeArgs(const OrtKernelInfo* info, int num_inputs, int num_outputs) {
   size_t count = 0;
   check(g_api->KernelInfo_GetInputCount(info, &count));
@@ -321,7 +352,7 @@ std::vector<OpVariant*>* build_ops() {
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
                                 &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kEmbeddingGrad,
-                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kDepthwiseConvGrad, &kSiLUGrad, &kGeluGrad,
+                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kDepthwiseConvGrad, &kMaxPoolGrad, &kSiLUGrad, &kGeluGrad,
                                 &kGeluTanhGrad, &kSwiGLUGrad, &kSoftmaxGrad, &kSafeSoftmax, &kBiasSafeSoftmax,
                                 &kBiasSoftmaxCrossEntropy, &kSiLUMul, &kGeluWithSlope, &kRotateHalfEmbedding,
                                 &kLSTMBackwardFactors}) {

@@ -22,13 +22,18 @@ trained state:
 * :func:`adapter_model` is the original model with each adapter's A and B as graph inputs
   (zeros by default), which onnxruntime runs with ``onnxruntime.LoraAdapter`` +
   ``RunOptions.add_active_adapter``, and unchanged with no adapter active;
-* :func:`check_onnx_adapter` refuses an adapter file made for another model in one line.
+* :func:`check_onnx_adapter` refuses an adapter file made for another model in one line;
+* :func:`save_genai_peft_adapter` writes them as peft's pair for the transformers model an
+  onnxruntime-genai build came from, where its layers map to that model's;
+* :func:`merged_model` folds them into a float base as for a peft export (a MatMulNBits base
+  is refused).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
 import numpy as np
@@ -38,12 +43,12 @@ from onnx import helper, numpy_helper
 from normgrad.util.files import PathLike, StagedFile, commit_files, replace_folder_files, staging
 from normgrad.util.external_data import check_model
 from normgrad.errors import LoraError
-from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, wire_adapter
+from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, weight_is_out_by_in, wire_adapter
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
            "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "add_adapters", "save_onnx_adapter", "adapter_model",
-           "check_onnx_adapter"]
+           "check_onnx_adapter", "save_genai_peft_adapter"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -82,8 +87,6 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
         LoraError: ``step_model`` has no adapters, or ``tensors`` lacks one.
         OSError: a file cannot be written.
     """
-    from safetensors.numpy import save as safetensors_bytes
-
     info = _usable(step_model)
     weights = {}
     for layer in info["layers"]:
@@ -91,9 +94,17 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
             if layer[part] not in tensors:
                 raise LoraError(f"no trained value for adapter {layer[part]!r}")
             weights[layer[f"{part}_key"]] = np.ascontiguousarray(tensors[layer[part]])
+    return _write_peft_pair(directory, weights, info["adapter_config"])
+
+
+def _write_peft_pair(directory: PathLike, weights: Mapping[str, np.ndarray], adapter_config: str) -> List[str]:
+    """Writes ``adapter_model.safetensors`` (``weights``) and ``adapter_config.json`` to
+    ``directory`` as one set (see :func:`save_adapter`); returns the two paths."""
+    from safetensors.numpy import save as safetensors_bytes
+
     paths = [os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)]
-    contents = {ADAPTER_WEIGHTS: safetensors_bytes(weights, metadata={"format": "pt"}),
-                ADAPTER_CONFIG: info["adapter_config"].encode()}
+    contents = {ADAPTER_WEIGHTS: safetensors_bytes(dict(weights), metadata={"format": "pt"}),
+                ADAPTER_CONFIG: adapter_config.encode()}
     if not replace_folder_files(directory, contents):  # a folder with subfolders, or no atomic exchange here
         os.makedirs(directory, exist_ok=True)
         with staging() as staged:
@@ -105,7 +116,11 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
 def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
                  base_dir: Optional[PathLike] = None) -> onnx.ModelProto:
     """The step graph's inference model (:func:`normgrad.graphs.build_inference_model`) with
-    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`).
+    the trained adapters in ``tensors`` folded into their base weights (:func:`merge_adapters`):
+    a peft export's, or those of :func:`add_adapters` (W + scaling * B A in the layer's weight
+    layout: [in, out] for a MatMul's, [out, in] read through a Transpose or by a Gemm with
+    transB; refused with a LoraError for a MatMulNBits's quantized weight, or a weight two
+    adapters share).
     ``base_dir``: the folder of the step graph's external data (a frozen base), default the
     current folder; the base weights the adapters change are read from it and become inline
     tensors, the others stay external (write the model with
@@ -113,7 +128,8 @@ def merged_model(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
     does)."""
     from normgrad.graphs.step_graph import build_inference_model
 
-    return merge_adapters(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
+    inference = build_inference_model(step_model, tensors)
+    return merge_adapters(inference, _merge_info(step_model, inference), base_dir)
 
 
 def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
@@ -125,11 +141,36 @@ def merged_model_streamed(step_model: onnx.ModelProto, tensors: Mapping[str, np.
     computes them one at a time (the merged weights are never all in memory)."""
     from normgrad.graphs.step_graph import build_inference_model
 
-    model, merged_weights = _merge(build_inference_model(step_model, tensors), _usable(step_model), base_dir)
+    inference = build_inference_model(step_model, tensors)
+    model, merged_weights = _merge(inference, _merge_info(step_model, inference), base_dir)
     external = {t.name for t in model.graph.initializer if t.name in merged_weights
                 and t.data_location == onnx.TensorProto.EXTERNAL}
     _inline(model, {name: merged for name, merged in merged_weights.items() if name not in external})
     return model, {name: _bytes_of(merged_weights[name]) for name in external}
+
+
+def _merge_info(step_model: onnx.ModelProto, inference: onnx.ModelProto) -> Dict[str, object]:
+    """The layers to merge, as :func:`merge_adapters` takes them: a peft export's, or those of
+    :func:`add_adapters` (``fan_in_fan_out`` where the base weight is stored [in, out]).
+
+    Raises:
+        LoraError: no adapters, a base that is no float matrix (a MatMulNBits's 4-bit weight),
+            or a base weight two adapters share.
+    """
+    if METADATA_LORA not in {p.key for p in step_model.metadata_props}:
+        return _usable(step_model)
+    layers = []
+    for layer in _onnx_adapters(step_model)["layers"]:
+        if layer.op_type == "MatMulNBits":
+            raise LoraError(f"cannot merge LoRA adapter {layer.A!r} into MatMulNBits node {layer.node!r}: its base "
+                            "weight is quantized (merge into a float build of the model, e.g. the genai builder's "
+                            "-p fp32, or deploy the adapter file with adapter_model)")
+        if any(other["base"] == layer.weight for other in layers):
+            raise LoraError(f"cannot merge: base weight {layer.weight!r} is shared by several adapted layers, "
+                            "each with its own adapter")
+        layers.append({"A": layer.A, "B": layer.B, "base": layer.weight, "scaling": layer.scaling,
+                       "fan_in_fan_out": not weight_is_out_by_in(inference.graph, layer)})
+    return {"layers": layers}
 
 
 def _inline(model: onnx.ModelProto, merged_weights: Mapping[str, Callable[[], np.ndarray]]) -> None:
@@ -433,3 +474,91 @@ def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:
             has = f"its input {name!r} is {inputs[name]}" if name in inputs else f"it has no input {name!r}"
             raise LoraError(f"{path} holds adapter {name!r} of shape {list(value.shape())}, but {has}: the adapter "
                             "file was made for another model")
+
+
+GENAI_CONFIG = "genai_config.json"
+"""The file onnxruntime-genai's model builder writes beside its model.onnx."""
+
+_GENAI_LAYER = re.compile(r"/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMul(?:_Q4|_Q8)?|/lm_head/MatMul(?:_Q4|_Q8)?")
+"""The genai builder's names of the nodes that take adapters: ``/model/layers.0/attn/q_proj/MatMul``
+(``_Q4``/``_Q8`` where quantized), ``/lm_head/MatMul``."""
+
+_HF_LAYOUT = {"llama": frozenset(), "mistral": frozenset(), "qwen2": frozenset(),
+              "phi3": frozenset({"qkv_proj", "gate_up_proj"})}
+"""The genai model types whose transformers modules are Llama's (``model.layers.N.self_attn.q_proj``,
+``...mlp.gate_proj``, ``lm_head``), with the fused projections the transformers model has."""
+
+
+def _genai_model_config(base_model_path: PathLike) -> Dict[str, object]:
+    path = os.path.join(os.path.dirname(os.fspath(base_model_path)), GENAI_CONFIG)
+    try:
+        with open(path) as file:
+            return json.load(file)["model"]
+    except (OSError, ValueError, KeyError):
+        raise LoraError(f"the base model is not an onnxruntime-genai build (no readable {path})") from None
+
+
+def _genai_peft_parts(node: str, model: Mapping[str, object]) -> "List[tuple[str, slice]]":
+    """[(transformers module, rows of the genai layer's output)] of an adapted genai layer: one
+    module, or q/k/v_proj for the qkv_proj the builder fuses (each with the adapter's A and its
+    rows of B, which computes what the fused adapter does).
+
+    Raises:
+        LoraError: the layer has no transformers module of its own (e.g. Phi-3's gate_proj, which
+            the builder splits from gate_up_proj).
+    """
+    fused = _HF_LAYOUT.get(model["type"])
+    if fused is None:
+        raise LoraError(f"no peft names for onnxruntime-genai model type {model['type']!r} (known: "
+                        f"{', '.join(sorted(_HF_LAYOUT))})")
+    match = _GENAI_LAYER.fullmatch(node)
+    if match is None:
+        raise LoraError(f"the adapted layer {node!r} is not one the genai builder names after a transformers module")
+    if match.group(1) is None:
+        return [("lm_head", slice(None))]
+    layer, block, projection = match.groups()
+    prefix = f"model.layers.{layer}.{'self_attn' if block == 'attn' else 'mlp'}"
+    if projection == "qkv_proj" and "qkv_proj" not in fused:
+        q_size = model["decoder"]["num_attention_heads"] * model["decoder"]["head_size"]
+        kv_size = model["decoder"]["num_key_value_heads"] * model["decoder"]["head_size"]
+        ends = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+        return [(f"{prefix}.{name}", slice(ends[i], ends[i + 1])) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))]
+    if projection in ("q_proj", "k_proj", "v_proj") and "qkv_proj" in fused or (
+            projection in ("gate_proj", "up_proj") and "gate_up_proj" in fused):
+        whole = "qkv_proj" if projection.endswith(("q_proj", "k_proj", "v_proj")) else "gate_up_proj"
+        raise LoraError(f"the adapter of {node!r} has no peft counterpart: the genai builder splits {model['type']}'s "
+                        f"{whole}, whose one peft adapter cannot hold the separate adapters of its parts")
+    return [(f"{prefix}.{projection}", slice(None))]
+
+
+def save_genai_peft_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
+                            base_model_path: PathLike) -> List[str]:
+    """Writes the trained adapters in ``tensors`` of a step graph built from :func:`add_adapters`
+    on an onnxruntime-genai build (``base_model_path``, its ``genai_config.json`` beside it) as
+    peft's ``adapter_model.safetensors`` + ``adapter_config.json`` for the transformers model
+    the build came from, which ``peft.PeftModel.from_pretrained(hf_model, directory)`` loads
+    (as one set, as :func:`save_adapter`); returns the two paths. The builder's fused qkv_proj
+    of Llama-like models becomes q/k/v_proj adapters, each with the fused A and its rows of B.
+
+    Raises:
+        LoraError: nothing written: the base is no genai build of a known type, an adapted layer
+            has no transformers module of its own (Phi-3's gate/up_proj, which the builder splits),
+            or ``tensors`` lacks an adapter.
+    """
+    info = _onnx_adapters(step_model)
+    model = _genai_model_config(base_model_path)
+    weights, modules = {}, []
+    for layer in info["layers"]:
+        parts = _genai_peft_parts(layer.node, model)
+        for name in (layer.A, layer.B):
+            if name not in tensors:
+                raise LoraError(f"no trained value for adapter {name!r}")
+        for module, rows in parts:
+            key = f"base_model.model.{module}"
+            weights[f"{key}.lora_A.weight"] = np.ascontiguousarray(tensors[layer.A], dtype=np.float32)
+            weights[f"{key}.lora_B.weight"] = np.ascontiguousarray(tensors[layer.B][rows], dtype=np.float32)
+            modules.append(module)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["rank"], "lora_alpha": info["alpha"],
+              "lora_dropout": info["dropout"], "target_modules": sorted(modules), "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
+    return _write_peft_pair(directory, weights, json.dumps(config, indent=2, sort_keys=True))
