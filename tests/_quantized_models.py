@@ -1,5 +1,6 @@
-"""Block-quantized weights packed as onnxruntime's MatMulNBits reads them, with their float64
-dequantization written independently of the rule (NumPy), and one-node MatMulNBits models."""
+"""Block-quantized weights packed as onnxruntime's MatMulNBits reads them, their float64
+dequantization (NumPy, independent of the rule; the bench's torch side uses it too), and
+one-node MatMulNBits models."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 
 from normgrad.ops import IR_VERSION
+from normgrad.tools._matmul_nbits import dequantize_matmul_nbits  # noqa: F401  (the tests' float64 truth)
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:
@@ -66,28 +68,3 @@ def matmul_nbits_model(a_shape: Tuple[int, ...], n: int, bits: int, block_size: 
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)],
                           ir_version=IR_VERSION)
     return model, weight, extra
-
-
-def dequantize_matmul_nbits(node: onnx.NodeProto, initializers: Dict[str, np.ndarray]) -> np.ndarray:
-    """The float64 weight [N, K] a MatMulNBits node multiplies by (Y = A @ W^T), from its packed
-    B [N, blocks, blob], scales [N * blocks] and zero points (packed uint8, float, or none:
-    2^(bits-1)) in ``initializers`` (name: array)."""
-    attributes = {a.name: oh.get_attribute_value(a) for a in node.attribute}
-    k, n, bits, block_size = attributes["K"], attributes["N"], attributes["bits"], attributes["block_size"]
-    blocks = -(-k // block_size)
-    packed = initializers[node.input[1]].reshape(n, blocks, -1)
-    if bits == 8:
-        q = packed.astype(np.float64)
-    else:
-        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks, -1).astype(np.float64)
-    scales = initializers[node.input[2]].astype(np.float64).reshape(n, blocks)
-    zp_name = node.input[3] if len(node.input) > 3 else ""
-    if not zp_name:
-        zp = np.full((n, blocks), 2.0 ** (bits - 1))
-    elif initializers[zp_name].dtype == np.uint8:
-        stored = initializers[zp_name].reshape(n, -1)
-        zp = (stored if bits == 8 else np.stack([stored & 0x0F, stored >> 4], -1).reshape(n, -1))[:, :blocks]
-        zp = zp.astype(np.float64)
-    else:
-        zp = initializers[zp_name].astype(np.float64).reshape(n, blocks)
-    return ((q - zp[..., None]) * scales[..., None]).reshape(n, -1)[:, :k]

@@ -441,11 +441,12 @@ def save_word_tokenizer(folder: str, vocabulary: int) -> None:
 
 
 def _dequantized_weights(name: str, quick: bool, int4_path: str) -> Dict[str, np.ndarray]:
-    """The weights of the genai build's MatMulNBits nodes dequantized as onnxruntime does
-    (4 bits, low nibble first, zero point 8: the builder's symmetric default), under their
-    transformers names; the fused ``qkv_proj`` split into q, k and v."""
+    """The weights of the genai build's MatMulNBits nodes dequantized as onnxruntime does,
+    under their transformers names; the fused ``qkv_proj`` split into q, k and v."""
     import onnx
     from onnx import numpy_helper
+
+    from normgrad.tools._matmul_nbits import dequantize_matmul_nbits
 
     _, _, _, hidden, _, heads, kv_heads, _ = _sizes(name, quick)
     model = onnx.load(int4_path)
@@ -454,14 +455,8 @@ def _dequantized_weights(name: str, quick: bool, int4_path: str) -> Dict[str, np
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        attributes = {a.name: a.i for a in node.attribute}
-        if attributes.get("bits") != 4 or len(node.input) > 3 and node.input[3]:
-            raise RuntimeError(f"{node.name}: the bench dequantizes 4-bit symmetric MatMulNBits only")
-        packed = numpy_helper.to_array(stored[node.input[1]])
-        scales = numpy_helper.to_array(stored[node.input[2]]).reshape(attributes["N"], -1)
-        values = np.stack([packed & 15, packed >> 4], -1).reshape(attributes["N"], scales.shape[1], -1)
-        weight = ((values.astype(np.float32) - 8) * scales[..., None]).reshape(attributes["N"], -1)
-        weight = weight[:, :attributes["K"]]
+        arrays = {n: numpy_helper.to_array(stored[n]) for n in node.input[1:] if n}
+        weight = dequantize_matmul_nbits(node, arrays).astype(np.float32)
         module = node.input[1].split(".MatMul")[0].replace(".attn.", ".self_attn.")
         if module.endswith("qkv_proj"):
             kv = kv_heads * hidden // heads
