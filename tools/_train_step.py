@@ -395,9 +395,12 @@ def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
 
 def _export_peft_adapter(trainer, base: str, folder: str) -> List[str]:
     """peft's files for the adapters of an onnxruntime-genai build, in ``folder/PEFT_ADAPTER``;
-    where their names do not map, none (an earlier run's removed) and one line saying why."""
+    where their names do not map, none (an earlier run's removed) and one line saying why.
+    Another base (no ``genai_config.json`` beside it) gets none, silently."""
     import normgrad.lora as lora
 
+    if not os.path.isfile(os.path.join(os.path.dirname(base), lora.GENAI_CONFIG)):
+        return []
     target = os.path.join(folder, PEFT_ADAPTER)
     try:
         return lora.save_genai_peft_adapter(target, trainer.step_model, trainer.state_dict(), base)
