@@ -147,6 +147,17 @@ def test_a_dim_no_data_input_names_keeps_its_shape():
     assert _shape_reads(model) == ["j", "r"]
 
 
+def test_an_input_the_graph_does_not_read_is_no_source():
+    """The graph's inputs stay read or unread as they were (the step graph orders its data
+    inputs by that): the batch comes from a, not from the unread input listed first."""
+    nodes = [oh.make_node("Relu", ["a"], ["r"]), oh.make_node("Shape", ["r"], ["r_shape"])]
+    model = _model(nodes, {"unread": ("n",), "a": ("n", 3)}, ["r_shape"])
+    assert shapes_from_inputs(model, value_types(model).get, ["unread", "a"]) == 1
+    assert [list(n.input) for n in model.graph.node if n.op_type == "Shape"] == [["a"]]
+    out = _run(model, {"unread": np.zeros(1, np.float32), "a": np.zeros((4, 3), np.float32)})
+    assert out["r_shape"].tolist() == [4, 3]
+
+
 # -- training graphs ------------------------------------------------------------------------
 
 def test_a_static_model_gets_constant_shapes_and_the_same_numbers(monkeypatch):

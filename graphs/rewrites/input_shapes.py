@@ -170,13 +170,14 @@ def shapes_from_inputs(model: onnx.ModelProto, types: Callable[[str], Optional[o
     """Replaces, in place, each main-graph ``Shape`` (and ``Size``) node whose input a node
     computes and whose output is known from the input's type (``types``: a value's inferred
     type, or None) by nodes computing it from ints and ``Shape(data input)``: a dim named as
-    a dim of one of ``data_inputs`` (the first in that order) is read from that input's
-    shape; returns how many. A Shape reading a value of unknown rank or a dim named by no data input (or
+    a dim of one of ``data_inputs`` (the first in that order that the graph reads) is read
+    from that input's shape; returns how many. A Shape reading a value of unknown rank or a dim named by no data input (or
     invented by onnx's inference) stays, unless only Reshapes read it as their target and
     that dim is its only one (then -1). Same values (start and end included), as long as the
     data inputs that name a dim alike are fed the same size."""
     graph = model.graph
-    sources = dim_sources(graph, data_inputs)
+    read = {name for node in graph.node for name in [*node.input, *subgraph_captures(node)]}
+    sources = dim_sources(graph, [name for name in data_inputs if name in read])  # no input it did not read
     computed = {name for node in graph.node for name in node.output if name}
     used = {name for node in graph.node for name in [*node.input, *node.output, node.name]}
     used |= {i.name for i in graph.input} | {t.name for t in graph.initializer}
