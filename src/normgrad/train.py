@@ -404,10 +404,6 @@ class Trainer:
     def _gradient(self):
         return self._session.gradient
 
-    @property
-    def _tail_part(self):
-        return self._session.tail_part
-
 
 def _check_options(accumulation, kernels, nonfinite) -> None:
     if not isinstance(accumulation, int) or accumulation < 1:
