@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Union
 
 import numpy as np
 import onnx
@@ -103,6 +103,16 @@ class GradientContext(NodeWriter):
         if type_proto is not None and self.static_shape(like) is not None and self.elem_type(like):
             self._types[name] = type_proto
             self.declared.append(oh.make_value_info(name, type_proto))
+        return name
+
+    def declare_shape(self, name: str, elem_type: int, dims: Sequence[Union[int, str]]) -> str:
+        """Declares emitted value ``name`` in the graph's value_info as a tensor of ``elem_type``
+        and ``dims`` (ints and dim_params, each known); returns ``name``. onnxruntime lets an
+        output take the buffer of an input its kernel may overwrite only when the graph gives
+        both the same shape (equal ints or equal dim_params)."""
+        type_proto = oh.make_tensor_type_proto(elem_type, list(dims))
+        self._types[name] = type_proto
+        self.declared.append(oh.make_value_info(name, type_proto))
         return name
 
     def same_type(self, name: str, like: str) -> str:

@@ -116,8 +116,15 @@ def _cross_entropy(ctx: GradientContext, output: str, labels: str, label_smoothi
                 grads[bias_add.x] = ctx.reshape_like(grad, bias_add.x)
             return loss, grads
         loss, grad = ctx.op(softmax_cross_entropy.OP_TYPE, output, labels, outputs=2, domain=DOMAIN, **ignored)
+        shape = ctx.shape(output)
+        if shape is not None and all(d is not None for d in shape):  # the gradient may then take y's buffer
+            ctx.declare_shape(grad, onnx.TensorProto.FLOAT, shape)
         return loss, grad
     return cross_entropy_standard_ops(ctx, output, labels, label_smoothing, ignore_index)
+
+
+CAUSAL_LM_TOKENS = "causal_lm_tokens"
+"""The dim_param of the causal-LM loss's [tokens, vocabulary] logits and their gradient."""
 
 
 def _causal_lm(ctx: GradientContext, output: str, labels: str, ignore_index: int = -100) -> tuple:
@@ -133,7 +140,11 @@ def _causal_lm(ctx: GradientContext, output: str, labels: str, ignore_index: int
     following = ctx.op("Slice", labels, ctx.ints([1]), ctx.ints([np.iinfo(np.int64).max]), ctx.ints([1]))
     shifted = ctx.op("Pad", following, ctx.ints([0, 0, 0, 1]), beyond)
     rows = ctx.op("Concat", ctx.ints([-1]), ctx.shape_of(output, start=-1), axis=0)
-    loss, grad = _cross_entropy(ctx, ctx.op("Reshape", logits, rows), ctx.op("Reshape", shifted, ctx.ints([-1])),
+    matrix = ctx.op("Reshape", logits, rows)
+    vocabulary = (ctx.shape(output) or [None])[-1]
+    if isinstance(vocabulary, int):  # [tokens, vocabulary], a shape the gradient's declaration repeats
+        ctx.declare_shape(matrix, onnx.TensorProto.FLOAT, [CAUSAL_LM_TOKENS, vocabulary])
+    loss, grad = _cross_entropy(ctx, matrix, ctx.op("Reshape", shifted, ctx.ints([-1])),
                                 ignore_index=ignore_index, matrix=True)
     grad = ctx.reshape_like(grad, output)
     return loss, grad if logits == output else ctx.op("CastLike", grad, output)

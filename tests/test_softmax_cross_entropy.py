@@ -263,3 +263,63 @@ def test_label_smoothing_rank_3_and_float64_keep_the_standard_ops():
         training = build_training_graph(forward, loss="cross_entropy", loss_options=options)
         assert not any(op == OP for _, op in _ops(training.model))
         assert any(op == "Softmax" for _, op in _ops(training.model))
+
+
+def _over_the_logits_model(bias: bool, shape):
+    """x @ I (exact) -> [Bias]SoftmaxCrossEntropy -> gradient @ I: the logits are computed
+    by a node and read by the loss alone, and the gradient is declared with their shape, so
+    onnxruntime may write the gradient over them (the kernel's may_reuse)."""
+    rows, classes = shape
+    op, inputs = ("BiasSoftmaxCrossEntropy", ["logits", "labels", "bias"]) if bias else (OP, ["logits", "labels"])
+    nodes = [oh.make_node("MatMul", ["x", "eye"], ["logits"]),
+             oh.make_node(op, inputs, ["loss", "dlogits"] + (["dbias"] if bias else []), domain=DOMAIN,
+                          ignore_index=-100),
+             oh.make_node("MatMul", ["dlogits", "eye"], ["dx"])]
+    inputs_info = [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["rows", classes]),
+                   oh.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["rows"])]
+    inputs_info += [oh.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, [classes])] if bias else []
+    outputs = [oh.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, []),
+               oh.make_tensor_value_info("dx", onnx.TensorProto.FLOAT, ["rows", classes])]
+    outputs += [oh.make_tensor_value_info("dbias", onnx.TensorProto.FLOAT, [classes])] if bias else []
+    eye = onnx.numpy_helper.from_array(np.eye(classes, dtype=np.float32), "eye")
+    graph = oh.make_graph(nodes, "over_the_logits", inputs_info, outputs, [eye],
+                          value_info=[oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["rows", classes])
+                                      for name in ("logits", "dlogits")])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", ONNX_OPSET), oh.make_opsetid(DOMAIN, OPSET_VERSION)],
+                         ir_version=IR_VERSION)
+
+
+@needs_cpp
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_cpp_gradient_written_over_the_logits_is_right(bias, level):
+    """Where onnxruntime lets the gradient take the logits' buffer (each row's label logit is
+    read before the row is overwritten): the float64 truth, and the same bits as a run where
+    the logits are also a graph output (so kept)."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((33, 300)) * 3).astype(np.float32)
+    labels = rng.integers(0, 300, 33)
+    labels[::4] = -100
+    b = (rng.standard_normal(300) * 2).astype(np.float32)
+    feeds = {"x": x, "labels": labels, **({"bias": b} if bias else {})}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    normgrad.session_options("cpp", options)
+    model = _over_the_logits_model(bias, x.shape)
+    reused = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    model.graph.output.append(oh.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["rows", 300]))
+    kept = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for got, want in zip(reused, kept):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    _compare(reused[0], reused[1], x + b if bias else x, labels, -100)
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 37), ("batch", "sequence", 37)], ids=["static", "symbolic"])
+def test_causal_lm_declares_the_gradient_with_the_logits_shape(shape):
+    """The [tokens, vocabulary] matrix the loss reads and its gradient carry one declared
+    shape: onnxruntime then lets the gradient take the logits' buffer."""
+    training = build_training_graph(_additive(shape), loss="causal_lm")
+    declared = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+                for v in training.model.graph.value_info}
+    (node,) = [n for n in training.model.graph.node if n.op_type == OP]
+    assert declared[node.input[0]] == declared[node.output[1]] == ["causal_lm_tokens", 37]

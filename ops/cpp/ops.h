@@ -26,7 +26,20 @@ struct OpDescriptor {
   // The input whose element type the outputs have (for the catch-all variants).
   int anchor;
   struct KernelBase* (*create)(const OrtKernelInfo* info);  // may throw Failure
+  // Set where an output may take an input's buffer (onnxruntime's MayInplace, API 18): fills
+  // one (input, output) pair, see may_reuse below.
+  size_t (*may_inplace)(int** input_index, int** output_index) = nullptr;
 };
+
+// OrtCustomOp::GetMayInplace for one pair: output kOutput may be written over input kInput
+// (the kernel reads each element before it writes the same one). onnxruntime frees the
+// arrays with release_in_place_pair.
+template <int kInput, int kOutput>
+size_t may_reuse(int** input_index, int** output_index) {
+  *input_index = new int[1]{kInput};
+  *output_index = new int[1]{kOutput};
+  return 1;
+}
 
 // Every kernel: compute() may throw Failure; register.cc turns it into an OrtStatus.
 struct KernelBase {

@@ -15,8 +15,8 @@
 
 #include "kernels.h"
 
-#if ORT_API_VERSION < 17
-#error "normgrad_ops needs onnxruntime C API headers of version 1.17 or newer (ORT_API_VERSION >= 17)"
+#if ORT_API_VERSION < 18
+#error "normgrad_ops needs onnxruntime C API headers of version 1.18 or newer (ORT_API_VERSION >= 18)"
 #endif
 
 namespace normgrad {
@@ -24,6 +24,9 @@ namespace normgrad {
 // The API version the library asks for: KernelContext_ParallelFor is the newest function
 // it uses (onnxruntime 1.17). The custom ops declare the same version.
 constexpr uint32_t kApiVersion = 17;
+// The version an op that lets an output reuse an input's buffer declares: GetMayInplace is a
+// version 18 field, which onnxruntime reads from 1.18 on (the project supports 1.19.2 on).
+constexpr uint32_t kApiVersionInPlace = 18;
 
 extern const OrtApi* g_api;
 

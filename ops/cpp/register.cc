@@ -4,8 +4,9 @@
 // input and output types, so that onnxruntime's type inference knows every output type.
 // Catch-all variants after the typed ones let the kernel itself report wrong element types.
 // The library asks for API version 17 (KernelContext_ParallelFor, onnxruntime 1.17) and
-// declares its ops with that version, so the same binary loads on every onnxruntime from
-// 1.17 on, whatever header version it was compiled against.
+// declares its ops with that version (18 for an op whose output may reuse an input's buffer),
+// so the same binary loads on every onnxruntime from 1.18 on, whatever header version it was
+// compiled against.
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -344,6 +345,14 @@ struct OpVariant : OrtCustomOp {
     InferOutputShapeFn = nullptr;
     GetStartVersion = [](const OrtCustomOp*) { return 1; };
     GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
+    if (d->may_inplace != nullptr) {  // version 18 fields (onnxruntime 1.18 on)
+      version = kApiVersionInPlace;
+      GetMayInplace = d->may_inplace;
+      ReleaseMayInplace = [](int* input_index, int* output_index) {
+        delete[] input_index;
+        delete[] output_index;
+      };
+    }
   }
 };
 

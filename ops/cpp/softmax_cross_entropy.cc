@@ -2,7 +2,9 @@
 // (ops/softmax_cross_entropy.py). Rows are independent: softmax_cross_entropy_math.h's row
 // pass writes exp(x - max) into the gradient row and sums it, a second pass scales the row in
 // place. Each row's loss term goes to a buffer summed in row order, so any thread count gives
-// the same bits.
+// the same bits. Each row's label logit is read before the row pass, so the gradient may be
+// written over the logits: onnxruntime does so when nothing else reads them (a [tokens,
+// vocabulary] buffer less at a language model's peak).
 // BiasSoftmaxCrossEntropy (ops/bias_softmax_cross_entropy.py) is the same kernel with a bias:
 // the max and exp passes both add it (float32, as the Add; storing the sum and reading it back
 // cost more); the rows go in fixed blocks of kBiasBlockRows, the scale pass adding
@@ -90,6 +92,8 @@ struct SoftmaxCrossEntropy final : KernelBase {
       float* gi = grad + i * classes;
       const bool counted = ignore_index == kNoIgnoreIndex || label[i] != ignore_index;
       const size_t t = counted ? static_cast<size_t>(label[i]) : 0;
+      // read before the row pass: the gradient may be written over the logits (may_reuse)
+      const float label_logit = classes == 0 ? 0.0f : bias != nullptr ? xi[t] + bias[t] : xi[t];
       const SoftmaxRow r =
           avx2 ? softmax_row_avx2(xi, bias, gi, classes) : softmax_row<PortableLanes>(xi, bias, gi, classes);
       const float weight = counted ? counted_weight : ignored_weight;
@@ -103,7 +107,6 @@ struct SoftmaxCrossEntropy final : KernelBase {
         gi[t] -= weight;
         if (column_sums != nullptr) column_sums[t] -= weight;  // (the sum took the entry before this)
       }
-      const float label_logit = classes == 0 ? 0.0f : bias != nullptr ? xi[t] + bias[t] : xi[t];
       // the label's log-probability, times 0 where ignored (NaN stays NaN, as the standard-op form)
       const double log_probability =
           classes == 0 ? std::nan("") : (static_cast<double>(label_logit) - r.max) - std::log(r.sum);
@@ -137,11 +140,11 @@ struct SoftmaxCrossEntropy final : KernelBase {
 }  // namespace
 
 extern const OpDescriptor kSoftmaxCrossEntropy = {
-    kPlainOp, 2, 2, "TL", "00", "FF", "00", 'd', 0, &create_kernel<SoftmaxCrossEntropy<false>>,
+    kPlainOp, 2, 2, "TL", "00", "FF", "00", 'd', 0, &create_kernel<SoftmaxCrossEntropy<false>>, &may_reuse<0, 1>,
 };
 
 extern const OpDescriptor kBiasSoftmaxCrossEntropy = {
-    kBiasOp, 3, 3, "TLT", "000", "FFF", "000", 'd', 0, &create_kernel<SoftmaxCrossEntropy<true>>,
+    kBiasOp, 3, 3, "TLT", "000", "FFF", "000", 'd', 0, &create_kernel<SoftmaxCrossEntropy<true>>, &may_reuse<0, 1>,
 };
 
 }  // namespace normgrad
