@@ -404,7 +404,7 @@ def test_exported_heads_match_torch(kind, exporter, tmp_path):
 def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumulation):
     """The step graph does not compute the logits, its forward tail (metadata) does where
     they are asked for: ``Trainer.step(outputs=["logits"])`` (one step graph or gradient +
-    optimizer graphs; a session of its own, the steps not asking run none of the tail),
+    optimizer graphs; the steps before the first one asking run none of the tail),
     ``evaluate`` and the inference model give the forward's logits, the inference model
     with its Add of the trained bias."""
     from normgrad.graphs.step_graph import build_eval_graph, build_inference_model, forward_outputs
@@ -421,18 +421,19 @@ def test_trainer_outputs_inference_and_eval_models_keep_the_biased_logits(accumu
     def logits(weights):
         return (x @ weights["w"] + weights["b"]).reshape(-1, 11)
 
-    # the trainer's session for steps not asking for the logits runs no Add; the one that does is
-    # built at the first step asking for them
-    main = trainer._gradient if accumulation > 1 else trainer._step_part
-    assert "y" not in main.outputs and trainer._tail_part is None
+    # the trainer's session for steps not asking for the logits runs no Add; the one that does
+    # replaces it at the first step asking for them
+    forward_part = (lambda: trainer._gradient) if accumulation > 1 else (lambda: trainer._step_part)
+    lean = forward_part()
+    assert "y" not in lean.outputs
     # one step graph: its Add reads b, which the update must not overwrite in place first (split:
     # the optimizer's session updates b after the gradients' has read it)
     assert ("b" in trainer._in_place) == (accumulation > 1)
     loss = trainer.step(x, labels)
-    assert np.isfinite(loss) and trainer._tail_part is None
+    assert np.isfinite(loss) and forward_part() is lean
     before = trainer.state_dict()
     result = trainer.step(x, labels, outputs=["y"])
-    assert "y" in trainer._tail_part.outputs
+    assert "y" in forward_part().outputs and forward_part() is not lean
     np.testing.assert_allclose(result.outputs["y"], logits(before), rtol=1e-5, atol=1e-6)
     after = trainer.state_dict()
     assert not np.array_equal(after["b"], before["b"])

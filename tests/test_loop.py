@@ -78,6 +78,8 @@ def test_best_checkpoint_is_the_best_evaluation(digits, tmp_path):
     scheduler = schedules.ExponentialLR(trainer, gamma=4.0)
     result = trainer.fit(train, epochs=6, evaluation=validation, metrics={"accuracy": metrics.accuracy},
                          scheduler=scheduler, checkpoint_dir=tmp_path, keep_last=2, progress=False)
+    # the metric reads the evaluation's logits: the steps ask for none, their session exposes none
+    assert "logits" in trainer.forward_outputs and "logits" not in trainer._step_part.outputs
     val_losses = [r["val_loss"] for r in result.evaluations]
     best = int(np.argmin(val_losses))
     assert best < len(val_losses) - 1

@@ -402,6 +402,99 @@ def test_step_outputs_are_the_forward_before_the_update(mlp_step, level):
     assert trainer.step(x, y, outputs=[]).outputs == {}
 
 
+def _forward_session(trainer):
+    """The session a trainer's step runs its forward and backward in."""
+    return trainer._gradient if trainer.split else trainer._step_part
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("case", ["mlp_mse", "mlp_cross_entropy", "cnn_batch_norm"])
+def test_asking_for_forward_outputs_changes_no_step(case, accumulation):
+    """The session a step runs in exposes no forward output (onnxruntime would keep each alive
+    to the end of the run) until a step asks for one; a session exposing them then replaces it
+    (the lean one is freed) and serves every later step. The output is the step graph's own
+    (mse; the CNN's, with BatchNorm running statistics) or its forward tail's (cross_entropy: a
+    bias Add the loss absorbed). Trainers asking at every step, from the third step on, and
+    never take bitwise the same losses and states at every step; the outputs are bitwise those
+    of the trainer asking from the first step and, for the MLP, the forward of the weights
+    before each step (float64 NumPy). The in-place set, fixed at construction, holds for the
+    session that replaced the lean one (the tail's Add reads b2: not in place)."""
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(9)
+    if case == "cnn_batch_norm":
+        forward, loss, name = examples.digits_cnn(classes=3, width=4), "cross_entropy", "logits"
+        batches = [(rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 3, 4)) for _ in range(5)]
+    else:
+        forward, loss, name = examples.mlp(), case[len("mlp_"):], "y"
+        batches = [(x, y if loss == "cross_entropy" else rng.standard_normal((4, 3)).astype(np.float32))
+                   for x, y in (_xy(rng) for _ in range(5))]
+    step, initial = build_step_graph(build_training_graph(forward, loss=loss), "adamw")
+    asking_from = [1, 3, None]
+    trainers = [Trainer(step, initial, lr=0.05, accumulation=accumulation) for _ in asking_from]
+    lean = [weakref.ref(_forward_session(t)) for t in trainers]
+    assert all(name not in ref().outputs for ref in lean)
+    tail_read = {"b2"} if loss == "cross_entropy" and case != "cnn_batch_norm" and accumulation == 1 else set()
+    assert all(t._in_place == set(initial) - tail_read for t in trainers)
+    outputs = [[], [], []]
+    for number, batch in enumerate(batches, 1):
+        losses = []
+        for trainer, first, fetched in zip(trainers, asking_from, outputs):
+            if first is None or number < first:
+                losses.append(trainer.step(*batch))
+                continue
+            weights = trainer.state_dict()
+            result = trainer.step(*batch, outputs=[name])
+            losses.append(result.loss)
+            fetched.append(result.outputs[name])
+            if case != "cnn_batch_norm":
+                x = batch[0].astype(np.float64)
+                expected = np.tanh(x @ weights["w1"] + weights["b1"]) @ weights["w2"] + weights["b2"]
+                np.testing.assert_allclose(result.outputs[name], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+        assert losses[1] == losses[0] and losses[2] == losses[0], number
+        states = [t.state_dict() for t in trainers]
+        assert all(state[k].tobytes() == states[0][k].tobytes() for state in states[1:] for k in states[0]), number
+        gc.collect()
+        for trainer, first, ref in zip(trainers, asking_from, lean):
+            asked = first is not None and number >= first
+            assert (_forward_session(trainer) is ref()) != asked and (ref() is None) == asked, number
+            assert (name in _forward_session(trainer).outputs) == asked
+    assert [a.tobytes() for a in outputs[1]] == [a.tobytes() for a in outputs[0][2:]]
+    for trainer in trainers:
+        part = _forward_session(trainer)
+        assert trainer._in_place == set(initial) - tail_read
+        assert trainer._in_place & set(part.state) <= part.in_place
+
+
+def test_a_failed_exposing_session_leaves_the_lean_one(mlp_step, monkeypatch):
+    """When onnxruntime cannot make the session exposing the forward outputs, the step raises
+    its error with the state and step count unchanged, and the trainer steps on as before
+    (the lean session made again) and exposes them at the next step that asks."""
+    step, initial = mlp_step
+    trainer, reference = Trainer(step, initial, lr=0.01), Trainer(step, initial, lr=0.01)
+    x, y = _xy(np.random.default_rng(10))
+    assert trainer.step(x, y) == reference.step(x, y)
+    before = trainer.state_dict()
+    made = trainer._session.new_session
+
+    def refusing(model, state):
+        if "y" in {o.name for o in model.graph.output}:
+            raise RuntimeError("no memory for it")
+        return made(model, state)
+
+    monkeypatch.setattr(trainer._session, "new_session", refusing)
+    with pytest.raises(RuntimeError, match="no memory for it"):
+        trainer.step(x, y, outputs=["y"])
+    assert trainer.step_count == 1 and not trainer._session.exposed
+    assert all(trainer.state_dict()[k].tobytes() == before[k].tobytes() for k in before)
+    assert trainer.step(x, y) == reference.step(x, y) and "y" not in trainer._step_part.outputs
+    monkeypatch.undo()
+    result, expected = trainer.step(x, y, outputs=["y"]), reference.step(x, y, outputs=["y"])
+    assert result.loss == expected.loss and result.outputs["y"].tobytes() == expected.outputs["y"].tobytes()
+    assert all(trainer.state_dict()[k].tobytes() == reference.state_dict()[k].tobytes() for k in before)
+
+
 def test_bad_outputs_batches_and_epochs(mlp_step):
     step, initial = mlp_step
     trainer = Trainer(step, initial, lr=0.01)

@@ -35,10 +35,13 @@ class TrainerSession:
 
     One session runs the step graph; when ``split`` (gradient accumulation, or a
     data-parallel subclass reducing gradients), one runs its gradient graph per micro-batch
-    and one its optimizer graph. Outputs only the step graph's forward tail computes (a bias
-    Add the loss absorbed) would cost onnxruntime a pass each step: a third session has
-    them, made at the first step asking for one (its frozen initializers would otherwise be
-    held twice from the start). Each graph is gated (:func:`_gate_state_updates`): a step
+    and one its optimizer graph. The session a step runs its forward and backward in (the
+    step graph's, split: the gradient graph's) exposes no forward output: onnxruntime would
+    keep each one alive to the end of the run (an LLM's logits through the whole backward).
+    The first step asking for forward outputs replaces it by a session exposing them all
+    (the forward tail's too: a bias Add the loss absorbed), which then serves every step:
+    the lean session is dropped first, so at most one such session (and one copy of its
+    frozen initializers) is alive. Each graph is gated (:func:`_gate_state_updates`): a step
     whose loss or a gradient is not finite writes no update, and every update may be in
     place.
 
@@ -46,7 +49,9 @@ class TrainerSession:
         accumulation: micro-batches per optimizer step.
         split: whether a step runs the gradient graph, then the optimizer graph.
         forward_outputs: the forward outputs a step can return.
-        in_place: the state tensors every session updates in place (one buffer each).
+        exposed: whether the step's session exposes them (from the first step asking for one).
+        in_place: the state tensors every session updates in place (one buffer each), the
+            exposing session's included before it is built.
         accumulators: ``{gradient accumulator: shape}`` of the gradient graph (split only).
         hyperparameter_inputs: the inputs of the session the hyperparameters feed.
         options, providers: what every session is made with.
@@ -64,21 +69,23 @@ class TrainerSession:
             self.forward_outputs: List[str] = step_graph.forward_outputs(graph.model)
         except ValueError:
             self.forward_outputs = []
-        computed = {o for node in graph.model.graph.node for o in node.output}
-        self._tail_outputs = {o for o in self.forward_outputs if o not in computed}
-        everyday = [o for o in self.forward_outputs if o in computed]
         self.step_part: Optional[GraphSession] = None
         self.gradient: Optional[GraphSession] = None
         self.accumulators: Dict[str, tuple] = {}
-        parts = self._split_sessions(everyday) if split else self._fused_session(everyday)
+        lean = self._forward_model(exposed=False)
+        self._forward_state = graph.state if not split else json.loads(
+            {e.key: e.value for e in lean.metadata_props}["normgrad.state"])
+        self._set_forward_part(self.new_session(lean, self._forward_state))
+        parts = [self.step_part] if not split else [self.gradient, self._optimizer_session()]
         # one buffer for a tensor only if every part that updates it can do so in place
         self.in_place = {name for name in graph.state
                          if all(name in part.in_place for part in parts if name in part.state)}
-        self.tail_part: Optional[GraphSession] = None
-        if self._tail_model is not None:  # what the tail reads (the bias) is not updated in place
-            tail_inputs = {i.name for i in self._tail_model.graph.input}
-            tail_state = {name: out for name, out in self._tail_state.items() if name in tail_inputs}
-            self.in_place -= set(tail_state) - structure.in_place_updates(self._tail_model.graph, tail_state)
+        self.exposed = set(self.forward_outputs) <= set(self.gradient.outputs if split else self.step_part.outputs)
+        if not self.exposed:  # what only the exposing session reads (a tail's bias) is not updated in place
+            exposing = self._forward_model(exposed=True)
+            read = {name: out for name, out in self._forward_state.items()
+                    if name in {i.name for i in exposing.graph.input}}
+            self.in_place -= set(read) - structure.in_place_updates(exposing.graph, read)
         self.hyperparameter_inputs = self.step_part.inputs if not split else self._optimizer.inputs
         self._loss = ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
         self._applied = ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.bool_))
@@ -86,53 +93,69 @@ class TrainerSession:
     def _gated(self, model: onnx.ModelProto, loss: str) -> onnx.ModelProto:
         return _gate_state_updates(model, self._graph.state, [f"{p}_grad" for p in self._graph.parameters], loss)
 
-    def _fused_session(self, everyday: List[str]) -> List["GraphSession"]:
+    def _forward_model(self, exposed: bool) -> onnx.ModelProto:
+        """The graph a step runs its forward and backward in: the gated step graph (split: the
+        gradient graph), with every forward output a graph output too when ``exposed``."""
         from normgrad.graphs import step_graph
 
-        model = self._graph.model
-        self.step_part = self.new_session(self._gated(step_graph.expose_forward_outputs(model, everyday), "loss"),
-                                       self._graph.state)
-        self._tail_model = (self._gated(step_graph.expose_forward_outputs(model, self.forward_outputs), "loss")
-                            if self._tail_outputs else None)
-        self._tail_state = self._graph.state
-        return [self.step_part]
+        names = self.forward_outputs if exposed else []
+        if not self.split:
+            return self._gated(step_graph.expose_forward_outputs(self._graph.model, names), "loss")
+        try:
+            gradient = step_graph.build_gradient_graph(self._graph.model)
+        except (ValueError, KeyError, TypeError) as error:
+            raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
+        return step_graph.expose_forward_outputs(gradient, names)
 
-    def _split_sessions(self, everyday: List[str]) -> List["GraphSession"]:
+    def _set_forward_part(self, part: Optional["GraphSession"]) -> None:
+        if self.split:
+            self.gradient = part
+        else:
+            self.step_part = part
+
+    def _optimizer_session(self) -> "GraphSession":
+        """The split step's optimizer session (:attr:`accumulators` set)."""
         from normgrad.graphs import optimizers, step_graph
 
         graph = self._graph
         try:
-            gradient_graph = step_graph.build_gradient_graph(graph.model)
-            gradient = step_graph.expose_forward_outputs(gradient_graph, everyday)
             kind, hyper = optimizers.optimizer_options(graph.model)
         except (ValueError, KeyError, TypeError) as error:
             raise TrainerError(f"corrupt step graph: metadata normgrad.optimizer: {error}") from None
         shapes = {p: list(graph.expected[p][1]) for p in graph.parameters}
         optimizer = optimizers.build_optimizer_graph(shapes, kind, **hyper)
-        grad_state = json.loads({e.key: e.value for e in gradient.metadata_props}["normgrad.state"])
-        self.gradient = self.new_session(gradient, grad_state)
-        self._tail_model = step_graph.expose_forward_outputs(gradient_graph, self.forward_outputs) \
-            if self._tail_outputs else None
-        self._tail_state = grad_state
         self._optimizer = self.new_session(self._gated(optimizer, SPLIT_LOSS), graph.state)
         self.accumulators = {p + step_graph.ACCUMULATOR_SUFFIX: graph.expected[p][1] for p in graph.parameters}
-        return [self.gradient, self._optimizer]
+        return self._optimizer
 
     def new_session(self, model: onnx.ModelProto, state: Mapping[str, str]) -> "GraphSession":
         """A session of ``model`` with the trainer's options; ``state``: as :class:`GraphSession`'s."""
         return GraphSession(self._ort, model, self.options, self.providers, state)
 
-    def _with_tail(self) -> "GraphSession":
-        """The step's (or, split, the gradients') session that also computes the forward tail's
-        outputs, built at the first step asking for one."""
-        if self.tail_part is None:
-            part = self.new_session(self._tail_model, self._tail_state)
+    def _forward_part(self, fetched: Mapping[str, object]) -> "GraphSession":
+        """The session a step runs its forward and backward in (split: the gradient graph's);
+        from the first step fetching forward outputs on, the one exposing them (:meth:`_expose`)."""
+        if fetched and not self.exposed:
+            self._expose()
+        return self.gradient if self.split else self.step_part
+
+    def _expose(self) -> None:
+        """Replaces the lean session by one exposing every forward output. The lean one is
+        dropped first (its memory freed before the new one takes its own); it is made again
+        if the new one cannot be."""
+        exposing = self._forward_model(exposed=True)
+        self._set_forward_part(None)
+        try:
+            part = self.new_session(exposing, self._forward_state)
             unsafe = (self.in_place & set(part.state)) - part.in_place
             if unsafe:  # the graph onnxruntime runs reads them after their update: not seen before it ran
-                raise TrainerError(f"internal error: the session computing {sorted(self._tail_outputs)} would read "
+                raise TrainerError(f"internal error: the session computing {self.forward_outputs} would read "
                                    f"{sorted(unsafe)} after their in-place update; please report it")
-            self.tail_part = part
-        return self.tail_part
+        except BaseException:
+            self._set_forward_part(self.new_session(self._forward_model(exposed=False), self._forward_state))
+            raise
+        self._set_forward_part(part)
+        self.exposed = True
 
     @property
     def applied(self) -> bool:
@@ -176,7 +199,7 @@ class TrainerSession:
         ``scalars``; returns the loss (whether it was applied: :attr:`applied`).
         ``reduce_gradients`` (split): the gradients -> those the optimizer applies."""
         if not self.split:
-            part = self._with_tail() if self._tail_outputs & set(fetched) else self.step_part
+            part = self._forward_part(fetched)
             return self.run(part, state, {**feeds, **scalars, **self._dropout_feeds(part, state.seed)}, fetched=fetched)
         return self._split_step(state, feeds, scalars, fetched, reduce_gradients)
 
@@ -212,7 +235,7 @@ class TrainerSession:
         scale = np.array(1.0 / k, np.float32)
         losses = []
         parts: Dict[str, List[np.ndarray]] = {name: [] for name in fetched or {}}
-        gradient = self._with_tail() if self._tail_outputs & set(parts) else self.gradient
+        gradient = self._forward_part(parts)
         for i in range(k):
             micro = {name: value[i * (len(value) // k):(i + 1) * (len(value) // k)] for name, value in feeds.items()}
             dropout = self._dropout_feeds(gradient, state.seed, i)

@@ -232,6 +232,8 @@ class Trainer:
         Returns its loss (with accumulation, the mean of the micro-batch losses), or with
         ``outputs`` (names among :attr:`forward_outputs`, e.g. ``["logits"]``) a
         :class:`StepResult` holding the loss and those outputs of the step's forward pass.
+        Steps hold no forward output until one asks: from then on every step's run holds
+        them to its end, asked for or not (:class:`normgrad._session.TrainerSession`).
 
         Raises:
             TrainerError: a batch the step graph cannot take (names, dtypes, shapes, an empty
@@ -403,10 +405,6 @@ class Trainer:
     @property
     def _gradient(self):
         return self._session.gradient
-
-    @property
-    def _tail_part(self):
-        return self._session.tail_part
 
 
 def _check_options(accumulation, kernels, nonfinite) -> None:
