@@ -581,6 +581,10 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     gradients, gradient_outputs, parallel_metadata = _gradient_outputs(
         forward, grads, appended, loss_name, data_parallel, batch_norm_all_reduce, bucket_bytes)
     result = _training_model(forward, extra_inputs, extra_outputs + gradient_outputs)
+    # no Shape of a forward value keeps it alive until the backward: sizes from the forward's data inputs
+    initializers = {t.name for t in forward.model.graph.initializer}
+    data_inputs = [i.name for i in forward.model.graph.input if i.name not in initializers]
+    rewrites.shapes_from_inputs(result, ctx.type_of, data_inputs)
     loss_of = float_outputs[0].name
     weight_names = [info.name for info in forward.trainable_inputs]
     running_statistics, peft_adapters = forward.running_statistics, forward.peft_adapters

@@ -121,6 +121,30 @@ def test_batch_inputs_sharing_a_dimension_must_agree():
     assert _snapshot(trainer) == before
 
 
+def test_batch_inputs_sharing_a_dimension_must_agree_in_each_micro_batch():
+    """x [batch, 3] and z [k, batch]: with accumulation each micro-batch splits axis 0 of both,
+    so z's batch axis no longer matches x's (the graph may read x's batch size for z's)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("ReduceSum", ["z", "axis0"], ["zs"], keepdims=1),
+             helper.make_node("Transpose", ["zs"], ["zt"], perm=[1, 0]),
+             helper.make_node("Add", ["xw", "zt"], ["y"])]
+    graph = helper.make_graph(nodes, "two_inputs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+                                                    helper.make_tensor_value_info("z", TensorProto.FLOAT, ["k", "batch"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
+                              [numpy_helper.from_array(np.ones((3, 1), np.float32), "w"),
+                               numpy_helper.from_array(np.array([0], np.int64), "axis0")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
+    step, initial = build_step_graph(build_training_graph(model, loss="mse"), "sgd")
+    batch = {"x": np.ones((4, 3), np.float32), "z": np.ones((4, 4), np.float32), "labels": np.ones((4, 1), np.float32)}
+    assert np.isfinite(Trainer(step, initial, lr=0.1, session_options=_options()).step(**batch))
+    trainer = Trainer(step, initial, lr=0.1, accumulation=2, session_options=_options())
+    before = _snapshot(trainer)
+    with pytest.raises(TrainerError, match=r"^batch input 'z' \(each micro-batch\) has 4 along axis 1 and 'x' 2 along "
+                                           r"axis 0; the step graph names both 'batch', so they must agree$"):
+        trainer.step(**batch)
+    assert _snapshot(trainer) == before
+
+
 def test_empty_batch_is_refused():
     trainer = _ce_trainer()
     with pytest.raises(TrainerError, match=r"batch input 'x' is empty \(shape \[0, 3, 8\]\)"):

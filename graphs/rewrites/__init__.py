@@ -9,8 +9,9 @@ any made a change). Each module's docstring says what its pass rewrites and why.
 
 Not passes of the builder: :mod:`~normgrad.graphs.rewrites.dropout_seed` (training-mode
 Dropout drawn from a seed, on step graphs), :mod:`~normgrad.graphs.rewrites.weight_casts`
-(on training graphs, after differentiation) and :mod:`~normgrad.graphs.rewrites.expand`
-(a normgrad operator written as its function body).
+and :mod:`~normgrad.graphs.rewrites.input_shapes` (on training graphs, after
+differentiation) and :mod:`~normgrad.graphs.rewrites.expand` (a normgrad operator written
+as its function body).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from normgrad.graphs.rewrites.embedding_bag_loops import embedding_bags
 from normgrad.graphs.rewrites.expand import expand_operator
 from normgrad.graphs.rewrites.gelu_order import gelu_erf_fusable_order
 from normgrad.graphs.rewrites.gelu_slopes import gelu_erf_slopes
+from normgrad.graphs.rewrites.input_shapes import shapes_from_inputs
 from normgrad.graphs.rewrites.integer_constants import fold_integer_constants
 from normgrad.graphs.rewrites.kv_cache import drop_kv_cache
 from normgrad.graphs.rewrites.opset import GROUP_NORM_PER_CHANNEL_OPSET, MIN_OPSET, convert_opset
@@ -42,8 +44,8 @@ __all__ = ["PASSES", "FUSIONS", "RewriteContext", "GROUP_NORM_PER_CHANNEL_OPSET"
            "fold_integer_constants", "seed_dropout", "expand_dropout_masks", "expand_operator", "DROPOUT_SEED_INPUT",
            "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
            "rewrite_sequences", "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products",
-           "cast_stored_weights_per_reader", "gelu_erf_fusable_order", "tiling_slices_as_split", "safe_softmaxes",
-           "silu_products", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache", "REWRITTEN_CONTRIB_OP_TYPES"]
+           "cast_stored_weights_per_reader", "shapes_from_inputs", "gelu_erf_fusable_order", "tiling_slices_as_split",
+           "safe_softmaxes", "silu_products", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache", "REWRITTEN_CONTRIB_OP_TYPES"]
 
 PASSES = (kv_cache, bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset,
           contrib_attention, contrib_rotary)

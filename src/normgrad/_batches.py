@@ -67,7 +67,7 @@ class BatchFeeds:
             raise TrainerError(f"the batch must be {', '.join(self.data_inputs)}; "
                                + (f"missing {missing[0]!r}" if missing else f"unknown {unknown[0]!r}"))
         inputs = {i.name: i for i in self.step_model.graph.input}
-        feeds = {}
+        feeds, fed_shapes = {}, {}
         for name in self.data_inputs:
             value, dtype = np.asarray(named[name]), np_dtype(inputs[name])
             if value.dtype != dtype and value.dtype.kind != dtype.kind and not (value.dtype.kind in "iu" and dtype.kind in "iu"):
@@ -77,29 +77,34 @@ class BatchFeeds:
                 raise TrainerError(f"with accumulation {accumulation}, batch input {name!r} needs a first axis "
                                    f"divisible by {accumulation}; got shape {list(value.shape)}")
             fed = (value.shape[0] // accumulation,) + value.shape[1:] if accumulation > 1 else value.shape
+            fed_shapes[name] = fed
             dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[name].type.tensor_type.shape.dim]
             if len(dims) != len(fed) or any(d is not None and d != f for d, f in zip(dims, fed)):
                 micro = f" (each of the {accumulation} micro-batches)" if accumulation > 1 else ""
                 wanted = [d if d is not None else "any" for d in dims]
                 raise TrainerError(f"batch input {name!r}{micro} has shape {list(fed)}; the step graph takes {wanted}")
-        self._check_batch(feeds)
+        self._check_batch(feeds, fed_shapes)
         return feeds
 
-    def _check_batch(self, feeds: Mapping[str, np.ndarray]) -> None:
-        """Refuses, before anything runs, an empty batch, inputs that disagree on a dimension
-        the step graph names alike (``batch``), and cross_entropy labels outside 0..C-1
+    def _check_batch(self, feeds: Mapping[str, np.ndarray], fed_shapes: Mapping[str, Tuple[int, ...]]) -> None:
+        """Refuses, before anything runs, an empty batch, inputs that disagree (as each
+        micro-batch feeds them: ``fed_shapes``) on a dimension the step graph names alike
+        (``batch``; the graph may read one input's size for the other's,
+        :mod:`normgrad.graphs.rewrites.input_shapes`), and cross_entropy labels outside 0..C-1
         (other than the loss's ignore_index)."""
         inputs = {i.name: i for i in self.step_model.graph.input}
         symbols: Dict[str, Tuple[str, int, int]] = {}
         for name, value in feeds.items():
             if value.size == 0:
                 raise TrainerError(f"batch input {name!r} is empty (shape {list(value.shape)}); a step needs at least one sample")
+            shape = fed_shapes[name]
             for axis, dim in enumerate(inputs[name].type.tensor_type.shape.dim):
-                if dim.HasField("dim_param") and dim.dim_param and axis < value.ndim:
-                    first = symbols.setdefault(dim.dim_param, (name, axis, value.shape[axis]))
-                    if first[2] != value.shape[axis]:
+                if dim.HasField("dim_param") and dim.dim_param and axis < len(shape):
+                    first = symbols.setdefault(dim.dim_param, (name, axis, shape[axis]))
+                    if first[2] != shape[axis]:
+                        micro = " (each micro-batch)" if shape != value.shape else ""
                         raise TrainerError(
-                            f"batch input {name!r} has {value.shape[axis]} along axis {axis} and {first[0]!r} "
+                            f"batch input {name!r}{micro} has {shape[axis]} along axis {axis} and {first[0]!r} "
                             f"{first[2]} along axis {first[1]}; the step graph names both {dim.dim_param!r}, so they must agree")
         loss = self._loss_metadata
         if loss.get("kind") != "cross_entropy" or "labels" not in feeds:
