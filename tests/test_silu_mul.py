@@ -13,7 +13,11 @@ import os
 
 import numpy as np
 import onnx
+import onnx.numpy_helper as onh
+import onnxruntime as ort
 import pytest
+
+import normgrad
 
 from _helpers import cpp_available, cpp_error, cpp_results_by_loop_and_threads, step_outputs
 from normgrad.graphs import build_step_graph, build_training_graph
@@ -156,23 +160,52 @@ def test_bad_input_names_the_input(case):
 # ----------------------------------------------------------------------------- the rewrite
 
 
-@pytest.mark.parametrize("variant, rewritten", [
-    ("swiglu", True), ("sigmoid first", True), ("up first", True), ("both swapped", True),
-    ("broadcast", False), ("self", False), ("read twice", False), ("sigmoid an output", False),
-    ("silu an output", False), ("dynamic batch", False), ("float16", False)])
-def test_which_chains_become_the_operator(variant, rewritten):
+@pytest.mark.parametrize("variant, outcome", [
+    ("swiglu", "operator"), ("sigmoid first", "operator"), ("up first", "operator"), ("both swapped", "operator"),
+    ("broadcast", "nodes"), ("self", "nodes"), ("read twice", "nodes"), ("sigmoid an output", "nodes"),
+    ("silu an output", "nodes"), ("dynamic batch", "nodes, SwiGLUGrad"), ("float16", "nodes")])
+def test_which_chains_become_the_operator(variant, outcome):
     """Only float32 gate and up of one static shape, the Sigmoid and the SiLU read by the
-    chain alone; elsewhere the standard ops stay, and no SwiGLUGrad."""
+    chain alone; with a dim_param the chain stays but its gradient is one SwiGLUGrad
+    (patterns/silu.py's gated_silu); elsewhere the standard ops stay, and no SwiGLUGrad."""
     dtype = onnx.TensorProto.FLOAT16 if variant == "float16" else onnx.TensorProto.FLOAT
     nodes = build_training_graph(_forward(variant, dtype), loss="mse").model.graph.node
     product = next(n for n in nodes if "p" in n.output)
     op_types = [n.op_type for n in nodes]
-    if rewritten:
+    if outcome == "operator":
         assert (product.domain, product.op_type, list(product.input)) == (DOMAIN, OP, ["g", "u"])
         assert "Sigmoid" not in op_types and op_types.count("SwiGLUGrad") == 1
     else:
-        assert product.op_type == "Mul" and OP not in op_types and "SwiGLUGrad" not in op_types
+        assert product.op_type == "Mul" and OP not in op_types
+        assert op_types.count("SwiGLUGrad") == (1 if outcome == "nodes, SwiGLUGrad" else 0)
         assert op_types.count("Sigmoid") == 1
+
+
+def test_named_dims_chain_gradient_reads_neither_sigmoid_nor_silu():
+    """gate and up of one shape with a dim_param (onnxruntime-genai's [batch_size,
+    sequence_length, F]): the forward keeps its nodes, the backward's one SwiGLUGrad reads
+    gate and up, so neither the Sigmoid's nor the SiLU's output stays alive for it; the
+    gradients are the float64 chain's."""
+    training = build_training_graph(_forward("dynamic batch"), loss="mse")
+    readers = [name for node in training.model.graph.node for name in node.input]
+    assert readers.count("s") == 1 and readers.count("a") == 1  # the chain's own Muls
+    rng = np.random.default_rng(3)
+    x, labels = rng.standard_normal((7, 6)).astype(np.float32), rng.standard_normal((7, 4)).astype(np.float32)
+    weights = {t.name: onh.to_array(t).astype(np.float64) for t in _forward().graph.initializer}
+    g, u = x @ weights["wg"], x @ weights["wu"]
+    sigmoid = 1 / (1 + np.exp(-g))
+    product = g * sigmoid * u
+    dy = 2 * (product @ weights["wd"] - labels) / labels.size
+    dp = dy @ weights["wd"].T
+    dg = dp * u * sigmoid * (1 + g * (1 - sigmoid))
+    expected = {"wg": x.T @ dg, "wu": x.T @ (dp * g * sigmoid), "wd": product.T @ dy}
+    options = ort.SessionOptions()
+    normgrad.session_options("cpp" if cpp_available() else "python", options)
+    model = training.model if cpp_available() else normgrad.prepare_for_python_kernels(training.model)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, training.feeds({"x": x, "labels": labels}))))
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[f"{name}_grad"], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_eval_and_inference_graphs_have_the_operator():

@@ -4,7 +4,8 @@ gated MLP, EfficientNet's MBConv): one ``SiLUGrad`` for a float32 x. The gated u
 ``Mul(SiLU(gate), up)`` (Llama's MLP) with gate and up of one static float32 shape never
 reaches the patterns: the builder writes it as one ``SiLUMul`` beforehand
 (``normgrad.graphs.rewrites.silu_products``, with :func:`match_gated_silu`), whose rule is
-one ``SwiGLUGrad`` for both factors.
+one ``SwiGLUGrad`` for both factors. With dims named (dim_params) the chain stays as it is
+and is differentiated as a whole (``gated_silu``): the same ``SwiGLUGrad``.
 
 Node by node its gradient takes six passes over x's size (the Mul's two products, the
 Sigmoid's 1 - s, s (1 - s) and its product with the incoming gradient, and the Sum of x's
@@ -18,7 +19,7 @@ Mul alone and not a graph output.
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import onnx
 
@@ -26,10 +27,12 @@ from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns.registry import GraphView, Match, is_op, register
 from normgrad.graphs.patterns._row_norm import float_input
 from normgrad.graphs.rules.activations import activation_gradient
+from normgrad.ops import DOMAIN, swiglu_grad
 
-__all__ = ["PATTERN", "GatedSiLU", "match_silu", "match_gated_silu"]
+__all__ = ["PATTERN", "GATED_PATTERN", "GatedSiLU", "match_silu", "match_gated_silu", "match_gated_silu_nodes"]
 
 PATTERN = "silu"
+GATED_PATTERN = "gated_silu"
 
 
 def _silu_parts(view: GraphView, mul: Optional[onnx.NodeProto]):
@@ -58,22 +61,24 @@ class GatedSiLU(NamedTuple):
     sigmoid: onnx.NodeProto
 
 
-def _float32_shape(type_proto: Optional[onnx.TypeProto]) -> Optional[List[int]]:
-    """The shape of a float32 tensor type if every dim is a known int, else None."""
+def _float32_shape(type_proto: Optional[onnx.TypeProto], named: bool = False) -> Optional[List[Union[int, str]]]:
+    """The shape of a float32 tensor type if every dim is a known int (or, ``named``, a
+    dim_param), else None."""
     if type_proto is None or not type_proto.HasField("tensor_type"):
         return None
     tensor = type_proto.tensor_type
     if tensor.elem_type != onnx.TensorProto.FLOAT or not tensor.HasField("shape") \
-            or not all(d.HasField("dim_value") for d in tensor.shape.dim):
+            or not all(d.HasField("dim_value") or (named and d.dim_param) for d in tensor.shape.dim):
         return None
-    return [d.dim_value for d in tensor.shape.dim]
+    return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor.shape.dim]
 
 
 def match_gated_silu(view: GraphView, type_of: Callable[[str], Optional[onnx.TypeProto]],
-                     product: onnx.NodeProto) -> Optional[GatedSiLU]:
+                     product: onnx.NodeProto, named: bool = False) -> Optional[GatedSiLU]:
     """``product`` = Mul(SiLU(gate), up), either operand order in both Muls, with the SiLU
     and its Sigmoid read by the chain alone (neither a graph output), gate and up two values
-    of one static float32 shape (``type_of(name)``: a value's inferred type), or None."""
+    of one static float32 shape (``named``: of one shape of ints and dim_params) (``type_of(name)``:
+    a value's inferred type), or None."""
     if not is_op(product, "Mul") or len(product.input) != 2:
         return None
     for activated, up in (tuple(product.input), tuple(reversed(product.input))):
@@ -84,8 +89,9 @@ def match_gated_silu(view: GraphView, type_of: Callable[[str], Optional[onnx.Typ
     else:
         return None
     gate, _, sigmoid = parts
-    shape = _float32_shape(type_of(gate))
-    if up == gate or not view.only_consumer(activated, product) or shape is None or _float32_shape(type_of(up)) != shape:
+    shape = _float32_shape(type_of(gate), named)
+    if up == gate or not view.only_consumer(activated, product) or shape is None \
+            or _float32_shape(type_of(up), named) != shape:
         return None
     return GatedSiLU(gate, up, product, silu, sigmoid)
 
@@ -104,3 +110,23 @@ def match_silu(view: GraphView, ctx: GradientContext, mul: onnx.NodeProto) -> Op
         return [(x, activation_gradient(ctx, "silu", dy, x, {"sigmoid": gate}))]
 
     return Match(PATTERN, mul, [mul, sigmoid], gradient)
+
+
+@register(GATED_PATTERN)
+def match_gated_silu_nodes(view: GraphView, ctx: GradientContext, product: onnx.NodeProto) -> Optional[Match]:
+    """The gated unit the builder left as nodes, gate and up of one shape with dim_params
+    (onnxruntime-genai's [batch_size, sequence_length, F]; a static one is a SiLUMul already):
+    its forward stays onnxruntime's own (QuickGelu, then the Mul: an int4 model's next
+    MatMulNBits quantizes its input to int8, which would turn another kernel's last bits into
+    a visible change of the loss), its gradient one ``SwiGLUGrad(dy, gate, up)``, which
+    recomputes the sigmoid: silu(gate) need not stay alive for the backward (one [tokens, F]
+    float32 tensor per layer). None otherwise."""
+    chain = match_gated_silu(view, ctx.type_of, product, named=True)
+    if chain is None:
+        return None
+
+    def gradient(ctx: GradientContext, dy: str) -> List[Tuple[str, str]]:
+        dgate, dup = ctx.op(swiglu_grad.OP_TYPE, dy, chain.gate, chain.up, outputs=2, domain=DOMAIN)
+        return [(name, grad) for name, grad in ((chain.gate, dgate), (chain.up, dup)) if ctx.needs_grad(name)]
+
+    return Match(GATED_PATTERN, product, [product, chain.silu, chain.sigmoid], gradient)
