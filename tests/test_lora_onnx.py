@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 
 import numpy as np
 import onnx
@@ -472,6 +473,14 @@ def test_adapter_for_another_model_is_refused(mlp, tmp_path):
     onnx.save(_matmul_model(), tmp_path / "other.onnx")
     with pytest.raises(LoraError, match="other.onnx: no weight '0.weight'.*another model$"):
         lora.adapter_model(step, tmp_path / "other.onnx")
+    (tmp_path / "garbage.onnx").write_bytes(b"nonsense")
+    with pytest.raises(LoraError, match=r"garbage.onnx is not a readable ONNX model \(.*\)$"):
+        lora.adapter_model(step, tmp_path / "garbage.onnx")
+    broken = onnx.load(mlp["path"])
+    broken.graph.node.append(onnx.helper.make_node("Relu", ["nowhere"], ["relu_of_nowhere"]))
+    onnx.save(broken, tmp_path / "broken.onnx")
+    with pytest.raises(LoraError, match=r"broken.onnx: with the adapters wired in, not a valid ONNX model \(.*nowhere"):
+        lora.adapter_model(step, tmp_path / "broken.onnx")
     (tmp_path / "not.onnx_adapter").write_bytes(b"nonsense")
     with pytest.raises(LoraError, match="not an onnxruntime adapter file"):
         lora.check_onnx_adapter(tmp_path / "not.onnx_adapter", other)
@@ -511,6 +520,33 @@ def test_cli_export_and_train_write_the_adapter(mlp, tmp_path, capsys):
     x = mlp["x"].numpy()
     expected = _session(onnx.load(out / "inference.onnx")).run(None, {"x": x})[0]
     np.testing.assert_allclose(_session(deployable).run(None, {"x": x}, options)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_train_without_a_usable_base_keeps_its_files_and_says_why(mlp, tmp_path, capsys):
+    """A base model onnx refuses once the adapters are wired in (or gone): normgrad train ends
+    normally with its checkpoints and adapter file, says in one line why adapter_model.onnx
+    is not written, and leaves no earlier run's adapter_model.onnx beside the new adapter."""
+    from normgrad.tools import export, train
+
+    base = tmp_path / "mlp.onnx"
+    shutil.copyfile(mlp["path"], base)
+    step_path = tmp_path / "step.onnx"
+    assert export.main([str(base), "-o", str(step_path), "--loss", "mse", "--optimizer", "adamw",
+                        "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lora-targets", "0.weight"]) == 0
+    broken = onnx.load(base)
+    broken.graph.node.append(onnx.helper.make_node("Relu", ["nowhere"], ["relu_of_nowhere"]))
+    onnx.save(broken, base)
+    np.savez(tmp_path / "data.npz", x=mlp["x"].numpy(), labels=mlp["labels"].numpy())
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "adapter_model.onnx").write_bytes(b"an earlier run's")
+    capsys.readouterr()
+    assert train.main([str(step_path), "--data", str(tmp_path / "data.npz"), "--epochs", "1", "--batch-size",
+                       str(len(mlp["x"])), "--out", str(out), "--no-progress"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "adapter_model.onnx" in line]
+    assert len(warnings) == 1 and "not written" in warnings[0] and "not a valid ONNX model" in warnings[0]
+    assert (out / "checkpoints" / "adapter.onnx_adapter").exists()
+    assert not (out / "checkpoints" / "adapter_model.onnx").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -384,12 +384,18 @@ def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
     written = [lora.save_onnx_adapter(os.path.join(folder, ONNX_ADAPTER), trainer.step_model, trainer.state_dict())]
     base = info.get("base_model")
     base = base and os.path.join(os.path.dirname(os.path.abspath(step_path)), base)
-    if not base or not os.path.isfile(base):
-        where = f"{base} is not there" if base else "the step graph does not name it"
-        print(f"normgrad train: warning: {ADAPTER_MODEL} not written: the base model the adapters were added to is "
-              f"needed ({where}; normgrad.lora.adapter_model(step, BASE) makes it)", file=sys.stderr)
+    try:
+        if not base or not os.path.isfile(base):
+            where = f"{base} is not there" if base else "the step graph does not name it"
+            raise LoraError(f"the base model the adapters were added to is needed ({where}; "
+                            "normgrad.lora.adapter_model(step, BASE) makes it)")
+        deployable = lora.adapter_model(trainer.step_model, base)
+    except LoraError as error:  # the training's files stand; no earlier run's beside them
+        _remove_earlier(folder, [ADAPTER_MODEL, *(os.path.join(PEFT_ADAPTER, name)
+                                                   for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG))])
+        print(f"normgrad train: warning: {ADAPTER_MODEL} not written: {one_line(error)}", file=sys.stderr)
         return written
-    save_model_atomic(lora.adapter_model(trainer.step_model, base), os.path.join(folder, ADAPTER_MODEL))
+    save_model_atomic(deployable, os.path.join(folder, ADAPTER_MODEL))
     return written + [os.path.join(folder, ADAPTER_MODEL), *_export_peft_adapter(trainer, base, folder)]
 
 
@@ -405,11 +411,17 @@ def _export_peft_adapter(trainer, base: str, folder: str) -> List[str]:
     try:
         return lora.save_genai_peft_adapter(target, trainer.step_model, trainer.state_dict(), base)
     except LoraError as error:
-        for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG):
-            if os.path.exists(os.path.join(target, name)):
-                os.remove(os.path.join(target, name))
+        _remove_earlier(target, [lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG])
         print(f"normgrad train: no peft adapter written: {one_line(error)}", file=sys.stderr)
         return []
+
+
+def _remove_earlier(folder: str, names: Sequence[str]) -> None:
+    """Removes the files ``names`` in ``folder`` an earlier run wrote, which would not fit
+    this run's adapters."""
+    for name in names:
+        if os.path.exists(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
 
 
 def _report(result, trainer, args: argparse.Namespace, folder: str, inference: str, evaluated: bool) -> None:

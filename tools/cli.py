@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from normgrad.errors import one_line
+
 __all__ = ["main", "CommandError", "load_model", "ArgumentParser", "positive_int", "non_negative_int", "positive_float",
            "one_line",
            "update_page_command", "apply_config", "read_config"]
@@ -28,14 +30,6 @@ COMMANDS = {
 class CommandError(Exception):
     """A user error (unreadable file, wrong kind of model) that a command reports in one
     line, without a traceback, and exits 1."""
-
-
-def one_line(error: BaseException) -> str:
-    """An exception's message on one line (an OSError's as ``FILE: what``, not ``[Errno N] ...``)."""
-    text = str(error)
-    if isinstance(error, OSError) and error.strerror:
-        text = f"{error.filename}: {error.strerror}" if error.filename is not None else error.strerror
-    return " ".join(text.split()) or type(error).__name__
 
 
 def _tensors(graph):

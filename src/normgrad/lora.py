@@ -42,7 +42,7 @@ from onnx import helper, numpy_helper
 
 from normgrad.util.files import PathLike, StagedFile, commit_files, replace_folder_files, staging
 from normgrad.util.external_data import check_model
-from normgrad.errors import LoraError
+from normgrad.errors import LoraError, one_line
 from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, weight_is_out_by_in, wire_adapter
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
@@ -429,10 +429,14 @@ def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onn
 
     Raises:
         LoraError: ``step_model`` has no such adapters, or ``base_model_path`` is another
-            model (a base layer or weight missing, or of another shape).
+            model (a base layer or weight missing, or of another shape), not ONNX, or one
+            onnx's checker refuses.
     """
     info = _onnx_adapters(step_model)
-    model = onnx.load(os.fspath(base_model_path))
+    try:
+        model = onnx.load(os.fspath(base_model_path))
+    except Exception as error:  # protobuf's DecodeError, a missing external data file
+        raise LoraError(f"{base_model_path} is not a readable ONNX model ({one_line(error)})") from None
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     for layer in info["layers"]:
@@ -451,7 +455,11 @@ def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onn
                                                        if p.key == METADATA_LORA)})
     # structure only: the base is the user's as it was, and onnx's shape inference refuses
     # some that onnxruntime runs (genai's builder declares its 1-element Constants 0-d)
-    onnx.checker.check_model(model)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as error:
+        raise LoraError(f"{base_model_path}: with the adapters wired in, not a valid ONNX model "
+                        f"({one_line(error)})") from None
     return model
 
 
@@ -466,7 +474,7 @@ def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:
     try:
         parameters = adapter_format.read_adapter(os.fspath(path)).get_parameters()
     except Exception as error:  # onnxruntime raises its own error types for a file it cannot read
-        raise LoraError(f"{path} is not an onnxruntime adapter file ({str(error).splitlines()[0]})") from None
+        raise LoraError(f"{path} is not an onnxruntime adapter file ({one_line(error)})") from None
     inputs = {i.name: [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
               for i in model.graph.input}
     for name, value in sorted(parameters.items()):
