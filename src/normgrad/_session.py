@@ -81,8 +81,9 @@ class TrainerSession:
         self.in_place = {name for name in graph.state
                          if all(name in part.in_place for part in parts if name in part.state)}
         self.exposed = set(self.forward_outputs) <= set(self.gradient.outputs if split else self.step_part.outputs)
-        if not self.exposed:  # what only the exposing session reads (a tail's bias) is not updated in place
-            exposing = self._forward_model(exposed=True)
+        computed = {o for node in graph.model.graph.node for o in node.output}
+        if not set(self.forward_outputs) <= computed:  # a tail (the bias Add the loss absorbed): what it
+            exposing = self._forward_model(exposed=True)  # reads is not updated in place
             read = {name: out for name, out in self._forward_state.items()
                     if name in {i.name for i in exposing.graph.input}}
             self.in_place -= set(read) - structure.in_place_updates(exposing.graph, read)
