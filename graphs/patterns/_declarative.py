@@ -16,6 +16,7 @@ a candidate.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,16 +26,25 @@ import onnx
 from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns.registry import GraphView
 
-try:
-    import onnx_ir as ir
-    from onnxscript.rewriter import pattern as _pattern
-except ImportError:  # the optional dependency is absent
-    ir = _pattern = None
+__all__ = ["AVAILABLE", "ChainPattern", "Binding", "or_value"]
 
-__all__ = ["AVAILABLE", "ChainPattern", "Binding"]
+AVAILABLE = importlib.util.find_spec("onnxscript") is not None and importlib.util.find_spec("onnx_ir") is not None
+"""Whether onnxscript (and onnx-ir) are installed. They are imported on the first match, not
+here: with sympy they hold about 65 MB and take half a second to import, which a process that
+only trains (the Trainer imports the graphs package) never needs."""
 
-AVAILABLE = _pattern is not None
-"""Whether onnxscript (and onnx-ir) can be imported."""
+
+def _rewriter():
+    """(onnx_ir, onnxscript.rewriter.pattern)."""
+    import onnx_ir
+    from onnxscript.rewriter import pattern
+
+    return onnx_ir, pattern
+
+
+def or_value(values: list, **kwargs):
+    """onnxscript's ``pattern.OrValue`` (alternatives inside a pattern function)."""
+    return _rewriter()[1].OrValue(values, **kwargs)
 
 Binding = Union[str, int, None]
 """A matched pattern variable: a value name, the index of the OrValue alternative taken, or None."""
@@ -44,6 +54,7 @@ def _ir_view(view: GraphView, ctx: GradientContext):
     """(ir model, {output name: ir node}) of the view's graph, built once and cached on the view."""
     cached = view.cache.get("onnx_ir")
     if cached is None:
+        ir = _rewriter()[0]
         graph = ir.serde.deserialize_graph(view.graph)
         by_output: Dict[str, object] = {}
         for node in graph:
@@ -85,7 +96,7 @@ class ChainPattern:
             self._variants = [
                 variant
                 for function in self._functions
-                for variant in _pattern.RewriteRule(function, _no_replacement).commute()
+                for variant in _rewriter()[1].RewriteRule(function, _no_replacement).commute()
             ]
         return self._variants
 
@@ -132,6 +143,7 @@ class ChainPattern:
     def _match(
         self, view: GraphView, ctx: GradientContext, node: onnx.NodeProto
     ) -> Optional[Tuple[Dict[str, Binding], List[onnx.NodeProto]]]:
+        ir = _rewriter()[0]
         model, by_output = _ir_view(view, ctx)
         ir_node = by_output.get(node.output[0]) if node.output else None
         if ir_node is None:

@@ -30,7 +30,7 @@ import onnx
 
 from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns.registry import GraphView, Match, register
-from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
+from normgrad.graphs.patterns._declarative import ChainPattern, or_value
 from normgrad.graphs.patterns._row_norm import casts_to_float, float_input, keeps_shape, match_row_norm, normalised_axis
 from normgrad.graphs.rules.layer_norm import row_norm_gradient
 
@@ -47,11 +47,11 @@ def _centred(op, x):
     """x - mean(x), or that cast: TorchScript below opset 17 casts a float16 LayerNorm's
     centred values to double and the normalised result back."""
     centred = op.Sub(x, op.ReduceMean(x, _allow_other_inputs=True, _outputs=["mean"]), _outputs=["centred"])
-    return _pattern.OrValue([op.Cast(centred, _outputs=["centred_cast"]), centred], tag_var="centred_cast_or_not")
+    return or_value([op.Cast(centred, _outputs=["centred_cast"]), centred], tag_var="centred_cast_or_not")
 
 
 def _std(op, centred, eps):
-    squared = _pattern.OrValue([op.Pow(centred, 2.0), op.Mul(centred, centred)])
+    squared = or_value([op.Pow(centred, 2.0), op.Mul(centred, centred)])
     variance = op.ReduceMean(squared, _allow_other_inputs=True, _outputs=["variance"])
     return op.Sqrt(op.Add(variance, eps), _outputs=["std"])
 
@@ -68,8 +68,8 @@ def _reciprocal(op, x, eps):
 
 def _normalised(op, x, eps):
     """The normalised values, cast back or not."""
-    normalised = _pattern.OrValue([_divided(op, x, eps), _reciprocal(op, x, eps)])
-    return _pattern.OrValue([op.Cast(normalised, _outputs=["cast_out"]), normalised], tag_var="cast_out_or_not")
+    normalised = or_value([_divided(op, x, eps), _reciprocal(op, x, eps)])
+    return or_value([op.Cast(normalised, _outputs=["cast_out"]), normalised], tag_var="cast_out_or_not")
 
 
 def _with_bias(op, x, eps, w, b):
@@ -81,7 +81,7 @@ def _with_scale(op, x, eps, w):
 
 
 def _cast(op, x, eps):
-    return op.Cast(_pattern.OrValue([_divided(op, x, eps), _reciprocal(op, x, eps)]), _outputs=["cast_out"])
+    return op.Cast(or_value([_divided(op, x, eps), _reciprocal(op, x, eps)]), _outputs=["cast_out"])
 
 
 _CHAIN = ChainPattern("the decomposed LayerNorm", _with_bias, _with_scale, _cast, _divided, _reciprocal, differentiable=("x", "w", "b"))

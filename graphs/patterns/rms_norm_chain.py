@@ -31,7 +31,7 @@ import onnx
 
 from normgrad.graphs.context import GradientContext
 from normgrad.graphs.patterns.registry import GraphView, Match, register
-from normgrad.graphs.patterns._declarative import ChainPattern, _pattern
+from normgrad.graphs.patterns._declarative import ChainPattern, or_value
 from normgrad.graphs.patterns._row_norm import casts_to_float, match_row_norm
 from normgrad.graphs.rules.layer_norm import row_norm_gradient
 
@@ -45,14 +45,14 @@ PATTERN = "rms_norm_chain"
 
 
 def _rms(op, x, eps):
-    squared = _pattern.OrValue([op.Pow(x, 2.0), op.Mul(x, x)])
+    squared = or_value([op.Pow(x, 2.0), op.Mul(x, x)])
     mean_square = op.ReduceMean(squared, _allow_other_inputs=True, _outputs=["mean_square"])
     return op.Sqrt(op.Add(mean_square, eps), _outputs=["rms"])
 
 
 def _times_inverse(op, x, eps):
     rms = _rms(op, x, eps)
-    inverse = _pattern.OrValue([op.Reciprocal(rms, _outputs=["inv_rms"]), op.Div(1.0, rms, _outputs=["one_over_rms"])])
+    inverse = or_value([op.Reciprocal(rms, _outputs=["inv_rms"]), op.Div(1.0, rms, _outputs=["one_over_rms"])])
     return op.Mul(x, inverse)
 
 
@@ -61,12 +61,12 @@ def _divided(op, x, eps):
 
 
 def _normalised(op, x, eps):
-    return _pattern.OrValue([_times_inverse(op, x, eps), _divided(op, x, eps)], tag_var="times_or_divided")
+    return or_value([_times_inverse(op, x, eps), _divided(op, x, eps)], tag_var="times_or_divided")
 
 
 def _scaled(op, x, eps, w):
     normalised = _normalised(op, x, eps)
-    cast_or_not = _pattern.OrValue([op.Cast(normalised, _outputs=["cast_out"]), normalised], tag_var="cast_out_or_not")
+    cast_or_not = or_value([op.Cast(normalised, _outputs=["cast_out"]), normalised], tag_var="cast_out_or_not")
     return op.Mul(cast_or_not, w, _outputs=["scaled"])
 
 
