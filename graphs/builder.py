@@ -585,6 +585,7 @@ def _assemble_training_graph(model, loss, inline, frozen, loss_options, loss_out
     initializers = {t.name for t in forward.model.graph.initializer}
     data_inputs = [i.name for i in forward.model.graph.input if i.name not in initializers]
     rewrites.shapes_from_inputs(result, ctx.type_of, data_inputs)
+    rewrites.depthwise_forwards(result)
     loss_of = float_outputs[0].name
     weight_names = [info.name for info in forward.trainable_inputs]
     running_statistics, peft_adapters = forward.running_statistics, forward.peft_adapters

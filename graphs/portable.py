@@ -57,6 +57,8 @@ minimal reproducer of each:
 * **LSTMBackwardFactors as its standard ops** (not a defect either): an LSTM backward's
   per-step factors (onnxruntime's CPU provider only) become the Sub, Mul, Concat and the
   Slices reversing them in time that the rule wrote before the operator.
+* **DepthwiseConv as its standard op** (not a defect either): a depthwise Conv's forward
+  (onnxruntime's CPU provider only) becomes the Conv it was.
 * **DepthwiseConvGrad as its standard ops** (not a defect either): both gradients of a
   depthwise Conv (onnxruntime's CPU provider only) become the ConvTranspose and the grouped
   Conv with dy as its kernel that the rule wrote before the operator.
@@ -117,7 +119,7 @@ from normgrad.graphs.optimizers import clipping_without_if
 from normgrad.graphs.rewrites import dropout_seed
 from normgrad.graphs.rewrites.expand import expand_operator
 from normgrad.graphs.tidy import read_names
-from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, depthwise_conv_grad, embedding_grad,
+from normgrad.ops import (bias_safe_softmax, bias_softmax_cross_entropy, depthwise_conv, depthwise_conv_grad, embedding_grad,
                           gelu_with_slope, lstm_backward_factors, matrix_transpose, max_pool_grad,
                           outer_product_sum,
                           rotate_half_embedding, safe_softmax, silu_mul, softmax_cross_entropy, softmax_grad)
@@ -551,8 +553,8 @@ def _unused_inputs_last(model: onnx.ModelProto) -> None:
 REWRITES = ("cross_entropy_expanded", "group_normalization_expanded", "layer_norm_statistics_beside", "dropout_seeded",
             "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded", "softmax_grad_expanded",
             "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded", "rotate_half_embedding_expanded",
-            "lstm_backward_factors_expanded", "depthwise_conv_grad_expanded", "max_pool_grad_expanded",
-            "onehot_as_equal",
+            "lstm_backward_factors_expanded", "depthwise_conv_expanded", "depthwise_conv_grad_expanded",
+            "max_pool_grad_expanded", "onehot_as_equal",
             "size_as_shape_product",
             "conv_transpose_own_weight", "constant_casts_folded", "scan_bodies_self_contained",
             "float64_scalars_in_float32", "clipping_without_if", "unused_inputs_last")
@@ -561,8 +563,8 @@ COSTLY_REWRITES = ("cross_entropy_expanded", "onehot_as_equal", "layer_norm_stat
                    "embedding_grad_expanded", "matrix_transpose_expanded", "outer_product_sum_expanded",
                    "softmax_grad_expanded",
                    "safe_softmax_expanded", "silu_mul_expanded", "gelu_with_slope_expanded",
-                   "rotate_half_embedding_expanded", "lstm_backward_factors_expanded", "depthwise_conv_grad_expanded",
-                   "max_pool_grad_expanded", "scan_bodies_self_contained",
+                   "rotate_half_embedding_expanded", "lstm_backward_factors_expanded", "depthwise_conv_expanded",
+                   "depthwise_conv_grad_expanded", "max_pool_grad_expanded", "scan_bodies_self_contained",
                    "float64_scalars_in_float32", "clipping_without_if")
 """The rewrites that cost measurable time on onnxruntime's CPU provider
 (``python -m normgrad.tools.bench_portable``), or change the rounding (float64 scalars in
@@ -575,6 +577,7 @@ _EXPANDED_OPERATORS = (("embedding_grad_expanded", (embedding_grad,)), ("matrix_
                        ("gelu_with_slope_expanded", (gelu_with_slope,)),
                        ("rotate_half_embedding_expanded", (rotate_half_embedding,)),
                        ("lstm_backward_factors_expanded", (lstm_backward_factors,)),
+                       ("depthwise_conv_expanded", (depthwise_conv,)),
                        ("depthwise_conv_grad_expanded", (depthwise_conv_grad,)),
                        ("max_pool_grad_expanded", (max_pool_grad,)))
 """The rewrites of :func:`make_portable` that write normgrad operators as their function

@@ -41,7 +41,7 @@ import normgrad.ops._common as _common
 from normgrad.ops._common import NormgradInputError
 
 __all__ = ["OP_TYPE", "INPUTS", "OUTPUTS", "ATTRIBUTES", "OUTPUT_SHAPE_FROM", "Result", "validate", "reference",
-           "output_size", "schema", "function_body"]
+           "output_size", "check_geometry", "geometry_attributes", "schema", "function_body"]
 
 OP_TYPE = "DepthwiseConvGrad"
 INPUTS = ("x", "w", "dy")
@@ -65,11 +65,30 @@ def output_size(size: int, kernel: int, stride: int, head: int, tail: int, dilat
     return (size + head + tail - (kernel - 1) * dilation - 1) // stride + 1
 
 
-def _check_geometry(group, strides, pads, dilations) -> None:
+def check_geometry(op_type: str, arrays: dict, group, strides, pads, dilations) -> list:
+    """[Ho, Wo] of the depthwise Conv of ``arrays["x"]`` [N, C, H, W] and ``arrays["w"]`` [C,
+    1, kh, kw] with these attributes.
+
+    Raises:
+        NormgradInputError: naming ``op_type``, the offending input or attribute and the rule.
+    """
     for name, values, length, low in (("strides", strides, 2, 1), ("pads", pads, 4, 0), ("dilations", dilations, 2, 1)):
         if len(values) != length or any(int(v) < low for v in values):
-            raise NormgradInputError(f"{OP_TYPE}: attribute '{name}' must be {length} integers >= {low}; "
+            raise NormgradInputError(f"{op_type}: attribute '{name}' must be {length} integers >= {low}; "
                                      f"got {list(values)}")
+    n, c, h, width = arrays["x"].shape
+    if arrays["w"].shape[:2] != (c, 1):
+        raise NormgradInputError(f"{op_type}: input 'w' must be [C, 1, kh, kw] with x's C = {c}; "
+                                 f"got shape {list(arrays['w'].shape)}")
+    if int(group) != c:
+        raise NormgradInputError(f"{op_type}: attribute 'group' must equal x's channels {c}; got {group}")
+    kh, kw = arrays["w"].shape[2:]
+    out = [output_size(h, kh, strides[0], pads[0], pads[2], dilations[0]),
+           output_size(width, kw, strides[1], pads[1], pads[3], dilations[1])]
+    if min(out) < 1 or min(kh, kw) < 1:
+        raise NormgradInputError(f"{op_type}: the padded input {[h + pads[0] + pads[2], width + pads[1] + pads[3]]} "
+                                 f"must hold the dilated kernel of 'w' {list(arrays['w'].shape)}")
+    return out
 
 
 def validate(x, w, dy, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1)) -> dict:
@@ -79,19 +98,8 @@ def validate(x, w, dy, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1,
         NormgradInputError: naming the offending input or attribute and the rule it broke.
     """
     arrays = _common.float32_or_float64_arrays(OP_TYPE, _DIMS, (x, w, dy))
-    _check_geometry(group, strides, pads, dilations)
-    n, c, h, width = arrays["x"].shape
-    if arrays["w"].shape[:2] != (c, 1):
-        raise NormgradInputError(f"{OP_TYPE}: input 'w' must be [C, 1, kh, kw] with x's C = {c}; "
-                                 f"got shape {list(arrays['w'].shape)}")
-    if int(group) != c:
-        raise NormgradInputError(f"{OP_TYPE}: attribute 'group' must equal x's channels {c}; got {group}")
-    kh, kw = arrays["w"].shape[2:]
-    out = [output_size(h, kh, strides[0], pads[0], pads[2], dilations[0]),
-           output_size(width, kw, strides[1], pads[1], pads[3], dilations[1])]
-    if min(out) < 1 or min(kh, kw) < 1:
-        raise NormgradInputError(f"{OP_TYPE}: the padded input {[h + pads[0] + pads[2], width + pads[1] + pads[3]]} "
-                                 f"must hold the dilated kernel of 'w' {list(arrays['w'].shape)}")
+    out = check_geometry(OP_TYPE, arrays, group, strides, pads, dilations)
+    n, c = arrays["x"].shape[:2]
     if list(arrays["dy"].shape) != [n, c] + out:
         raise NormgradInputError(f"{OP_TYPE}: input 'dy' must have the Conv's output shape {[n, c] + out}; "
                                  f"got {list(arrays['dy'].shape)}")
@@ -118,22 +126,28 @@ def reference(x, w, dy, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1
     return Result(dx.astype(dtype), dw.astype(dtype))
 
 
+def geometry_attributes() -> list:
+    """The schema's attributes (DepthwiseConv's too): a depthwise Conv's geometry."""
+    from onnx.defs import OpSchema
+
+    return [OpSchema.Attribute(name, oh.make_attribute(name, default), text) for name, default, text in (
+        ("group", ATTRIBUTES["group"], "The Conv's group: x's channel count C."),
+        ("strides", ATTRIBUTES["strides"], "The Conv's strides [sh, sw]."),
+        ("pads", ATTRIBUTES["pads"], "The Conv's pads [top, left, bottom, right]."),
+        ("dilations", ATTRIBUTES["dilations"], "The Conv's dilations [dh, dw]."))]
+
+
 def schema():
     """The ONNX schema, with type and shape inference."""
     from onnx.defs import OpSchema
 
     param = OpSchema.FormalParameter
-    attributes = [OpSchema.Attribute(name, oh.make_attribute(name, default), text) for name, default, text in (
-        ("group", ATTRIBUTES["group"], "The Conv's group: x's channel count C."),
-        ("strides", ATTRIBUTES["strides"], "The Conv's strides [sh, sw]."),
-        ("pads", ATTRIBUTES["pads"], "The Conv's pads [top, left, bottom, right]."),
-        ("dilations", ATTRIBUTES["dilations"], "The Conv's dilations [dh, dw]."))]
     return _common.make_schema(
         OP_TYPE, __doc__,
         [param("x", "T", "[N, C, H, W]."), param("w", "T", "[C, 1, kh, kw]."), param("dy", "T", "[N, C, Ho, Wo].")],
         [param("dx", "T", "Gradient of x."), param("dw", "T", "Gradient of w.")],
         {"T": (("tensor(float)", "tensor(double)"), "x's, w's and dy's type.")},
-        _common.image_gradients_infer(OP_TYPE, _DIMS), attributes)
+        _common.image_gradients_infer(OP_TYPE, _DIMS), geometry_attributes())
 
 
 def _ref(name: str, ref: str, kind: int) -> onnx.AttributeProto:

@@ -1,7 +1,8 @@
-"""DepthwiseConvGrad: every backend (the C++ kernel, the function body on onnxruntime beside
-the Python kernels and alone, onnx's ReferenceEvaluator) against the float64 reference, which
-float64 finite differences of a direct convolution check; the C++ kernel's bits on every path
-and thread count; bad inputs named; the Conv rule writes it for depthwise convs only, and a
+"""DepthwiseConvGrad and DepthwiseConv (its forward): every backend (the C++ kernel, the
+function body on onnxruntime beside the Python kernels and alone, onnx's ReferenceEvaluator)
+against the float64 reference, which float64 finite differences of a direct convolution (the
+direct convolution itself, for the forward) check; the C++ kernels' bits on every path and
+thread count; bad inputs named; the Conv rule writes them for depthwise convs only, and a
 MobileNet-style block's gradients match torch autograd with and without the kernels."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from _helpers import assert_cpp_bits_everywhere, bad_input_tests, cpp_available, zeros
 from normgrad.graphs import build_training_graph
 from normgrad.graphs.examples import model
-from normgrad.ops import DOMAIN, depthwise_conv_grad, harness
+from normgrad.ops import DOMAIN, depthwise_conv, depthwise_conv_grad, harness
 
 OP = depthwise_conv_grad.OP_TYPE
 needs_cpp = pytest.mark.skipif(not cpp_available(), reason="the C++ library is not built")
@@ -164,6 +165,94 @@ def test_cpp_bad_attribute_names_it():
         depthwise_conv_grad.reference(**feeds, **{**attributes, "pads": [1, 1]})
 
 
+# -- DepthwiseConv, the forward ------------------------------------------------------------------
+
+
+def _forward_inputs(case, dtype=np.float32, bias=True):
+    feeds, attributes = _inputs(case, dtype)
+    del feeds["dy"]
+    if bias:
+        feeds["b"] = np.random.default_rng(5).standard_normal(feeds["x"].shape[1]).astype(dtype)
+    return feeds, attributes
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_reference_is_the_direct_convolution(case, bias):
+    feeds, attributes = _forward_inputs(case, np.float64, bias)
+    geometry = [attributes[name] for name in ("strides", "pads", "dilations")]
+    expected = _direct_conv(feeds["x"], feeds["w"], *geometry)
+    if bias:
+        expected += feeds["b"][None, :, None, None]
+    np.testing.assert_allclose(depthwise_conv.reference(**feeds, **attributes).y, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_every_backend_is_the_float64_output(backend, case, bias):
+    """float32 on every backend (the function body: onnxruntime's and onnx's Conv) within the
+    float32 rounding of sums of that many products, from the reference of the absolute values."""
+    feeds, attributes = _forward_inputs(case, bias=bias)
+    result = np.asarray(harness.run(backend, depthwise_conv.OP_TYPE, feeds, attributes=attributes)["y"])
+    as64 = {k: v.astype(np.float64) for k, v in feeds.items()}
+    exact = depthwise_conv.reference(**as64, **attributes).y
+    bound = depthwise_conv.reference(**{k: np.abs(v) for k, v in as64.items()}, **attributes).y
+    assert result.dtype == np.float32 and result.shape == exact.shape
+    assert (np.abs(result - exact) <= 2 ** -22 * (feeds["w"][0].size + 1) * bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("backend", ["evaluator"] + (["cpp"] if cpp_available() else []))
+@pytest.mark.parametrize("case", ["batch 1, stride 2, odd sizes", "dilation 2, uneven pads", "7x7 (ConvNeXt)"])
+def test_forward_float64(backend, case):
+    feeds, attributes = _forward_inputs(case, np.float64)
+    y = harness.run(backend, depthwise_conv.OP_TYPE, feeds, attributes=attributes)["y"]
+    assert y.dtype == np.float64
+    np.testing.assert_allclose(y, depthwise_conv.reference(**feeds, **attributes).y, rtol=1e-12, atol=1e-12)
+
+
+_FORWARD_PATH_SCRIPT = """
+import sys, numpy as np
+from normgrad.ops import harness
+rng = np.random.default_rng(2)
+results = []
+for shape, k, stride, dilation in [((3, 40, 19, 45), 3, 1, 1), ((2, 24, 21, 33), 5, 2, 1), ((2, 16, 9, 30), 7, 1, 2),
+                                   ((2, 12, 4, 4), 7, 1, 1)]:
+    pad = (k - 1) * dilation // 2
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "w": rng.standard_normal((shape[1], 1, k, k)).astype(np.float32),
+             "b": rng.standard_normal(shape[1]).astype(np.float32)}
+    out = harness.run("cpp", "DepthwiseConv", feeds, threads=int(sys.argv[2]),
+                      attributes={"group": shape[1], "strides": [stride] * 2, "pads": [pad] * 4, "dilations": [dilation] * 2})
+    results.append(out["y"].ravel())
+np.save(sys.argv[1], np.concatenate(results))
+"""
+
+
+@needs_cpp
+def test_forward_cpp_kernel_gives_the_same_bits_on_every_path_and_thread_count(tmp_path):
+    """Each y one fused multiply-add chain over the taps: the AVX2 block and the portable one
+    (NORMGRAD_KERNELS=generic) agree bit for bit at 1, 2 and 4 threads."""
+    assert_cpp_bits_everywhere(tmp_path, _FORWARD_PATH_SCRIPT)
+
+
+FORWARD_BAD = {
+    "x rank 3": ({"x": zeros(1, 1, 4), "w": zeros(1, 1, 3, 3)}, "input 'x' must have rank 4 ([N, C, H, W]); got shape [1, 1, 4]"),
+    "types differ": ({"x": zeros(1, 1, 4, 4), "w": zeros(1, 1, 3, 3, dtype=np.float64)},
+                     "input 'w' must have x's type float32; got float64"),
+    "channel multiplier 2": ({"x": zeros(1, 1, 4, 4), "w": zeros(2, 1, 3, 3)},
+                             "input 'w' must be [C, 1, kh, kw] with x's C = 1; got shape [2, 1, 3, 3]"),
+    "kernel past the input": ({"x": zeros(1, 1, 2, 4), "w": zeros(1, 1, 3, 3)},
+                              "the padded input [2, 4] must hold the dilated kernel of 'w' [1, 1, 3, 3]"),
+    "kernel rows past the limit": ({"x": zeros(1, 1, 70, 4), "w": zeros(1, 1, 65, 1)},
+                                   "input 'w' must have at most 64 kernel rows; got shape [1, 1, 65, 1]"),
+    "bias not [C]": ({"x": zeros(1, 1, 4, 4), "w": zeros(1, 1, 3, 3), "b": zeros(2)},
+                     "input 'b' must be [C] = [1] of x's type float32; got float32 [2]"),
+}
+
+test_forward_cpp_bad_input_names_the_input, test_forward_validate_names_the_input = bad_input_tests(depthwise_conv,
+                                                                                                      FORWARD_BAD)
+
+
 # -- the Conv rule ------------------------------------------------------------------------------
 
 
@@ -192,6 +281,9 @@ def test_depthwise_conv_gradient_is_one_operator(elem_type):
     assert {a.name: oh.get_attribute_value(a) for a in nodes[0].attribute} == \
         {"group": 6, "strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1]}
     assert "ConvTranspose" not in _ops(graph)
+    forward = [n for n in graph.node if n.op_type == depthwise_conv.OP_TYPE]
+    assert len(forward) == 1 and forward[0].domain == DOMAIN and "Conv" not in _ops(graph)
+    assert [name for name in forward[0].input if name] == ["x", "W"] and forward[0].attribute == nodes[0].attribute
 
 
 @pytest.mark.parametrize("case", ["frozen weight", "channel multiplier 2", "grouped"])
@@ -199,7 +291,7 @@ def test_other_grouped_convs_keep_the_graph_form(case):
     training = {"frozen weight": lambda: _conv_model(6, 6, 6, frozen_weight=True),
                 "channel multiplier 2": lambda: _conv_model(4, 8, 4), "grouped": lambda: _conv_model(6, 6, 3)}[case]()
     ops = _ops(training.model.graph)
-    assert OP not in ops and ops["ConvTranspose"] == 1
+    assert OP not in ops and depthwise_conv.OP_TYPE not in ops and ops["ConvTranspose"] == 1 and ops["Conv"] >= 1
 
 
 @pytest.mark.parametrize("form", ["inline", "portable"])
@@ -262,6 +354,7 @@ def test_mobilenet_block_matches_torch_autograd(backend):
     forward = _export(module, (torch.tensor(x),), "torchscript", ["x"], ["y"])
     training, weights = build_training_graph(forward, inline=backend == "inline")
     assert sum(n.op_type == OP for n in training.graph.node) == (0 if backend == "inline" else 3)
+    assert sum(n.op_type == depthwise_conv.OP_TYPE for n in training.graph.node) == (0 if backend == "inline" else 3)
     xt = torch.tensor(x, requires_grad=True)
     y = module(xt)
     dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)

@@ -8,8 +8,9 @@ inference, on those inferred types (the builder infers them again after the fusi
 any made a change). Each module's docstring says what its pass rewrites and why.
 
 Not passes of the builder: :mod:`~normgrad.graphs.rewrites.dropout_seed` (training-mode
-Dropout drawn from a seed, on step graphs), :mod:`~normgrad.graphs.rewrites.weight_casts`
-and :mod:`~normgrad.graphs.rewrites.input_shapes` (on training graphs, after
+Dropout drawn from a seed, on step graphs), :mod:`~normgrad.graphs.rewrites.weight_casts`,
+:mod:`~normgrad.graphs.rewrites.input_shapes` and
+:mod:`~normgrad.graphs.rewrites.depthwise_forward` (on training graphs, after
 differentiation) and :mod:`~normgrad.graphs.rewrites.expand` (a normgrad operator written
 as its function body).
 """
@@ -21,6 +22,7 @@ from normgrad.graphs.rewrites import (bfloat16, contrib_attention, contrib_rotar
                                       rotate_half, safe_softmax, sequences, tiling_slices, transposed_weights)
 from normgrad.graphs.rewrites._graph import RewriteContext
 from normgrad.graphs.rewrites.bfloat16 import bfloat16_in_float32, bfloat16_values
+from normgrad.graphs.rewrites.depthwise_forward import depthwise_forwards
 from normgrad.graphs.rewrites.dropout_seed import (DROPOUT_MICRO_BATCH_INPUT, DROPOUT_SEED_INPUT, METADATA_DROPOUT,
                                                    expand_dropout_masks, seed_dropout)
 from normgrad.graphs.rewrites.embedding_bag_loops import embedding_bags
@@ -45,7 +47,7 @@ __all__ = ["PASSES", "FUSIONS", "RewriteContext", "GROUP_NORM_PER_CHANNEL_OPSET"
            "DROPOUT_MICRO_BATCH_INPUT", "METADATA_DROPOUT", "recurrent_layout_0", "embedding_bags",
            "rewrite_sequences", "bfloat16_in_float32", "bfloat16_values", "transposed_weight_products",
            "cast_stored_weights_per_reader", "shapes_from_inputs", "gelu_erf_fusable_order", "tiling_slices_as_split",
-           "safe_softmaxes", "silu_products", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache", "REWRITTEN_CONTRIB_OP_TYPES"]
+           "safe_softmaxes", "silu_products", "depthwise_forwards", "gelu_erf_slopes", "rotate_half_embeddings", "drop_kv_cache", "REWRITTEN_CONTRIB_OP_TYPES"]
 
 PASSES = (kv_cache, bfloat16, sequences, recurrent_layout, embedding_bag_loops, integer_constants, gelu_order, opset,
           contrib_attention, contrib_rotary)

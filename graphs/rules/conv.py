@@ -64,7 +64,7 @@ import onnx.numpy_helper as onh
 from normgrad.graphs.context import GradientContext, attr, describe
 from normgrad.graphs.rules.registry import UnsupportedOperatorError, register
 from normgrad.graphs.rules._window import Window, transposed_window, window_of
-from normgrad.ops import DOMAIN, depthwise_conv_grad
+from normgrad.ops import DOMAIN, depthwise_conv, depthwise_conv_grad
 
 __all__ = ["conv_gradient", "conv_transpose_gradient", "input_gradient", "weight_gradient"]
 
@@ -232,9 +232,11 @@ def _depthwise(ctx: GradientContext, x: str, w: str, window: Window, groups: int
     body) is a ConvTranspose and the grouped big-kernel Conv: dx and dw of a 3x3 in ms at 1
     thread, kernel against graph form, 4.1 / 32 at [16, 32, 64, 64], 11.4 / 42 at [16, 96,
     64, 64] stride 2, 6.9 / 38 at [16, 144, 32, 32], 3.0 / 9.7 at [16, 960, 4, 4]. A frozen
-    w (dx alone) keeps the ConvTranspose."""
+    w (dx alone) keeps the ConvTranspose. The forward Conv then becomes a DepthwiseConv
+    (:mod:`normgrad.graphs.rewrites.depthwise_forward`)."""
     x_shape, w_shape = ctx.shape(x), ctx.shape(w)
-    return (groups > 1 and len(window.kernel) == 2 and ctx.needs_grad(x) and ctx.needs_grad(w)
+    return (groups > 1 and len(window.kernel) == 2 and window.kernel[0] <= depthwise_conv.MAX_KERNEL_ROWS
+            and ctx.needs_grad(x) and ctx.needs_grad(w)
             and ctx.elem_type(x) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
             and x_shape is not None and len(x_shape) == 4 and x_shape[1] == groups
             and w_shape is not None and list(w_shape[:2]) == [groups, 1])

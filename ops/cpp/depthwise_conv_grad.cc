@@ -19,15 +19,47 @@ int64_t output_size(int64_t size, int64_t kernel, int64_t stride, int64_t head, 
   return room < 0 ? 0 : room / stride + 1;
 }
 
-struct DepthwiseConvGrad final : KernelBase {
-  int64_t group;
-  std::vector<int64_t> strides, pads, dilations;
+}  // namespace
 
-  explicit DepthwiseConvGrad(const OrtKernelInfo* info)
-      : group(attribute_int(info, kOp, "group", 1)),
-        strides(geometry_attribute(info, kOp, "strides", 2, 1)),
-        pads(geometry_attribute(info, kOp, "pads", 4, 0)),
-        dilations(geometry_attribute(info, kOp, "dilations", 2, 1)) {}
+DepthwiseAttributes::DepthwiseAttributes(const OrtKernelInfo* info, const char* op)
+    : op(op),
+      group(attribute_int(info, op, "group", 1)),
+      strides(geometry_attribute(info, op, "strides", 2, 1)),
+      pads(geometry_attribute(info, op, "pads", 4, 0)),
+      dilations(geometry_attribute(info, op, "dilations", 2, 1)) {}
+
+DepthwiseGeometry DepthwiseAttributes::geometry(const Input& x, const Input& w) const {
+  const Input* inputs[] = {&x, &w};
+  const char* names[] = {"x", "w"};
+  const char* dims[] = {"[N, C, H, W]", "[C, 1, kh, kw]"};
+  check_float_images(op, inputs, names, dims, 2);
+  const int64_t c = x.shape[1];
+  if (w.shape[0] != c || w.shape[1] != 1) {
+    fail(std::string(op) + ": input 'w' must be [C, 1, kh, kw] with x's C = " + std::to_string(c) + "; got shape " +
+         shape_str(w.shape));
+  }
+  if (group != c) {
+    fail(std::string(op) + ": attribute 'group' must equal x's channels " + std::to_string(c) + "; got " +
+         std::to_string(group));
+  }
+  const int64_t ho = output_size(x.shape[2], w.shape[2], strides[0], pads[0], pads[2], dilations[0]);
+  const int64_t wo = output_size(x.shape[3], w.shape[3], strides[1], pads[1], pads[3], dilations[1]);
+  if (ho < 1 || wo < 1 || w.shape[2] < 1 || w.shape[3] < 1) {
+    fail(std::string(op) + ": the padded input " +
+         shape_str({x.shape[2] + pads[0] + pads[2], x.shape[3] + pads[1] + pads[3]}) +
+         " must hold the dilated kernel of 'w' " + shape_str(w.shape));
+  }
+  auto u = [](int64_t v) { return static_cast<size_t>(v); };
+  return {u(x.shape[0]), u(c), u(x.shape[2]), u(x.shape[3]), u(w.shape[2]), u(w.shape[3]), u(ho), u(wo),
+          u(strides[0]), u(strides[1]), u(pads[0]), u(pads[1]), u(dilations[0]), u(dilations[1])};
+}
+
+namespace {
+
+struct DepthwiseConvGrad final : KernelBase {
+  DepthwiseAttributes attributes;
+
+  explicit DepthwiseConvGrad(const OrtKernelInfo* info) : attributes(info, kOp) {}
   const char* name() const override { return kOp; }
 
   DepthwiseGeometry check(const Input& x, const Input& w, const Input& dy) const {
@@ -35,30 +67,13 @@ struct DepthwiseConvGrad final : KernelBase {
     const char* names[] = {"x", "w", "dy"};
     const char* dims[] = {"[N, C, H, W]", "[C, 1, kh, kw]", "[N, C, Ho, Wo]"};
     check_float_images(kOp, inputs, names, dims, 3);
-    const int64_t c = x.shape[1];
-    if (w.shape[0] != c || w.shape[1] != 1) {
-      fail(std::string(kOp) + ": input 'w' must be [C, 1, kh, kw] with x's C = " + std::to_string(c) + "; got shape " +
-           shape_str(w.shape));
-    }
-    if (group != c) {
-      fail(std::string(kOp) + ": attribute 'group' must equal x's channels " + std::to_string(c) + "; got " +
-           std::to_string(group));
-    }
-    const int64_t ho = output_size(x.shape[2], w.shape[2], strides[0], pads[0], pads[2], dilations[0]);
-    const int64_t wo = output_size(x.shape[3], w.shape[3], strides[1], pads[1], pads[3], dilations[1]);
-    if (ho < 1 || wo < 1 || w.shape[2] < 1 || w.shape[3] < 1) {
-      fail(std::string(kOp) + ": the padded input " +
-           shape_str({x.shape[2] + pads[0] + pads[2], x.shape[3] + pads[1] + pads[3]}) +
-           " must hold the dilated kernel of 'w' " + shape_str(w.shape));
-    }
-    const std::vector<int64_t> expected = {x.shape[0], c, ho, wo};
+    const DepthwiseGeometry g = attributes.geometry(x, w);
+    const std::vector<int64_t> expected = {x.shape[0], x.shape[1], static_cast<int64_t>(g.ho), static_cast<int64_t>(g.wo)};
     if (dy.shape != expected) {
       fail(std::string(kOp) + ": input 'dy' must have the Conv's output shape " + shape_str(expected) + "; got " +
            shape_str(dy.shape));
     }
-    auto u = [](int64_t v) { return static_cast<size_t>(v); };
-    return {u(x.shape[0]), u(c), u(x.shape[2]), u(x.shape[3]), u(w.shape[2]), u(w.shape[3]), u(ho), u(wo),
-            u(strides[0]), u(strides[1]), u(pads[0]), u(pads[1]), u(dilations[0]), u(dilations[1])};
+    return g;
   }
 
   void compute(OrtKernelContext* ctx) override {

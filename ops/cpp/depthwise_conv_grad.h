@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+struct OrtKernelInfo;  // onnxruntime_c_api.h
+
 namespace normgrad {
 
 struct DepthwiseGeometry {
@@ -18,6 +20,21 @@ struct DepthwiseGeometry {
 };
 
 constexpr size_t kDepthwiseLanes = 8;
+
+struct Input;  // ort_glue.h
+
+// DepthwiseConv's and DepthwiseConvGrad's attributes, Conv's geometry (depthwise_conv_grad.cc).
+struct DepthwiseAttributes {
+  const char* op;
+  int64_t group;
+  std::vector<int64_t> strides, pads, dilations;
+
+  DepthwiseAttributes(const OrtKernelInfo* info, const char* op);
+  // The geometry of the Conv of x [N, C, H, W] and w [C, 1, kh, kw] (float32 or float64 alike,
+  // group = C, the padded input holding the dilated kernel); else an error naming the operator,
+  // the input or attribute and the rule.
+  DepthwiseGeometry geometry(const Input& x, const Input& w) const;
+};
 
 // The portable row primitives (std::fma: one rounding, as the vector lanes).
 template <class T>

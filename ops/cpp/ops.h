@@ -62,6 +62,7 @@ extern const OpDescriptor kEmbeddingGrad;
 extern const OpDescriptor kSoftmaxCrossEntropy;
 extern const OpDescriptor kMatrixTranspose;
 extern const OpDescriptor kOuterProductSum;
+extern const OpDescriptor kDepthwiseConv;
 extern const OpDescriptor kDepthwiseConvGrad;
 extern const OpDescriptor kMaxPoolGrad;
 extern const OpDescriptor kLSTMBackwardFactors;

@@ -361,7 +361,7 @@ std::vector<OpVariant*>* build_ops() {
   for (const OpDescriptor* d : {&kBatchNormReduceBackward, &kBatchNormElemtBackward, &kGroupNormalizationGrad,
                                 &kLayerNormalizationGrad, &kRMSNormalizationGrad, &kAllReduce, &kAdamUpdate,
                                 &kSGDUpdate, &kGatedUpdate, &kDropoutMask, &kEmbeddingGrad,
-                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kDepthwiseConvGrad, &kMaxPoolGrad, &kSiLUGrad, &kGeluGrad,
+                                &kSoftmaxCrossEntropy, &kMatrixTranspose, &kOuterProductSum, &kDepthwiseConv, &kDepthwiseConvGrad, &kMaxPoolGrad, &kSiLUGrad, &kGeluGrad,
                                 &kGeluTanhGrad, &kSwiGLUGrad, &kSoftmaxGrad, &kSafeSoftmax, &kBiasSafeSoftmax,
                                 &kBiasSoftmaxCrossEntropy, &kSiLUMul, &kGeluWithSlope, &kRotateHalfEmbedding,
                                 &kLSTMBackwardFactors}) {
