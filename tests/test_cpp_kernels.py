@@ -185,7 +185,7 @@ def _bitwise_same_for_threads(run):
             assert results[0][name].tobytes() == other[name].tobytes(), name
 
 
-@pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 2, 3)], ids=str)
+@pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 40, 4, 4), (64, 2, 3)], ids=str)
 def test_bn_reduce_bitwise_deterministic_across_threads(shape):
     inputs = bn_inputs(shape, np.float32, np.float32, seed=7)
     feeds = [(n, inputs[n]) for n in bnr.INPUTS if n in inputs]
@@ -289,7 +289,7 @@ def test_relu_output_all_dtypes(t, u):
         check_relu_masked(shape, t, u, seed=i)
 
 
-@pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 2, 3)], ids=str)
+@pytest.mark.parametrize("shape", [(16, 5, 70, 130), (2, 3, 140000), (64, 40, 4, 4), (64, 2, 3)], ids=str)
 def test_relu_output_bitwise_deterministic_across_threads(shape):
     _bitwise_same_for_threads(lambda threads: check_relu_masked(shape, np.float32, np.float32, seed=2, threads=threads))
 
