@@ -49,8 +49,7 @@ OUTPUTS = ("y",)
 ATTRIBUTES: dict = dict(depthwise_conv_grad.ATTRIBUTES)
 """(INTS geometry: no Python kernel, as DepthwiseConvGrad; onnxruntime runs the function body there.)"""
 _DIMS = {"x": "[N, C, H, W]", "w": "[C, 1, kh, kw]"}
-MAX_KERNEL_ROWS = 64
-"""The C++ kernel's limit on kh (a table of row pointers on its stack)."""
+MAX_KERNEL_ROWS = depthwise_conv_grad.MAX_KERNEL_ROWS
 
 
 class Result(NamedTuple):
@@ -67,9 +66,6 @@ def validate(x, w, b=None, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations
     """
     arrays = _common.float32_or_float64_arrays(OP_TYPE, _DIMS, (x, w))
     depthwise_conv_grad.check_geometry(OP_TYPE, arrays, group, strides, pads, dilations)
-    if arrays["w"].shape[2] > MAX_KERNEL_ROWS:
-        raise NormgradInputError(f"{OP_TYPE}: input 'w' must have at most {MAX_KERNEL_ROWS} kernel rows; "
-                                 f"got shape {list(arrays['w'].shape)}")
     if b is not None:
         b = np.asarray(b)
         channels = arrays["x"].shape[1]

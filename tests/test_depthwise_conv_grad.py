@@ -33,6 +33,7 @@ CASES = {  # name: (x shape [N, C, H, W], kernel, strides, pads [t, l, b, r], di
     "5x5 stride 2": ((2, 11, 15, 14), 5, [2, 2], [2, 2, 2, 2], [1, 1]),
     "7x7 (ConvNeXt)": ((2, 7, 9, 26), 7, [1, 1], [3, 3, 3, 3], [1, 1]),
     "kernel wider than the map": ((1, 3, 2, 3), 5, [1, 1], [2, 2, 2, 2], [1, 1]),
+    "1x1, pads past its reach": ((2, 5, 6, 7), 1, [1, 1], [1, 2, 0, 1], [1, 1]),
 }
 
 

@@ -28,11 +28,17 @@ struct DepthwiseConv final : KernelBase {
     const T* bt = b.present ? static_cast<const T*>(b.data) : nullptr;
     T* yt = static_cast<T*>(y);
     const bool avx2 = std::is_same<T, float>::value && update_avx2();
+    const size_t taps = g.kh * g.kw;
     auto plane = [&](size_t p) {
+      const size_t c = p % g.c;
+      const T* x_plane = xt + p * g.h * g.w;
+      const T* w_taps = wt + c * taps;
+      const T bias = bt != nullptr ? bt[c] : T(0);
+      T* y_plane = yt + p * g.ho * g.wo;
       if constexpr (std::is_same<T, float>::value) {
-        if (avx2) return depthwise_forward_plane_avx2(g, s, xt, wt, bt, yt, p);
+        if (avx2) return depthwise_forward_plane_avx2(g, s, x_plane, w_taps, bias, y_plane);
       }
-      depthwise_forward_plane<T, ScalarTaps<T>>(g, s, xt, wt, bt, yt, p);
+      depthwise_forward_plane<T, ScalarTaps<T>>(g, s, x_plane, w_taps, bias, y_plane);
     };
     parallel_for(ctx, g.n * g.c, plane, g.n * g.c * g.ho * g.wo * g.kh * g.kw);
   }
@@ -42,10 +48,6 @@ struct DepthwiseConv final : KernelBase {
     const Input w = get_input_any_type(ctx, 1, kOp, "w");
     const Input b = get_input_any_type(ctx, 2, kOp, "b");
     const DepthwiseGeometry g = attributes.geometry(x, w);
-    if (g.kh > kDepthwiseMaxRows) {
-      fail(std::string(kOp) + ": input 'w' must have at most " + std::to_string(kDepthwiseMaxRows) +
-           " kernel rows; got shape " + shape_str(w.shape));
-    }
     if (b.present && (b.onnx_type != x.onnx_type || b.shape != std::vector<int64_t>{x.shape[1]})) {
       fail(std::string(kOp) + ": input 'b' must be [C] = " + shape_str({x.shape[1]}) + " of x's type " +
            dtype_name(x.onnx_type) + "; got " + dtype_name(b.onnx_type) + " " + shape_str(b.shape));

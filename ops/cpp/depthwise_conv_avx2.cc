@@ -45,9 +45,9 @@ struct Avx2Taps {
 
 }  // namespace
 
-void depthwise_forward_plane_avx2(const DepthwiseGeometry& g, const DepthwiseScratch& s, const float* x,
-                                  const float* w, const float* bias, float* y, size_t plane) {
-  depthwise_forward_plane<float, Avx2Taps>(g, s, x, w, bias, y, plane);
+void depthwise_forward_plane_avx2(const DepthwiseGeometry& g, const DepthwiseScratch& s, const float* x_plane,
+                                  const float* w_taps, float bias, float* y_plane) {
+  depthwise_forward_plane<float, Avx2Taps>(g, s, x_plane, w_taps, bias, y_plane);
 }
 
 }  // namespace normgrad

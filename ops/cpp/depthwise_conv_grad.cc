@@ -49,6 +49,10 @@ DepthwiseGeometry DepthwiseAttributes::geometry(const Input& x, const Input& w) 
          shape_str({x.shape[2] + pads[0] + pads[2], x.shape[3] + pads[1] + pads[3]}) +
          " must hold the dilated kernel of 'w' " + shape_str(w.shape));
   }
+  if (w.shape[2] > static_cast<int64_t>(kDepthwiseMaxRows)) {
+    fail(std::string(op) + ": input 'w' must have at most " + std::to_string(kDepthwiseMaxRows) +
+         " kernel rows; got shape " + shape_str(w.shape));
+  }
   auto u = [](int64_t v) { return static_cast<size_t>(v); };
   return {u(x.shape[0]), u(c), u(x.shape[2]), u(x.shape[3]), u(w.shape[2]), u(w.shape[3]), u(ho), u(wo),
           u(strides[0]), u(strides[1]), u(pads[0]), u(pads[1]), u(dilations[0]), u(dilations[1])};
@@ -94,7 +98,7 @@ struct DepthwiseConvGrad final : KernelBase {
     const size_t work = x.size * g.kh * g.kw;
     if (x.onnx_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE) {
       auto run = [&](size_t c) {
-        depthwise_channel<double, ScalarRows<double>>(g, static_cast<const double*>(x.data),
+        depthwise_channel<double, ScalarRows<double>, ScalarForward<double>>(g, static_cast<const double*>(x.data),
                                                       static_cast<const double*>(w.data),
                                                       static_cast<const double*>(dy.data), static_cast<double*>(dx),
                                                       static_cast<double*>(dw), c);
@@ -109,7 +113,7 @@ struct DepthwiseConvGrad final : KernelBase {
       if (avx2) {
         depthwise_channel_avx2(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
       } else {
-        depthwise_channel<float, ScalarRows<float>>(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
+        depthwise_channel<float, ScalarRows<float>, ScalarForward<float>>(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
       }
     };
     parallel_for(ctx, g.c, run, work);

@@ -1,49 +1,40 @@
 // DepthwiseConvGrad (ops/depthwise_conv_grad.py): dx and dw of a 2-D depthwise Conv, one
-// channel at a time. The loops are shared by the portable and the AVX2 path (this template);
-// only the two row primitives differ, and both round alike: axpy is one fused multiply-add per
-// element, dot deals a row's products to eight lanes by their index mod 8, each lane one chain
-// of fused multiply-adds. So every path gives the same bits.
+// channel at a time (its dw sums over the samples in order). Each sample's plane of x is laid
+// out as the forward reads it (depthwise_conv.h's scratch). dw: each tap's eight lanes take the
+// products of dy's columns j = l (mod 8) (zero past the row's end), over the rows and samples
+// in order, each lane one chain of fused multiply-adds; the lanes are added in a fixed tree.
+// dx: at stride 1 the forward's kernel over dy with the kernel flipped (each element one chain
+// over the taps), at larger strides one fused multiply-add per tap and element. The portable
+// and the AVX2 primitives round alike, so every path gives the same bits.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <vector>
-
-struct OrtKernelInfo;  // onnxruntime_c_api.h
+#include "depthwise_conv.h"
 
 namespace normgrad {
 
-struct DepthwiseGeometry {
-  size_t n, c, h, w, kh, kw, ho, wo, sh, sw, pt, pl, dh, dw;
-};
+// The most taps whose lanes one pass over dy keeps (in registers, on AVX2).
+constexpr size_t kDepthwiseDotTaps = 12;
 
-constexpr size_t kDepthwiseLanes = 8;
-
-struct Input;  // ort_glue.h
-
-// DepthwiseConv's and DepthwiseConvGrad's attributes, Conv's geometry (depthwise_conv_grad.cc).
-struct DepthwiseAttributes {
-  const char* op;
-  int64_t group;
-  std::vector<int64_t> strides, pads, dilations;
-
-  DepthwiseAttributes(const OrtKernelInfo* info, const char* op);
-  // The geometry of the Conv of x [N, C, H, W] and w [C, 1, kh, kw] (float32 or float64 alike,
-  // group = C, the padded input holding the dilated kernel); else an error naming the operator,
-  // the input or attribute and the rule.
-  DepthwiseGeometry geometry(const Input& x, const Input& w) const;
-};
-
-// The portable row primitives (std::fma: one rounding, as the vector lanes).
+// The portable primitives (std::fma: one rounding, as the vector lanes).
 template <class T>
 struct ScalarRows {
-  static void dot(const T* a, const T* b, size_t count, T* lanes) {
-    for (size_t i = 0; i < count; ++i) lanes[i % kDepthwiseLanes] = std::fma(a[i], b[i], lanes[i % kDepthwiseLanes]);
-  }
   static void axpy(T alpha, const T* x, T* y, size_t count) {
     for (size_t i = 0; i < count; ++i) y[i] = std::fma(alpha, x[i], y[i]);
+  }
+  // lanes[i 8 + l] += dy[oh, j] runs[i][oh step + j] for j = l (mod 8), j < wo (beyond it,
+  // + 0 * 0), over the rows oh < ho in order, for the `taps` (<= kDepthwiseDotTaps) runs.
+  static void dots(const T* dy, size_t wo, size_t ho, const T* const* runs, size_t step, size_t taps, T* lanes) {
+    for (size_t oh = 0; oh < ho; ++oh) {
+      for (size_t j = 0; j < wo; j += kDepthwiseLanes) {
+        for (size_t i = 0; i < taps; ++i) {
+          for (size_t l = 0; l < kDepthwiseLanes; ++l) {
+            const bool inside = j + l < wo;
+            const T a = inside ? dy[oh * wo + j + l] : T(0), x = inside ? runs[i][oh * step + j + l] : T(0);
+            lanes[i * kDepthwiseLanes + l] = std::fma(a, x, lanes[i * kDepthwiseLanes + l]);
+          }
+        }
+      }
+    }
   }
 };
 
@@ -76,59 +67,95 @@ inline DepthwiseColumns depthwise_columns(const DepthwiseGeometry& g) {
   return columns;
 }
 
-// Channel c of every sample: dx[:, c] (overwritten) and dw[c] (its taps).
+// dx of one plane at a stride above 1: for each output row and tap, dy's row times the tap
+// added into x's row as the kernel read it (split by column phase when strided along columns).
 template <class T, class Rows>
-void depthwise_channel(const DepthwiseGeometry& g, const T* x, const T* w, const T* dy, T* dx, T* dw, size_t c) {
-  const size_t taps = g.kh * g.kw, plane_size = g.h * g.w, sw = g.sw;
-  const bool split = sw > 1;
-  const DepthwiseColumns columns = depthwise_columns(g);
-  thread_local std::vector<T> scratch;
-  scratch.assign(taps * kDepthwiseLanes + (split ? 2 * plane_size : 0), T(0));
-  T* lanes = scratch.data();
+void depthwise_strided_dx(const DepthwiseGeometry& g, const DepthwiseColumns& columns, const T* w_taps,
+                          const T* dy_plane, T* dx_plane, std::vector<T>& split) {
+  const size_t plane_size = g.h * g.w, sw = g.sw;
   const int64_t pt = static_cast<int64_t>(g.pt);
-  for (size_t n = 0; n < g.n; ++n) {
-    const size_t plane = n * g.c + c;
-    const T* dyp = dy + plane * g.ho * g.wo;
-    const T* xs = x + plane * plane_size;  // x's plane as the kernel reads it (split by phase when strided)
-    T* dxs = dx + plane * plane_size;
-    if (split) {
-      T* x_split = lanes + taps * kDepthwiseLanes;
-      for (size_t i = 0; i < g.h; ++i) {
-        for (size_t q = 0; q < sw; ++q) {
-          for (size_t k = 0, j = q; j < g.w; ++k, j += sw) x_split[i * g.w + columns.phase_start[q] + k] = xs[i * g.w + j];
-        }
-      }
-      xs = x_split;
-      dxs = x_split + plane_size;
-    }
-    std::fill(dxs, dxs + plane_size, T(0));
-    for (size_t oh = 0; oh < g.ho; ++oh) {
-      const T* dy_row = dyp + oh * g.wo;
-      for (size_t a = 0; a < g.kh; ++a) {
-        const int64_t ih = static_cast<int64_t>(oh * g.sh + a * g.dh) - pt;
-        if (ih < 0 || ih >= static_cast<int64_t>(g.h)) continue;
-        const T* xr = xs + ih * g.w;
-        T* dxr = dxs + ih * g.w;
-        for (size_t b = 0; b < g.kw; ++b) {
-          const size_t first = columns.first[b], count = columns.end[b] - first;
-          if (count == 0) continue;
-          Rows::dot(dy_row + first, xr + columns.offset[b], count, lanes + (a * g.kw + b) * kDepthwiseLanes);
-          Rows::axpy(w[c * taps + a * g.kw + b], dy_row + first, dxr + columns.offset[b], count);
-        }
-      }
-    }
-    if (split) {  // the phases back into dx's columns
-      T* dxp = dx + plane * plane_size;
-      for (size_t i = 0; i < g.h; ++i) {
-        for (size_t q = 0; q < sw; ++q) {
-          for (size_t k = 0, j = q; j < g.w; ++k, j += sw) dxp[i * g.w + j] = dxs[i * g.w + columns.phase_start[q] + k];
-        }
+  T* dxs = dx_plane;
+  if (sw > 1) {
+    split.assign(plane_size, T(0));
+    dxs = split.data();
+  } else {
+    std::fill(dx_plane, dx_plane + plane_size, T(0));
+  }
+  for (size_t oh = 0; oh < g.ho; ++oh) {
+    const T* dy_row = dy_plane + oh * g.wo;
+    for (size_t a = 0; a < g.kh; ++a) {
+      const int64_t ih = static_cast<int64_t>(oh * g.sh + a * g.dh) - pt;
+      if (ih < 0 || ih >= static_cast<int64_t>(g.h)) continue;
+      T* dxr = dxs + ih * g.w;
+      for (size_t b = 0; b < g.kw; ++b) {
+        const size_t first = columns.first[b], count = columns.end[b] - first;
+        if (count > 0) Rows::axpy(w_taps[a * g.kw + b], dy_row + first, dxr + columns.offset[b], count);
       }
     }
   }
-  for (size_t t = 0; t < taps; ++t) {
-    const T* l = lanes + t * kDepthwiseLanes;
-    dw[c * taps + t] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  if (sw > 1) {  // the phases back into dx's columns
+    for (size_t i = 0; i < g.h; ++i) {
+      for (size_t q = 0; q < sw; ++q) {
+        for (size_t k = 0, j = q; j < g.w; ++k, j += sw) dx_plane[i * g.w + j] = dxs[i * g.w + columns.phase_start[q] + k];
+      }
+    }
+  }
+}
+
+// The forward's portable plane with no bias (dx at stride 1).
+template <class T>
+struct ScalarForward {
+  static void plane(const DepthwiseGeometry& g, const DepthwiseScratch& s, const T* x, const T* w, T* y) {
+    depthwise_forward_plane<T, ScalarTaps<T>>(g, s, x, w, T(0), y);
+  }
+};
+
+// dx's geometry at stride 1: the forward Conv of dy with the kernel flipped, padded so that its
+// output is x's size (needs each pad at most the dilated kernel's extent less one).
+inline bool depthwise_transposed(const DepthwiseGeometry& g, DepthwiseGeometry* t) {
+  const size_t reach_h = (g.kh - 1) * g.dh, reach_w = (g.kw - 1) * g.dw;
+  if (g.sh != 1 || g.sw != 1 || g.pt > reach_h || g.pl > reach_w || g.ho > g.h + g.pt || g.wo > g.w + g.pl) {
+    return false;
+  }
+  *t = {g.n, g.c, g.ho, g.wo, g.kh, g.kw, g.h, g.w, 1, 1, reach_h - g.pt, reach_w - g.pl, g.dh, g.dw};
+  return true;
+}
+
+// Channel c of every sample: dx[:, c] (overwritten) and dw[c] (its taps).
+template <class T, class Rows, class Forward>
+void depthwise_channel(const DepthwiseGeometry& g, const T* x, const T* w, const T* dy, T* dx, T* dw, size_t c) {
+  const size_t taps = g.kh * g.kw, plane_size = g.h * g.w, out_size = g.ho * g.wo;
+  const DepthwiseScratch s = depthwise_scratch(g);
+  DepthwiseGeometry t;
+  const bool transposed = depthwise_transposed(g, &t);
+  const DepthwiseScratch ts = transposed ? depthwise_scratch(t) : DepthwiseScratch{};
+  const DepthwiseColumns columns = transposed ? DepthwiseColumns{} : depthwise_columns(g);
+  thread_local std::vector<T> scratch, lanes, flipped, split;
+  thread_local std::vector<const T*> runs;
+  lanes.assign(taps * kDepthwiseLanes, T(0));
+  flipped.assign(w + c * taps, w + (c + 1) * taps);
+  std::reverse(flipped.begin(), flipped.end());
+  for (size_t n = 0; n < g.n; ++n) {
+    const size_t plane = n * g.c + c;
+    const T* dyp = dy + plane * out_size;
+    fill_depthwise_scratch(g, s, x + plane * plane_size, scratch);
+    runs.clear();
+    for (size_t a = 0; a < g.kh; ++a) {
+      for (size_t b = 0; b < g.kw; ++b) runs.push_back(scratch.data() + a * g.dh * s.row_stride + s.offset[b]);
+    }
+    for (size_t tap = 0; tap < taps; tap += kDepthwiseDotTaps) {
+      Rows::dots(dyp, g.wo, g.ho, &runs[tap], g.sh * s.row_stride, std::min(kDepthwiseDotTaps, taps - tap),
+                 &lanes[tap * kDepthwiseLanes]);
+    }
+    if (transposed) {
+      Forward::plane(t, ts, dyp, flipped.data(), dx + plane * plane_size);
+    } else {
+      depthwise_strided_dx<T, Rows>(g, columns, w + c * taps, dyp, dx + plane * plane_size, split);
+    }
+  }
+  for (size_t tap = 0; tap < taps; ++tap) {
+    const T* l = &lanes[tap * kDepthwiseLanes];
+    dw[c * taps + tap] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
   }
 }
 
