@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from normgrad.ops import api
+from normgrad.ops import api, depthwise_conv
 from normgrad.util.external_data import check_model
 import normgrad.graphs.rewrites as rewrites
 from normgrad.graphs.optimizers import (build_optimizer_graph, clipping_without_if, hyperparameter_defaults, next_name,
@@ -190,8 +190,9 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     outputs (those the step graph still computes; for a model computing its own loss
     (``loss_output``), its other outputs when it has any), with every training-mode
     BatchNormalization normalizing with its running statistics instead of the batch's,
-    Dropout as Identity, and every state tensor it reads (``tensors``: trained weights,
-    running statistics) as an initializer.
+    Dropout as Identity, every depthwise Conv the step graph runs as a ``DepthwiseConv`` a
+    Conv again, and every state tensor it reads (``tensors``: trained weights, running
+    statistics) as an initializer.
 
     Raises:
         ValueError: ``step`` is not a step graph, or ``tensors`` lacks a state tensor the forward reads.
@@ -201,7 +202,7 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     outputs = forward_outputs(step)
     if meta["normgrad.loss"]["kind"] == "output" and len(outputs) > 1:
         outputs.remove(loss_output)  # a model computing its own loss: serve its other outputs
-    nodes = live_nodes(_eval_mode_nodes(step), outputs)
+    nodes = [_as_conv(node) for node in live_nodes(_eval_mode_nodes(step), outputs)]
     read = read_values(nodes)
     state = set(meta["normgrad.state"])
     missing = sorted(n for n in state if n in read and n not in tensors)
@@ -214,6 +215,17 @@ def build_inference_model(step: onnx.ModelProto, tensors: Mapping[str, np.ndarra
     _infer_output_types(model)
     check_model(model)
     return model
+
+
+def _as_conv(node: onnx.NodeProto) -> onnx.NodeProto:
+    """A ``DepthwiseConv`` node as the Conv it computes (its function body), other nodes as
+    they are: the operator is for trained weights, and with constant ones runtimes run the Conv
+    faster (onnxruntime in its NCHWc layout) and need no normgrad function."""
+    if node.op_type != depthwise_conv.OP_TYPE or node.domain != DOMAIN:
+        return node
+    conv = helper.make_node("Conv", [name for name in node.input if name], list(node.output), name=node.name)
+    conv.attribute.extend(node.attribute)
+    return conv
 
 
 def _step_metadata(step: onnx.ModelProto) -> Dict[str, object]:

@@ -295,6 +295,24 @@ def test_other_grouped_convs_keep_the_graph_form(case):
     assert OP not in ops and depthwise_conv.OP_TYPE not in ops and ops["ConvTranspose"] == 1 and ops["Conv"] >= 1
 
 
+def test_inference_model_runs_the_depthwise_conv_as_a_conv():
+    """The inference model of a step graph whose forward is a DepthwiseConv holds the Conv
+    again (constant weights: onnxruntime's own path is the fast one), computing the direct
+    convolution."""
+    from normgrad.graphs import build_step_graph
+    from normgrad.graphs.step_graph import build_inference_model
+
+    step, state = build_step_graph(build_training_graph(_conv_forward(6, 6, 6), loss="mse"), "adamw")
+    assert sum(n.op_type == depthwise_conv.OP_TYPE for n in step.graph.node) == 1
+    inference = build_inference_model(step, state)
+    assert not any(n.domain == DOMAIN for n in inference.graph.node) and not inference.functions
+    assert [n.op_type for n in inference.graph.node] == ["Conv"]
+    x = np.random.default_rng(6).standard_normal((2, 6, 9, 9)).astype(np.float32)
+    y = harness.run_model(inference, {"x": x}, "functions")["y"]
+    expected = _direct_conv(x.astype(np.float64), state["W"].astype(np.float64), [2, 2], [1, 1, 1, 1], [1, 1])
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("form", ["inline", "portable"])
 def test_inline_and_portable_forms_are_standard_onnx_with_the_same_gradients(form):
     """``--inline`` and ``--portable`` write the function body: no normgrad node, the
