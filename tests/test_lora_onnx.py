@@ -549,6 +549,37 @@ def test_cli_train_without_a_usable_base_keeps_its_files_and_says_why(mlp, tmp_p
     assert not (out / "checkpoints" / "adapter_model.onnx").exists()
 
 
+def test_cli_adapter_files_are_one_set(mlp, tmp_path, monkeypatch):
+    """The adapter file and adapter_model.onnx ``normgrad train`` writes are put in place as
+    one set: a failure while the set is built leaves the earlier ones as they were (not a new
+    adapter file beside an earlier model, which may be another rank's or targets'), and a
+    success replaces them."""
+    from normgrad.tools import _train_step, export
+    from normgrad.train import Trainer
+
+    step_path = tmp_path / "step.onnx"
+    assert export.main([mlp["path"], "-o", str(step_path), "--loss", "mse", "--optimizer", "adamw",
+                        "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lora-targets", "0.weight"]) == 0
+    trainer = Trainer(str(step_path), str(tmp_path / "step.ckpt"), lr=0.1)
+    folder = tmp_path / "checkpoints"
+    written = _train_step._export_onnx_adapter(trainer, str(step_path), str(folder))
+    assert sorted(os.path.basename(p) for p in written) == ["adapter.onnx_adapter", "adapter_model.onnx"]
+    earlier = {name: (folder / name).read_bytes() for name in ("adapter.onnx_adapter", "adapter_model.onnx")}
+    trainer.step(mlp["x"].numpy(), mlp["labels"].numpy())  # the adapter changes
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lora, "adapter_model", no_room)
+        with pytest.raises(OSError, match="No space left"):
+            _train_step._export_onnx_adapter(trainer, str(step_path), str(folder))
+    assert {name: (folder / name).read_bytes() for name in earlier} == earlier
+    assert sorted(os.listdir(folder)) == sorted(earlier)  # no temporary left behind
+    _train_step._export_onnx_adapter(trainer, str(step_path), str(folder))
+    assert (folder / "adapter.onnx_adapter").read_bytes() != earlier["adapter.onnx_adapter"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--lora-rank", "4", "--lora-targets", "nothing*"], "LoRA targets ['nothing*'] match no"),
     (["--lora-rank", "0", "--lora-targets", "*"], "rank must be a positive integer"),

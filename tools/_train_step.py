@@ -370,18 +370,33 @@ onnxruntime-genai build whose layers map to the transformers model's)."""
 
 def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
     """For a step graph with adapters of ``normgrad export --lora-*``: the trained adapters
-    in onnxruntime's format and the deployable model (the base model the step graph was
-    exported from, adapters as inputs) in ``folder``; the paths written."""
+    in onnxruntime's format, the deployable model (the base model the step graph was exported
+    from, adapters as inputs) and, for a genai build, peft's pair, in ``folder``, written as one
+    set (a failure or a kill leaves the earlier run's files or these, never a mix); the paths
+    written."""
     from normgrad.graphs.adapters import lora_layers
 
     info = lora_layers(trainer.step_model)
     if info is None or not trainer.is_saving_rank:
         return []
     import normgrad.lora as lora
-    from normgrad.util.files import save_model_atomic
+    from normgrad.util.files import StagedFile, commit_files, staging
 
-    os.makedirs(folder, exist_ok=True)
-    written = [lora.save_onnx_adapter(os.path.join(folder, ONNX_ADAPTER), trainer.step_model, trainer.state_dict())]
+    files = {os.path.join(folder, ONNX_ADAPTER): lora.onnx_adapter_bytes(trainer.step_model, trainer.state_dict())}
+    files.update(_adapter_model_files(trainer, step_path, folder, info))
+    for path in files:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with staging() as staged:
+        staged.extend(StagedFile(path, [data]) for path, data in files.items())
+    commit_files(staged)
+    return list(files)
+
+
+def _adapter_model_files(trainer, step_path: str, folder: str, info: dict) -> dict:
+    """{path: bytes} of the deployable model and peft's pair; none (an earlier run's removed)
+    and one line saying why where the base model is unusable."""
+    import normgrad.lora as lora
+
     base = info.get("base_model")
     base = base and os.path.join(os.path.dirname(os.path.abspath(step_path)), base)
     try:
@@ -394,26 +409,27 @@ def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
         _remove_earlier(folder, [ADAPTER_MODEL, *(os.path.join(PEFT_ADAPTER, name)
                                                    for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG))])
         print(f"normgrad train: warning: {ADAPTER_MODEL} not written: {one_line(error)}", file=sys.stderr)
-        return written
-    save_model_atomic(deployable, os.path.join(folder, ADAPTER_MODEL))
-    return written + [os.path.join(folder, ADAPTER_MODEL), *_export_peft_adapter(trainer, base, folder)]
+        return {}
+    return {os.path.join(folder, ADAPTER_MODEL): deployable.SerializeToString(),
+            **_peft_adapter_files(trainer, base, folder)}
 
 
-def _export_peft_adapter(trainer, base: str, folder: str) -> List[str]:
-    """peft's files for the adapters of an onnxruntime-genai build, in ``folder/PEFT_ADAPTER``;
-    where their names do not map, none (an earlier run's removed) and one line saying why.
-    Another base (no ``genai_config.json`` beside it) gets none, silently."""
+def _peft_adapter_files(trainer, base: str, folder: str) -> dict:
+    """{path: bytes} of peft's files for the adapters of an onnxruntime-genai build, in
+    ``folder/PEFT_ADAPTER``; where their names do not map, none (an earlier run's removed) and
+    one line saying why. Another base (no ``genai_config.json`` beside it) gets none, silently."""
     import normgrad.lora as lora
 
     if not os.path.isfile(os.path.join(os.path.dirname(base), lora.GENAI_CONFIG)):
-        return []
+        return {}
     target = os.path.join(folder, PEFT_ADAPTER)
     try:
-        return lora.save_genai_peft_adapter(target, trainer.step_model, trainer.state_dict(), base)
+        pair = lora.genai_peft_files(trainer.step_model, trainer.state_dict(), base)
     except LoraError as error:
         _remove_earlier(target, [lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG])
         print(f"normgrad train: no peft adapter written: {one_line(error)}", file=sys.stderr)
-        return []
+        return {}
+    return {os.path.join(target, name): data for name, data in pair.items()}
 
 
 def _remove_earlier(folder: str, names: Sequence[str]) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Callable, Dict, List, Mapping, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import onnx
@@ -48,7 +48,7 @@ from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
            "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "add_adapters", "save_onnx_adapter", "adapter_model",
-           "check_onnx_adapter", "save_genai_peft_adapter"]
+           "check_onnx_adapter", "save_genai_peft_adapter", "onnx_adapter_bytes", "genai_peft_files"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -97,14 +97,19 @@ def save_adapter(directory: PathLike, step_model: onnx.ModelProto, tensors: Mapp
     return _write_peft_pair(directory, weights, info["adapter_config"])
 
 
+def _peft_pair(weights: Mapping[str, np.ndarray], adapter_config: str) -> Dict[str, bytes]:
+    """{file name: bytes} of peft's ``adapter_model.safetensors`` (``weights``) and ``adapter_config.json``."""
+    from safetensors.numpy import save as safetensors_bytes
+
+    return {ADAPTER_WEIGHTS: safetensors_bytes(dict(weights), metadata={"format": "pt"}),
+            ADAPTER_CONFIG: adapter_config.encode()}
+
+
 def _write_peft_pair(directory: PathLike, weights: Mapping[str, np.ndarray], adapter_config: str) -> List[str]:
     """Writes ``adapter_model.safetensors`` (``weights``) and ``adapter_config.json`` to
     ``directory`` as one set (see :func:`save_adapter`); returns the two paths."""
-    from safetensors.numpy import save as safetensors_bytes
-
     paths = [os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)]
-    contents = {ADAPTER_WEIGHTS: safetensors_bytes(dict(weights), metadata={"format": "pt"}),
-                ADAPTER_CONFIG: adapter_config.encode()}
+    contents = _peft_pair(weights, adapter_config)
     if not replace_folder_files(directory, contents):  # a folder with subfolders, or no atomic exchange here
         os.makedirs(directory, exist_ok=True)
         with staging() as staged:
@@ -392,11 +397,21 @@ def save_onnx_adapter(path: PathLike, step_model: onnx.ModelProto, tensors: Mapp
             another shape, or onnxruntime is older than 1.20 (no adapter format).
         OSError: the file cannot be written.
     """
+    from normgrad.util.files import write_bytes_atomic
+
+    write_bytes_atomic(path, onnx_adapter_bytes(step_model, tensors))
+    return os.fspath(path)
+
+
+def onnx_adapter_bytes(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray]) -> bytes:
+    """The contents of :func:`save_onnx_adapter`'s file (to write it in a set with others).
+
+    Raises:
+        LoraError: as :func:`save_onnx_adapter`.
+    """
     import tempfile
 
     import onnxruntime
-
-    from normgrad.util.files import write_bytes_atomic
 
     adapter = _adapter_format()()
     parameters = {}
@@ -414,9 +429,7 @@ def save_onnx_adapter(path: PathLike, step_model: onnx.ModelProto, tensors: Mapp
         written = os.path.join(folder, "adapter.onnx_adapter")
         adapter.export_adapter(written)
         with open(written, "rb") as file:
-            data = file.read()
-    write_bytes_atomic(path, data)
-    return os.fspath(path)
+            return file.read()
 
 
 def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onnx.ModelProto:
@@ -553,6 +566,22 @@ def save_genai_peft_adapter(directory: PathLike, step_model: onnx.ModelProto, te
             has no transformers module of its own (Phi-3's gate/up_proj, which the builder splits),
             or ``tensors`` lacks an adapter.
     """
+    return _write_peft_pair(directory, *_genai_peft_weights(step_model, tensors, base_model_path))
+
+
+def genai_peft_files(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
+                     base_model_path: PathLike) -> Dict[str, bytes]:
+    """{file name: bytes} of :func:`save_genai_peft_adapter`'s pair (to write it in a set with others).
+
+    Raises:
+        LoraError: as :func:`save_genai_peft_adapter`.
+    """
+    return _peft_pair(*_genai_peft_weights(step_model, tensors, base_model_path))
+
+
+def _genai_peft_weights(step_model: onnx.ModelProto, tensors: Mapping[str, np.ndarray],
+                        base_model_path: PathLike) -> Tuple[Dict[str, np.ndarray], str]:
+    """(peft's weights by key, its adapter_config.json) of :func:`save_genai_peft_adapter`."""
     info = _onnx_adapters(step_model)
     model = _genai_model_config(base_model_path)
     weights, modules = {}, []
@@ -569,4 +598,4 @@ def save_genai_peft_adapter(directory: PathLike, step_model: onnx.ModelProto, te
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["rank"], "lora_alpha": info["alpha"],
               "lora_dropout": info["dropout"], "target_modules": sorted(modules), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
-    return _write_peft_pair(directory, weights, json.dumps(config, indent=2, sort_keys=True))
+    return weights, json.dumps(config, indent=2, sort_keys=True)
