@@ -384,3 +384,27 @@ def test_mobilenet_block_matches_torch_autograd(backend):
                                 "functions" if backend == "inline" else backend)
     np.testing.assert_allclose(outputs["y"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
     _assert_gradients_match(outputs, set(weights), module, {"x": xt.grad.numpy()})
+
+
+def test_depthwise_convs_sharing_input_and_weight_run_forward_each_with_its_geometry():
+    """Two depthwise Convs of the same x and w (dilation 1 and 2, as weight-sharing branches
+    at several dilations): each forward DepthwiseConv has its own geometry, so the training
+    graph's output and gradients are those of its standard form (``inline``)."""
+    rng = np.random.default_rng(8)
+    nodes = [oh.make_node("Conv", ["x", "W"], ["a"], group=4, pads=[1, 1, 1, 1]),
+             oh.make_node("Conv", ["x", "W"], ["b"], group=4, pads=[2, 2, 2, 2], dilations=[2, 2]),
+             oh.make_node("Add", ["a", "b"], ["y"])]
+    forward = model(nodes, {"x": [2, 4, 9, 9]}, ["y"], {"W": rng.standard_normal((4, 1, 3, 3)).astype(np.float32)})
+    training, weights = build_training_graph(forward)
+    forwards = [n for n in training.graph.node if n.op_type == depthwise_conv.OP_TYPE]
+    assert sorted(oh.get_attribute_value(a) for n in forwards for a in n.attribute if a.name == "dilations") == \
+        [[1, 1], [2, 2]]
+    standard, _ = build_training_graph(forward, inline=True)
+    feeds = {**weights, "x": rng.standard_normal((2, 4, 9, 9)).astype(np.float32),
+             "y_grad": rng.standard_normal((2, 4, 9, 9)).astype(np.float32)}
+    backends = ["cpp"] if cpp_available() else ["functions"]
+    expected = harness.run_model(standard, feeds, "functions")
+    for backend in backends:
+        outputs = harness.run_model(training, feeds, backend)
+        for name in ("y", "x_grad", "W_grad"):
+            np.testing.assert_allclose(outputs[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
