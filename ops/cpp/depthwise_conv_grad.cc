@@ -96,12 +96,12 @@ struct DepthwiseConvGrad final : KernelBase {
       return;
     }
     const size_t work = x.size * g.kh * g.kw;
+    const DepthwiseGradPlan plan(g);
     if (x.onnx_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE) {
       auto run = [&](size_t c) {
-        depthwise_channel<double, ScalarRows<double>, ScalarForward<double>>(g, static_cast<const double*>(x.data),
-                                                      static_cast<const double*>(w.data),
-                                                      static_cast<const double*>(dy.data), static_cast<double*>(dx),
-                                                      static_cast<double*>(dw), c);
+        depthwise_channel<double, ScalarRows<double>, ScalarForward<double>>(
+            plan, static_cast<const double*>(x.data), static_cast<const double*>(w.data),
+            static_cast<const double*>(dy.data), static_cast<double*>(dx), static_cast<double*>(dw), c);
       };
       parallel_for(ctx, g.c, run, work);
       return;
@@ -111,9 +111,10 @@ struct DepthwiseConvGrad final : KernelBase {
       const float *xf = static_cast<const float*>(x.data), *wf = static_cast<const float*>(w.data),
                   *dyf = static_cast<const float*>(dy.data);
       if (avx2) {
-        depthwise_channel_avx2(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
+        depthwise_channel_avx2(plan, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
       } else {
-        depthwise_channel<float, ScalarRows<float>, ScalarForward<float>>(g, xf, wf, dyf, static_cast<float*>(dx), static_cast<float*>(dw), c);
+        depthwise_channel<float, ScalarRows<float>, ScalarForward<float>>(plan, xf, wf, dyf, static_cast<float*>(dx),
+                                                                          static_cast<float*>(dw), c);
       }
     };
     parallel_for(ctx, g.c, run, work);

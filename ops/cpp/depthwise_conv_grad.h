@@ -121,20 +121,37 @@ inline bool depthwise_transposed(const DepthwiseGeometry& g, DepthwiseGeometry* 
   return true;
 }
 
+// What every channel's task reads, laid out once per run: x's scratch and dx's form (at stride
+// 1 the transposed forward and its scratch, else the row columns of the strided form).
+struct DepthwiseGradPlan {
+  DepthwiseGeometry g, t{};
+  DepthwiseScratch s, ts;
+  bool transposed;
+  DepthwiseColumns columns;
+
+  explicit DepthwiseGradPlan(const DepthwiseGeometry& geometry)
+      : g(geometry), s(depthwise_scratch(geometry)), transposed(depthwise_transposed(geometry, &t)) {
+    if (transposed) {
+      ts = depthwise_scratch(t);
+    } else {
+      columns = depthwise_columns(g);
+    }
+  }
+};
+
 // Channel c of every sample: dx[:, c] (overwritten) and dw[c] (its taps).
 template <class T, class Rows, class Forward>
-void depthwise_channel(const DepthwiseGeometry& g, const T* x, const T* w, const T* dy, T* dx, T* dw, size_t c) {
+void depthwise_channel(const DepthwiseGradPlan& plan, const T* x, const T* w, const T* dy, T* dx, T* dw, size_t c) {
+  const DepthwiseGeometry& g = plan.g;
+  const DepthwiseScratch& s = plan.s;
   const size_t taps = g.kh * g.kw, plane_size = g.h * g.w, out_size = g.ho * g.wo;
-  const DepthwiseScratch s = depthwise_scratch(g);
-  DepthwiseGeometry t;
-  const bool transposed = depthwise_transposed(g, &t);
-  const DepthwiseScratch ts = transposed ? depthwise_scratch(t) : DepthwiseScratch{};
-  const DepthwiseColumns columns = transposed ? DepthwiseColumns{} : depthwise_columns(g);
   thread_local std::vector<T> scratch, lanes, flipped, split;
   thread_local std::vector<const T*> runs;
   lanes.assign(taps * kDepthwiseLanes, T(0));
-  flipped.assign(w + c * taps, w + (c + 1) * taps);
-  std::reverse(flipped.begin(), flipped.end());
+  if (plan.transposed) {
+    flipped.assign(w + c * taps, w + (c + 1) * taps);
+    std::reverse(flipped.begin(), flipped.end());
+  }
   for (size_t n = 0; n < g.n; ++n) {
     const size_t plane = n * g.c + c;
     const T* dyp = dy + plane * out_size;
@@ -147,10 +164,10 @@ void depthwise_channel(const DepthwiseGeometry& g, const T* x, const T* w, const
       Rows::dots(dyp, g.wo, g.ho, &runs[tap], g.sh * s.row_stride, std::min(kDepthwiseDotTaps, taps - tap),
                  &lanes[tap * kDepthwiseLanes]);
     }
-    if (transposed) {
-      Forward::plane(t, ts, dyp, flipped.data(), dx + plane * plane_size);
+    if (plan.transposed) {
+      Forward::plane(plan.t, plan.ts, dyp, flipped.data(), dx + plane * plane_size);
     } else {
-      depthwise_strided_dx<T, Rows>(g, columns, w + c * taps, dyp, dx + plane * plane_size, split);
+      depthwise_strided_dx<T, Rows>(g, plan.columns, w + c * taps, dyp, dx + plane * plane_size, split);
     }
   }
   for (size_t tap = 0; tap < taps; ++tap) {
@@ -160,7 +177,7 @@ void depthwise_channel(const DepthwiseGeometry& g, const T* x, const T* w, const
 }
 
 // Channel c on AVX2 + FMA (depthwise_conv_grad_avx2.cc); run only where update_avx2() is true.
-void depthwise_channel_avx2(const DepthwiseGeometry& g, const float* x, const float* w, const float* dy, float* dx,
+void depthwise_channel_avx2(const DepthwiseGradPlan& plan, const float* x, const float* w, const float* dy, float* dx,
                             float* dw, size_t c);
 
 }  // namespace normgrad

@@ -64,9 +64,9 @@ struct Avx2Forward {
 
 }  // namespace
 
-void depthwise_channel_avx2(const DepthwiseGeometry& g, const float* x, const float* w, const float* dy, float* dx,
+void depthwise_channel_avx2(const DepthwiseGradPlan& plan, const float* x, const float* w, const float* dy, float* dx,
                             float* dw, size_t c) {
-  depthwise_channel<float, Avx2Rows, Avx2Forward>(g, x, w, dy, dx, dw, c);
+  depthwise_channel<float, Avx2Rows, Avx2Forward>(plan, x, w, dy, dx, dw, c);
 }
 
 }  // namespace normgrad
