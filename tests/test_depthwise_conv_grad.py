@@ -406,5 +406,6 @@ def test_depthwise_convs_sharing_input_and_weight_run_forward_each_with_its_geom
     expected = harness.run_model(standard, feeds, "functions")
     for backend in backends:
         outputs = harness.run_model(training, feeds, backend)
-        for name in ("y", "x_grad", "W_grad"):
-            np.testing.assert_allclose(outputs[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+        for name in ("y", "x_grad", "W_grad"):  # float32 sums in two orders: within 1e-5 of each output's scale
+            scale = np.abs(expected[name]).max()
+            assert np.abs(outputs[name] - expected[name]).max() <= 1e-5 * scale, name
