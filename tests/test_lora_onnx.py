@@ -522,6 +522,49 @@ def test_cli_export_and_train_write_the_adapter(mlp, tmp_path, capsys):
     np.testing.assert_allclose(_session(deployable).run(None, {"x": x}, options)[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_cli_streams_an_external_data_base_into_the_adapter_models_data(mlp, tmp_path):
+    """A base whose weights are in an external data file (as onnxruntime-genai's builds keep
+    them): adapter_model.onnx holds none of them inline, they are in one data file beside it
+    (a second run's replaces the first's), and onnxruntime runs it from its path as the
+    trained inference model; a base whose data file is cut short is refused in one line
+    naming the tensor."""
+    from normgrad.tools import export, train
+
+    base = tmp_path / "base" / "mlp.onnx"
+    base.parent.mkdir()
+    onnx.save(onnx.load(mlp["path"]), base, save_as_external_data=True, all_tensors_to_one_file=True,
+              location="mlp.onnx.data", size_threshold=0)
+    step_path = tmp_path / "base" / "step.onnx"
+    assert export.main([str(base), "-o", str(step_path), "--loss", "mse", "--optimizer", "adamw",
+                        "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lora-targets", "*"]) == 0
+    np.savez(tmp_path / "data.npz", x=mlp["x"].numpy(), labels=mlp["labels"].numpy())
+    out = tmp_path / "out"
+    folder = out / "checkpoints"
+    x = mlp["x"].numpy()
+    for again in ([], ["--resume"]):
+        assert train.main([str(step_path), "--data", str(tmp_path / "data.npz"), "--epochs", str(1 + len(again)),
+                           "--batch-size", str(len(x)), "--out", str(out), "--no-progress", *again]) == 0
+        data_files = [name for name in os.listdir(folder) if name.startswith("adapter_model.onnx.")]
+        assert len(data_files) == 1 and data_files[0].endswith(".data")
+        stored = onnx.load(folder / "adapter_model.onnx", load_external_data=False)
+        base_weights = {t.name for t in onnx.load(base, load_external_data=False).graph.initializer}
+        assert base_weights and all(t.data_location == TensorProto.EXTERNAL
+                                    for t in stored.graph.initializer if t.name in base_weights)
+        options = ort.RunOptions()
+        adapter = ort.LoraAdapter()
+        adapter.Load(str(folder / "adapter.onnx_adapter"))
+        options.add_active_adapter(adapter)
+        session = ort.InferenceSession(str(folder / "adapter_model.onnx"), providers=["CPUExecutionProvider"])
+        expected = _session(onnx.load(out / "inference.onnx")).run(None, {"x": x})[0]
+        np.testing.assert_allclose(session.run(None, {"x": x}, options)[0], expected, rtol=1e-5, atol=1e-5)
+    step = onnx.load(step_path, load_external_data=False)
+    data = base.parent / "mlp.onnx.data"
+    data.write_bytes(data.read_bytes()[:-4])
+    with pytest.raises(LoraError, match="cut short") as error:
+        lora.save_adapter_model(tmp_path / "again.onnx", step, base)
+    assert "\n" not in str(error.value) and not list(tmp_path.glob("again.onnx*"))
+
+
 def test_cli_train_without_a_usable_base_keeps_its_files_and_says_why(mlp, tmp_path, capsys):
     """A base model onnx refuses once the adapters are wired in (or gone): normgrad train ends
     normally with its checkpoints and adapter file, says in one line why adapter_model.onnx

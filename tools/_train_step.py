@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 import normgrad.loop as loop
-from normgrad.util.files import beside_step_graph, eval_graph_path
+from normgrad.util.files import beside_step_graph, eval_graph_path, owned_data_files
 from normgrad._session import TrainerError
 from normgrad.errors import LoraError
 from normgrad.tools.cli import CommandError, one_line, positive_int
@@ -371,9 +371,9 @@ onnxruntime-genai build whose layers map to the transformers model's)."""
 def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
     """For a step graph with adapters of ``normgrad export --lora-*``: the trained adapters
     in onnxruntime's format, the deployable model (the base model the step graph was exported
-    from, adapters as inputs) and, for a genai build, peft's pair, in ``folder``, written as one
-    set (a failure or a kill leaves the earlier run's files or these, never a mix); the paths
-    written."""
+    from, adapters as inputs, the base's external data streamed into a data file beside it)
+    and, for a genai build, peft's pair, in ``folder``, written as one set (a failure or a
+    kill leaves the earlier run's files or these, never a mix); the paths written."""
     from normgrad.graphs.adapters import lora_layers
 
     info = lora_layers(trainer.step_model)
@@ -382,36 +382,46 @@ def _export_onnx_adapter(trainer, step_path: str, folder: str) -> List[str]:
     import normgrad.lora as lora
     from normgrad.util.files import StagedFile, commit_files, staging
 
-    files = {os.path.join(folder, ONNX_ADAPTER): lora.onnx_adapter_bytes(trainer.step_model, trainer.state_dict())}
-    files.update(_adapter_model_files(trainer, step_path, folder, info))
-    for path in files:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    adapter_file = lora.onnx_adapter_bytes(trainer.step_model, trainer.state_dict())
+    os.makedirs(folder, exist_ok=True)
     with staging() as staged:
-        staged.extend(StagedFile(path, [data]) for path, data in files.items())
+        staged.append(StagedFile(os.path.join(folder, ONNX_ADAPTER), [adapter_file]))
+        deployable = _stage_adapter_model(trainer, step_path, folder, info)
+        staged.extend(deployable)
+        if deployable:
+            for path, data in _peft_adapter_files(trainer, _base_model(step_path, info), folder).items():
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                staged.append(StagedFile(path, [data]))
     commit_files(staged)
-    return list(files)
+    return [file.path for file in staged]
 
 
-def _adapter_model_files(trainer, step_path: str, folder: str, info: dict) -> dict:
-    """{path: bytes} of the deployable model and peft's pair; none (an earlier run's removed)
-    and one line saying why where the base model is unusable."""
+def _base_model(step_path: str, info: dict) -> Optional[str]:
+    """The path of the base model the step graph's adapters were added to, as it names it."""
+    base = info.get("base_model")
+    return base and os.path.join(os.path.dirname(os.path.abspath(step_path)), base)
+
+
+def _stage_adapter_model(trainer, step_path: str, folder: str, info: dict) -> list:
+    """The deployable model staged (with its data file where the base has external data);
+    none (an earlier run's removed, peft's pair with it) and one line saying why where the
+    base model is unusable."""
     import normgrad.lora as lora
 
-    base = info.get("base_model")
-    base = base and os.path.join(os.path.dirname(os.path.abspath(step_path)), base)
+    base = _base_model(step_path, info)
     try:
         if not base or not os.path.isfile(base):
             where = f"{base} is not there" if base else "the step graph does not name it"
             raise LoraError(f"the base model the adapters were added to is needed ({where}; "
                             "normgrad.lora.adapter_model(step, BASE) makes it)")
-        deployable = lora.adapter_model(trainer.step_model, base)
+        return lora.stage_adapter_model(os.path.join(folder, ADAPTER_MODEL), trainer.step_model, base)
     except LoraError as error:  # the training's files stand; no earlier run's beside them
-        _remove_earlier(folder, [ADAPTER_MODEL, *(os.path.join(PEFT_ADAPTER, name)
-                                                   for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG))])
+        _remove_earlier(folder, [ADAPTER_MODEL, *(os.path.relpath(path, folder) for path in
+                                                  owned_data_files(os.path.join(folder, ADAPTER_MODEL))),
+                                 *(os.path.join(PEFT_ADAPTER, name) for name in (lora.ADAPTER_WEIGHTS,
+                                                                                lora.ADAPTER_CONFIG))])
         print(f"normgrad train: warning: {ADAPTER_MODEL} not written: {one_line(error)}", file=sys.stderr)
-        return {}
-    return {os.path.join(folder, ADAPTER_MODEL): deployable.SerializeToString(),
-            **_peft_adapter_files(trainer, base, folder)}
+        return []
 
 
 def _peft_adapter_files(trainer, base: str, folder: str) -> dict:

@@ -22,6 +22,7 @@ trained state:
 * :func:`adapter_model` is the original model with each adapter's A and B as graph inputs
   (zeros by default), which onnxruntime runs with ``onnxruntime.LoraAdapter`` +
   ``RunOptions.add_active_adapter``, and unchanged with no adapter active;
+  :func:`save_adapter_model` writes it with the base's external data streamed (any size);
 * :func:`check_onnx_adapter` refuses an adapter file made for another model in one line;
 * :func:`save_genai_peft_adapter` writes them as peft's pair for the transformers model an
   onnxruntime-genai build came from, where its layers map to that model's;
@@ -41,13 +42,15 @@ import onnx
 from onnx import helper, numpy_helper
 
 from normgrad.util.files import PathLike, StagedFile, commit_files, replace_folder_files, staging
-from normgrad.util.external_data import check_model
+from normgrad.util.external_data import (ExternalDataError, check_model, external_data_extent, stage_models_external,
+                                         uses_external_data)
 from normgrad.errors import LoraError, one_line
 from normgrad.graphs.adapters import METADATA_LORA, add_adapters, lora_layers, weight_is_out_by_in, wire_adapter
 from normgrad.graphs.torch_exports import METADATA_PEFT
 
 __all__ = ["LoraError", "adapters", "save_adapter", "merged_model", "merged_model_streamed", "merge_adapters",
            "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "add_adapters", "save_onnx_adapter", "adapter_model",
+           "save_adapter_model", "stage_adapter_model",
            "check_onnx_adapter", "save_genai_peft_adapter", "onnx_adapter_bytes", "genai_peft_files"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -432,25 +435,37 @@ def onnx_adapter_bytes(step_model: onnx.ModelProto, tensors: Mapping[str, np.nda
             return file.read()
 
 
-def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onnx.ModelProto:
+def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike,
+                  load_external_data: bool = True) -> onnx.ModelProto:
     """The model at ``base_model_path`` (the one :func:`add_adapters` adapted; every node,
-    initializer, input and output as it was, external data read) with each adapter of
-    ``step_model`` wired in as in training (no dropout), its A and B graph inputs named as
-    in :func:`save_onnx_adapter`'s file, each also an initializer of zeros: onnxruntime runs
-    it as the base model with no adapter active, and with the trained adapters through
-    ``onnxruntime.LoraAdapter`` + ``RunOptions.add_active_adapter``.
+    initializer, input and output as it was) with each adapter of ``step_model`` wired in as
+    in training (no dropout), its A and B graph inputs named as in :func:`save_onnx_adapter`'s
+    file, each also an initializer of zeros: onnxruntime runs it as the base model with no
+    adapter active, and with the trained adapters through ``onnxruntime.LoraAdapter`` +
+    ``RunOptions.add_active_adapter``.
+
+    ``load_external_data``: read the base's external data into the model (the default), or
+    leave its external tensors referencing their files in the base's folder, checked, not
+    read (a base of any size; :func:`save_adapter_model` writes such a model with its data).
 
     Raises:
         LoraError: ``step_model`` has no such adapters, or ``base_model_path`` is another
-            model (a base layer or weight missing, or of another shape), not ONNX, or one
-            onnx's checker refuses.
+            model (a base layer or weight missing, or of another shape), not ONNX, with
+            external data it does not hold, or one onnx's checker refuses.
     """
     info = _onnx_adapters(step_model)
     try:
-        model = onnx.load(os.fspath(base_model_path))
+        model = onnx.load(os.fspath(base_model_path), load_external_data=load_external_data)
     except Exception as error:  # protobuf's DecodeError, a missing external data file
         raise LoraError(f"{base_model_path} is not a readable ONNX model ({one_line(error)})") from None
     graph = model.graph
+    folder = os.path.dirname(os.path.abspath(os.fspath(base_model_path)))
+    try:
+        for tensor in graph.initializer:
+            if uses_external_data(tensor):
+                external_data_extent(tensor, folder)
+    except ExternalDataError as error:
+        raise LoraError(f"{base_model_path}: {one_line(error)}") from None
     initializers = {t.name: t for t in graph.initializer}
     for layer in info["layers"]:
         weight = initializers.get(layer.weight)
@@ -469,11 +484,35 @@ def adapter_model(step_model: onnx.ModelProto, base_model_path: PathLike) -> onn
     # structure only: the base is the user's as it was, and onnx's shape inference refuses
     # some that onnxruntime runs (genai's builder declares its 1-element Constants 0-d)
     try:
-        onnx.checker.check_model(model)
+        check_model(model, full_check=False)
     except onnx.checker.ValidationError as error:
         raise LoraError(f"{base_model_path}: with the adapters wired in, not a valid ONNX model "
                         f"({one_line(error)})") from None
     return model
+
+
+def stage_adapter_model(path: PathLike, step_model: onnx.ModelProto, base_model_path: PathLike) -> List[StagedFile]:
+    """:func:`adapter_model` as files staged at ``path`` (nothing in place until
+    :func:`normgrad.util.files.commit_files`): the base's external tensors are streamed
+    from its data files into ``PATH.HASH.data`` beside ``path``, never all in memory, so a
+    base past protobuf's 2 GiB is written too; a base without external data gives one file.
+
+    Raises:
+        LoraError: as :func:`adapter_model`.
+    """
+    model = adapter_model(step_model, base_model_path, load_external_data=False)
+    return stage_models_external({os.fspath(path): model},
+                                 base_dir=os.path.dirname(os.path.abspath(os.fspath(base_model_path))))
+
+
+def save_adapter_model(path: PathLike, step_model: onnx.ModelProto, base_model_path: PathLike) -> None:
+    """Writes :func:`adapter_model` to ``path`` with the base's external data, if any, in one
+    ``PATH.HASH.data`` file beside it, model and data as one set (:func:`stage_adapter_model`).
+
+    Raises:
+        LoraError: as :func:`adapter_model`.
+    """
+    commit_files(stage_adapter_model(path, step_model, base_model_path))
 
 
 def check_onnx_adapter(path: PathLike, model: onnx.ModelProto) -> None:

@@ -36,8 +36,8 @@ def uses_external_data(tensor: onnx.TensorProto) -> bool:
     return tensor.data_location == onnx.TensorProto.EXTERNAL
 
 
-def check_model(model: onnx.ModelProto) -> None:
-    """``onnx.checker.check_model(model, full_check=True)`` for a model whose initializers
+def check_model(model: onnx.ModelProto, full_check: bool = True) -> None:
+    """``onnx.checker.check_model(model, full_check)`` for a model whose initializers
     may keep their data in external files, from any current folder: onnx's checker looks for
     an in-memory model's external data in the current folder, so the check runs on a copy
     in which each external initializer is a graph input of its type and shape (its data is
@@ -45,7 +45,7 @@ def check_model(model: onnx.ModelProto) -> None:
     folder)."""
     external = [t for t in model.graph.initializer if uses_external_data(t)]
     if not external:
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(model, full_check=full_check)
         return
     names = {t.name for t in external}
     checked = onnx.ModelProto()
@@ -56,7 +56,7 @@ def check_model(model: onnx.ModelProto) -> None:
     declared = {i.name for i in checked.graph.input}
     checked.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                                for t in external if t.name not in declared)
-    onnx.checker.check_model(checked, full_check=True)
+    onnx.checker.check_model(checked, full_check=full_check)
 
 
 _PIECE_BYTES = 64 << 20
@@ -204,6 +204,10 @@ def external_data_files(model: onnx.ModelProto, folder: PathLike) -> List[str]:
     return sorted(files)
 
 
+_PACKED_4BIT = {getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, name)}
+"""Types whose elements are stored two to a byte."""
+
+
 class ExternalDataError(ValueError):
     """An external tensor whose location, offset, length or file cannot be used."""
 
@@ -230,7 +234,8 @@ def external_data_extent(tensor: onnx.TensorProto, folder: PathLike) -> "tuple[p
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except Exception:
         raise ExternalDataError(f"tensor {tensor.name!r} has unknown data type {tensor.data_type}") from None
-    expected = int(np.prod(list(tensor.dims), dtype=object)) * itemsize
+    count = int(np.prod(list(tensor.dims), dtype=object))
+    expected = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count * itemsize
     try:
         offset, length = int(info.get("offset", "0")), int(info.get("length", str(expected)))
     except ValueError:
