@@ -349,6 +349,37 @@ def test_a_nan_evaluation_is_never_the_best(small, tmp_path):
                                     os.fspath(tmp_path / "top" / "best-00000020.ckpt"): 0.375}
 
 
+def test_checkpoint_json_is_standard_and_resumes_with_its_non_finite_values(small, tmp_path):
+    """A NaN evaluation and an infinite value in a callback's state are written in the
+    checkpoints' .json as strings a strict parser reads (standard JSON has no NaN or
+    Infinity), and a resumed run reads them back as those floats."""
+    import json
+    import math
+
+    step_graph, initial, train, validation = small
+    values = iter([float("nan"), 0.25, float("inf"), 0.125])
+
+    def odd(outputs, labels):
+        return next(values)
+
+    def fit(epochs, resume):
+        return Trainer(step_graph, initial).fit(train, epochs=epochs, evaluation=validation, metrics={"odd": odd},
+                                                checkpoint_dir=tmp_path / "ck", resume=resume, progress=False,
+                                                callbacks=[loop.EarlyStopping(monitor="val_odd", patience=9)])
+
+    def refuse(constant):
+        raise ValueError(f"not standard JSON: {constant}")
+
+    first = fit(3, False)
+    for name in sorted(os.listdir(tmp_path / "ck")):
+        if name.endswith(".json"):
+            json.loads((tmp_path / "ck" / name).read_text(), parse_constant=refuse)
+    resumed = fit(4, True)
+    odds = [r["val_odd"] for r in resumed.evaluations]
+    assert len(odds) == 4 and math.isnan(odds[0]) and odds[1:] == [0.25, math.inf, 0.125]
+    assert resumed.evaluations[:3][1:] == first.evaluations[1:] and math.isnan(first.evaluations[0]["val_odd"])
+
+
 def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(small, tmp_path):
     """A run without resume into a folder an earlier (longer) run wrote: one TrainerError
     naming the folder and the remedies, and not a file of that run touched."""

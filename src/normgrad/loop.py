@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 import normgrad.checkpoint as checkpoints
+from normgrad.util import strict_json
 from normgrad.util.files import PathLike
 from normgrad._session import TrainerError
 from normgrad.callbacks import (Callback, CSVLogger, EarlyStopping, ModelCheckpoint, PlotLogger, ProgressBar,
@@ -386,7 +386,7 @@ def _resume(loop: _Loop, path: str, scheduler, callbacks: Sequence[Callback]) ->
     """The loop, trainer, scheduler and callbacks as the checkpoint of ``path`` (a ``.json``) left them."""
     try:
         with open(path, encoding="utf-8") as file:
-            state = json.load(file)
+            state = strict_json.loads(file.read())
         loop.epoch, loop.batch = int(state["epoch"]), int(state["batch"])
         loop.history, loop.evaluations = state["history"], state["evaluations"]
         loop.since_evaluation, loop.best = state["since_evaluation"], state["best"]

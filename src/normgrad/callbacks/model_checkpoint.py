@@ -11,11 +11,11 @@ one ``best-`` pair per evaluation.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from normgrad.util import strict_json
 from normgrad.util.files import PathLike, write_bytes_atomic
 from normgrad._session import TrainerError
 from normgrad.callbacks.base import Callback, check_mode, improved, monitored
@@ -180,7 +180,7 @@ class ModelCheckpoint(Callback):
         state = loop.checkpoint_state()
         loop.trainer.save(path)
         if getattr(loop.trainer, "is_saving_rank", True):  # (a data-parallel trainer: rank 0 writes)
-            write_bytes_atomic(path[:-5] + ".json", json.dumps(state).encode("utf-8"))
+            write_bytes_atomic(path[:-5] + ".json", strict_json.dumps(state).encode("utf-8"))
             self._prune()
 
     def _prune(self) -> None:
@@ -201,7 +201,7 @@ def _evaluated(path: str, step: int) -> bool:
     """Whether the pair's ``.json`` was written after the evaluation at its step."""
     try:
         with open(path, encoding="utf-8") as file:
-            evaluations = json.load(file).get("evaluations") or []
+            evaluations = strict_json.loads(file.read()).get("evaluations") or []
     except (OSError, ValueError, AttributeError):
         return False
     return bool(evaluations) and evaluations[-1].get("step") == step
