@@ -410,6 +410,22 @@ def test_a_cut_short_frozen_base_is_one_trainer_error(tmp_path, capfd):
     assert capfd.readouterr().err == ""  # no onnxruntime log
 
 
+def test_a_4bit_external_tensor_is_two_elements_to_a_byte(tmp_path):
+    """onnx stores INT4/UINT4 packed two to a byte: an external one of 5 elements holds 3
+    bytes, which the extent check accepts, and 2 are cut short."""
+    from normgrad.util.external_data import ExternalDataError, external_data_extent
+
+    (tmp_path / "w.data").write_bytes(bytes(3))
+    tensor = TensorProto(name="w", data_type=TensorProto.UINT4, dims=[5])
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "w.data"), ("offset", "0"), ("length", "3")):
+        tensor.external_data.add(key=key, value=value)
+    assert external_data_extent(tensor, tmp_path)[1:] == (0, 3)
+    tensor.external_data[2].value = "2"
+    with pytest.raises(ExternalDataError, match=r"needs 3 bytes"):
+        external_data_extent(tensor, tmp_path)
+
+
 @pytest.mark.parametrize("key, value, rule", [
     ("normgrad.dropout", '{"seed": "abc"}', "int64 'seed'"),
     ("normgrad.loss", '{"kind": "mse"}', "string 'kind' and 'output'"),
