@@ -9,8 +9,8 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as onh
 
-from normgrad.graphs.context import FLOAT_ELEM_TYPES
-from normgrad.graphs.rewrites._graph import RewriteContext, constant_values
+from normgrad.graphs.context import FLOAT_ELEM_TYPES, constant_node_value
+from normgrad.graphs.rewrites._graph import RewriteContext
 
 __all__ = ["fold_integer_constants", "apply"]
 
@@ -44,7 +44,7 @@ def fold_integer_constants(model: onnx.ModelProto) -> int:
             and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
         )
         if node.op_type == "Constant" or not foldable:
-            value = constant_values(graph, node.output[0]) if node.op_type == "Constant" else None
+            value = constant_node_value(node) if node.op_type == "Constant" and node.attribute else None
             if value is not None and integer(value):
                 constants[node.output[0]] = value
             nodes.append(node)
