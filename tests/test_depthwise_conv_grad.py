@@ -31,6 +31,7 @@ CASES = {  # name: (x shape [N, C, H, W], kernel, strides, pads [t, l, b, r], di
     "dilation 2, uneven pads": ((2, 3, 10, 23), 3, [1, 1], [2, 0, 1, 3], [2, 2]),
     "dilation 2, stride 2": ((1, 4, 13, 17), 3, [2, 1], [2, 2, 2, 2], [2, 2]),
     "5x5 stride 2": ((2, 11, 15, 14), 5, [2, 2], [2, 2, 2, 2], [1, 1]),
+    "stride 3, short rows across groups": ((2, 5, 11, 29), 3, [3, 3], [1, 1, 1, 1], [1, 1]),
     "7x7 (ConvNeXt)": ((2, 7, 9, 26), 7, [1, 1], [3, 3, 3, 3], [1, 1]),
     "kernel wider than the map": ((1, 3, 2, 3), 5, [1, 1], [2, 2, 2, 2], [1, 1]),
     "1x1, pads past its reach": ((2, 5, 6, 7), 1, [1, 1], [1, 2, 0, 1], [1, 1]),
@@ -217,7 +218,7 @@ from normgrad.ops import harness
 rng = np.random.default_rng(2)
 results = []
 for shape, k, stride, dilation in [((3, 40, 19, 45), 3, 1, 1), ((2, 24, 21, 33), 5, 2, 1), ((2, 16, 9, 30), 7, 1, 2),
-                                   ((2, 12, 4, 4), 7, 1, 1)]:
+                                   ((2, 12, 4, 4), 7, 1, 1), ((2, 7, 11, 29), 3, 3, 1), ((1, 9, 6, 9), 3, 1, 1)]:
     pad = (k - 1) * dilation // 2
     feeds = {"x": rng.standard_normal(shape).astype(np.float32),
              "w": rng.standard_normal((shape[1], 1, k, k)).astype(np.float32),

@@ -47,6 +47,7 @@ struct DepthwiseScratch {
   size_t rows, columns;      // the padded rows and columns the taps read
   size_t phase, row_stride;  // phase: one phase's length (with the slack)
   std::vector<size_t> offset;  // per kernel column: where its run starts in a row
+  std::vector<size_t> tap_offset;  // per tap (row by row of the kernel): where its run starts in the plane
 };
 
 inline DepthwiseScratch depthwise_scratch(const DepthwiseGeometry& g) {
@@ -56,25 +57,54 @@ inline DepthwiseScratch depthwise_scratch(const DepthwiseGeometry& g) {
   s.phase = (s.columns + g.sw - 1) / g.sw + kDepthwiseSlack;
   s.row_stride = g.sw * s.phase;
   for (size_t b = 0; b < g.kw; ++b) s.offset.push_back((b * g.dw) % g.sw * s.phase + (b * g.dw) / g.sw);
+  for (size_t a = 0; a < g.kh; ++a) {
+    for (size_t b = 0; b < g.kw; ++b) s.tap_offset.push_back(a * g.dh * s.row_stride + s.offset[b]);
+  }
   return s;
 }
 
-// The plane x_plane [h, w] into `scratch` (s.rows x s.row_stride, resized and zero-filled).
+// Phase `phase` [k0, k1) of padded row `source` (source[j]: padded column j) at stride `sw`:
+// phase[k] = source[k sw + q]. A compile-time stride for the common ones, so the copy is
+// a memcpy at 1 and a vectorizable gather at 2.
+template <class T, size_t kStride>
+inline void copy_phase(const T* source, size_t q, size_t k0, size_t k1, T* phase) {
+  for (size_t k = k0; k < k1; ++k) phase[k] = source[k * kStride + q];
+}
+
+template <class T>
+inline void copy_phase(const T* source, size_t sw, size_t q, size_t k0, size_t k1, T* phase) {
+  if (sw == 1) {
+    std::copy(source + k0, source + k1, phase + k0);
+  } else if (sw == 2) {
+    copy_phase<T, 2>(source, q, k0, k1, phase);
+  } else {
+    for (size_t k = k0; k < k1; ++k) phase[k] = source[k * sw + q];
+  }
+}
+
+// The plane x_plane [h, w] into `scratch` (s.rows x s.row_stride, resized; what the plane does
+// not cover is zero). Each element is written once: the padding and slack are zeroed around
+// the copied runs, not under them.
 template <class T>
 void fill_depthwise_scratch(const DepthwiseGeometry& g, const DepthwiseScratch& s, const T* x_plane,
                             std::vector<T>& scratch) {
-  scratch.assign(s.rows * s.row_stride, T(0));
+  scratch.resize(s.rows * s.row_stride);
   const size_t first = g.pl, end = std::min(g.pl + g.w, s.columns);  // the padded columns holding x
-  if (first >= end) return;
   for (size_t i = 0; i < s.rows; ++i) {
-    const ptrdiff_t ih = static_cast<ptrdiff_t>(i) - static_cast<ptrdiff_t>(g.pt);
-    if (ih < 0 || ih >= static_cast<ptrdiff_t>(g.h)) continue;
-    const T* source = x_plane + ih * g.w - g.pl;  // source[j]: padded column j
     T* row = scratch.data() + i * s.row_stride;
+    const ptrdiff_t ih = static_cast<ptrdiff_t>(i) - static_cast<ptrdiff_t>(g.pt);
+    if (first >= end || ih < 0 || ih >= static_cast<ptrdiff_t>(g.h)) {
+      std::fill(row, row + s.row_stride, T(0));
+      continue;
+    }
+    const T* source = x_plane + ih * g.w - g.pl;  // source[j]: padded column j
     for (size_t q = 0; q < g.sw; ++q) {  // phase q: the padded columns j = k sw + q
       T* phase = row + q * s.phase;
-      size_t k = (first + g.sw - 1 - q) / g.sw;  // the first k with k sw + q >= first
-      for (size_t j = k * g.sw + q; j < end; j += g.sw, ++k) phase[k] = source[j];
+      const size_t k0 = (first + g.sw - 1 - q) / g.sw;  // the first k with k sw + q >= first
+      const size_t k1 = std::max(k0, (end + g.sw - 1 - q) / g.sw);  // the first k with k sw + q >= end
+      std::fill(phase, phase + k0, T(0));
+      copy_phase(source, g.sw, q, k0, k1, phase);
+      std::fill(phase + k1, phase + s.phase, T(0));
     }
   }
 }

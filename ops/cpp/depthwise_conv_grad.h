@@ -157,9 +157,7 @@ void depthwise_channel(const DepthwiseGradPlan& plan, const T* x, const T* w, co
     const T* dyp = dy + plane * out_size;
     fill_depthwise_scratch(g, s, x + plane * plane_size, scratch);
     runs.clear();
-    for (size_t a = 0; a < g.kh; ++a) {
-      for (size_t b = 0; b < g.kw; ++b) runs.push_back(scratch.data() + a * g.dh * s.row_stride + s.offset[b]);
-    }
+    for (const size_t offset : s.tap_offset) runs.push_back(scratch.data() + offset);
     for (size_t tap = 0; tap < taps; tap += kDepthwiseDotTaps) {
       Rows::dots(dyp, g.wo, g.ho, &runs[tap], g.sh * s.row_stride, std::min(kDepthwiseDotTaps, taps - tap),
                  &lanes[tap * kDepthwiseLanes]);
