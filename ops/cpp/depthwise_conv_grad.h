@@ -67,6 +67,12 @@ inline DepthwiseColumns depthwise_columns(const DepthwiseGeometry& g) {
   return columns;
 }
 
+// row[k stride + q] = phase[k] for k < count, the stride known when compiled (vectorizable).
+template <class T, size_t kStride>
+inline void scatter_phase(const T* phase, size_t q, size_t count, T* row) {
+  for (size_t k = 0; k < count; ++k) row[k * kStride + q] = phase[k];
+}
+
 // dx of one plane at a stride above 1: for each output row and tap, dy's row times the tap
 // added into x's row as the kernel read it (split by column phase when strided along columns).
 template <class T, class Rows>
@@ -96,7 +102,14 @@ void depthwise_strided_dx(const DepthwiseGeometry& g, const DepthwiseColumns& co
   if (sw > 1) {  // the phases back into dx's columns
     for (size_t i = 0; i < g.h; ++i) {
       for (size_t q = 0; q < sw; ++q) {
-        for (size_t k = 0, j = q; j < g.w; ++k, j += sw) dx_plane[i * g.w + j] = dxs[i * g.w + columns.phase_start[q] + k];
+        const T* phase = dxs + i * g.w + columns.phase_start[q];
+        T* row = dx_plane + i * g.w;
+        const size_t count = columns.phase_start[q + 1] - columns.phase_start[q];
+        if (sw == 2) {
+          scatter_phase<T, 2>(phase, q, count, row);
+        } else {
+          for (size_t k = 0; k < count; ++k) row[k * sw + q] = phase[k];
+        }
       }
     }
   }
