@@ -258,3 +258,31 @@ def test_a_loss_of_an_empty_output_needs_zero_gradients(tmp_path, capsys):
     wrong.graph.node.append(oh.make_node("Add", ["x_grad/exact", "x"], ["x_grad"]))
     status, lines, out = _check_cli(training._replace(model=wrong), tmp_path, capsys)
     assert status == 1 and lines == {"x_grad": "FAIL", "v_grad": "OK", "w_grad": "OK", "b_grad": "OK"}, out
+
+
+def test_float64_evaluation_of_an_eval_mode_batch_norm_training_graph():
+    """An eval-mode (frozen) BatchNorm's backward omits the per-channel sums (BatchNormReduceBackward
+    with input_g=0): the float64 evaluation runs it, and gives onnxruntime's float32 values."""
+    import onnxruntime as ort
+
+    from normgrad.ops import api
+    from normgrad.tools.corpus import float64_outputs
+
+    from _graph_models import batch_norm_parameters, model
+    from _helpers import cpp_available
+
+    node = oh.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], ["y"], epsilon=1e-3)
+    training = build_training_graph(model([node], {"x": (4, 3, 5, 3)}, ["y"], batch_norm_parameters(3, seed=5),
+                                          opset=15), loss="mse")
+    reduce = [n for n in training.model.graph.node if n.op_type == "BatchNormReduceBackward"]
+    assert reduce and not any(reduce[0].output[:2])
+    rng = np.random.default_rng(0)
+    initializers = {t.name for t in training.model.graph.initializer}
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in training.model.graph.input if i.name not in initializers}
+    expected = float64_outputs(training.model, feeds)
+    options = ort.SessionOptions()
+    api.session_options("cpp" if cpp_available() else "python", options)
+    session = ort.InferenceSession(training.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for name, value in zip([o.name for o in session.get_outputs()], session.run(None, feeds)):
+        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5)
