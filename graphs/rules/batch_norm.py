@@ -124,7 +124,7 @@ def _explicit_statistics(ctx: GradientContext, node: onnx.NodeProto, all_reduce:
     centred = ctx.op("Sub", x32, ctx.op("Reshape", mean, per_channel))
     # Mul + ReduceSum, not ReduceSumSquare: onnxruntime sums over (0, 2, 3) in its blocked fast
     # path for ReduceSum alone; its ReduceSumSquare adds one element at a time, 2-3x slower and
-    # about 100x further from the float64 sum on [16, 96, 64, 64] (the Mul reuses centred's buffer)
+    # about 100x further from the float64 sum on [16, 96, 64, 64]
     squares = ctx.reduce("ReduceSum", ctx.op("Mul", centred, centred), axes, keepdims=False)
     if all_reduce is not None:
         squares = all_reduce(ctx, squares)
