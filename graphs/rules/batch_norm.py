@@ -122,10 +122,12 @@ def _explicit_statistics(ctx: GradientContext, node: onnx.NodeProto, all_reduce:
     mean = ctx.op("Div", total, global_count)
     per_channel = ctx.ints([1, -1] + [1] * (len(axes) - 1))
     centred = ctx.op("Sub", x32, ctx.op("Reshape", mean, per_channel))
-    # Mul + ReduceSum, not ReduceSumSquare: onnxruntime sums over (0, 2, 3) in its blocked fast
-    # path for ReduceSum alone; its ReduceSumSquare adds one element at a time, 2-3x slower and
-    # about 100x further from the float64 sum on [16, 96, 64, 64]
-    squares = ctx.reduce("ReduceSum", ctx.op("Mul", centred, centred), axes, keepdims=False)
+    # BatchNormReduceBackward's sum_dy_xmu with dy = x - mean: the squared deviations summed in one
+    # streamed pass (onnxruntime's ReduceSumSquare over (0, 2, 3) adds one element at a time,
+    # 2-3x slower and about 100x further from the float64 sum on [16, 96, 64, 64]); invstd is
+    # read only for grad_weight, not asked for
+    squares = ctx.op("BatchNormReduceBackward", centred, x32, mean, mean, outputs=["", ctx.fresh("squares")],
+                     domain=DOMAIN, input_g=1, weight_g=0, bias_g=0)[1]
     if all_reduce is not None:
         squares = all_reduce(ctx, squares)
     var = ctx.op("Div", squares, global_count)
