@@ -193,7 +193,7 @@ def _output_shapes(model: onnx.ModelProto, outputs: Sequence[str], feeds: Dict[s
     """The run-time shapes of forward ``outputs``, from onnxruntime running the forward part."""
     import onnxruntime
 
-    forward = _forward_model(model, outputs, double=False)
+    forward = api.add_functions(_forward_model(model, outputs, double=False))  # (BatchNorm's statistics)
     options = onnxruntime.SessionOptions()
     session = onnxruntime.InferenceSession(forward.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = {i.name for i in forward.graph.input}
@@ -335,7 +335,8 @@ def _onnxruntime_runner(model: onnx.ModelProto) -> Callable[[Dict[str, np.ndarra
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(api.add_functions(model).SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
     return lambda feeds: session.run(None, feeds)
 
 
